@@ -1,0 +1,46 @@
+# The two commands (see README.md):
+#   make run    install the exporter into .venv and start it (extra flags: make run ARGS="--help")
+#   make test   install everything the tests need (Python packages, Debian's prometheus) and run the suite
+# Both set themselves up from nothing on a fresh machine; .ci/run calls `make test`.
+
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+ARGS   ?=
+PYTEST_ARGS ?=
+
+.PHONY: run test test-gpu bench docs lint dashboards clean
+
+$(VENV)/bin/python:
+	python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+
+$(VENV)/.run-installed: pyproject.toml | $(VENV)/bin/python
+	$(PY) -m pip install -q -e .
+	touch $@
+
+$(VENV)/.test-installed: pyproject.toml .ci/setup-test-env | $(VENV)/bin/python
+	bash .ci/setup-test-env $(VENV)
+	touch $@
+
+run: $(VENV)/.run-installed
+	$(VENV)/bin/gpu-energy-exporter $(ARGS)
+
+test: $(VENV)/.test-installed
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+# On a machine with a real NVIDIA GPU and driver: the tests marked `gpu`.
+test-gpu: $(VENV)/.test-installed
+	$(PY) -m pytest -m gpu -p no:cacheprovider $(PYTEST_ARGS)
+
+bench: $(VENV)/.test-installed
+	$(PY) -m bench $(ARGS)
+
+docs: $(VENV)/.run-installed
+	$(PY) -m gpu_energy_exporter.docgen
+
+lint: $(VENV)/.test-installed
+	$(VENV)/bin/ruff check gpu_energy_exporter tests bench
+	$(VENV)/bin/mypy gpu_energy_exporter
+
+clean:
+	rm -rf $(VENV) build dist *.egg-info .pytest_cache .build

@@ -1,0 +1,472 @@
+"""Per-GPU metrics: energy, power, memory, utilisation, temperature, clocks, throttling, GPM, processes.
+
+Runs on the sampler thread. Energy per GPU comes from NVML's energy counter where the GPU has one
+(Volta and newer), kept monotonic across driver reloads; otherwise from a fast power sampler thread
+(``PowerSampler``) integrating instant power with the trapezoid rule. Which method a GPU uses is the
+``energy_method`` label of ``gpuenergy_gpu_info``.
+
+NVML being unavailable (no driver, no library) is reported once in the log and continuously as
+``gpuenergy_nvml_available{reason} 0``; the collector retries NVML periodically so a driver that loads
+after the exporter is picked up. A lost GPU shows as ``gpuenergy_gpu_up 0`` and loses only its own
+series. Conversions to base units (mJ -> J, mW -> W, MHz -> Hz, % -> ratio) happen here and only here.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from prometheus_client.core import Metric
+
+from gpu_energy_exporter import __version__
+from gpu_energy_exporter.collectors.base import Collector, NoData
+from gpu_energy_exporter.devices.base import (
+    ENERGY_METHOD_COUNTER,
+    ENERGY_METHOD_NONE,
+    GPUBackend,
+    GPUIdentity,
+    GPUReading,
+)
+from gpu_energy_exporter.energy import MonotonicCounter, TrapezoidIntegrator
+from gpu_energy_exporter.errors import GPULost, NVMLUnavailable
+from gpu_energy_exporter.metrics import GPU_LABELS, add, define
+from gpu_energy_exporter.sampler import GPUState
+
+log = logging.getLogger(__name__)
+
+_G = GPU_LABELS
+
+
+def _gpu(name: str, kind: str, help: str, extra: tuple[str, ...] = (), unit: str = "") -> object:
+    return define("gpu", name, kind, help, _G + extra, collector="gpu", unit=unit)  # type: ignore[arg-type]
+
+
+NVML_AVAILABLE = define(
+    "nvml", "available", "gauge",
+    "1 if NVML initialised; 0 with the reason label (driver_not_loaded, library_not_found, no_permission, "
+    "...) if not.", ["reason"], collector="gpu",
+)
+NVML_INFO = define(
+    "nvml", "info", "info", "NVML and driver versions.",
+    ["driver_version", "nvml_version", "cuda_driver_version", "backend"], collector="gpu",
+)
+GPU_INFO = _gpu(
+    "info", "info",
+    "GPU identity: model, driver, PCI bus id, architecture, how energy is measured (energy_method: counter "
+    "| integrated_instant_power | integrated_power_usage | none), MIG mode and the data source (backend: "
+    "nvml, or simulated for the demo).",
+    ("model", "driver_version", "pci_bus_id", "architecture", "compute_capability", "energy_method",
+     "mig_mode", "backend"),
+)
+GPU_UP = _gpu("up", "gauge", "1 if the GPU answered the last sample, 0 if it is lost or failing.")
+GPU_SAMPLE_AGE = _gpu(
+    "last_sample_age_seconds", "gauge", "Seconds since the last good sample of this GPU (computed at scrape).",
+    unit="seconds",
+)
+ENERGY = _gpu(
+    "energy_joules_total", "counter",
+    "Energy consumed by the GPU. From NVML's energy counter (since driver load, kept monotonic across "
+    "driver reloads) or, without one, trapezoid integration of sampled instant power since exporter start.",
+    unit="joules",
+)
+ENERGY_RESETS = _gpu(
+    "energy_counter_resets_total", "counter",
+    "Times the NVML energy counter went backwards (driver reload, GPU reset); the exposed counter was rebased.",
+)
+POWER = _gpu(
+    "power_watts", "gauge",
+    "Instant power draw (NVML_FI_DEV_POWER_INSTANT, or nvmlDeviceGetPowerUsage on GPUs where it is instant). "
+    "On A100/H100 it reflects ~25 ms of every 100 ms: use the energy counter for energy.",
+    unit="watts",
+)
+POWER_AVERAGE = _gpu(
+    "power_average_watts", "gauge",
+    "Power averaged by the driver over ~1 s (NVML_FI_DEV_POWER_AVERAGE, or nvmlDeviceGetPowerUsage on Ampere "
+    "and newer except GA100).",
+    unit="watts",
+)
+MODULE_POWER = _gpu(
+    "module_power_watts", "gauge",
+    "Grace Hopper module power (GPU + Grace CPU + memory). Includes the GPU's power: never add it to "
+    "gpuenergy_gpu_power_watts.",
+    unit="watts",
+)
+POWER_LIMIT = _gpu("power_limit_watts", "gauge", "Enforced power limit.", unit="watts")
+MEM_USED = _gpu("memory_used_bytes", "gauge", "Framebuffer memory in use.", unit="bytes")
+MEM_TOTAL = _gpu("memory_total_bytes", "gauge", "Framebuffer memory size.", unit="bytes")
+MEM_RESERVED = _gpu(
+    "memory_reserved_bytes", "gauge", "Framebuffer memory reserved by the driver and firmware.", unit="bytes"
+)
+UTIL = _gpu(
+    "utilization_ratio", "gauge",
+    "Fraction of the last sample period in which one or more kernels ran (NVML time-active utilisation; "
+    "not SM occupancy: see sm_active_ratio).",
+)
+MEM_UTIL = _gpu(
+    "memory_utilization_ratio", "gauge", "Fraction of the last sample period the memory controller was busy."
+)
+TEMP = _gpu("temperature_celsius", "gauge", "GPU die temperature.", unit="celsius")
+MEM_TEMP = _gpu("memory_temperature_celsius", "gauge", "HBM memory temperature.", unit="celsius")
+SM_CLOCK = _gpu("sm_clock_hertz", "gauge", "Current SM clock.", unit="hertz")
+MEM_CLOCK = _gpu("memory_clock_hertz", "gauge", "Current memory clock.", unit="hertz")
+CLOCK_EVENT = _gpu(
+    "clock_event_active", "gauge",
+    "1 while the clock-event (throttle) reason is active: gpu_idle, applications_clocks_setting, "
+    "sw_power_cap, hw_slowdown, sync_boost, sw_thermal_slowdown, hw_thermal_slowdown, "
+    "hw_power_brake_slowdown, display_clock_setting.",
+    ("reason",),
+)
+GPM_SPECS = {
+    "graphics_active": _gpu(
+        "graphics_active_ratio", "gauge", "GPM: fraction of time any graphics/compute engine was active."),
+    "sm_active": _gpu("sm_active_ratio", "gauge", "GPM: fraction of SMs busy (averaged over time and SMs)."),
+    "sm_occupancy": _gpu(
+        "sm_occupancy_ratio", "gauge", "GPM: resident warps as a fraction of the theoretical maximum."),
+    "tensor_active": _gpu(
+        "tensor_active_ratio", "gauge", "GPM: fraction of time the SMs issued any tensor-core instruction."),
+    "dram_bandwidth": _gpu(
+        "dram_bandwidth_utilization_ratio", "gauge", "GPM: DRAM bandwidth used as a fraction of the peak."),
+}
+PROCESS_MEMORY = _gpu(
+    "process_memory_used_bytes", "gauge",
+    "GPU memory used by each compute process (opt-in: --collector.processes; pid label is high-cardinality).",
+    ("pid",), unit="bytes",
+)
+COMPUTE_PROCESSES = _gpu("compute_processes", "gauge", "Number of compute processes on the GPU.")
+IDLE_POWER = _gpu(
+    "idle_power_watts", "gauge",
+    "Idle power baseline: learned (20th percentile of power while no compute process ran) or from "
+    "--gpu.idle-power. Dynamic energy = energy - idle power x time.",
+    ("source",), unit="watts",
+)
+BUILD_INFO = define(
+    "build", "info", "info", "Exporter version and Python runtime.", ["version", "python_version"],
+    collector="exporter",
+)
+
+CLOCK_EVENT_REASONS: dict[str, int] = {
+    "gpu_idle": 0x1,
+    "applications_clocks_setting": 0x2,
+    "sw_power_cap": 0x4,
+    "hw_slowdown": 0x8,
+    "sync_boost": 0x10,
+    "sw_thermal_slowdown": 0x20,
+    "hw_thermal_slowdown": 0x40,
+    "hw_power_brake_slowdown": 0x80,
+    "display_clock_setting": 0x100,
+}
+
+
+class IdleBaseline:
+    """Learn a GPU's idle power from samples taken while no compute process runs.
+
+    Uses the 20th percentile of the most recent idle samples: a GPU that just finished a job stays at a
+    high performance state for a while, and a low percentile ignores that tail without trusting a single
+    outlier.
+    """
+
+    def __init__(self, window: int = 600, min_samples: int = 10) -> None:
+        self._samples: deque[float] = deque(maxlen=window)
+        self._min = min_samples
+        self._value: float | None = None
+        self._dirty = 0
+
+    def add(self, watts: float) -> None:
+        self._samples.append(watts)
+        self._dirty += 1
+
+    @property
+    def value(self) -> float | None:
+        if len(self._samples) < self._min:
+            return None
+        if self._value is None or self._dirty >= 10:
+            ordered = sorted(self._samples)
+            self._value = ordered[int(0.2 * (len(ordered) - 1))]
+            self._dirty = 0
+        return self._value
+
+
+@dataclass
+class _Track:
+    """Mutable per-GPU state, touched only by the sampler thread (the integrator also by PowerSampler)."""
+
+    identity: GPUIdentity
+    counter: MonotonicCounter = field(default_factory=MonotonicCounter)
+    integrator: TrapezoidIntegrator | None = None
+    idle: IdleBaseline = field(default_factory=IdleBaseline)
+    reading: GPUReading | None = None
+    last_good: float | None = None
+    up: bool = False
+    error: str = ""
+
+
+class PowerSampler:
+    """Fast sampler integrating instant power for GPUs without an energy counter (pre-Volta).
+
+    Ticks on a fixed schedule (``interval``, 20 ms at the lowest) so the trapezoid intervals stay even;
+    GPUs with an energy counter are never polled here.
+    """
+
+    def __init__(self, backend: GPUBackend, tracks: list[_Track], interval: float,
+                 clock: Callable[[], float] = time.time) -> None:
+        self._backend = backend
+        self._tracks = [t for t in tracks if t.integrator is not None]
+        self._interval = max(0.02, interval)
+        self._clock = clock
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def tick(self) -> None:
+        for t in self._tracks:
+            try:
+                mw = self._backend.read_power_mw(t.identity)
+            except GPULost:
+                continue  # the main sampler reports it
+            if mw is not None and t.integrator is not None:
+                t.integrator.add(self._clock(), mw / 1000.0)
+
+    def _run(self) -> None:
+        next_tick = time.monotonic()
+        while not self._stop.wait(max(0.0, next_tick - time.monotonic())):
+            self.tick()
+            next_tick += self._interval
+            if next_tick < time.monotonic():
+                next_tick = time.monotonic() + self._interval
+
+    def start(self) -> None:
+        if not self._tracks:
+            return
+        self.tick()
+        self._thread = threading.Thread(target=self._run, name="power-sampler", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(2.0)
+
+
+class GPUCollector(Collector):
+    """All per-GPU series. ``backend_factory`` raises NVMLUnavailable when there is no usable NVML."""
+
+    name = "gpu"
+
+    def __init__(
+        self,
+        backend_factory: Callable[[], GPUBackend],
+        *,
+        processes: bool = False,
+        gpm: bool = True,
+        power_interval: float = 0.1,
+        idle_power_w: float | None = None,
+        retry_interval: float = 30.0,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self._factory = backend_factory
+        self._processes = processes
+        self._gpm = gpm
+        self._power_interval = power_interval
+        self._idle_flag = idle_power_w
+        self._retry_interval = retry_interval
+        self._clock = clock
+        self._backend: GPUBackend | None = None
+        self._tracks: list[_Track] = []
+        self._power_sampler: PowerSampler | None = None
+        self._unavailable_reason = ""
+        self._unavailable_logged = ""
+        self._next_retry = 0.0
+        self._states: tuple[GPUState, ...] = ()
+        self._static: list[Metric] = []
+        self._connect()
+
+    # ------------------------------------------------------------------------------------------------
+
+    @property
+    def backend(self) -> GPUBackend | None:
+        return self._backend
+
+    def states(self) -> tuple[GPUState, ...]:
+        """The latest per-GPU states (an immutable tuple, replaced after each update)."""
+        return self._states
+
+    def identities(self) -> tuple[GPUIdentity, ...]:
+        return tuple(t.identity for t in self._tracks)
+
+    @property
+    def unavailable_reason(self) -> str:
+        return self._unavailable_reason
+
+    def _connect(self) -> None:
+        try:
+            backend = self._factory()
+            identities = backend.devices()
+        except NVMLUnavailable as exc:
+            self._unavailable_reason = exc.reason
+            self._next_retry = time.monotonic() + self._retry_interval
+            if self._unavailable_logged != exc.reason:
+                log.warning("%s. GPU metrics are disabled; host metrics keep working. Retrying every %gs.",
+                            exc, self._retry_interval)
+                self._unavailable_logged = exc.reason
+            return
+        self._backend = backend
+        self._unavailable_reason = ""
+        if not identities:
+            log.warning("NVML initialised (driver %s) but found no GPU; serving host metrics only",
+                        backend.driver_version())
+        else:
+            log.info("found %d GPU(s) through %s, driver %s: %s", len(identities), backend.kind,
+                     backend.driver_version(),
+                     ", ".join(f"{g.index}={g.name} ({g.energy_method})" for g in identities))
+        self._tracks = []
+        for ident in identities:
+            track = _Track(identity=ident)
+            if ident.energy_method not in (ENERGY_METHOD_COUNTER, ENERGY_METHOD_NONE):
+                track.integrator = TrapezoidIntegrator(max_gap_s=max(1.0, 10 * self._power_interval))
+            self._tracks.append(track)
+        self._static = self._static_families(backend)
+        self._power_sampler = PowerSampler(backend, self._tracks, self._power_interval, self._clock)
+        self._power_sampler.start()
+
+    def _static_families(self, backend: GPUBackend) -> list[Metric]:
+        info = NVML_INFO.family()
+        nvml_version = getattr(backend, "nvml_version", lambda: "")()
+        cuda = getattr(backend, "cuda_driver_version", lambda: "")()
+        add(info, [], {"driver_version": backend.driver_version(), "nvml_version": nvml_version,
+                       "cuda_driver_version": cuda, "backend": backend.kind})
+        gpu_info = GPU_INFO.family()
+        for t in self._tracks:
+            g = t.identity
+            add(gpu_info, [], {
+                "gpu": str(g.index), "gpu_uuid": g.uuid, "model": g.name,
+                "driver_version": backend.driver_version(), "pci_bus_id": g.pci_bus_id,
+                "architecture": g.architecture, "compute_capability": g.compute_capability,
+                "energy_method": g.energy_method, "mig_mode": "enabled" if g.mig_enabled else "disabled",
+                "backend": backend.kind,
+            })
+        return [info, gpu_info]
+
+    # ------------------------------------------------------------------------------------------------
+
+    def update(self) -> list[Metric]:
+        available = NVML_AVAILABLE.family()
+        if self._backend is None and time.monotonic() >= self._next_retry:
+            self._connect()
+        if self._backend is None:
+            add(available, [self._unavailable_reason], 0.0)
+            self._states = ()
+            # NVML missing is "no data": collector success 0, logged once by _connect.
+            raise NoData(f"NVML unavailable ({self._unavailable_reason})", [available])
+        add(available, [""], 1.0)
+        backend = self._backend
+        fams = {spec.name: spec.family() for spec in _PER_GPU_SPECS}
+        states = []
+        for t in self._tracks:
+            g = t.identity
+            labels = [str(g.index), g.uuid]
+            try:
+                r = backend.read(g, processes=True, gpm=self._gpm)
+            except GPULost as exc:
+                if t.up or not t.error:
+                    log.error("%s", exc)
+                t.up, t.error = False, str(exc)
+                add(fams[GPU_UP.name], labels, 0.0)
+                # Keep exposing the energy counter at its last value: a vanished series would make
+                # increase() over the outage window undefined, a flat one is the truth we know.
+                if t.counter.value is not None or t.integrator is not None:
+                    add(fams[ENERGY.name], labels, self._energy(t) or 0.0)
+                states.append(self._state(t))
+                continue
+            if not t.up and t.error:
+                log.info("GPU %d (%s) answers again", g.index, g.uuid)
+            t.up, t.error, t.reading, t.last_good = True, "", r, r.timestamp
+            add(fams[GPU_UP.name], labels, 1.0)
+            self._emit(fams, t, r, labels)
+            states.append(self._state(t))
+        self._states = tuple(states)
+        return [available, *self._static, *[f for f in fams.values() if f.samples]]
+
+    def _energy(self, t: _Track) -> float | None:
+        if t.integrator is not None:
+            return t.integrator.energy_j if t.integrator.samples else None
+        return t.counter.value
+
+    def _state(self, t: _Track) -> GPUState:
+        idle, source = self._idle(t)
+        return GPUState(
+            identity=t.identity, up=t.up, reading=t.reading, energy_j=self._energy(t),
+            energy_resets=t.counter.resets, last_good=t.last_good, idle_power_w=idle,
+            idle_power_source=source, error=t.error,
+        )
+
+    def _idle(self, t: _Track) -> tuple[float | None, str]:
+        if self._idle_flag is not None:
+            return self._idle_flag, "flag"
+        return t.idle.value, "learned"
+
+    def _emit(self, fams: dict[str, Metric], t: _Track, r: GPUReading, labels: list[str]) -> None:
+        def put(spec: object, value: float | None, scale: float = 1.0) -> None:
+            if value is not None:
+                add(fams[spec.name], labels, value * scale)  # type: ignore[attr-defined]
+
+        if r.energy_mj is not None and t.integrator is None:
+            t.counter.update(r.energy_mj / 1000.0)
+        put(ENERGY, self._energy(t))
+        if t.integrator is None:
+            put(ENERGY_RESETS, float(t.counter.resets))
+        put(POWER, r.power_instant_mw, 1e-3)
+        put(POWER_AVERAGE, r.power_average_mw, 1e-3)
+        put(MODULE_POWER, r.module_power_mw, 1e-3)
+        put(POWER_LIMIT, r.power_limit_mw, 1e-3)
+        put(MEM_USED, r.memory_used_bytes)
+        put(MEM_TOTAL, r.memory_total_bytes)
+        put(MEM_RESERVED, r.memory_reserved_bytes)
+        put(UTIL, r.util_gpu_pct, 0.01)
+        put(MEM_UTIL, r.util_memory_pct, 0.01)
+        put(TEMP, r.temperature_gpu_c)
+        put(MEM_TEMP, r.temperature_memory_c)
+        put(SM_CLOCK, r.clock_sm_mhz, 1e6)
+        put(MEM_CLOCK, r.clock_memory_mhz, 1e6)
+        if r.clocks_event_reasons is not None:
+            fam = fams[CLOCK_EVENT.name]
+            for reason, bit in CLOCK_EVENT_REASONS.items():
+                add(fam, [*labels, reason], 1.0 if r.clocks_event_reasons & bit else 0.0)
+        for key, spec in GPM_SPECS.items():
+            if key in r.gpm:
+                put(spec, r.gpm[key], 0.01)
+        if r.processes is not None:
+            put(COMPUTE_PROCESSES, float(len(r.processes)))
+            if self._processes:
+                for p in r.processes:
+                    if p.used_memory_bytes is not None:
+                        add(fams[PROCESS_MEMORY.name], [*labels, str(p.pid)], p.used_memory_bytes)
+            power = r.power_average_mw if r.power_average_mw is not None else r.power_instant_mw
+            if not r.processes and power is not None:
+                t.idle.add(power / 1000.0)
+        idle, source = self._idle(t)
+        if idle is not None:
+            add(fams[IDLE_POWER.name], [*labels, source], idle)
+
+    def close(self) -> None:
+        if self._power_sampler is not None:
+            self._power_sampler.stop()
+        if self._backend is not None:
+            self._backend.close()
+
+
+_PER_GPU_SPECS = [
+    GPU_UP, ENERGY, ENERGY_RESETS, POWER, POWER_AVERAGE, MODULE_POWER, POWER_LIMIT, MEM_USED, MEM_TOTAL,
+    MEM_RESERVED, UTIL, MEM_UTIL, TEMP, MEM_TEMP, SM_CLOCK, MEM_CLOCK, CLOCK_EVENT, *GPM_SPECS.values(),
+    PROCESS_MEMORY, COMPUTE_PROCESSES, IDLE_POWER,
+]
+
+
+def build_info_family() -> Metric:
+    import platform
+
+    fam = BUILD_INFO.family()
+    add(fam, [], {"version": __version__, "python_version": platform.python_version()})
+    return fam

@@ -1,0 +1,358 @@
+"""Configuration: flags, environment variables and their validation.
+
+``load_config(argv, environ)`` is a pure function from the command line and an environment mapping to a
+frozen ``Config``, or a ``ConfigError`` whose message names the flag, the environment variable and what
+is accepted. Nothing starts before the whole configuration is valid.
+
+Every flag ``--a.b-c`` can also be set by the environment variable ``GPU_ENERGY_EXPORTER_A_B_C``; a flag
+on the command line wins over the environment.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import re
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from gpu_energy_exporter.errors import ConfigError
+
+ENV_PREFIX = "GPU_ENERGY_EXPORTER_"
+
+#: Default /metrics port. 9100 (node_exporter), 9400 (DCGM exporter), 9835 (nvidia_gpu_exporter) and
+#: 9445 (nvidia-gpu-exporter forks) are taken; 9863 is unused in the Prometheus default port allocations.
+DEFAULT_METRICS_PORT = 9863
+DEFAULT_OTLP_PORT = 4318
+
+# ----------------------------------------------------------------------------------------------------
+# value parsers: each takes the raw string and returns a value or raises ValueError with a reason
+
+
+_DURATION_RE = re.compile(r"^(\d+(?:\.\d+)?)(ms|s|m|h|d)$")
+_DURATION_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
+
+
+def parse_duration(raw: str) -> float:
+    """Prometheus-style duration (``100ms``, ``1s``, ``5m``, ``1h30m``) to seconds; a bare number is
+    seconds."""
+    text = raw.strip()
+    try:
+        value = float(text)
+    except ValueError:
+        pass
+    else:
+        if value < 0 or math.isnan(value) or math.isinf(value):
+            raise ValueError("must be a positive duration")
+        return value
+    total = 0.0
+    rest = text
+    matched = False
+    for part in re.findall(r"\d+(?:\.\d+)?(?:ms|s|m|h|d)", text):
+        m = _DURATION_RE.match(part)
+        assert m is not None
+        total += float(m.group(1)) * _DURATION_UNITS[m.group(2)]
+        rest = rest.replace(part, "", 1)
+        matched = True
+    if not matched or rest:
+        raise ValueError("is not a duration (examples: 100ms, 1s, 5m, 1h)")
+    return total
+
+
+def parse_listen_address(raw: str) -> tuple[str, int]:
+    """``host:port``, ``:port`` (all interfaces) or ``[v6]:port``."""
+    text = raw.strip()
+    m = re.match(r"^\[([0-9a-fA-F:.]+)\]:(\d+)$", text) or re.match(r"^([^:\[\]]*):(\d+)$", text)
+    if not m:
+        raise ValueError("must be host:port, :port or [ipv6]:port")
+    host, port = m.group(1), int(m.group(2))
+    if not 0 <= port <= 65535:
+        raise ValueError("port must be between 0 and 65535")
+    return host, port
+
+
+def parse_bool(raw: str) -> bool:
+    text = raw.strip().lower()
+    if text in ("1", "true", "yes", "on"):
+        return True
+    if text in ("0", "false", "no", "off"):
+        return False
+    raise ValueError("must be true or false")
+
+
+def _positive_float(raw: str) -> float:
+    value = float(raw)
+    if not value > 0 or math.isinf(value):
+        raise ValueError("must be a positive number")
+    return value
+
+
+def _non_negative_float(raw: str) -> float:
+    value = float(raw)
+    if not value >= 0 or math.isinf(value):
+        raise ValueError("must be zero or a positive number")
+    return value
+
+
+def _positive_int(raw: str) -> int:
+    value = int(raw)
+    if value <= 0:
+        raise ValueError("must be a positive integer")
+    return value
+
+
+def _choice(*choices: str) -> Callable[[str], str]:
+    def parse(raw: str) -> str:
+        if raw not in choices:
+            raise ValueError("must be one of " + ", ".join(choices))
+        return raw
+
+    return parse
+
+
+def _existing_file(raw: str) -> str:
+    if not os.path.isfile(raw):
+        raise ValueError(f"file {raw!r} does not exist")
+    return raw
+
+
+def _existing_dir(raw: str) -> str:
+    if not os.path.isdir(raw):
+        raise ValueError(f"directory {raw!r} does not exist")
+    return raw
+
+
+def _text(raw: str) -> str:
+    return raw
+
+
+# ----------------------------------------------------------------------------------------------------
+# the flag table
+
+
+@dataclass(frozen=True)
+class Flag:
+    name: str  # without the leading dashes, e.g. "web.listen-address"
+    parse: Callable[[str], Any]
+    default: str | None  # as the user would type it; None means "unset"
+    help: str
+    metavar: str = "VALUE"
+
+    @property
+    def dest(self) -> str:
+        return self.name.replace(".", "_").replace("-", "_")
+
+    @property
+    def env(self) -> str:
+        return ENV_PREFIX + self.dest.upper()
+
+
+@dataclass(frozen=True)
+class CollectorFlag:
+    name: str  # collector name, --collector.<name>
+    default: bool
+    help: str
+
+    @property
+    def dest(self) -> str:
+        return "collector_" + self.name.replace("-", "_")
+
+    @property
+    def env(self) -> str:
+        return ENV_PREFIX + self.dest.upper()
+
+
+FLAGS: tuple[Flag, ...] = (
+    Flag("web.listen-address", parse_listen_address, f":{DEFAULT_METRICS_PORT}",
+         "Address for /metrics, the landing page and health endpoints.", "HOST:PORT"),
+    Flag("web.telemetry-path", _text, "/metrics", "Path under which metrics are exposed.", "PATH"),
+    Flag("web.config.file", _existing_file, None,
+         "Web configuration file (Prometheus exporter-toolkit format) enabling TLS and/or basic auth.",
+         "FILE"),
+    Flag("otlp.listen-address", parse_listen_address, f"localhost:{DEFAULT_OTLP_PORT}",
+         "Address of the OTLP/HTTP receiver (POST /v1/metrics). Set to 0.0.0.0:4318 in deployments "
+         "where trainers run in other containers.", "HOST:PORT"),
+    Flag("otlp.max-body-bytes", _positive_int, str(8 * 1024 * 1024),
+         "Largest accepted OTLP request body, checked before and after gzip decompression.", "BYTES"),
+    Flag("otlp.series-ttl", parse_duration, "10m",
+         "Training series not updated for this long are dropped from /metrics.", "DURATION"),
+    Flag("otlp.max-series", _positive_int, "20000",
+         "Most training series kept in total; points for new series beyond it are rejected.", "N"),
+    Flag("otlp.max-series-per-run", _positive_int, "2000",
+         "Most training series kept per run id; points for new series beyond it are rejected.", "N"),
+    Flag("otlp.bearer-token-file", _existing_file, None,
+         "If set, OTLP pushes must carry 'Authorization: Bearer <token>' with the token in this file.",
+         "FILE"),
+    Flag("collector.interval", parse_duration, "1s",
+         "How often GPUs and the host are sampled (the snapshot /metrics serves).", "DURATION"),
+    Flag("collector.power-interval", parse_duration, "100ms",
+         "Fast power sampling period used to integrate energy on GPUs without an energy counter "
+         "(pre-Volta); 20ms at the lowest.", "DURATION"),
+    Flag("nvml.library", _existing_file, None,
+         "Path of libnvidia-ml.so.1 to load instead of the one the dynamic linker finds.", "PATH"),
+    Flag("path.sysfs", _existing_dir, "/sys", "sysfs mount point (RAPL powercap tree).", "PATH"),
+    Flag("path.procfs", _existing_dir, "/proc", "procfs mount point.", "PATH"),
+    Flag("carbon.intensity", _non_negative_float, None,
+         "Grid carbon intensity in gCO2e/kWh. Overrides --carbon.region. Default: world average "
+         "(see docs/measurement.md).", "G_PER_KWH"),
+    Flag("carbon.region", _text, None,
+         "Country (ISO 3166-1 alpha-3, e.g. FRA) or cloud region (e.g. gcp:europe-west1, "
+         "aws:us-east-1) whose carbon intensity to use from the bundled table.", "CODE"),
+    Flag("carbon.intensity-file", _existing_file, None,
+         "File holding the current carbon intensity in gCO2e/kWh (one number), re-read when it "
+         "changes, for a time-varying grid.", "FILE"),
+    Flag("carbon.pue", _positive_float, "1.0",
+         "Power usage effectiveness of the data centre (facility energy / IT energy), >= 1.", "RATIO"),
+    Flag("gpu.idle-power", _non_negative_float, None,
+         "Idle power of each GPU in watts, used for dynamic energy. Default: learned from samples "
+         "with no compute process.", "WATTS"),
+    Flag("runs.csv", _text, None,
+         "Append one row per finished training run to this CSV file (a JSON summary per run is "
+         "written beside it).", "FILE"),
+    Flag("runs.warmup", parse_duration, "30s",
+         "Start of each run excluded from its efficiency figures (J/token, tokens/s).", "DURATION"),
+    Flag("runs.stale-after", parse_duration, "5m",
+         "A run that pushed nothing for this long is finished as stale.", "DURATION"),
+    Flag("kubernetes.pod-resources-socket", _text, "/var/lib/kubelet/pod-resources/kubelet.sock",
+         "Kubelet pod-resources socket used to attribute GPUs to pods.", "PATH"),
+    Flag("kubernetes.refresh-interval", parse_duration, "10s",
+         "How often the GPU to pod mapping is refreshed from the kubelet.", "DURATION"),
+    Flag("log.level", _choice("debug", "info", "warn", "error"), "info", "Log level.", "LEVEL"),
+    Flag("log.format", _choice("logfmt", "json"), "logfmt", "Log format.", "FORMAT"),
+)
+
+COLLECTORS: tuple[CollectorFlag, ...] = (
+    CollectorFlag("gpu", True, "Per-GPU power, energy, memory, utilisation, temperature, clocks (NVML)."),
+    CollectorFlag("gpm", True, "GPM SM/tensor/DRAM activity on Hopper and newer (NVML GPM)."),
+    CollectorFlag("processes", False, "Per-process GPU memory with pid labels (high cardinality)."),
+    CollectorFlag("host", True, "Host CPU utilisation and memory (psutil)."),
+    CollectorFlag("rapl", True, "CPU package/DRAM energy from the Linux powercap (RAPL) tree."),
+    CollectorFlag("carbon", True, "Carbon intensity, PUE and per-GPU peak FLOP/s inputs for PromQL."),
+    CollectorFlag("kubernetes", False, "GPU to pod attribution through the kubelet pod-resources API."),
+)
+
+
+@dataclass(frozen=True)
+class Config:
+    web_listen_address: tuple[str, int] = ("", DEFAULT_METRICS_PORT)
+    web_telemetry_path: str = "/metrics"
+    web_config_file: str | None = None
+    otlp_listen_address: tuple[str, int] = ("localhost", DEFAULT_OTLP_PORT)
+    otlp_max_body_bytes: int = 8 * 1024 * 1024
+    otlp_series_ttl: float = 600.0
+    otlp_max_series: int = 20000
+    otlp_max_series_per_run: int = 2000
+    otlp_bearer_token_file: str | None = None
+    collector_interval: float = 1.0
+    collector_power_interval: float = 0.1
+    nvml_library: str | None = None
+    path_sysfs: str = "/sys"
+    path_procfs: str = "/proc"
+    carbon_intensity: float | None = None
+    carbon_region: str | None = None
+    carbon_intensity_file: str | None = None
+    carbon_pue: float = 1.0
+    gpu_idle_power: float | None = None
+    runs_csv: str | None = None
+    runs_warmup: float = 30.0
+    runs_stale_after: float = 300.0
+    kubernetes_pod_resources_socket: str = "/var/lib/kubelet/pod-resources/kubelet.sock"
+    kubernetes_refresh_interval: float = 10.0
+    log_level: str = "info"
+    log_format: str = "logfmt"
+    collectors: frozenset[str] = field(
+        default_factory=lambda: frozenset(c.name for c in COLLECTORS if c.default)
+    )
+
+    def enabled(self, collector: str) -> bool:
+        return collector in self.collectors
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that raises ConfigError instead of printing usage and exiting."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        raise ConfigError(f"{message} (see --help)")
+
+
+def add_exporter_flags(parser: argparse.ArgumentParser) -> None:
+    """Add every exporter flag to ``parser`` (also used by sub-commands that start an exporter)."""
+    group = parser.add_argument_group("exporter flags (each also settable as GPU_ENERGY_EXPORTER_<FLAG>)")
+    for flag in FLAGS:
+        default = f" (default: {flag.default})" if flag.default is not None else ""
+        group.add_argument(
+            "--" + flag.name, dest=flag.dest, metavar=flag.metavar, default=None,
+            help=f"{flag.help}{default} [env {flag.env}]",
+        )
+    cgroup = parser.add_argument_group("collectors (--collector.<name> enables, --no-collector.<name> disables)")
+    for c in COLLECTORS:
+        cgroup.add_argument(
+            "--collector." + c.name, dest=c.dest, action=argparse.BooleanOptionalAction, default=None,
+            help=f"{c.help} (default: {'enabled' if c.default else 'disabled'}) [env {c.env}]",
+        )
+
+
+def new_parser(prog: str = "gpu-energy-exporter") -> argparse.ArgumentParser:
+    parser = _Parser(prog=prog, description="Serve GPU energy and host metrics for Prometheus.")
+    add_exporter_flags(parser)
+    return parser
+
+
+def config_from_namespace(ns: argparse.Namespace, environ: Mapping[str, str]) -> Config:
+    """Resolve parsed flags (``None`` when not given) against the environment and defaults."""
+    values: dict[str, Any] = {}
+    for flag in FLAGS:
+        raw: str | None = getattr(ns, flag.dest, None)
+        source = f"--{flag.name}"
+        if raw is None and flag.env in environ:
+            raw, source = environ[flag.env], f"environment variable {flag.env}"
+        if raw is None:
+            raw, source = flag.default, f"default of --{flag.name}"
+        if raw is None:
+            values[flag.dest] = None
+            continue
+        try:
+            values[flag.dest] = flag.parse(raw)
+        except ValueError as exc:
+            raise ConfigError(f"invalid value {raw!r} for {source}: {exc}") from None
+    enabled = set()
+    for c in COLLECTORS:
+        on: bool | None = getattr(ns, c.dest, None)
+        if on is None and c.env in environ:
+            try:
+                on = parse_bool(environ[c.env])
+            except ValueError as exc:
+                raise ConfigError(f"invalid value {environ[c.env]!r} for {c.env}: {exc}") from None
+        if on is None:
+            on = c.default
+        if on:
+            enabled.add(c.name)
+    values["collectors"] = frozenset(enabled)
+    cfg = Config(**values)
+    _check(cfg)
+    return cfg
+
+
+def _check(cfg: Config) -> None:
+    if cfg.collector_interval < 0.05:
+        raise ConfigError("--collector.interval must be at least 50ms")
+    if not 0.02 <= cfg.collector_power_interval <= cfg.collector_interval:
+        raise ConfigError(
+            "--collector.power-interval must be between 20ms and --collector.interval "
+            f"({cfg.collector_interval:g}s), got {cfg.collector_power_interval:g}s"
+        )
+    if not cfg.web_telemetry_path.startswith("/"):
+        raise ConfigError("--web.telemetry-path must start with '/'")
+    if cfg.carbon_pue < 1.0:
+        raise ConfigError(f"--carbon.pue must be at least 1.0 (facility/IT energy), got {cfg.carbon_pue:g}")
+    if cfg.web_listen_address[1] != 0 and cfg.web_listen_address == cfg.otlp_listen_address:
+        raise ConfigError("--web.listen-address and --otlp.listen-address must differ")
+
+
+def load_config(argv: Sequence[str], environ: Mapping[str, str] | None = None) -> Config:
+    """Parse exporter flags from ``argv`` and ``environ`` into a Config, or raise ConfigError."""
+    parser = new_parser()
+    ns = parser.parse_args(list(argv))
+    return config_from_namespace(ns, os.environ if environ is None else environ)

@@ -1,0 +1,470 @@
+"""The NVML device backend: the only module in the package that imports ``pynvml``.
+
+NVML errors are translated here, once, into the project's exceptions (``NVMLUnavailable``, ``GPULost``,
+``NotSupported``) with messages that say what to do. "Not supported" and "function not found" (an older
+driver) are cached per GPU and field, logged once at debug level, and the field is reported as ``None``
+from then on, so an unsupported reading costs one failed call in the whole life of the process.
+
+This module must never be called from the scrape path: NVML calls can block for a long time on a sick
+driver. The sampler thread calls it; ``/metrics`` reads the snapshot.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import pynvml
+
+from gpu_energy_exporter.devices.base import (
+    ENERGY_METHOD_COUNTER,
+    ENERGY_METHOD_INTEGRATED_INSTANT,
+    ENERGY_METHOD_INTEGRATED_USAGE,
+    ENERGY_METHOD_NONE,
+    GPUBackend,
+    GPUIdentity,
+    GPUProcess,
+    GPUReading,
+    MIGDevice,
+)
+from gpu_energy_exporter.errors import GPULost, NotSupported, NVMLUnavailable
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+_ARCHITECTURES = {
+    2: "kepler", 3: "maxwell", 4: "pascal", 5: "volta", 6: "turing", 7: "ampere", 8: "ada",
+    9: "hopper", 10: "blackwell", 13: "rubin",
+}
+
+# Errors meaning "this reading does not exist here": not an error, no data.
+_NO_DATA = {
+    pynvml.NVML_ERROR_NOT_SUPPORTED,
+    pynvml.NVML_ERROR_FUNCTION_NOT_FOUND,
+    pynvml.NVML_ERROR_NO_DATA,
+    pynvml.NVML_ERROR_NOT_READY,
+    pynvml.NVML_ERROR_ARGUMENT_VERSION_MISMATCH,
+    pynvml.NVML_ERROR_DEPRECATED,
+}
+# Errors meaning the GPU itself is gone or unusable until reset.
+_LOST = {
+    pynvml.NVML_ERROR_GPU_IS_LOST,
+    pynvml.NVML_ERROR_RESET_REQUIRED,
+    pynvml.NVML_ERROR_GPU_NOT_FOUND,
+}
+
+#: nvmlDeviceGetFieldValues ids we read in one call per sample.
+_FI_POWER_INSTANT = pynvml.NVML_FI_DEV_POWER_INSTANT
+_FI_POWER_AVERAGE = pynvml.NVML_FI_DEV_POWER_AVERAGE
+_FI_MEMORY_TEMP = pynvml.NVML_FI_DEV_MEMORY_TEMP
+_SCOPE_GPU = pynvml.NVML_POWER_SCOPE_GPU
+_SCOPE_MODULE = pynvml.NVML_POWER_SCOPE_MODULE
+
+#: GPM metrics we expose (name used in GPUReading.gpm -> NVML metric id).
+GPM_METRICS: dict[str, int] = {
+    "graphics_active": pynvml.NVML_GPM_METRIC_GRAPHICS_UTIL,
+    "sm_active": pynvml.NVML_GPM_METRIC_SM_UTIL,
+    "sm_occupancy": pynvml.NVML_GPM_METRIC_SM_OCCUPANCY,
+    "tensor_active": pynvml.NVML_GPM_METRIC_ANY_TENSOR_UTIL,
+    "dram_bandwidth": pynvml.NVML_GPM_METRIC_DRAM_BW_UTIL,
+}
+#: NVML requires GPM samples at least 100 ms apart for meaningful metrics.
+GPM_MIN_INTERVAL_S = 0.1
+
+_INIT_ADVICE = {
+    pynvml.NVML_ERROR_DRIVER_NOT_LOADED: (
+        "driver_not_loaded",
+        "the NVIDIA kernel driver is not loaded: check `nvidia-smi`; in a container, run with the NVIDIA "
+        "container runtime (NVIDIA_DRIVER_CAPABILITIES=utility) or mount the driver",
+    ),
+    pynvml.NVML_ERROR_LIBRARY_NOT_FOUND: (
+        "library_not_found",
+        "libnvidia-ml.so.1 was not found: install the NVIDIA driver, or point --nvml.library at the "
+        "library (containers: it is usually under /usr/lib/x86_64-linux-gnu or /usr/local/nvidia/lib64)",
+    ),
+    pynvml.NVML_ERROR_NO_PERMISSION: (
+        "no_permission",
+        "no permission to open the NVIDIA device files (/dev/nvidia*): run as a user in the group that owns "
+        "them, or with the device files mounted",
+    ),
+    pynvml.NVML_ERROR_LIB_RM_VERSION_MISMATCH: (
+        "driver_library_mismatch",
+        "libnvidia-ml does not match the loaded kernel driver (driver upgraded without reboot?): reboot, "
+        "or reload the nvidia kernel modules",
+    ),
+}
+
+
+def _decode(value: bytes | str) -> str:
+    return value.decode(errors="replace") if isinstance(value, bytes) else str(value)
+
+
+def load_library(path: str | None) -> None:
+    """Load libnvidia-ml from ``path`` (``--nvml.library``) instead of the dynamic linker's choice.
+
+    pynvml loads the library lazily into its module global ``nvmlLib`` under ``libLoadLock``; loading it
+    ourselves first is the documented-by-source way to choose the file.
+    """
+    if path is None:
+        return
+    with pynvml.libLoadLock:
+        if pynvml.nvmlLib is not None:
+            return
+        try:
+            pynvml.nvmlLib = ctypes.CDLL(path)
+        except OSError as exc:
+            raise NVMLUnavailable(
+                f"cannot load NVML library {path!r} given by --nvml.library: {exc}", reason="library_not_found"
+            ) from None
+
+
+class NVMLBackend(GPUBackend):
+    """GPUs through NVML. Construct with ``NVMLBackend(library_path)``; raises ``NVMLUnavailable``."""
+
+    kind = "nvml"
+
+    def __init__(self, library_path: str | None = None, clock: Callable[[], float] = time.time) -> None:
+        self._clock = clock
+        self._lock = threading.Lock()
+        load_library(library_path)
+        try:
+            pynvml.nvmlInit()
+        except pynvml.NVMLError as exc:
+            code = getattr(exc, "value", None)
+            reason, advice = _INIT_ADVICE.get(code, ("init_failed", f"nvmlInit failed: {exc}"))
+            raise NVMLUnavailable(f"NVML unavailable: {advice}", reason=reason) from None
+        self._closed = False
+        self._handles: dict[int, Any] = {}
+        self._unsupported: set[tuple[int, str]] = set()
+        self._gpm_supported: dict[int, bool] = {}
+        self._gpm_prev: dict[int, tuple[float, Any]] = {}
+        self._process_util_ts: dict[int, int] = {}
+        self._driver = self._call_global(pynvml.nvmlSystemGetDriverVersion, "")
+        self._nvml_version = self._call_global(pynvml.nvmlSystemGetNVMLVersion, "")
+        cuda = self._call_global(pynvml.nvmlSystemGetCudaDriverVersion_v2, 0)
+        self._cuda_version = f"{int(cuda) // 1000}.{int(cuda) % 1000 // 10}" if cuda else ""
+
+    # ------------------------------------------------------------------------------------------------
+    # error translation
+
+    @staticmethod
+    def _call_global(fn: Callable[[], Any], default: Any) -> Any:
+        try:
+            value = fn()
+        except pynvml.NVMLError:
+            return default
+        return _decode(value) if isinstance(value, bytes | str) else value
+
+    def _field(self, index: int, what: str, fn: Callable[..., T], *args: Any) -> T | None:
+        """Call one NVML getter for GPU ``index``; None when not available, GPULost when the GPU is gone."""
+        if (index, what) in self._unsupported:
+            return None
+        try:
+            return fn(*args)
+        except pynvml.NVMLError as exc:
+            code = getattr(exc, "value", None)
+            if code in _LOST:
+                raise GPULost(
+                    f"GPU {index} is lost ({exc}) while reading {what}: check `nvidia-smi` and the kernel log "
+                    "(Xid errors); the GPU may need a reset or the node a reboot"
+                ) from None
+            if code in _NO_DATA:
+                self._unsupported.add((index, what))
+                log.debug("GPU %d: %s not available (%s); not asking again", index, what, exc)
+                return None
+            # Anything else (timeout, unknown) is transient for this field: no data this sample.
+            log.debug("GPU %d: reading %s failed: %s", index, what, exc)
+            return None
+
+    def _handle(self, index: int) -> Any:
+        handle = self._handles.get(index)
+        if handle is None:
+            try:
+                handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+            except pynvml.NVMLError as exc:
+                if getattr(exc, "value", None) in _LOST | {pynvml.NVML_ERROR_INVALID_ARGUMENT}:
+                    raise GPULost(f"GPU {index} cannot be opened ({exc})") from None
+                raise
+            self._handles[index] = handle
+        return handle
+
+    # ------------------------------------------------------------------------------------------------
+    # discovery
+
+    def driver_version(self) -> str:
+        return str(self._driver)
+
+    def nvml_version(self) -> str:
+        return str(self._nvml_version)
+
+    def cuda_driver_version(self) -> str:
+        return self._cuda_version
+
+    def devices(self) -> list[GPUIdentity]:
+        try:
+            count = pynvml.nvmlDeviceGetCount()
+        except pynvml.NVMLError as exc:
+            raise NVMLUnavailable(f"NVML cannot count GPUs: {exc}", reason="device_count_failed") from None
+        found = []
+        for index in range(count):
+            try:
+                found.append(self._identify(index))
+            except GPULost as exc:
+                log.warning("%s; it is left out until the exporter restarts", exc)
+        return found
+
+    def _identify(self, index: int) -> GPUIdentity:
+        h = self._handle(index)
+        uuid = _decode(self._field(index, "uuid", pynvml.nvmlDeviceGetUUID, h) or f"unknown-{index}")
+        name = _decode(self._field(index, "name", pynvml.nvmlDeviceGetName, h) or "unknown")
+        pci = self._field(index, "pci", pynvml.nvmlDeviceGetPciInfo, h)
+        pci_bus_id = _decode(pci.busId) if pci is not None else ""
+        arch_code = self._field(index, "architecture", pynvml.nvmlDeviceGetArchitecture, h)
+        arch = _ARCHITECTURES.get(arch_code, "unknown") if arch_code is not None else "unknown"
+        cc = self._field(index, "compute_capability", pynvml.nvmlDeviceGetCudaComputeCapability, h)
+        compute_capability = f"{cc[0]}.{cc[1]}" if cc else ""
+        energy_method = self._energy_method(index, h)
+        # nvmlDeviceGetPowerUsage is a 1 s average on Ampere and newer, except GA100 (A100, A30).
+        ga100 = any(tag in name for tag in ("A100", "A30"))
+        power_usage_is_average = arch in ("ampere", "ada", "hopper", "blackwell", "rubin") and not ga100
+        mig_enabled, mig_devices = self._mig(index, h, uuid)
+        return GPUIdentity(
+            index=index, uuid=uuid, name=name, pci_bus_id=pci_bus_id, architecture=arch,
+            compute_capability=compute_capability, energy_method=energy_method,
+            power_usage_is_average=power_usage_is_average, mig_enabled=mig_enabled,
+            mig_devices=mig_devices,
+        )
+
+    def _energy_method(self, index: int, h: Any) -> str:
+        if self._field(index, "energy", pynvml.nvmlDeviceGetTotalEnergyConsumption, h) is not None:
+            return ENERGY_METHOD_COUNTER
+        if self._instant_field(index, h) is not None:
+            return ENERGY_METHOD_INTEGRATED_INSTANT
+        if self._field(index, "power_usage", pynvml.nvmlDeviceGetPowerUsage, h) is not None:
+            return ENERGY_METHOD_INTEGRATED_USAGE
+        return ENERGY_METHOD_NONE
+
+    def _mig(self, index: int, h: Any, uuid: str) -> tuple[bool, tuple[MIGDevice, ...]]:
+        mode = self._field(index, "mig_mode", pynvml.nvmlDeviceGetMigMode, h)
+        if not mode or mode[0] != pynvml.NVML_DEVICE_MIG_ENABLE:
+            return False, ()
+        devices = []
+        count = self._field(index, "mig_count", pynvml.nvmlDeviceGetMaxMigDeviceCount, h) or 0
+        for mig_index in range(count):
+            try:
+                mh = pynvml.nvmlDeviceGetMigDeviceHandleByIndex(h, mig_index)
+                mig_uuid = _decode(pynvml.nvmlDeviceGetUUID(mh))
+            except pynvml.NVMLError:
+                continue  # empty MIG slot (NOT_FOUND)
+            devices.append(MIGDevice(uuid=mig_uuid, parent_uuid=uuid, index=mig_index))
+        return True, tuple(devices)
+
+    # ------------------------------------------------------------------------------------------------
+    # sampling
+
+    def _field_values(self, index: int, h: Any, ids: list[Any]) -> list[float | None]:
+        """Read several field values in one call; per-field failures are None."""
+        key = "field_values"
+        values = self._field(index, key, pynvml.nvmlDeviceGetFieldValues, h, ids)
+        if values is None:
+            return [None] * len(ids)
+        out: list[float | None] = []
+        for v in values:
+            if v.nvmlReturn != pynvml.NVML_SUCCESS:
+                if v.nvmlReturn in _LOST:
+                    raise GPULost(f"GPU {index} is lost (field {v.fieldId})")
+                out.append(None)
+                continue
+            out.append(_field_value(v))
+        return out
+
+    def _instant_field(self, index: int, h: Any) -> float | None:
+        if (index, "power_instant_field") in self._unsupported:
+            return None
+        (value,) = self._field_values(index, h, [(_FI_POWER_INSTANT, _SCOPE_GPU)])
+        if value is None:
+            self._unsupported.add((index, "power_instant_field"))
+        return value
+
+    def read_power_mw(self, gpu: GPUIdentity) -> float | None:
+        h = self._handle(gpu.index)
+        if gpu.energy_method == ENERGY_METHOD_INTEGRATED_INSTANT:
+            return self._instant_field(gpu.index, h)
+        value = self._field(gpu.index, "power_usage", pynvml.nvmlDeviceGetPowerUsage, h)
+        return float(value) if value is not None else None
+
+    def read(self, gpu: GPUIdentity, *, processes: bool = False, gpm: bool = False) -> GPUReading:
+        i = gpu.index
+        h = self._handle(i)
+        now = self._clock()
+        energy = self._field(i, "energy", pynvml.nvmlDeviceGetTotalEnergyConsumption, h)
+        usage = self._field(i, "power_usage", pynvml.nvmlDeviceGetPowerUsage, h)
+        want = [(_FI_POWER_INSTANT, _SCOPE_GPU), (_FI_POWER_AVERAGE, _SCOPE_GPU), (_FI_MEMORY_TEMP, 0),
+                (_FI_POWER_INSTANT, _SCOPE_MODULE)]
+        instant, average, mem_temp, module = self._field_values(i, h, want)
+        if usage is not None:
+            if gpu.power_usage_is_average:
+                average = average if average is not None else float(usage)
+            else:
+                instant = instant if instant is not None else float(usage)
+        limit = self._field(i, "power_limit", pynvml.nvmlDeviceGetEnforcedPowerLimit, h)
+        mem = self._field(i, "memory_v2", pynvml.nvmlDeviceGetMemoryInfo, h, pynvml.nvmlMemory_v2)
+        reserved = getattr(mem, "reserved", None) if mem is not None else None
+        if mem is None:
+            mem = self._field(i, "memory", pynvml.nvmlDeviceGetMemoryInfo, h)
+        util = self._field(i, "utilization", pynvml.nvmlDeviceGetUtilizationRates, h)
+        temp = self._field(i, "temperature", pynvml.nvmlDeviceGetTemperature, h, pynvml.NVML_TEMPERATURE_GPU)
+        sm_clock = self._field(i, "clock_sm", pynvml.nvmlDeviceGetClockInfo, h, pynvml.NVML_CLOCK_SM)
+        mem_clock = self._field(i, "clock_mem", pynvml.nvmlDeviceGetClockInfo, h, pynvml.NVML_CLOCK_MEM)
+        reasons = self._field(i, "clocks_event_reasons", pynvml.nvmlDeviceGetCurrentClocksEventReasons, h)
+        if reasons is None:
+            reasons = self._field(
+                i, "clocks_throttle_reasons", pynvml.nvmlDeviceGetCurrentClocksThrottleReasons, h
+            )
+        procs = self._processes(i, h) if processes else None
+        gpm_values = self._gpm(i, h) if gpm else {}
+        # Module scope equal to GPU scope means the board has no separate module sensor.
+        if module is not None and instant is not None and module <= instant:
+            module = None
+        return GPUReading(
+            timestamp=now,
+            energy_mj=int(energy) if energy is not None else None,
+            power_instant_mw=instant,
+            power_average_mw=average,
+            module_power_mw=module,
+            power_limit_mw=float(limit) if limit is not None else None,
+            memory_used_bytes=int(mem.used) if mem is not None else None,
+            memory_total_bytes=int(mem.total) if mem is not None else None,
+            memory_reserved_bytes=int(reserved) if reserved is not None else None,
+            util_gpu_pct=float(util.gpu) if util is not None else None,
+            util_memory_pct=float(util.memory) if util is not None else None,
+            temperature_gpu_c=float(temp) if temp is not None else None,
+            temperature_memory_c=mem_temp if mem_temp else None,
+            clock_sm_mhz=float(sm_clock) if sm_clock is not None else None,
+            clock_memory_mhz=float(mem_clock) if mem_clock is not None else None,
+            clocks_event_reasons=int(reasons) if reasons is not None else None,
+            processes=procs,
+            gpm=gpm_values,
+        )
+
+    def _processes(self, i: int, h: Any) -> tuple[GPUProcess, ...] | None:
+        procs = self._field(i, "processes", pynvml.nvmlDeviceGetComputeRunningProcesses, h)
+        if procs is None:
+            return None
+        sm: dict[int, float] = {}
+        last_seen = self._process_util_ts.get(i, 0)
+        samples = self._field(i, "process_utilization", _process_utilization, h, last_seen)
+        if samples:
+            for s in samples:
+                sm[int(s.pid)] = float(s.smUtil)
+                self._process_util_ts[i] = max(self._process_util_ts.get(i, 0), int(s.timeStamp))
+        return tuple(
+            GPUProcess(
+                pid=int(p.pid),
+                used_memory_bytes=int(p.usedGpuMemory) if p.usedGpuMemory is not None else None,
+                sm_util_pct=sm.get(int(p.pid)),
+            )
+            for p in procs
+        )
+
+    def _gpm(self, i: int, h: Any) -> dict[str, float]:
+        supported = self._gpm_supported.get(i)
+        if supported is None:
+            support = self._field(i, "gpm_support", pynvml.nvmlGpmQueryDeviceSupport, h)
+            supported = bool(support is not None and support.isSupportedDevice)
+            self._gpm_supported[i] = supported
+            if not supported:
+                log.debug("GPU %d: GPM not supported (pre-Hopper GPU or vGPU); no GPM metrics", i)
+        if not supported:
+            return {}
+        now = time.monotonic()
+        prev = self._gpm_prev.get(i)
+        if prev is not None and now - prev[0] < GPM_MIN_INTERVAL_S:
+            return {}
+        sample = self._field(i, "gpm_alloc", pynvml.nvmlGpmSampleAlloc)
+        if sample is None:
+            return {}
+        try:
+            pynvml.nvmlGpmSampleGet(h, sample)
+        except pynvml.NVMLError as exc:
+            pynvml.nvmlGpmSampleFree(sample)
+            if getattr(exc, "value", None) in _LOST:
+                raise GPULost(f"GPU {i} is lost (GPM sample)") from None
+            log.debug("GPU %d: GPM sample failed: %s", i, exc)
+            return {}
+        self._gpm_prev[i] = (now, sample)
+        if prev is None:
+            return {}
+        out: dict[str, float] = {}
+        try:
+            req = pynvml.c_nvmlGpmMetricsGet_t()
+            req.version = pynvml.NVML_GPM_METRICS_GET_VERSION
+            req.numMetrics = len(GPM_METRICS)
+            req.sample1 = prev[1]
+            req.sample2 = sample
+            for n, metric_id in enumerate(GPM_METRICS.values()):
+                req.metrics[n].metricId = metric_id
+            result = pynvml.nvmlGpmMetricsGet(req)
+            for n, name in enumerate(GPM_METRICS):
+                m = result.metrics[n]
+                if m.nvmlReturn == pynvml.NVML_SUCCESS:
+                    out[name] = float(m.value)
+        except pynvml.NVMLError as exc:
+            log.debug("GPU %d: GPM metrics failed: %s", i, exc)
+        finally:
+            pynvml.nvmlGpmSampleFree(prev[1])
+        return out
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for _, sample in self._gpm_prev.values():
+            try:
+                pynvml.nvmlGpmSampleFree(sample)
+            except pynvml.NVMLError:
+                pass
+        self._gpm_prev.clear()
+        try:
+            pynvml.nvmlShutdown()
+        except pynvml.NVMLError as exc:
+            log.debug("nvmlShutdown: %s", exc)
+
+
+def _process_utilization(h: Any, last_seen: int) -> Any:
+    try:
+        return pynvml.nvmlDeviceGetProcessUtilization(h, last_seen)
+    except pynvml.NVMLError as exc:
+        # NOT_FOUND: no process ran since last_seen; that is an empty list, not "unsupported".
+        if getattr(exc, "value", None) == pynvml.NVML_ERROR_NOT_FOUND:
+            return []
+        raise
+
+
+def _field_value(v: Any) -> float | None:
+    """Decode an nvmlFieldValue_t union by its valueType."""
+    t = v.valueType
+    u = v.value
+    if t == pynvml.NVML_VALUE_TYPE_DOUBLE:
+        return float(u.dVal)
+    if t == pynvml.NVML_VALUE_TYPE_UNSIGNED_INT:
+        return float(u.uiVal)
+    if t == pynvml.NVML_VALUE_TYPE_UNSIGNED_LONG:
+        return float(u.ulVal)
+    if t == pynvml.NVML_VALUE_TYPE_UNSIGNED_LONG_LONG:
+        return float(u.ullVal)
+    if t == pynvml.NVML_VALUE_TYPE_SIGNED_LONG_LONG:
+        return float(u.sllVal)
+    if t == pynvml.NVML_VALUE_TYPE_SIGNED_INT:
+        return float(u.siVal)
+    if t == pynvml.NVML_VALUE_TYPE_UNSIGNED_SHORT:
+        return float(u.usVal)
+    return None
+
+
+__all__ = ["NVMLBackend", "NotSupported", "load_library", "GPM_METRICS"]

@@ -1,0 +1,113 @@
+"""Simulated GPUs for ``gpu-energy-exporter demo`` (no driver needed).
+
+Every series it produces is marked: the ``backend="simulated"`` label on ``gpuenergy_gpu_info`` and
+``gpuenergy_nvml_info``, "(simulated)" in the model name and UUIDs starting with ``GPU-SIM``. Never use it
+for measurements. Power follows a load level that the demo's simulated trainer sets: idle at ~18% of
+the power limit, bursty steps under load; the energy counter is the exact integral of that power.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from collections.abc import Callable
+
+from gpu_energy_exporter.devices.base import (
+    ENERGY_METHOD_COUNTER,
+    GPUBackend,
+    GPUIdentity,
+    GPUProcess,
+    GPUReading,
+)
+
+
+class _SimGPU:
+    def __init__(self, index: int, t0: float, limit_w: float, memory_total: int) -> None:
+        self.index = index
+        self.limit_w = limit_w
+        self.idle_w = 0.18 * limit_w
+        self.memory_total = memory_total
+        self.load = 0.0  # 0..1, set by the simulated trainer
+        self.pid: int | None = None
+        self.energy_j = 0.0
+        self.last_t = t0
+
+    def power_at(self, t: float) -> float:
+        if self.load <= 0:
+            return self.idle_w
+        # Training steps of ~80 ms: compute bursts near the limit, short communication dips.
+        phase = (t * 12.5 + 0.37 * self.index) % 1.0
+        burst = 0.95 if phase < 0.7 else 0.45
+        wobble = 0.03 * math.sin(t * 0.7 + self.index)
+        return self.idle_w + (self.limit_w - self.idle_w) * self.load * (burst + wobble)
+
+    def advance(self, t: float) -> None:
+        # Integrate with 10 ms steps (the trace changes at 80 ms granularity).
+        step = 0.01
+        while self.last_t + step <= t:
+            self.energy_j += self.power_at(self.last_t + step / 2) * step
+            self.last_t += step
+        if t > self.last_t:
+            self.energy_j += self.power_at((self.last_t + t) / 2) * (t - self.last_t)
+            self.last_t = t
+
+
+class SimulatedBackend(GPUBackend):
+    kind = "simulated"
+
+    def __init__(self, count: int = 2, clock: Callable[[], float] = time.time) -> None:
+        self._clock = clock
+        self._lock = threading.Lock()
+        t0 = clock()
+        self._gpus = [_SimGPU(i, t0, 700.0, 80 * 1024**3) for i in range(count)]
+        self._ids = [
+            GPUIdentity(
+                index=i, uuid=f"GPU-SIM{i:05d}-0000-4000-8000-00000000000{i}",
+                name="NVIDIA H100 80GB HBM3 (simulated)", pci_bus_id=f"00000000:{0x17 + i:02X}:00.0",
+                architecture="hopper", compute_capability="9.0", energy_method=ENERGY_METHOD_COUNTER,
+                power_usage_is_average=True,
+            )
+            for i in range(count)
+        ]
+
+    def set_load(self, index: int, load: float, pid: int | None = None) -> None:
+        """Drive GPU ``index`` at ``load`` (0..1) on behalf of process ``pid`` (None when idle)."""
+        with self._lock:
+            g = self._gpus[index]
+            g.advance(self._clock())
+            g.load = max(0.0, min(1.0, load))
+            g.pid = pid if load > 0 else None
+
+    def driver_version(self) -> str:
+        return "simulated"
+
+    def devices(self) -> list[GPUIdentity]:
+        return list(self._ids)
+
+    def read_power_mw(self, gpu: GPUIdentity) -> float | None:
+        return self._gpus[gpu.index].power_at(self._clock()) * 1000.0
+
+    def read(self, gpu: GPUIdentity, *, processes: bool = False, gpm: bool = False) -> GPUReading:
+        now = self._clock()
+        with self._lock:
+            g = self._gpus[gpu.index]
+            g.advance(now)
+            power = g.power_at(now)
+            avg = sum(g.power_at(now - k * 0.1) for k in range(10)) / 10
+            load = g.load
+            energy_mj = int(g.energy_j * 1000)
+            pid = g.pid
+        used = int(g.memory_total * (0.05 + 0.8 * load))
+        procs = (GPUProcess(pid=pid, used_memory_bytes=used, sm_util_pct=95.0 * load),) if pid else ()
+        return GPUReading(
+            timestamp=now, energy_mj=energy_mj, power_instant_mw=power * 1000, power_average_mw=avg * 1000,
+            power_limit_mw=g.limit_w * 1000, memory_used_bytes=used, memory_total_bytes=g.memory_total,
+            memory_reserved_bytes=512 * 1024**2, util_gpu_pct=98.0 * load, util_memory_pct=55.0 * load,
+            temperature_gpu_c=34 + 40 * load, temperature_memory_c=38 + 35 * load,
+            clock_sm_mhz=1980.0 if load else 345.0, clock_memory_mhz=2619.0,
+            clocks_event_reasons=0x1 if load == 0 else 0x0,
+            processes=procs,
+            gpm={"sm_active": 80.0 * load, "sm_occupancy": 45.0 * load, "tensor_active": 60.0 * load,
+                 "dram_bandwidth": 40.0 * load, "graphics_active": 98.0 * load} if gpm else {},
+        )

@@ -1,0 +1,179 @@
+"""The sampler thread and the immutable snapshot it publishes.
+
+Every ``--collector.interval`` the sampler runs each enabled collector (timing it, catching its failure so
+the others keep working), builds the self-metrics, and publishes one frozen ``Snapshot``. Publishing is a
+single reference assignment, so readers (the /metrics handler, the run ledger, ``top``) always see one
+consistent sample without locks. The scrape path must only ever read ``Sampler.snapshot``.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from prometheus_client.core import Metric
+
+from gpu_energy_exporter.collectors.base import Collector, NoData
+from gpu_energy_exporter.devices.base import GPUIdentity, GPUReading
+from gpu_energy_exporter.metrics import add, define
+
+log = logging.getLogger(__name__)
+
+COLLECTOR_SUCCESS = define(
+    "collector", "success", "gauge",
+    "1 if the collector's last update succeeded, 0 if it failed or had nothing to read.",
+    ["collector"], collector="exporter",
+)
+COLLECTOR_DURATION = define(
+    "collector", "duration_seconds", "gauge", "Time the collector's last update took.",
+    ["collector"], collector="exporter", unit="seconds",
+)
+SNAPSHOT_TIMESTAMP = define(
+    "snapshot", "timestamp_seconds", "gauge",
+    "Unix time at which the snapshot served on /metrics was taken.", collector="exporter", unit="seconds",
+)
+
+
+@dataclass(frozen=True)
+class GPUState:
+    """What the exporter knows about one GPU after a sample."""
+
+    identity: GPUIdentity
+    up: bool
+    reading: GPUReading | None  # the last good reading (kept while the GPU is down)
+    energy_j: float | None  # monotonic energy counter, joules
+    energy_resets: int
+    last_good: float | None  # unix time of the last good reading
+    idle_power_w: float | None = None
+    idle_power_source: str = ""
+    error: str = ""
+
+
+@dataclass(frozen=True)
+class CollectorResult:
+    name: str
+    success: bool
+    duration_s: float
+    error: str = ""
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    seq: int
+    timestamp: float
+    families: tuple[Metric, ...]
+    results: tuple[CollectorResult, ...]
+    gpus: tuple[GPUState, ...] = ()
+    extras: dict[str, object] = field(default_factory=dict)
+
+
+class Sampler:
+    """Runs collectors on a fixed period in one daemon thread and publishes snapshots."""
+
+    def __init__(
+        self,
+        collectors: Sequence[Collector],
+        interval: float,
+        *,
+        gpu_states: Callable[[], tuple[GPUState, ...]] | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self._collectors = list(collectors)
+        self._interval = interval
+        self._gpu_states = gpu_states
+        self._clock = clock
+        self._snapshot: Snapshot | None = None
+        self._seq = 0
+        self._listeners: list[Callable[[Snapshot], None]] = []
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._last_errors: dict[str, str] = {}
+
+    @property
+    def snapshot(self) -> Snapshot | None:
+        return self._snapshot
+
+    @property
+    def interval(self) -> float:
+        return self._interval
+
+    def add_listener(self, fn: Callable[[Snapshot], None]) -> None:
+        """Call ``fn(snapshot)`` on the sampler thread after each publish (must be quick)."""
+        self._listeners.append(fn)
+
+    def sample_once(self) -> Snapshot:
+        families: list[Metric] = []
+        results: list[CollectorResult] = []
+        for c in self._collectors:
+            start = time.perf_counter()
+            try:
+                families.extend(c.update())
+                ok, err = True, ""
+            except NoData as exc:
+                families.extend(exc.families)
+                ok, err = False, ""
+                log.debug("collector %s: no data: %s", c.name, exc)
+            except Exception as exc:  # noqa: BLE001 - one collector must never take the others down
+                ok, err = False, f"{type(exc).__name__}: {exc}"
+            duration = time.perf_counter() - start
+            self._log_transition(c.name, err)
+            results.append(CollectorResult(c.name, ok, duration, err))
+        success, dur = COLLECTOR_SUCCESS.family(), COLLECTOR_DURATION.family()
+        for r in results:
+            add(success, [r.name], 1.0 if r.success else 0.0)
+            add(dur, [r.name], r.duration_s)
+        now = self._clock()
+        ts = SNAPSHOT_TIMESTAMP.family()
+        add(ts, [], now)
+        families.extend([success, dur, ts])
+        self._seq += 1
+        snap = Snapshot(
+            seq=self._seq,
+            timestamp=now,
+            families=tuple(families),
+            results=tuple(results),
+            gpus=self._gpu_states() if self._gpu_states else (),
+        )
+        self._snapshot = snap
+        for fn in self._listeners:
+            try:
+                fn(snap)
+            except Exception:  # noqa: BLE001
+                log.exception("snapshot listener %r failed", fn)
+        return snap
+
+    def _log_transition(self, name: str, err: str) -> None:
+        """Log a collector's failure when it starts or changes, and its recovery: never once per tick."""
+        prev = self._last_errors.get(name, "")
+        if err and err != prev:
+            log.error("collector %s failed: %s", name, err)
+        elif not err and prev:
+            log.info("collector %s recovered", name)
+        self._last_errors[name] = err
+
+    def _run(self) -> None:
+        next_tick = time.monotonic() + self._interval
+        while not self._stop.wait(max(0.0, next_tick - time.monotonic())):
+            self.sample_once()
+            next_tick += self._interval
+            if next_tick < time.monotonic():  # fell behind (slow driver): skip missed ticks, no burst
+                next_tick = time.monotonic() + self._interval
+
+    def start(self) -> None:
+        """Take the first snapshot synchronously (so /metrics is never empty), then run in a thread."""
+        self.sample_once()
+        self._thread = threading.Thread(target=self._run, name="sampler", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 5.0) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+        for c in self._collectors:
+            try:
+                c.close()
+            except Exception:  # noqa: BLE001
+                log.exception("closing collector %s failed", c.name)
