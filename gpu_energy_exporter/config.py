@@ -198,13 +198,15 @@ FLAGS: tuple[Flag, ...] = (
          "Grid carbon intensity in gCO2e/kWh. Overrides --carbon.region. Default: world average "
          "(see docs/measurement.md).", "G_PER_KWH"),
     Flag("carbon.region", _text, None,
-         "Country (ISO 3166-1 alpha-3, e.g. FRA) or cloud region (e.g. gcp:europe-west1, "
-         "aws:us-east-1) whose carbon intensity to use from the bundled table.", "CODE"),
+         "Country (ISO 3166-1 alpha-3, e.g. FRA) or cloud region (e.g. gcp:europe-west1) "
+         "whose carbon intensity to use from the bundled table.", "CODE"),
     Flag("carbon.intensity-file", _existing_file, None,
          "File holding the current carbon intensity in gCO2e/kWh (one number), re-read when it "
          "changes, for a time-varying grid.", "FILE"),
     Flag("carbon.pue", _positive_float, "1.0",
          "Power usage effectiveness of the data centre (facility energy / IT energy), >= 1.", "RATIO"),
+    Flag("host.memory-critical", _positive_int, str(1 << 30),
+         "Host available memory under which the exporter warns (log, alert, terminal view).", "BYTES"),
     Flag("gpu.idle-power", _non_negative_float, None,
          "Idle power of each GPU in watts, used for dynamic energy. Default: learned from samples "
          "with no compute process.", "WATTS"),
@@ -254,6 +256,7 @@ class Config:
     carbon_region: str | None = None
     carbon_intensity_file: str | None = None
     carbon_pue: float = 1.0
+    host_memory_critical: int = 1 << 30
     gpu_idle_power: float | None = None
     runs_csv: str | None = None
     runs_warmup: float = 30.0

@@ -1,0 +1,109 @@
+"""Command line: ``gpu-energy-exporter [flags]`` serves; sub-commands do the rest.
+
+Sub-commands are imported lazily so that ``gpu-energy-exporter --help`` and the daemon never import
+what only one sub-command needs (matplotlib for ``report``, curses for ``top``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import os
+import signal
+import sys
+import threading
+from collections.abc import Sequence
+
+from gpu_energy_exporter import __version__
+from gpu_energy_exporter.config import config_from_namespace
+from gpu_energy_exporter.config import new_parser as config_parser
+from gpu_energy_exporter.errors import ConfigError, ExporterError
+
+log = logging.getLogger(__name__)
+
+#: sub-command -> (module with ``main(argv) -> int``, one-line description)
+SUBCOMMANDS: dict[str, tuple[str, str]] = {
+    "runs": ("gpu_energy_exporter.runs_cli", "list and compare finished training runs from the run ledger"),
+    "top": ("gpu_energy_exporter.top", "live terminal view of a running exporter"),
+    "report": ("gpu_energy_exporter.report", "per-run report (Markdown + HTML) with PNG plots"),
+    "demo": ("gpu_energy_exporter.demo", "start the exporter with simulated GPUs and a simulated training run"),
+}
+
+_EPILOG = "sub-commands (each has its own --help):\n" + "\n".join(
+    f"  {name:<8} {desc}" for name, (_, desc) in SUBCOMMANDS.items()
+) + """
+
+examples:
+  gpu-energy-exporter                              serve :9863/metrics and OTLP on localhost:4318
+  gpu-energy-exporter --otlp.listen-address=:4318 --runs.csv=/var/lib/gpu-energy-exporter/runs.csv
+  gpu-energy-exporter demo                         try it without a GPU
+docs: https://github.com/gpu-energy-exporter/gpu-energy-exporter/tree/main/docs
+"""
+
+
+def new_parser() -> argparse.ArgumentParser:
+    parser = config_parser()
+    parser.description = (
+        "Prometheus exporter for GPU energy, power, utilisation and the training runs that use them. Serves "
+        "/metrics, receives OpenTelemetry (OTLP/HTTP) pushes from training processes and keeps a per-run "
+        "energy ledger."
+    )
+    parser.epilog = _EPILOG
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    parser.add_argument("--version", action="version", version=f"gpu-energy-exporter {__version__}")
+    return parser
+
+
+def serve(argv: Sequence[str], *, backend_factory: object = None) -> int:
+    """Parse flags, start the exporter, run until SIGTERM/SIGINT."""
+    from gpu_energy_exporter.exporter import Exporter
+    from gpu_energy_exporter.logsetup import setup_logging
+
+    try:
+        ns = new_parser().parse_args(list(argv))
+        config = config_from_namespace(ns, os.environ)
+        setup_logging(config.log_level, config.log_format)
+        exporter = Exporter(config, backend_factory=backend_factory)  # type: ignore[arg-type]
+    except ConfigError as exc:
+        print(f"gpu-energy-exporter: error: {exc}", file=sys.stderr)
+        return 2
+    stop = threading.Event()
+
+    def on_signal(signum: int, _frame: object) -> None:
+        log.info("received %s, shutting down", signal.Signals(signum).name)
+        stop.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    try:
+        exporter.start()
+    except ExporterError as exc:
+        log.error("%s", exc)
+        exporter.stop()
+        return 1
+    try:
+        while not stop.wait(1.0):
+            pass
+    finally:
+        exporter.stop()
+    log.info("stopped")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if args and args[0] in SUBCOMMANDS:
+        module = importlib.import_module(SUBCOMMANDS[args[0]][0])
+        try:
+            return int(module.main(args[1:]))
+        except ExporterError as exc:
+            print(f"gpu-energy-exporter {args[0]}: error: {exc}", file=sys.stderr)
+            return 2
+        except KeyboardInterrupt:
+            return 130
+    return serve(args)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

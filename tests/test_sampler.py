@@ -1,0 +1,86 @@
+"""The sampler: one failing collector loses only its own series; self-metrics; snapshots."""
+
+from __future__ import annotations
+
+import logging
+
+from prometheus_client.core import GaugeMetricFamily, Metric
+
+from gpu_energy_exporter.collectors.base import Collector, NoData
+from gpu_energy_exporter.sampler import Sampler
+
+
+class _Fixed(Collector):
+    def __init__(self, name: str, value: float) -> None:
+        self.name = name
+        self.value = value
+        self.closed = False
+
+    def update(self) -> list[Metric]:
+        fam = GaugeMetricFamily(f"test_{self.name}", "test")
+        fam.add_metric([], self.value)
+        return [fam]
+
+    def close(self) -> None:
+        self.closed = True
+
+
+class _Broken(Collector):
+    name = "broken"
+
+    def __init__(self) -> None:
+        self.fail = True
+
+    def update(self) -> list[Metric]:
+        if self.fail:
+            raise OSError("disk on fire")
+        return []
+
+
+class _Empty(Collector):
+    name = "empty"
+
+    def update(self) -> list[Metric]:
+        raise NoData("nothing here", [GaugeMetricFamily("test_empty_available", "x", value=0)])
+
+
+def _values(snap, name):  # type: ignore[no-untyped-def]
+    return {tuple(s.labels.values()): s.value for f in snap.families for s in f.samples if s.name == name}
+
+
+def test_failing_collector_loses_only_its_series(caplog) -> None:  # type: ignore[no-untyped-def]
+    ok, broken = _Fixed("ok", 4.0), _Broken()
+    sampler = Sampler([broken, ok, _Empty()], interval=1.0, clock=lambda: 1234.0)
+    with caplog.at_level(logging.ERROR):
+        snap = sampler.sample_once()
+        sampler.sample_once()
+    assert _values(snap, "test_ok") == {(): 4.0}
+    assert _values(snap, "gpuenergy_collector_success") == {("broken",): 0.0, ("ok",): 1.0, ("empty",): 0.0}
+    assert _values(snap, "test_empty_available") == {(): 0.0}
+    assert _values(snap, "gpuenergy_snapshot_timestamp_seconds") == {(): 1234.0}
+    # logged once, not once per tick
+    assert sum("disk on fire" in r.getMessage() for r in caplog.records) == 1
+    broken.fail = False
+    snap = sampler.sample_once()
+    assert _values(snap, "gpuenergy_collector_success")[("broken",)] == 1.0
+    assert snap.seq == 3
+
+
+def test_snapshots_are_published_by_the_thread_and_listeners_called() -> None:
+    c = _Fixed("ok", 1.0)
+    sampler = Sampler([c], interval=0.05)
+    seen = []
+    sampler.add_listener(lambda s: seen.append(s.seq))
+    sampler.start()
+    try:
+        first = sampler.snapshot
+        assert first is not None  # start() publishes synchronously
+        import time
+
+        deadline = time.monotonic() + 5
+        while len(seen) < 4 and time.monotonic() < deadline:
+            time.sleep(0.01)
+    finally:
+        sampler.stop()
+    assert seen[:4] == [1, 2, 3, 4]
+    assert c.closed
