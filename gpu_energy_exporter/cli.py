@@ -71,6 +71,8 @@ def serve(argv: Sequence[str], *, backend_factory: object = None) -> int:
     stop = threading.Event()
 
     def on_signal(signum: int, _frame: object) -> None:
+        if stop.is_set():
+            return
         log.info("received %s, shutting down", signal.Signals(signum).name)
         stop.set()
 

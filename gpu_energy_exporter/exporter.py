@@ -23,7 +23,11 @@ from gpu_energy_exporter.config import Config
 from gpu_energy_exporter.devices.base import GPUBackend
 from gpu_energy_exporter.errors import ExporterError
 from gpu_energy_exporter.exposition import SnapshotCollector, new_registry
+from gpu_energy_exporter.otlp.receiver import OTLPReceiver, load_bearer_token
+from gpu_energy_exporter.otlp.store import TrainingStore
 from gpu_energy_exporter.sampler import Sampler
+from gpu_energy_exporter.web import HTTPServer, exporter_routes
+from gpu_energy_exporter.webconfig import load_web_config
 
 log = logging.getLogger(__name__)
 
@@ -86,21 +90,53 @@ class Exporter:
         return self.gpu.identities() if self.gpu else ()
 
     def _build_servers(self) -> None:
-        """Bound later; see web.py / otlp."""
-        self.web = None
-        self.otlp = None
+        config = self.config
+        self.web_config = load_web_config(config.web_config_file)
+        self.store = TrainingStore(
+            series_ttl=config.otlp_series_ttl,
+            max_series=config.otlp_max_series,
+            max_series_per_run=config.otlp_max_series_per_run,
+        )
+        self.snapshot_collector.add_live_source(self.store.collect)
+        token = load_bearer_token(config.otlp_bearer_token_file) if config.otlp_bearer_token_file else None
+        self.otlp = OTLPReceiver(
+            config.otlp_listen_address, self.store, max_body_bytes=config.otlp_max_body_bytes, bearer_token=token
+        )
+        self.routes = exporter_routes(
+            self.registry, telemetry_path=config.web_telemetry_path, ready=self.ready,
+            links=[("OTLP receiver: POST /v1/metrics on " + _fmt(config.otlp_listen_address), "#")],
+        )
+        self.web: HTTPServer | None = None
 
     # ------------------------------------------------------------------------------------------------
 
-    def ready(self) -> bool:
-        return self.sampler.snapshot is not None
+    def ready(self) -> tuple[bool, str]:
+        if self.sampler.snapshot is None:
+            return False, "no sample taken yet"
+        return True, "ready"
 
     def start(self) -> None:
+        """Take the first sample, then bind and serve. Raises ConfigError when a port cannot be bound."""
         self.sampler.start()
+        self.web = HTTPServer(self.config.web_listen_address, self.routes, web_config=self.web_config,
+                              name="gpu-energy-exporter")
+        self.web.start()
+        self.otlp.start()
         self._started = True
 
     def stop(self) -> None:
+        if self.web is not None:
+            self.web.shutdown()
+        if self._started:
+            self.otlp.shutdown()
         self.sampler.stop()
+
+
+def _fmt(address: tuple[str, int]) -> str:
+    host, port = address[0], address[1]
+    if ":" in host:
+        host = f"[{host}]"
+    return f"{host}:{port}"
 
 
 __all__ = ["Exporter", "ExporterError"]
