@@ -1,0 +1,1622 @@
+/*
+ * fakenvml.c: a fake libnvidia-ml.so.1 for the tests of gpu-energy-exporter.
+ *
+ * The real pynvml (nvidia-ml-py) loads this library exactly as it loads the driver's NVML: every exported
+ * function has the real NVML C signature and returns real nvmlReturn_t codes, and every struct it fills has
+ * the layout pynvml declares. What the "GPUs" do is scripted by a scenario file (path in the environment
+ * variable FAKE_NVML_SCENARIO; format in README.md next to this file), re-read whenever it changes on disk.
+ *
+ * Power is modelled, not sampled: each GPU has a true power trace P(t) with a closed-form integral, so the
+ * energy counter is the exact integral, and the reported powers reproduce the driver's 25 ms-per-100 ms
+ * windows and its 1 s average. This file must never read anything but the scenario file, never call into a
+ * real driver, and never hold its mutex while sleeping (the artificial delays must not serialise threads).
+ */
+
+#define _GNU_SOURCE
+#include <errno.h>
+#include <fcntl.h>
+#include <math.h>
+#include <pthread.h>
+#include <stdarg.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <strings.h>
+#include <sys/stat.h>
+#include <time.h>
+#include <unistd.h>
+
+#define EXPORT __attribute__((visibility("default")))
+
+/* ---- NVML types and constants (values from nvml.h / pynvml) ---------------------------------------- */
+
+typedef unsigned int nvmlReturn_t;
+typedef struct fake_handle *nvmlDevice_t;
+typedef struct fake_gpm_sample *nvmlGpmSample_t;
+
+enum {
+    NVML_SUCCESS = 0,
+    NVML_ERROR_UNINITIALIZED = 1,
+    NVML_ERROR_INVALID_ARGUMENT = 2,
+    NVML_ERROR_NOT_SUPPORTED = 3,
+    NVML_ERROR_NO_PERMISSION = 4,
+    NVML_ERROR_ALREADY_INITIALIZED = 5,
+    NVML_ERROR_NOT_FOUND = 6,
+    NVML_ERROR_INSUFFICIENT_SIZE = 7,
+    NVML_ERROR_INSUFFICIENT_POWER = 8,
+    NVML_ERROR_DRIVER_NOT_LOADED = 9,
+    NVML_ERROR_TIMEOUT = 10,
+    NVML_ERROR_IRQ_ISSUE = 11,
+    NVML_ERROR_LIBRARY_NOT_FOUND = 12,
+    NVML_ERROR_FUNCTION_NOT_FOUND = 13,
+    NVML_ERROR_CORRUPTED_INFOROM = 14,
+    NVML_ERROR_GPU_IS_LOST = 15,
+    NVML_ERROR_RESET_REQUIRED = 16,
+    NVML_ERROR_OPERATING_SYSTEM = 17,
+    NVML_ERROR_LIB_RM_VERSION_MISMATCH = 18,
+    NVML_ERROR_IN_USE = 19,
+    NVML_ERROR_MEMORY = 20,
+    NVML_ERROR_NO_DATA = 21,
+    NVML_ERROR_ARGUMENT_VERSION_MISMATCH = 25,
+    NVML_ERROR_UNKNOWN = 999,
+};
+
+enum { NVML_VALUE_TYPE_DOUBLE = 0, NVML_VALUE_TYPE_UNSIGNED_INT = 1, NVML_VALUE_TYPE_UNSIGNED_LONG_LONG = 3 };
+
+#define NVML_FI_DEV_MEMORY_TEMP 82
+#define NVML_FI_DEV_TOTAL_ENERGY_CONSUMPTION 83
+#define NVML_FI_DEV_POWER_AVERAGE 185
+#define NVML_FI_DEV_POWER_INSTANT 186
+#define NVML_POWER_SCOPE_GPU 0
+#define NVML_POWER_SCOPE_MODULE 1
+
+#define NVML_CLOCK_GRAPHICS 0
+#define NVML_CLOCK_SM 1
+#define NVML_CLOCK_MEM 2
+#define NVML_CLOCK_VIDEO 3
+
+#define NVML_TEMPERATURE_GPU 0
+#define NVML_TEMPERATURE_V1 0x100000Cu
+#define NVML_MEMORY_V2 0x02000028u
+#define NVML_GPM_METRICS_GET_VERSION 1u
+#define NVML_GPM_SUPPORT_VERSION 1u
+#define NVML_GPM_METRIC_MAX 477u
+#define NVML_DEVICE_ARCH_UNKNOWN 0xffffffffu
+
+typedef struct {
+    unsigned long long total, free, used;
+} nvmlMemory_t;
+
+typedef struct {
+    unsigned int version;
+    unsigned long long total, reserved, free, used;
+} nvmlMemory_v2_t;
+
+typedef struct {
+    char busIdLegacy[16];
+    unsigned int domain, bus, device, pciDeviceId, pciSubSystemId;
+    char busId[32];
+} nvmlPciInfo_t;
+
+typedef struct {
+    unsigned int gpu, memory;
+} nvmlUtilization_t;
+
+typedef struct {
+    unsigned int version;
+    unsigned int sensorType;
+    int temperature;
+} nvmlTemperature_t;
+
+typedef struct {
+    unsigned int pid;
+    unsigned long long usedGpuMemory;
+    unsigned int gpuInstanceId, computeInstanceId;
+} nvmlProcessInfo_t;
+
+typedef struct {
+    unsigned int pid;
+    unsigned long long timeStamp;
+    unsigned int smUtil, memUtil, encUtil, decUtil;
+} nvmlProcessUtilizationSample_t;
+
+typedef union {
+    double dVal;
+    unsigned int uiVal;
+    unsigned long ulVal;
+    unsigned long long ullVal;
+    signed long long sllVal;
+    signed int siVal;
+    unsigned short usVal;
+} nvmlValue_t;
+
+typedef struct {
+    unsigned int fieldId;
+    unsigned int scopeId;
+    long long timestamp;
+    long long latencyUsec;
+    unsigned int valueType;
+    nvmlReturn_t nvmlReturn;
+    nvmlValue_t value;
+} nvmlFieldValue_t;
+
+typedef struct {
+    char *shortName, *longName, *unit;
+} nvmlGpmMetricInfo_t;
+
+typedef struct {
+    unsigned int metricId;
+    nvmlReturn_t nvmlReturn;
+    double value;
+    nvmlGpmMetricInfo_t metricInfo;
+} nvmlGpmMetric_t;
+
+typedef struct {
+    unsigned int version;
+    unsigned int numMetrics;
+    nvmlGpmSample_t sample1, sample2;
+    nvmlGpmMetric_t metrics[NVML_GPM_METRIC_MAX];
+} nvmlGpmMetricsGet_t;
+
+typedef struct {
+    unsigned int version;
+    unsigned int isSupportedDevice;
+} nvmlGpmSupport_t;
+
+/* ---- The model ------------------------------------------------------------------------------------ */
+
+#define MAX_GPUS 16
+#define MAX_MIG 8
+#define MAX_PROCS 32
+#define MAX_STEPS 64
+#define MAX_RESETS 16
+#define MAX_DELAYS 32
+#define LIST_LEN 2048
+#define STR_LEN 96
+
+enum { TR_CONSTANT, TR_SQUARE, TR_STEPS };
+
+struct trace {
+    int kind;
+    double watts;                      /* constant */
+    double low, high, period, duty;    /* square: high for duty*period at the start of each period */
+    int nsteps, repeat;                /* steps */
+    double dur[MAX_STEPS], w[MAX_STEPS];
+    double cycle_s, cycle_j;           /* derived: total duration and energy of one pass of the steps */
+};
+
+struct delay {
+    char fn[64];
+    double ms;
+};
+
+struct proc {
+    unsigned int pid;
+    unsigned long long used_bytes;
+    unsigned int sm_pct, mem_pct;
+};
+
+/* GPM metrics the scenario can script: id, scenario key, short name. */
+static const struct {
+    unsigned int id;
+    const char *key;
+    const char *short_name;
+    const char *long_name;
+} GPM_METRICS[] = {
+    {1, "gpm_graphics_util_pct", "gr_util", "graphics utilization"},
+    {2, "gpm_sm_util_pct", "sm_util", "SM utilization"},
+    {3, "gpm_sm_occupancy_pct", "sm_occupancy", "SM occupancy"},
+    {4, "gpm_integer_util_pct", "integer_util", "integer utilization"},
+    {5, "gpm_any_tensor_util_pct", "any_tensor_util", "tensor utilization"},
+    {6, "gpm_dfma_tensor_util_pct", "dfma_tensor_util", "DFMA tensor utilization"},
+    {7, "gpm_hmma_tensor_util_pct", "hmma_tensor_util", "HMMA tensor utilization"},
+    {8, "gpm_dmma_tensor_util_pct", "dmma_tensor_util", "DMMA tensor utilization"},
+    {9, "gpm_imma_tensor_util_pct", "imma_tensor_util", "IMMA tensor utilization"},
+    {10, "gpm_dram_bw_util_pct", "dram_bw_util", "DRAM bandwidth utilization"},
+    {11, "gpm_fp64_util_pct", "fp64_util", "FP64 utilization"},
+    {12, "gpm_fp32_util_pct", "fp32_util", "FP32 utilization"},
+    {13, "gpm_fp16_util_pct", "fp16_util", "FP16 utilization"},
+};
+#define N_GPM 13
+_Static_assert(sizeof(GPM_METRICS) / sizeof(GPM_METRICS[0]) == N_GPM, "GPM table size");
+
+/* Everything a [gpu N] section can say. Plain data, copied wholesale on reload. */
+struct gpu_cfg {
+    int present;
+    char name[STR_LEN], uuid[STR_LEN], pci_bus_id[32];
+    unsigned int pci_device_id, pci_subsystem_id;
+    unsigned int arch;
+    int cc_major, cc_minor;
+    unsigned long long mem_total, mem_used, mem_reserved;
+    unsigned int util_gpu, util_mem;
+    int temp_gpu, has_temp_mem, temp_mem;
+    unsigned int clk_graphics, clk_sm, clk_mem;
+    int has_clk_graphics;
+    unsigned int power_limit_mw, power_mgmt_limit_mw;
+    int has_power_mgmt_limit;
+    unsigned long long clocks_event_reasons;
+    int nproc;
+    struct proc procs[MAX_PROCS];
+    int mig_capable, mig_mode, mig_pending, has_mig_pending, max_mig, nmig;
+    char mig_uuid[MAX_MIG][STR_LEN];
+    int gpm_supported;
+    int has_gpm[N_GPM];
+    double gpm_pct[N_GPM];
+    int energy_counter;
+    double energy_offset_mj;
+    int nresets;
+    double resets[MAX_RESETS];
+    int has_lost;
+    double lost_at;
+    int handle_error;
+    char missing[LIST_LEN], not_supported[LIST_LEN], fields_not_supported[LIST_LEN];
+    int ndelays;
+    struct delay delays[MAX_DELAYS];
+    struct trace power;
+    int power_usage_average;
+    int field_instant, field_average;
+    double window_s, period_s;
+    int avg_windows;
+    int has_module;
+    double module_extra_w;
+};
+
+struct fake_handle {
+    int gpu;  /* index into gpus[] */
+    int mig;  /* -1 for the physical GPU, else the MIG device index */
+};
+
+struct gpu {
+    struct fake_handle handle;  /* first member: nvmlDevice_t points here */
+    struct gpu_cfg c;
+    /* GPM bookkeeping survives reloads: percent-seconds integrated up to gpm_acc_t (unix seconds). */
+    double gpm_acc[N_GPM];
+    double gpm_acc_t;
+};
+
+struct driver_cfg {
+    char driver_version[80], nvml_version[80];
+    int cuda_version;
+    nvmlReturn_t init_error;
+    int has_device_count;
+    unsigned int device_count;
+    double delay_ms;
+    int ndelays;
+    struct delay delays[MAX_DELAYS];
+    char missing[LIST_LEN], not_supported[LIST_LEN];
+    int has_frozen_time;
+    double frozen_time;
+    int has_epoch;
+    double epoch;
+};
+
+struct fake_gpm_sample {
+    uint64_t magic;
+    struct fake_gpm_sample *next;
+    int filled, gpu;
+    double t;
+    double acc[N_GPM];
+    double pct[N_GPM];
+};
+#define GPM_MAGIC 0x46414b4547504d31ull
+
+static pthread_mutex_t g_lock = PTHREAD_MUTEX_INITIALIZER;
+static int g_init_refcount;
+static int g_loaded;               /* a scenario has been parsed successfully at least once */
+static struct driver_cfg g_driver;
+static struct gpu g_gpus[MAX_GPUS];
+static struct fake_handle g_mig_handles[MAX_GPUS][MAX_MIG];
+static unsigned int g_ngpus;       /* highest [gpu N] + 1 */
+static double g_epoch;
+static double g_first_read = -1;
+static char g_path[4096];
+static struct stat g_stat;
+static char g_last_error[512];
+static struct fake_gpm_sample *g_samples;
+static int g_samples_outstanding;
+static int g_log_fd = -2;
+static int g_reload_rc;            /* result of the last maybe_reload: 0, -1 no file, -2 broken file */          /* -2: not opened yet; -1: no log wanted */
+
+/* ---- Time and power ------------------------------------------------------------------------------ */
+
+static double wall_now(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+static double now(void) { return g_driver.has_frozen_time ? g_driver.frozen_time : wall_now(); }
+
+static double trace_power(const struct trace *tr, double t) {
+    if (t < 0) t = 0;  /* before the epoch the trace holds its value at 0 */
+    switch (tr->kind) {
+    case TR_CONSTANT:
+        return tr->watts;
+    case TR_SQUARE: {
+        double r = fmod(t, tr->period);
+        return r < tr->duty * tr->period ? tr->high : tr->low;
+    }
+    default: {
+        if (tr->nsteps == 0) return 0;
+        if (t >= tr->cycle_s) {
+            if (!tr->repeat) return tr->w[tr->nsteps - 1];
+            t = fmod(t, tr->cycle_s);
+        }
+        for (int i = 0; i < tr->nsteps; i++) {
+            if (t < tr->dur[i]) return tr->w[i];
+            t -= tr->dur[i];
+        }
+        return tr->w[tr->nsteps - 1];
+    }
+    }
+}
+
+/* Closed-form integral of the trace from 0 to t, in joules (negative t: the value at 0 extends back). */
+static double trace_cumulative(const struct trace *tr, double t) {
+    if (t <= 0) return trace_power(tr, 0) * t;
+    switch (tr->kind) {
+    case TR_CONSTANT:
+        return tr->watts * t;
+    case TR_SQUARE: {
+        double n = floor(t / tr->period);
+        double r = t - n * tr->period;
+        double on = tr->duty * tr->period;
+        double per = tr->high * on + tr->low * (tr->period - on);
+        double part = r < on ? tr->high * r : tr->high * on + tr->low * (r - on);
+        return n * per + part;
+    }
+    default: {
+        double acc = 0;
+        if (tr->nsteps == 0) return 0;
+        if (t >= tr->cycle_s) {
+            if (!tr->repeat) return tr->cycle_j + tr->w[tr->nsteps - 1] * (t - tr->cycle_s);
+            double n = floor(t / tr->cycle_s);
+            acc = n * tr->cycle_j;
+            t -= n * tr->cycle_s;
+        }
+        for (int i = 0; i < tr->nsteps && t > 0; i++) {
+            double d = t < tr->dur[i] ? t : tr->dur[i];
+            acc += tr->w[i] * d;
+            t -= d;
+        }
+        return acc;
+    }
+    }
+}
+
+static double gpu_cumulative(const struct gpu_cfg *c, double t, int module) {
+    return trace_cumulative(&c->power, t) + (module ? c->module_extra_w * t : 0);
+}
+
+/* Mean true power over the window [k*period, k*period + window) of the k-th power period. */
+static double window_mean(const struct gpu_cfg *c, double k, int module) {
+    double a = k * c->period_s;
+    return (gpu_cumulative(c, a + c->window_s, module) - gpu_cumulative(c, a, module)) / c->window_s;
+}
+
+/* The latest window completed by t: k = floor((t - window) / period). */
+static double last_window(const struct gpu_cfg *c, double t) { return floor((t - c->window_s) / c->period_s); }
+
+static double reported_instant_w(const struct gpu_cfg *c, double t, int module) {
+    return window_mean(c, last_window(c, t), module);
+}
+
+static double reported_average_w(const struct gpu_cfg *c, double t, int module) {
+    double k = last_window(c, t), sum = 0;
+    for (int i = 0; i < c->avg_windows; i++) sum += window_mean(c, k - i, module);
+    return sum / c->avg_windows;
+}
+
+static unsigned int to_mw(double w) {
+    double mw = floor(w * 1000.0 + 0.5);
+    return mw <= 0 ? 0 : mw >= 4294967295.0 ? 4294967295u : (unsigned int)mw;
+}
+
+static unsigned long long energy_counter_mj(const struct gpu_cfg *c, double t) {
+    double since = 0, offset = c->energy_offset_mj;
+    for (int i = 0; i < c->nresets; i++) {
+        if (c->resets[i] <= t && c->resets[i] >= since) {
+            since = c->resets[i];
+            offset = 0;
+        }
+    }
+    if (t < since) t = since; /* before the epoch nothing has been counted yet */
+    double mj = offset + (gpu_cumulative(c, t, 0) - gpu_cumulative(c, since, 0)) * 1000.0;
+    return mj <= 0 ? 0 : (unsigned long long)floor(mj);
+}
+
+/* ---- Small helpers -------------------------------------------------------------------------------- */
+
+static int list_has(const char *list, const char *word) {
+    size_t n = strlen(word);
+    const char *p = list;
+    while ((p = strstr(p, word)) != NULL) {
+        int start_ok = p == list || p[-1] == ' ' || p[-1] == '\t' || p[-1] == ',';
+        char e = p[n];
+        int end_ok = e == '\0' || e == ' ' || e == '\t' || e == ',';
+        if (start_ok && end_ok) return 1;
+        p += n;
+    }
+    return 0;
+}
+
+static int list_has_uint(const char *list, unsigned int v) {
+    char buf[16];
+    snprintf(buf, sizeof buf, "%u", v);
+    return list_has(list, buf);
+}
+
+static double delay_for(const struct delay *d, int n, const char *fn) {
+    for (int i = 0; i < n; i++)
+        if (strcmp(d[i].fn, fn) == 0) return d[i].ms;
+    return 0;
+}
+
+static nvmlReturn_t copy_str(char *dst, unsigned int len, const char *src) {
+    if (!dst) return NVML_ERROR_INVALID_ARGUMENT;
+    if (strlen(src) + 1 > len) return NVML_ERROR_INSUFFICIENT_SIZE;
+    memcpy(dst, src, strlen(src) + 1);
+    return NVML_SUCCESS;
+}
+
+/* ---- Call counting -------------------------------------------------------------------------------- */
+
+#define MAX_COUNTED 128
+static struct {
+    const char *fn;
+    unsigned long long n;
+} g_counts[MAX_COUNTED];
+static unsigned long long g_count_total;
+
+static void count_call(const char *fn) {
+    g_count_total++;
+    for (int i = 0; i < MAX_COUNTED; i++) {
+        if (g_counts[i].fn == NULL) {
+            g_counts[i].fn = fn;
+            g_counts[i].n = 1;
+            break;
+        }
+        if (strcmp(g_counts[i].fn, fn) == 0) {
+            g_counts[i].n++;
+            break;
+        }
+    }
+    if (g_log_fd == -2) {
+        const char *p = getenv("FAKE_NVML_CALL_LOG");
+        g_log_fd = p && *p ? open(p, O_WRONLY | O_APPEND | O_CREAT | O_CLOEXEC, 0644) : -1;
+    }
+    if (g_log_fd >= 0) {
+        char line[160];
+        int n = snprintf(line, sizeof line, "%.6f %d %s\n", wall_now(), (int)getpid(), fn);
+        if (n > 0 && write(g_log_fd, line, (size_t)n) < 0) {
+            /* a log that cannot be written is not worth failing an NVML call for */
+        }
+    }
+}
+
+/* ---- Scenario parsing ----------------------------------------------------------------------------- */
+
+/* Remember why the scenario could not be used; loud (stderr) only for a broken file, a test bug. */
+static void set_error(int loud, const char *fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(g_last_error, sizeof g_last_error, fmt, ap);
+    va_end(ap);
+    if (loud) fprintf(stderr, "fakenvml: %s\n", g_last_error);
+}
+
+static char *trim(char *s) {
+    while (*s == ' ' || *s == '\t') s++;
+    char *e = s + strlen(s);
+    while (e > s && (e[-1] == ' ' || e[-1] == '\t' || e[-1] == '\r' || e[-1] == '\n')) *--e = '\0';
+    return s;
+}
+
+static int parse_double(const char *s, double *out) {
+    char *end;
+    errno = 0;
+    double v = strtod(s, &end);
+    if (end == s || errno) return -1;
+    while (*end == ' ' || *end == '\t') end++;
+    if (*end) return -1;
+    *out = v;
+    return 0;
+}
+
+static int parse_ull(const char *s, unsigned long long *out) {
+    char *end;
+    errno = 0;
+    if (*s == '-') return -1;
+    unsigned long long v = strtoull(s, &end, 0);
+    if (end == s || errno) return -1;
+    while (*end == ' ' || *end == '\t') end++;
+    if (*end) return -1;
+    *out = v;
+    return 0;
+}
+
+static int parse_uint(const char *s, unsigned int *out) {
+    unsigned long long v;
+    if (parse_ull(s, &v) || v > 0xffffffffull) return -1;
+    *out = (unsigned int)v;
+    return 0;
+}
+
+static int parse_int(const char *s, int *out) {
+    char *end;
+    errno = 0;
+    long v = strtol(s, &end, 0);
+    if (end == s || errno) return -1;
+    while (*end == ' ' || *end == '\t') end++;
+    if (*end) return -1;
+    *out = (int)v;
+    return 0;
+}
+
+static int parse_bool(const char *s, int *out) {
+    if (!strcasecmp(s, "yes") || !strcasecmp(s, "true") || !strcmp(s, "1") || !strcasecmp(s, "on")) {
+        *out = 1;
+        return 0;
+    }
+    if (!strcasecmp(s, "no") || !strcasecmp(s, "false") || !strcmp(s, "0") || !strcasecmp(s, "off")) {
+        *out = 0;
+        return 0;
+    }
+    return -1;
+}
+
+static int parse_arch(const char *s, unsigned int *out) {
+    static const struct {
+        const char *name;
+        unsigned int v;
+    } names[] = {{"kepler", 2}, {"maxwell", 3}, {"pascal", 4}, {"volta", 5},      {"turing", 6},
+                 {"ampere", 7}, {"ada", 8},     {"hopper", 9}, {"blackwell", 10}, {"unknown", 0xffffffffu}};
+    for (size_t i = 0; i < sizeof names / sizeof names[0]; i++)
+        if (!strcasecmp(s, names[i].name)) {
+            *out = names[i].v;
+            return 0;
+        }
+    return parse_uint(s, out);
+}
+
+/* "constant W" | "square low=W high=W period=S duty=F" | "steps D:W D:W ... [repeat|once]" */
+static int parse_trace(const char *value, struct trace *tr) {
+    char buf[4096];
+    snprintf(buf, sizeof buf, "%s", value);
+    char *save = NULL, *tok = strtok_r(buf, " \t", &save);
+    memset(tr, 0, sizeof *tr);
+    if (!tok) return -1;
+    if (!strcmp(tok, "constant")) {
+        tr->kind = TR_CONSTANT;
+        tok = strtok_r(NULL, " \t", &save);
+        if (!tok || parse_double(tok, &tr->watts) || strtok_r(NULL, " \t", &save)) return -1;
+        return 0;
+    }
+    if (!strcmp(tok, "square")) {
+        int seen = 0;
+        tr->kind = TR_SQUARE;
+        while ((tok = strtok_r(NULL, " \t", &save)) != NULL) {
+            char *eq = strchr(tok, '=');
+            if (!eq) return -1;
+            *eq = '\0';
+            double *dst = !strcmp(tok, "low")      ? &tr->low
+                          : !strcmp(tok, "high")   ? &tr->high
+                          : !strcmp(tok, "period") ? &tr->period
+                          : !strcmp(tok, "duty")   ? &tr->duty
+                                                   : NULL;
+            if (!dst || parse_double(eq + 1, dst)) return -1;
+            seen++;
+        }
+        if (seen != 4 || tr->period <= 0 || tr->duty < 0 || tr->duty > 1) return -1;
+        return 0;
+    }
+    if (!strcmp(tok, "steps")) {
+        tr->kind = TR_STEPS;
+        while ((tok = strtok_r(NULL, " \t", &save)) != NULL) {
+            if (!strcmp(tok, "repeat")) {
+                tr->repeat = 1;
+                continue;
+            }
+            if (!strcmp(tok, "once")) {
+                tr->repeat = 0;
+                continue;
+            }
+            char *colon = strchr(tok, ':');
+            if (!colon || tr->nsteps >= MAX_STEPS) return -1;
+            *colon = '\0';
+            double d, w;
+            if (parse_double(tok, &d) || parse_double(colon + 1, &w) || d <= 0) return -1;
+            tr->dur[tr->nsteps] = d;
+            tr->w[tr->nsteps] = w;
+            tr->nsteps++;
+            tr->cycle_s += d;
+            tr->cycle_j += d * w;
+        }
+        return tr->nsteps > 0 ? 0 : -1;
+    }
+    return -1;
+}
+
+static int parse_list_doubles(const char *value, double *out, int max, int *n) {
+    char buf[LIST_LEN];
+    snprintf(buf, sizeof buf, "%s", value);
+    char *save = NULL;
+    *n = 0;
+    for (char *tok = strtok_r(buf, " \t,", &save); tok; tok = strtok_r(NULL, " \t,", &save)) {
+        if (*n >= max || parse_double(tok, &out[*n])) return -1;
+        (*n)++;
+    }
+    return 0;
+}
+
+static int add_delay(struct delay *d, int *n, const char *fn, const char *value) {
+    double ms;
+    if (*n >= MAX_DELAYS || strlen(fn) >= sizeof d[0].fn || parse_double(value, &ms) || ms < 0) return -1;
+    snprintf(d[*n].fn, sizeof d[*n].fn, "%s", fn);
+    d[*n].ms = ms;
+    (*n)++;
+    return 0;
+}
+
+static void gpu_defaults(struct gpu_cfg *c, unsigned int index) {
+    memset(c, 0, sizeof *c);
+    c->present = 1;
+    snprintf(c->name, sizeof c->name, "NVIDIA Fake GPU");
+    snprintf(c->uuid, sizeof c->uuid, "GPU-00000000-0000-0000-0000-%012x", index);
+    snprintf(c->pci_bus_id, sizeof c->pci_bus_id, "00000000:%02X:00.0", 0x10 + index);
+    c->pci_device_id = 0x233010de;
+    c->arch = NVML_DEVICE_ARCH_UNKNOWN;
+    c->power_limit_mw = 700000;
+    c->temp_gpu = 40;
+    c->energy_counter = 1;
+    c->power.kind = TR_CONSTANT;
+    c->power.watts = 100;
+    c->power_usage_average = 1;
+    c->field_instant = 1;
+    c->field_average = 1;
+    c->window_s = 0.025;
+    c->period_s = 0.1;
+    c->avg_windows = 10;
+    c->max_mig = 7;
+}
+
+/* Parse key=value in a [gpu N] section. Returns 0, or -1 for a bad value, -2 for an unknown key. */
+static int gpu_key(struct gpu_cfg *c, const char *key, const char *v) {
+    if (!strcmp(key, "name")) return snprintf(c->name, sizeof c->name, "%s", v) >= (int)sizeof c->name ? -1 : 0;
+    if (!strcmp(key, "uuid")) return snprintf(c->uuid, sizeof c->uuid, "%s", v) >= (int)sizeof c->uuid ? -1 : 0;
+    if (!strcmp(key, "pci_bus_id")) {
+        unsigned int d, b, dev, f;
+        if (sscanf(v, "%x:%x:%x.%x", &d, &b, &dev, &f) != 4 || strlen(v) >= sizeof c->pci_bus_id) return -1;
+        snprintf(c->pci_bus_id, sizeof c->pci_bus_id, "%s", v);
+        return 0;
+    }
+    if (!strcmp(key, "pci_device_id")) return parse_uint(v, &c->pci_device_id);
+    if (!strcmp(key, "pci_subsystem_id")) return parse_uint(v, &c->pci_subsystem_id);
+    if (!strcmp(key, "architecture")) return parse_arch(v, &c->arch);
+    if (!strcmp(key, "compute_capability"))
+        return sscanf(v, "%d.%d", &c->cc_major, &c->cc_minor) == 2 ? 0 : -1;
+    if (!strcmp(key, "memory_total_bytes")) return parse_ull(v, &c->mem_total);
+    if (!strcmp(key, "memory_used_bytes")) return parse_ull(v, &c->mem_used);
+    if (!strcmp(key, "memory_reserved_bytes")) return parse_ull(v, &c->mem_reserved);
+    if (!strcmp(key, "util_gpu_pct")) return parse_uint(v, &c->util_gpu);
+    if (!strcmp(key, "util_memory_pct")) return parse_uint(v, &c->util_mem);
+    if (!strcmp(key, "temperature_gpu_c")) return parse_int(v, &c->temp_gpu);
+    if (!strcmp(key, "temperature_memory_c")) {
+        c->has_temp_mem = 1;
+        return parse_int(v, &c->temp_mem);
+    }
+    if (!strcmp(key, "clock_graphics_mhz")) {
+        c->has_clk_graphics = 1;
+        return parse_uint(v, &c->clk_graphics);
+    }
+    if (!strcmp(key, "clock_sm_mhz")) return parse_uint(v, &c->clk_sm);
+    if (!strcmp(key, "clock_memory_mhz")) return parse_uint(v, &c->clk_mem);
+    if (!strcmp(key, "power_limit_mw")) return parse_uint(v, &c->power_limit_mw);
+    if (!strcmp(key, "power_management_limit_mw")) {
+        c->has_power_mgmt_limit = 1;
+        return parse_uint(v, &c->power_mgmt_limit_mw);
+    }
+    if (!strcmp(key, "clocks_event_reasons")) return parse_ull(v, &c->clocks_event_reasons);
+    if (!strcmp(key, "process")) {
+        if (c->nproc >= MAX_PROCS) return -1;
+        struct proc *p = &c->procs[c->nproc];
+        p->mem_pct = 0;
+        int n = sscanf(v, "%u %llu %u %u", &p->pid, &p->used_bytes, &p->sm_pct, &p->mem_pct);
+        if (n < 3) return -1;
+        c->nproc++;
+        return 0;
+    }
+    if (!strcmp(key, "mig_capable")) return parse_bool(v, &c->mig_capable);
+    if (!strcmp(key, "mig_mode")) return parse_int(v, &c->mig_mode);
+    if (!strcmp(key, "mig_pending_mode")) {
+        c->has_mig_pending = 1;
+        return parse_int(v, &c->mig_pending);
+    }
+    if (!strcmp(key, "max_mig_devices")) return parse_int(v, &c->max_mig) || c->max_mig > MAX_MIG ? -1 : 0;
+    if (!strcmp(key, "mig_devices")) {
+        char buf[LIST_LEN];
+        snprintf(buf, sizeof buf, "%s", v);
+        char *save = NULL;
+        c->nmig = 0;
+        for (char *tok = strtok_r(buf, " \t,", &save); tok; tok = strtok_r(NULL, " \t,", &save)) {
+            if (c->nmig >= MAX_MIG || strlen(tok) >= STR_LEN) return -1;
+            snprintf(c->mig_uuid[c->nmig++], STR_LEN, "%s", tok);
+        }
+        return 0;
+    }
+    if (!strcmp(key, "gpm_supported")) return parse_bool(v, &c->gpm_supported);
+    for (int i = 0; i < N_GPM; i++)
+        if (!strcmp(key, GPM_METRICS[i].key)) {
+            c->has_gpm[i] = 1;
+            return parse_double(v, &c->gpm_pct[i]);
+        }
+    if (!strcmp(key, "energy_counter")) return parse_bool(v, &c->energy_counter);
+    if (!strcmp(key, "energy_offset_mj")) return parse_double(v, &c->energy_offset_mj);
+    if (!strcmp(key, "energy_reset_at")) return parse_list_doubles(v, c->resets, MAX_RESETS, &c->nresets);
+    if (!strcmp(key, "lost_at")) {
+        c->has_lost = 1;
+        return parse_double(v, &c->lost_at);
+    }
+    if (!strcmp(key, "handle_error")) return parse_int(v, &c->handle_error);
+    if (!strcmp(key, "missing")) return snprintf(c->missing, LIST_LEN, "%s", v) >= LIST_LEN ? -1 : 0;
+    if (!strcmp(key, "not_supported")) return snprintf(c->not_supported, LIST_LEN, "%s", v) >= LIST_LEN ? -1 : 0;
+    if (!strcmp(key, "fields_not_supported"))
+        return snprintf(c->fields_not_supported, LIST_LEN, "%s", v) >= LIST_LEN ? -1 : 0;
+    if (!strncmp(key, "delay_ms.", 9)) return add_delay(c->delays, &c->ndelays, key + 9, v);
+    if (!strcmp(key, "power")) return parse_trace(v, &c->power);
+    if (!strcmp(key, "power_usage")) {
+        if (!strcmp(v, "average")) c->power_usage_average = 1;
+        else if (!strcmp(v, "instant")) c->power_usage_average = 0;
+        else return -1;
+        return 0;
+    }
+    if (!strcmp(key, "power_instant_field")) return parse_bool(v, &c->field_instant);
+    if (!strcmp(key, "power_average_field")) return parse_bool(v, &c->field_average);
+    if (!strcmp(key, "power_window_ms")) {
+        double ms;
+        if (parse_double(v, &ms) || ms <= 0) return -1;
+        c->window_s = ms / 1000.0;
+        return 0;
+    }
+    if (!strcmp(key, "power_period_ms")) {
+        double ms;
+        if (parse_double(v, &ms) || ms <= 0) return -1;
+        c->period_s = ms / 1000.0;
+        return 0;
+    }
+    if (!strcmp(key, "power_average_windows")) return parse_int(v, &c->avg_windows) || c->avg_windows < 1 ? -1 : 0;
+    if (!strcmp(key, "module_power_extra_w")) {
+        c->has_module = 1;
+        return parse_double(v, &c->module_extra_w);
+    }
+    return -2;
+}
+
+static int driver_key(struct driver_cfg *d, const char *key, const char *v) {
+    if (!strcmp(key, "epoch")) {
+        d->has_epoch = 1;
+        return parse_double(v, &d->epoch);
+    }
+    if (!strcmp(key, "driver_version"))
+        return snprintf(d->driver_version, sizeof d->driver_version, "%s", v) >= 80 ? -1 : 0;
+    if (!strcmp(key, "nvml_version"))
+        return snprintf(d->nvml_version, sizeof d->nvml_version, "%s", v) >= 80 ? -1 : 0;
+    if (!strcmp(key, "cuda_version")) return parse_int(v, &d->cuda_version);
+    if (!strcmp(key, "init_error")) return parse_uint(v, &d->init_error);
+    if (!strcmp(key, "device_count")) {
+        d->has_device_count = 1;
+        return parse_uint(v, &d->device_count);
+    }
+    if (!strcmp(key, "delay_ms")) return parse_double(v, &d->delay_ms);
+    if (!strncmp(key, "delay_ms.", 9)) return add_delay(d->delays, &d->ndelays, key + 9, v);
+    if (!strcmp(key, "missing")) return snprintf(d->missing, LIST_LEN, "%s", v) >= LIST_LEN ? -1 : 0;
+    if (!strcmp(key, "not_supported")) return snprintf(d->not_supported, LIST_LEN, "%s", v) >= LIST_LEN ? -1 : 0;
+    if (!strcmp(key, "frozen_time")) {
+        d->has_frozen_time = 1;
+        return parse_double(v, &d->frozen_time);
+    }
+    return -2;
+}
+
+/* Heap-allocated because the per-GPU configs are large. */
+struct parsed {
+    struct driver_cfg driver;
+    struct gpu_cfg gpus[MAX_GPUS];
+    unsigned int ngpus;
+};
+
+static int parse_file(const char *path, struct parsed *out) {
+    FILE *f = fopen(path, "r");
+    if (!f) {
+        set_error(0, "cannot open scenario %s", path);
+        return -1;
+    }
+    memset(out, 0, sizeof *out);
+    snprintf(out->driver.driver_version, 80, "550.54.15");
+    snprintf(out->driver.nvml_version, 80, "12.550.54.15");
+    out->driver.cuda_version = 12040;
+    char line[8192];
+    int lineno = 0, section = 0; /* 0: top level / [driver]; 1: [gpu N] */
+    struct gpu_cfg *cur = NULL;
+    while (fgets(line, sizeof line, f)) {
+        lineno++;
+        char *s = trim(line);
+        if (!*s || *s == '#' || *s == ';') continue;
+        if (*s == '[') {
+            unsigned int idx;
+            char extra;
+            if (!strcmp(s, "[driver]")) {
+                section = 0;
+                continue;
+            }
+            if (sscanf(s, "[gpu %u%c", &idx, &extra) == 2 && extra == ']' && idx < MAX_GPUS) {
+                section = 1;
+                cur = &out->gpus[idx];
+                if (cur->present) {
+                    set_error(1, "%s line %d: duplicate section %s", path, lineno, s);
+                    fclose(f);
+                    return -1;
+                }
+                gpu_defaults(cur, idx);
+                if (idx + 1 > out->ngpus) out->ngpus = idx + 1;
+                continue;
+            }
+            set_error(1, "%s line %d: bad section %s", path, lineno, s);
+            fclose(f);
+            return -1;
+        }
+        char *eq = strchr(s, '=');
+        if (!eq) {
+            set_error(1, "%s line %d: expected key = value, got %s", path, lineno, s);
+            fclose(f);
+            return -1;
+        }
+        *eq = '\0';
+        char *key = trim(s), *value = trim(eq + 1);
+        int rc = section ? gpu_key(cur, key, value) : driver_key(&out->driver, key, value);
+        if (rc) {
+            set_error(1, "%s line %d: %s %s", path, lineno, rc == -2 ? "unknown key" : "bad value for", key);
+            fclose(f);
+            return -1;
+        }
+    }
+    fclose(f);
+    return 0;
+}
+
+/* Advance each metric's percent-seconds integral to time t using the values in force until then. */
+static void gpm_advance(struct gpu *g, double t) {
+    if (t <= g->gpm_acc_t) return;
+    for (int i = 0; i < N_GPM; i++) g->gpm_acc[i] += g->c.gpm_pct[i] * (t - g->gpm_acc_t);
+    g->gpm_acc_t = t;
+}
+
+/* Re-read the scenario if the file changed (inode, size or mtime). Called with g_lock held. */
+static int maybe_reload(int force) {
+    const char *env = getenv("FAKE_NVML_SCENARIO");
+    struct stat st;
+    if (!env || !*env) {
+        set_error(0, "FAKE_NVML_SCENARIO is not set");
+        return -1;
+    }
+    if (stat(env, &st) != 0) {
+        set_error(0, "scenario %s: %s", env, strerror(errno));
+        return -1;
+    }
+    if (!force && g_loaded && strcmp(env, g_path) == 0 && st.st_ino == g_stat.st_ino &&
+        st.st_dev == g_stat.st_dev && st.st_size == g_stat.st_size &&
+        st.st_mtim.tv_sec == g_stat.st_mtim.tv_sec && st.st_mtim.tv_nsec == g_stat.st_mtim.tv_nsec)
+        return 0;
+    struct parsed *p = malloc(sizeof *p);
+    if (!p) return -1;
+    if (parse_file(env, p) != 0) {
+        free(p);
+        return -2;
+    }
+    double t_read = wall_now();
+    if (g_first_read < 0) g_first_read = t_read;
+    /* GPM values change when the file changed, not when we noticed. */
+    double t_switch = (double)st.st_mtim.tv_sec + st.st_mtim.tv_nsec * 1e-9;
+    double t_now = p->driver.has_frozen_time ? p->driver.frozen_time : t_read;
+    if (t_switch > t_now) t_switch = t_now;
+    for (unsigned int i = 0; i < MAX_GPUS; i++) {
+        struct gpu *g = &g_gpus[i];
+        if (g->c.present && g_loaded) {
+            gpm_advance(g, t_switch < g->gpm_acc_t ? g->gpm_acc_t : t_switch);
+        } else {
+            memset(g->gpm_acc, 0, sizeof g->gpm_acc);
+            g->gpm_acc_t = t_now;
+        }
+        g->handle.gpu = (int)i;
+        g->handle.mig = -1;
+        g->c = p->gpus[i];
+        for (int m = 0; m < MAX_MIG; m++) {
+            g_mig_handles[i][m].gpu = (int)i;
+            g_mig_handles[i][m].mig = m;
+        }
+    }
+    g_driver = p->driver;
+    g_ngpus = p->ngpus;
+    g_epoch = g_driver.has_epoch ? g_driver.epoch : g_first_read;
+    snprintf(g_path, sizeof g_path, "%s", env);
+    g_stat = st;
+    g_loaded = 1;
+    free(p);
+    return 0;
+}
+
+/* ---- The common prologue of every API function ----------------------------------------------------- */
+
+enum { F_NEED_INIT = 1, F_GPU = 2, F_ALLOW_MIG = 4 };
+
+static struct gpu *resolve(nvmlDevice_t h, int *mig) {
+    uintptr_t p = (uintptr_t)h;
+    uintptr_t g0 = (uintptr_t)g_gpus, g1 = g0 + sizeof g_gpus;
+    uintptr_t m0 = (uintptr_t)g_mig_handles, m1 = m0 + sizeof g_mig_handles;
+    if (p >= g0 && p < g1 && (p - g0) % sizeof(struct gpu) == 0) {
+        *mig = -1;
+        return &g_gpus[(p - g0) / sizeof(struct gpu)];
+    }
+    if (p >= m0 && p < m1 && (p - m0) % sizeof(struct fake_handle) == 0) {
+        struct fake_handle *fh = (struct fake_handle *)h;
+        *mig = fh->mig;
+        return &g_gpus[fh->gpu];
+    }
+    return NULL;
+}
+
+static void sleep_ms(double ms) {
+    if (ms <= 0) return;
+    struct timespec ts = {(time_t)(ms / 1000.0), (long)(fmod(ms, 1000.0) * 1e6)};
+    while (nanosleep(&ts, &ts) != 0 && errno == EINTR) {
+    }
+}
+
+static int gpu_lost(const struct gpu *g, double t) { return g->c.has_lost && t - g_epoch >= g->c.lost_at; }
+
+/*
+ * Lock, count, reload, delay (with the lock released), then check the scenario's verdict on this call.
+ * On NVML_SUCCESS the lock is held and must be released with leave(); on failure it has been released.
+ */
+static nvmlReturn_t enter(const char *fn, nvmlDevice_t h, int flags, struct gpu **out, int *mig_out) {
+    pthread_mutex_lock(&g_lock);
+    count_call(fn);
+    if ((flags & F_NEED_INIT) && g_init_refcount == 0) {
+        pthread_mutex_unlock(&g_lock);
+        return NVML_ERROR_UNINITIALIZED;
+    }
+    /* Init reads the file afresh; later calls re-read it when it changed. A vanished or broken file keeps
+     * the last good scenario for an initialised library. */
+    if (!(flags & F_NEED_INIT)) g_reload_rc = maybe_reload(g_init_refcount == 0);
+    else if (g_init_refcount > 0) g_reload_rc = maybe_reload(0);
+    double ms = g_driver.delay_ms + delay_for(g_driver.delays, g_driver.ndelays, fn);
+    int mig = -1;
+    struct gpu *g = (flags & F_GPU) ? resolve(h, &mig) : NULL;
+    if (g) ms += delay_for(g->c.delays, g->c.ndelays, fn);
+    if (ms > 0) {
+        pthread_mutex_unlock(&g_lock);
+        sleep_ms(ms);
+        pthread_mutex_lock(&g_lock);
+    }
+    nvmlReturn_t r = NVML_SUCCESS;
+    if (list_has(g_driver.missing, fn)) r = NVML_ERROR_FUNCTION_NOT_FOUND;
+    else if (list_has(g_driver.not_supported, fn)) r = NVML_ERROR_NOT_SUPPORTED;
+    else if (flags & F_GPU) {
+        if (!g) r = NVML_ERROR_INVALID_ARGUMENT;
+        else if (!g->c.present) r = NVML_ERROR_GPU_IS_LOST; /* removed from the scenario: hot-unplugged */
+        else if (gpu_lost(g, now())) r = NVML_ERROR_GPU_IS_LOST;
+        else if (list_has(g->c.missing, fn)) r = NVML_ERROR_FUNCTION_NOT_FOUND;
+        else if (list_has(g->c.not_supported, fn)) r = NVML_ERROR_NOT_SUPPORTED;
+        else if (mig >= 0 && !(flags & F_ALLOW_MIG)) r = NVML_ERROR_NOT_SUPPORTED; /* no per-MIG readings */
+        else if (mig >= 0 && (!g->c.mig_mode || mig >= g->c.nmig)) r = NVML_ERROR_INVALID_ARGUMENT;
+    }
+    if (r != NVML_SUCCESS) {
+        pthread_mutex_unlock(&g_lock);
+        return r;
+    }
+    if (out) *out = g;
+    if (mig_out) *mig_out = mig;
+    return NVML_SUCCESS;
+}
+
+static nvmlReturn_t leave(nvmlReturn_t r) {
+    pthread_mutex_unlock(&g_lock);
+    return r;
+}
+
+#define ENTER_SYS()                                                                                      \
+    do {                                                                                                 \
+        nvmlReturn_t r_ = enter(__func__, NULL, F_NEED_INIT, NULL, NULL);                                \
+        if (r_ != NVML_SUCCESS) return r_;                                                               \
+    } while (0)
+
+#define ENTER_GPU(h, g)                                                                                  \
+    do {                                                                                                 \
+        nvmlReturn_t r_ = enter(__func__, (h), F_NEED_INIT | F_GPU, &(g), NULL);                          \
+        if (r_ != NVML_SUCCESS) return r_;                                                               \
+    } while (0)
+
+#define ENTER_ANY(h, g, mig)                                                                             \
+    do {                                                                                                 \
+        nvmlReturn_t r_ = enter(__func__, (h), F_NEED_INIT | F_GPU | F_ALLOW_MIG, &(g), &(mig));          \
+        if (r_ != NVML_SUCCESS) return r_;                                                               \
+    } while (0)
+
+/* ---- Init, errors, system ------------------------------------------------------------------------- */
+
+static nvmlReturn_t do_init(const char *fn) {
+    nvmlReturn_t r = enter(fn, NULL, 0, NULL, NULL);
+    if (r != NVML_SUCCESS) return r;
+    int rc = g_reload_rc;
+    if (rc == -1) return leave(NVML_ERROR_DRIVER_NOT_LOADED);
+    if (rc != 0) return leave(NVML_ERROR_UNKNOWN);
+    if (g_driver.init_error != NVML_SUCCESS) return leave(g_driver.init_error);
+    g_init_refcount++;
+    return leave(NVML_SUCCESS);
+}
+
+EXPORT nvmlReturn_t nvmlInit_v2(void) { return do_init(__func__); }
+
+EXPORT nvmlReturn_t nvmlInitWithFlags(unsigned int flags) {
+    (void)flags;
+    return do_init(__func__);
+}
+
+EXPORT nvmlReturn_t nvmlShutdown(void) {
+    nvmlReturn_t r = enter(__func__, NULL, F_NEED_INIT, NULL, NULL);
+    if (r != NVML_SUCCESS) return r;
+    g_init_refcount--;
+    return leave(NVML_SUCCESS);
+}
+
+EXPORT const char *nvmlErrorString(nvmlReturn_t result) {
+    pthread_mutex_lock(&g_lock);
+    count_call(__func__);
+    pthread_mutex_unlock(&g_lock);
+    switch (result) {
+    case NVML_SUCCESS: return "Success";
+    case NVML_ERROR_UNINITIALIZED: return "Uninitialized";
+    case NVML_ERROR_INVALID_ARGUMENT: return "Invalid Argument";
+    case NVML_ERROR_NOT_SUPPORTED: return "Not Supported";
+    case NVML_ERROR_NO_PERMISSION: return "Insufficient Permissions";
+    case NVML_ERROR_ALREADY_INITIALIZED: return "Already Initialized";
+    case NVML_ERROR_NOT_FOUND: return "Not Found";
+    case NVML_ERROR_INSUFFICIENT_SIZE: return "Insufficient Size";
+    case NVML_ERROR_INSUFFICIENT_POWER: return "Insufficient External Power";
+    case NVML_ERROR_DRIVER_NOT_LOADED: return "Driver Not Loaded";
+    case NVML_ERROR_TIMEOUT: return "Timeout";
+    case NVML_ERROR_IRQ_ISSUE: return "Interrupt Request Issue";
+    case NVML_ERROR_LIBRARY_NOT_FOUND: return "NVML Shared Library Not Found";
+    case NVML_ERROR_FUNCTION_NOT_FOUND: return "Function Not Found";
+    case NVML_ERROR_CORRUPTED_INFOROM: return "Corrupted infoROM";
+    case NVML_ERROR_GPU_IS_LOST: return "GPU is lost";
+    case NVML_ERROR_RESET_REQUIRED: return "GPU requires restart";
+    case NVML_ERROR_OPERATING_SYSTEM: return "The operating system has blocked the request.";
+    case NVML_ERROR_LIB_RM_VERSION_MISMATCH: return "RM has detected an NVML/RM version mismatch.";
+    case NVML_ERROR_IN_USE: return "In use by another client";
+    case NVML_ERROR_MEMORY: return "Insufficient Memory";
+    case NVML_ERROR_NO_DATA: return "No data";
+    case NVML_ERROR_ARGUMENT_VERSION_MISMATCH: return "Version mismatch";
+    default: return "Unknown Error";
+    }
+}
+
+EXPORT nvmlReturn_t nvmlSystemGetDriverVersion(char *version, unsigned int length) {
+    ENTER_SYS();
+    return leave(copy_str(version, length, g_driver.driver_version));
+}
+
+EXPORT nvmlReturn_t nvmlSystemGetNVMLVersion(char *version, unsigned int length) {
+    ENTER_SYS();
+    return leave(copy_str(version, length, g_driver.nvml_version));
+}
+
+EXPORT nvmlReturn_t nvmlSystemGetCudaDriverVersion(int *cudaDriverVersion) {
+    ENTER_SYS();
+    if (!cudaDriverVersion) return leave(NVML_ERROR_INVALID_ARGUMENT);
+    *cudaDriverVersion = g_driver.cuda_version;
+    return leave(NVML_SUCCESS);
+}
+
+EXPORT nvmlReturn_t nvmlSystemGetCudaDriverVersion_v2(int *cudaDriverVersion) {
+    ENTER_SYS();
+    if (!cudaDriverVersion) return leave(NVML_ERROR_INVALID_ARGUMENT);
+    *cudaDriverVersion = g_driver.cuda_version;
+    return leave(NVML_SUCCESS);
+}
+
+/* ---- Device discovery and identity ---------------------------------------------------------------- */
+
+static unsigned int device_count(void) { return g_driver.has_device_count ? g_driver.device_count : g_ngpus; }
+
+EXPORT nvmlReturn_t nvmlDeviceGetCount_v2(unsigned int *deviceCount) {
+    ENTER_SYS();
+    if (!deviceCount) return leave(NVML_ERROR_INVALID_ARGUMENT);
+    *deviceCount = device_count();
+    return leave(NVML_SUCCESS);
+}
+
+static nvmlReturn_t check_gpu_for_handle(struct gpu *g) {
+    if (gpu_lost(g, now())) return NVML_ERROR_GPU_IS_LOST;
+    if (g->c.handle_error) return (nvmlReturn_t)g->c.handle_error;
+    return NVML_SUCCESS;
+}
+
+EXPORT nvmlReturn_t nvmlDeviceGetHandleByIndex_v2(unsigned int index, nvmlDevice_t *device) {
+    ENTER_SYS();
+    if (!device || index >= device_count()) return leave(NVML_ERROR_INVALID_ARGUMENT);
+    if (index >= MAX_GPUS || !g_gpus[index].c.present) return leave(NVML_ERROR_UNKNOWN);
+    nvmlReturn_t r = check_gpu_for_handle(&g_gpus[index]);
+    if (r == NVML_SUCCESS) *device = &g_gpus[index].handle;
+    return leave(r);
+}
+
+EXPORT nvmlReturn_t nvmlDeviceGetHandleByUUID(const char *uuid, nvmlDevice_t *device) {
+    ENTER_SYS();
+    if (!uuid || !device) return leave(NVML_ERROR_INVALID_ARGUMENT);
+    for (unsigned int i = 0; i < g_ngpus && i < device_count(); i++) {
+        struct gpu *g = &g_gpus[i];
+        if (!g->c.present) continue;
+        if (!strcmp(g->c.uuid, uuid)) {
+            nvmlReturn_t r = check_gpu_for_handle(g);
+            if (r == NVML_SUCCESS) *device = &g->handle;
+            return leave(r);
+        }
+        for (int m = 0; g->c.mig_mode && m < g->c.nmig; m++) {
+            if (!strcmp(g->c.mig_uuid[m], uuid)) {
+                nvmlReturn_t r = check_gpu_for_handle(g);
+                if (r == NVML_SUCCESS) *device = &g_mig_handles[i][m];
+                return leave(r);
+            }
+        }
+    }
+    return leave(NVML_ERROR_NOT_FOUND);
+}
+
+EXPORT nvmlReturn_t nvmlDeviceGetIndex(nvmlDevice_t device, unsigned int *index) {
+    struct gpu *g;
+    ENTER_GPU(device, g);
+    if (!index) return leave(NVML_ERROR_INVALID_ARGUMENT);
+    *index = (unsigned int)g->handle.gpu;
+    return leave(NVML_SUCCESS);
+}
+
+EXPORT nvmlReturn_t nvmlDeviceGetUUID(nvmlDevice_t device, char *uuid, unsigned int length) {
+    struct gpu *g;
+    int mig;
+    ENTER_ANY(device, g, mig);
+    return leave(copy_str(uuid, length, mig >= 0 ? g->c.mig_uuid[mig] : g->c.uuid));
+}
+
+EXPORT nvmlReturn_t nvmlDeviceGetName(nvmlDevice_t device, char *name, unsigned int length) {
+    struct gpu *g;
+    int mig;
+    ENTER_ANY(device, g, mig);
+    if (mig < 0) return leave(copy_str(name, length, g->c.name));
+    char buf[STR_LEN + 8];
+    snprintf(buf, sizeof buf, "%s MIG", g->c.name);
+    return leave(copy_str(name, length, buf));
+}
+
+EXPORT nvmlReturn_t nvmlDeviceGetPciInfo_v3(nvmlDevice_t device, nvmlPciInfo_t *pci) {
+    struct gpu *g;
+    ENTER_GPU(device, g);
+    if (!pci) return leave(NVML_ERROR_INVALID_ARGUMENT);
+    unsigned int d = 0, b = 0, dev = 0, f = 0;
+    memset(pci, 0, sizeof *pci);
+    sscanf(g->c.pci_bus_id, "%x:%x:%x.%x", &d, &b, &dev, &f);
+    pci->domain = d;
+    pci->bus = b;
+    pci->device = dev;
+    pci->pciDeviceId = g->c.pci_device_id;
+    pci->pciSubSystemId = g->c.pci_subsystem_id;
+    snprintf(pci->busId, sizeof pci->busId, "%s", g->c.pci_bus_id);
+    /* the legacy field has room for a 4-digit domain only */
+    snprintf(pci->busIdLegacy, sizeof pci->busIdLegacy, "%04x:%02x:%02x.%x", d & 0xffff, b & 0xff, dev & 0xff,
+             f & 0xf);
+    return leave(NVML_SUCCESS);
+}
+
+EXPORT nvmlReturn_t nvmlDeviceGetArchitecture(nvmlDevice_t device, unsigned int *arch) {
+    struct gpu *g;
+    ENTER_GPU(device, g);
+    if (!arch) return leave(NVML_ERROR_INVALID_ARGUMENT);
+    *arch = g->c.arch;
+    return leave(NVML_SUCCESS);
+}
+
+EXPORT nvmlReturn_t nvmlDeviceGetCudaComputeCapability(nvmlDevice_t device, int *major, int *minor) {
+    struct gpu *g;
+    ENTER_GPU(device, g);
+    if (!major || !minor) return leave(NVML_ERROR_INVALID_ARGUMENT);
+    *major = g->c.cc_major;
+    *minor = g->c.cc_minor;
+    return leave(NVML_SUCCESS);
+}
+
+/* ---- Power and energy ----------------------------------------------------------------------------- */
+
+EXPORT nvmlReturn_t nvmlDeviceGetTotalEnergyConsumption(nvmlDevice_t device, unsigned long long *energy) {
+    struct gpu *g;
+    ENTER_GPU(device, g);
+    if (!energy) return leave(NVML_ERROR_INVALID_ARGUMENT);
+    if (!g->c.energy_counter) return leave(NVML_ERROR_NOT_SUPPORTED);
+    *energy = energy_counter_mj(&g->c, now() - g_epoch);
+    return leave(NVML_SUCCESS);
+}
+
+EXPORT nvmlReturn_t nvmlDeviceGetPowerUsage(nvmlDevice_t device, unsigned int *power) {
+    struct gpu *g;
+    ENTER_GPU(device, g);
+    if (!power) return leave(NVML_ERROR_INVALID_ARGUMENT);
+    double t = now() - g_epoch;
+    *power = to_mw(g->c.power_usage_average ? reported_average_w(&g->c, t, 0) : reported_instant_w(&g->c, t, 0));
+    return leave(NVML_SUCCESS);
+}
+
+EXPORT nvmlReturn_t nvmlDeviceGetFieldValues(nvmlDevice_t device, int valuesCount, nvmlFieldValue_t *values) {
+    struct gpu *g;
+    ENTER_GPU(device, g);
+    if (valuesCount < 0 || (valuesCount > 0 && !values)) return leave(NVML_ERROR_INVALID_ARGUMENT);
+    double tn = now(), t = tn - g_epoch;
+    for (int i = 0; i < valuesCount; i++) {
+        nvmlFieldValue_t *v = &values[i];
+        unsigned int id = v->fieldId, scope = v->scopeId;
+        int module = scope == NVML_POWER_SCOPE_MODULE;
+        int power_scope_ok = scope == NVML_POWER_SCOPE_GPU || (module && g->c.has_module);
+        v->timestamp = (long long)(tn * 1e6);
+        v->latencyUsec = 0;
+        v->nvmlReturn = NVML_SUCCESS;
+        memset(&v->value, 0, sizeof v->value);
+        if (list_has_uint(g->c.fields_not_supported, id)) {
+            v->nvmlReturn = NVML_ERROR_NOT_SUPPORTED;
+        } else if (id == NVML_FI_DEV_POWER_INSTANT && g->c.field_instant && power_scope_ok) {
+            v->valueType = NVML_VALUE_TYPE_UNSIGNED_INT;
+            v->value.uiVal = to_mw(reported_instant_w(&g->c, t, module));
+        } else if (id == NVML_FI_DEV_POWER_AVERAGE && g->c.field_average && power_scope_ok) {
+            v->valueType = NVML_VALUE_TYPE_UNSIGNED_INT;
+            v->value.uiVal = to_mw(reported_average_w(&g->c, t, module));
+        } else if (id == NVML_FI_DEV_MEMORY_TEMP && g->c.has_temp_mem) {
+            v->valueType = NVML_VALUE_TYPE_UNSIGNED_INT;
+            v->value.uiVal = (unsigned int)g->c.temp_mem;
+        } else if (id == NVML_FI_DEV_TOTAL_ENERGY_CONSUMPTION && g->c.energy_counter) {
+            v->valueType = NVML_VALUE_TYPE_UNSIGNED_LONG_LONG;
+            v->value.ullVal = energy_counter_mj(&g->c, t);
+        } else {
+            v->nvmlReturn = NVML_ERROR_NOT_SUPPORTED;
+        }
+    }
+    return leave(NVML_SUCCESS);
+}
+
+EXPORT nvmlReturn_t nvmlDeviceGetEnforcedPowerLimit(nvmlDevice_t device, unsigned int *limit) {
+    struct gpu *g;
+    ENTER_GPU(device, g);
+    if (!limit) return leave(NVML_ERROR_INVALID_ARGUMENT);
+    *limit = g->c.power_limit_mw;
+    return leave(NVML_SUCCESS);
+}
+
+EXPORT nvmlReturn_t nvmlDeviceGetPowerManagementLimit(nvmlDevice_t device, unsigned int *limit) {
+    struct gpu *g;
+    ENTER_GPU(device, g);
+    if (!limit) return leave(NVML_ERROR_INVALID_ARGUMENT);
+    *limit = g->c.has_power_mgmt_limit ? g->c.power_mgmt_limit_mw : g->c.power_limit_mw;
+    return leave(NVML_SUCCESS);
+}
+
+/* ---- Memory, utilisation, temperature, clocks ----------------------------------------------------- */
+
+EXPORT nvmlReturn_t nvmlDeviceGetMemoryInfo(nvmlDevice_t device, nvmlMemory_t *memory) {
+    struct gpu *g;
+    ENTER_GPU(device, g);
+    if (!memory) return leave(NVML_ERROR_INVALID_ARGUMENT);
+    /* v1 has no reserved field: the driver counts reserved memory as used */
+    unsigned long long used = g->c.mem_used + g->c.mem_reserved;
+    memory->total = g->c.mem_total;
+    memory->used = used;
+    memory->free = g->c.mem_total > used ? g->c.mem_total - used : 0;
+    return leave(NVML_SUCCESS);
+}
+
+EXPORT nvmlReturn_t nvmlDeviceGetMemoryInfo_v2(nvmlDevice_t device, nvmlMemory_v2_t *memory) {
+    struct gpu *g;
+    ENTER_GPU(device, g);
+    if (!memory) return leave(NVML_ERROR_INVALID_ARGUMENT);
+    if (memory->version != NVML_MEMORY_V2) return leave(NVML_ERROR_ARGUMENT_VERSION_MISMATCH);
+    unsigned long long busy = g->c.mem_used + g->c.mem_reserved;
+    memory->total = g->c.mem_total;
+    memory->reserved = g->c.mem_reserved;
+    memory->used = g->c.mem_used;
+    memory->free = g->c.mem_total > busy ? g->c.mem_total - busy : 0;
+    return leave(NVML_SUCCESS);
+}
+
+EXPORT nvmlReturn_t nvmlDeviceGetUtilizationRates(nvmlDevice_t device, nvmlUtilization_t *utilization) {
+    struct gpu *g;
+    ENTER_GPU(device, g);
+    if (!utilization) return leave(NVML_ERROR_INVALID_ARGUMENT);
+    if (g->c.mig_mode) return leave(NVML_ERROR_NOT_SUPPORTED); /* as the driver: no utilisation under MIG */
+    utilization->gpu = g->c.util_gpu;
+    utilization->memory = g->c.util_mem;
+    return leave(NVML_SUCCESS);
+}
+
+EXPORT nvmlReturn_t nvmlDeviceGetTemperature(nvmlDevice_t device, unsigned int sensorType, unsigned int *temp) {
+    struct gpu *g;
+    ENTER_GPU(device, g);
+    if (!temp || sensorType != NVML_TEMPERATURE_GPU) return leave(NVML_ERROR_INVALID_ARGUMENT);
+    *temp = (unsigned int)g->c.temp_gpu;
+    return leave(NVML_SUCCESS);
+}
+
+EXPORT nvmlReturn_t nvmlDeviceGetTemperatureV(nvmlDevice_t device, nvmlTemperature_t *temperature) {
+    struct gpu *g;
+    ENTER_GPU(device, g);
+    if (!temperature) return leave(NVML_ERROR_INVALID_ARGUMENT);
+    if (temperature->version != NVML_TEMPERATURE_V1) return leave(NVML_ERROR_ARGUMENT_VERSION_MISMATCH);
+    if (temperature->sensorType != NVML_TEMPERATURE_GPU) return leave(NVML_ERROR_INVALID_ARGUMENT);
+    temperature->temperature = g->c.temp_gpu;
+    return leave(NVML_SUCCESS);
+}
+
+EXPORT nvmlReturn_t nvmlDeviceGetClockInfo(nvmlDevice_t device, unsigned int type, unsigned int *clock) {
+    struct gpu *g;
+    ENTER_GPU(device, g);
+    if (!clock) return leave(NVML_ERROR_INVALID_ARGUMENT);
+    switch (type) {
+    case NVML_CLOCK_GRAPHICS: *clock = g->c.has_clk_graphics ? g->c.clk_graphics : g->c.clk_sm; break;
+    case NVML_CLOCK_SM: *clock = g->c.clk_sm; break;
+    case NVML_CLOCK_MEM: *clock = g->c.clk_mem; break;
+    case NVML_CLOCK_VIDEO: return leave(NVML_ERROR_NOT_SUPPORTED);
+    default: return leave(NVML_ERROR_INVALID_ARGUMENT);
+    }
+    return leave(NVML_SUCCESS);
+}
+
+EXPORT nvmlReturn_t nvmlDeviceGetCurrentClocksEventReasons(nvmlDevice_t device, unsigned long long *reasons) {
+    struct gpu *g;
+    ENTER_GPU(device, g);
+    if (!reasons) return leave(NVML_ERROR_INVALID_ARGUMENT);
+    *reasons = g->c.clocks_event_reasons;
+    return leave(NVML_SUCCESS);
+}
+
+EXPORT nvmlReturn_t nvmlDeviceGetCurrentClocksThrottleReasons(nvmlDevice_t device, unsigned long long *reasons) {
+    struct gpu *g;
+    ENTER_GPU(device, g);
+    if (!reasons) return leave(NVML_ERROR_INVALID_ARGUMENT);
+    *reasons = g->c.clocks_event_reasons;
+    return leave(NVML_SUCCESS);
+}
+
+/* ---- Processes ------------------------------------------------------------------------------------ */
+
+static nvmlReturn_t fill_processes(struct gpu *g, unsigned int *count, nvmlProcessInfo_t *infos) {
+    if (!count) return NVML_ERROR_INVALID_ARGUMENT;
+    unsigned int n = (unsigned int)g->c.nproc;
+    if (*count < n || (!infos && n > 0)) {
+        *count = n;
+        return NVML_ERROR_INSUFFICIENT_SIZE;
+    }
+    for (unsigned int i = 0; i < n; i++) {
+        infos[i].pid = g->c.procs[i].pid;
+        infos[i].usedGpuMemory = g->c.procs[i].used_bytes;
+        infos[i].gpuInstanceId = 0xffffffffu;
+        infos[i].computeInstanceId = 0xffffffffu;
+    }
+    *count = n;
+    return NVML_SUCCESS;
+}
+
+EXPORT nvmlReturn_t nvmlDeviceGetComputeRunningProcesses_v3(nvmlDevice_t device, unsigned int *infoCount,
+                                                            nvmlProcessInfo_t *infos) {
+    struct gpu *g;
+    ENTER_GPU(device, g);
+    return leave(fill_processes(g, infoCount, infos));
+}
+
+EXPORT nvmlReturn_t nvmlDeviceGetComputeRunningProcesses_v2(nvmlDevice_t device, unsigned int *infoCount,
+                                                            nvmlProcessInfo_t *infos) {
+    struct gpu *g;
+    ENTER_GPU(device, g);
+    return leave(fill_processes(g, infoCount, infos));
+}
+
+EXPORT nvmlReturn_t nvmlDeviceGetProcessUtilization(nvmlDevice_t device, nvmlProcessUtilizationSample_t *utilization,
+                                                    unsigned int *processSamplesCount,
+                                                    unsigned long long lastSeenTimeStamp) {
+    struct gpu *g;
+    ENTER_GPU(device, g);
+    if (!processSamplesCount) return leave(NVML_ERROR_INVALID_ARGUMENT);
+    if (g->c.mig_mode) return leave(NVML_ERROR_NOT_SUPPORTED);
+    unsigned long long ts = (unsigned long long)(now() * 1e6);
+    unsigned int n = (unsigned int)g->c.nproc;
+    if (n == 0 || lastSeenTimeStamp >= ts) return leave(NVML_ERROR_NOT_FOUND); /* no samples since then */
+    if (!utilization || *processSamplesCount < n) {
+        *processSamplesCount = n;
+        return leave(NVML_ERROR_INSUFFICIENT_SIZE);
+    }
+    for (unsigned int i = 0; i < n; i++) {
+        memset(&utilization[i], 0, sizeof utilization[i]);
+        utilization[i].pid = g->c.procs[i].pid;
+        utilization[i].timeStamp = ts;
+        utilization[i].smUtil = g->c.procs[i].sm_pct;
+        utilization[i].memUtil = g->c.procs[i].mem_pct;
+    }
+    *processSamplesCount = n;
+    return leave(NVML_SUCCESS);
+}
+
+/* ---- MIG ------------------------------------------------------------------------------------------ */
+
+EXPORT nvmlReturn_t nvmlDeviceGetMigMode(nvmlDevice_t device, unsigned int *currentMode, unsigned int *pendingMode) {
+    struct gpu *g;
+    ENTER_GPU(device, g);
+    if (!currentMode || !pendingMode) return leave(NVML_ERROR_INVALID_ARGUMENT);
+    if (!g->c.mig_capable) return leave(NVML_ERROR_NOT_SUPPORTED);
+    *currentMode = (unsigned int)g->c.mig_mode;
+    *pendingMode = (unsigned int)(g->c.has_mig_pending ? g->c.mig_pending : g->c.mig_mode);
+    return leave(NVML_SUCCESS);
+}
+
+EXPORT nvmlReturn_t nvmlDeviceGetMaxMigDeviceCount(nvmlDevice_t device, unsigned int *count) {
+    struct gpu *g;
+    ENTER_GPU(device, g);
+    if (!count) return leave(NVML_ERROR_INVALID_ARGUMENT);
+    if (!g->c.mig_capable) return leave(NVML_ERROR_NOT_SUPPORTED);
+    *count = (unsigned int)g->c.max_mig;
+    return leave(NVML_SUCCESS);
+}
+
+EXPORT nvmlReturn_t nvmlDeviceGetMigDeviceHandleByIndex(nvmlDevice_t device, unsigned int index,
+                                                        nvmlDevice_t *migDevice) {
+    struct gpu *g;
+    ENTER_GPU(device, g);
+    if (!migDevice) return leave(NVML_ERROR_INVALID_ARGUMENT);
+    if (!g->c.mig_capable) return leave(NVML_ERROR_NOT_SUPPORTED);
+    if (index >= (unsigned int)g->c.max_mig) return leave(NVML_ERROR_INVALID_ARGUMENT);
+    if (!g->c.mig_mode || index >= (unsigned int)g->c.nmig) return leave(NVML_ERROR_NOT_FOUND);
+    *migDevice = &g_mig_handles[g->handle.gpu][index];
+    return leave(NVML_SUCCESS);
+}
+
+EXPORT nvmlReturn_t nvmlDeviceIsMigDeviceHandle(nvmlDevice_t device, unsigned int *isMigDevice) {
+    struct gpu *g;
+    int mig;
+    ENTER_ANY(device, g, mig);
+    if (!isMigDevice) return leave(NVML_ERROR_INVALID_ARGUMENT);
+    *isMigDevice = mig >= 0;
+    return leave(NVML_SUCCESS);
+}
+
+EXPORT nvmlReturn_t nvmlDeviceGetDeviceHandleFromMigDeviceHandle(nvmlDevice_t migDevice, nvmlDevice_t *device) {
+    struct gpu *g;
+    int mig;
+    ENTER_ANY(migDevice, g, mig);
+    if (!device || mig < 0) return leave(NVML_ERROR_INVALID_ARGUMENT);
+    *device = &g->handle;
+    return leave(NVML_SUCCESS);
+}
+
+/* ---- GPM ------------------------------------------------------------------------------------------ */
+
+EXPORT nvmlReturn_t nvmlGpmQueryDeviceSupport(nvmlDevice_t device, nvmlGpmSupport_t *gpmSupport) {
+    struct gpu *g;
+    ENTER_GPU(device, g);
+    if (!gpmSupport) return leave(NVML_ERROR_INVALID_ARGUMENT);
+    if (gpmSupport->version != NVML_GPM_SUPPORT_VERSION) return leave(NVML_ERROR_ARGUMENT_VERSION_MISMATCH);
+    gpmSupport->isSupportedDevice = (unsigned int)g->c.gpm_supported;
+    return leave(NVML_SUCCESS);
+}
+
+static struct fake_gpm_sample *find_sample(nvmlGpmSample_t s) {
+    for (struct fake_gpm_sample *p = g_samples; p; p = p->next)
+        if (p == s) return p;
+    return NULL;
+}
+
+EXPORT nvmlReturn_t nvmlGpmSampleAlloc(nvmlGpmSample_t *gpmSample) {
+    ENTER_SYS();
+    if (!gpmSample) return leave(NVML_ERROR_INVALID_ARGUMENT);
+    struct fake_gpm_sample *s = calloc(1, sizeof *s);
+    if (!s) return leave(NVML_ERROR_MEMORY);
+    s->magic = GPM_MAGIC;
+    s->next = g_samples;
+    g_samples = s;
+    g_samples_outstanding++;
+    *gpmSample = s;
+    return leave(NVML_SUCCESS);
+}
+
+EXPORT nvmlReturn_t nvmlGpmSampleFree(nvmlGpmSample_t gpmSample) {
+    ENTER_SYS();
+    struct fake_gpm_sample *s = find_sample(gpmSample);
+    if (!s) return leave(NVML_ERROR_INVALID_ARGUMENT);
+    for (struct fake_gpm_sample **pp = &g_samples; *pp; pp = &(*pp)->next)
+        if (*pp == s) {
+            *pp = s->next;
+            break;
+        }
+    s->magic = 0;
+    free(s);
+    g_samples_outstanding--;
+    return leave(NVML_SUCCESS);
+}
+
+EXPORT nvmlReturn_t nvmlGpmSampleGet(nvmlDevice_t device, nvmlGpmSample_t gpmSample) {
+    struct gpu *g;
+    ENTER_GPU(device, g);
+    struct fake_gpm_sample *s = find_sample(gpmSample);
+    if (!s) return leave(NVML_ERROR_INVALID_ARGUMENT);
+    if (!g->c.gpm_supported) return leave(NVML_ERROR_NOT_SUPPORTED);
+    double t = now();
+    gpm_advance(g, t);
+    s->filled = 1;
+    s->gpu = g->handle.gpu;
+    s->t = t;
+    memcpy(s->acc, g->gpm_acc, sizeof s->acc);
+    memcpy(s->pct, g->c.gpm_pct, sizeof s->pct);
+    return leave(NVML_SUCCESS);
+}
+
+EXPORT nvmlReturn_t nvmlGpmMetricsGet(nvmlGpmMetricsGet_t *metricsGet) {
+    ENTER_SYS();
+    if (!metricsGet) return leave(NVML_ERROR_INVALID_ARGUMENT);
+    if (metricsGet->version != NVML_GPM_METRICS_GET_VERSION) return leave(NVML_ERROR_ARGUMENT_VERSION_MISMATCH);
+    struct fake_gpm_sample *a = find_sample(metricsGet->sample1), *b = find_sample(metricsGet->sample2);
+    if (!a || !b || !a->filled || !b->filled || a->gpu != b->gpu || metricsGet->numMetrics > NVML_GPM_METRIC_MAX)
+        return leave(NVML_ERROR_INVALID_ARGUMENT);
+    const struct gpu *g = &g_gpus[a->gpu];
+    double dt = b->t - a->t;
+    for (unsigned int i = 0; i < metricsGet->numMetrics; i++) {
+        nvmlGpmMetric_t *m = &metricsGet->metrics[i];
+        int k = -1;
+        for (int j = 0; j < N_GPM; j++)
+            if (GPM_METRICS[j].id == m->metricId) k = j;
+        m->value = 0;
+        memset(&m->metricInfo, 0, sizeof m->metricInfo);
+        if (k < 0 || !g->c.has_gpm[k]) {
+            m->nvmlReturn = NVML_ERROR_NOT_SUPPORTED;
+            continue;
+        }
+        m->nvmlReturn = NVML_SUCCESS;
+        /* with a frozen clock both samples share a time: report the value in force at the second */
+        m->value = dt > 0 ? (b->acc[k] - a->acc[k]) / dt : b->pct[k];
+        m->metricInfo.shortName = (char *)GPM_METRICS[k].short_name;
+        m->metricInfo.longName = (char *)GPM_METRICS[k].long_name;
+        m->metricInfo.unit = (char *)"%";
+    }
+    return leave(NVML_SUCCESS);
+}
+
+/* ---- Test-only introspection (not part of NVML) --------------------------------------------------- */
+
+EXPORT int fakeNvmlGpmSamplesOutstanding(void) {
+    pthread_mutex_lock(&g_lock);
+    int n = g_samples_outstanding;
+    pthread_mutex_unlock(&g_lock);
+    return n;
+}
+
+/* Calls made to the NVML function named fn (including failed ones); fn NULL: all NVML calls. */
+EXPORT unsigned long long fakeNvmlCallCount(const char *fn) {
+    unsigned long long n = 0;
+    pthread_mutex_lock(&g_lock);
+    if (!fn) n = g_count_total;
+    for (int i = 0; fn && i < MAX_COUNTED && g_counts[i].fn; i++)
+        if (!strcmp(g_counts[i].fn, fn)) n = g_counts[i].n;
+    pthread_mutex_unlock(&g_lock);
+    return n;
+}
+
+EXPORT void fakeNvmlResetCallCounts(void) {
+    pthread_mutex_lock(&g_lock);
+    memset(g_counts, 0, sizeof g_counts);
+    g_count_total = 0;
+    pthread_mutex_unlock(&g_lock);
+}
+
+/* The reason the last scenario read failed ("" if none). */
+EXPORT const char *fakeNvmlLastError(void) { return g_last_error; }

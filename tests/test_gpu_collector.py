@@ -1,0 +1,268 @@
+"""The production NVML code path (devices.nvml + collectors.gpu) against the fake libnvidia-ml.so.1.
+
+These run in-process: the exporter's own ``--nvml.library`` loading puts the fake library into pynvml once
+per session, and each test points the library at its scenario file (``FAKE_NVML_SCENARIO``, read at
+nvmlInit) and shuts NVML down at the end. Builds with missing symbols run in a subprocess (test_exporter_process).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from fakenvml import GPU, Constant, Driver, Process, Scenario, Square, a100, grace_hopper, h100, pascal_no_counter, v100
+from prometheus_client import generate_latest
+
+from gpu_energy_exporter.collectors.gpu import GPUCollector
+from gpu_energy_exporter.devices.nvml import NVMLBackend
+from gpu_energy_exporter.exposition import SnapshotCollector, new_registry
+from gpu_energy_exporter.sampler import Sampler
+
+T0 = 1_750_000_000.0
+
+
+class Rig:
+    """A scenario file, the collector on the fake library, and the exposition registry."""
+
+    def __init__(self, lib: Path, path: Path, scenario: Scenario, **kw) -> None:  # type: ignore[no-untyped-def]
+        self.lib, self.path, self.scenario = lib, path, scenario
+        scenario.write(path)
+        self.collector = GPUCollector(lambda: NVMLBackend(str(lib)), retry_interval=0.0, **kw)
+        self.sampler = Sampler([self.collector], 1.0, gpu_states=self.collector.states)
+        self.registry = new_registry(SnapshotCollector(self.sampler))
+
+    def rewrite(self, scenario: Scenario) -> None:
+        self.scenario = scenario
+        scenario.write(self.path)
+
+    def sample(self) -> None:
+        self.sampler.sample_once()
+
+    def value(self, name: str, **labels: str) -> float | None:
+        return self.registry.get_sample_value(name, labels)
+
+    def text(self) -> str:
+        return generate_latest(self.registry).decode()
+
+
+@pytest.fixture
+def rig(fake_nvml_lib: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator:  # type: ignore[type-arg]
+    path = tmp_path / "scenario.ini"
+    monkeypatch.setenv("FAKE_NVML_SCENARIO", str(path))
+    made: list[Rig] = []
+
+    def make(scenario: Scenario, **kw) -> Rig:  # type: ignore[no-untyped-def]
+        r = Rig(fake_nvml_lib, path, scenario, **kw)
+        made.append(r)
+        return r
+
+    yield make
+    for r in made:
+        r.collector.close()
+
+
+def frozen(at: float, gpus: list[GPU], **driver) -> Scenario:  # type: ignore[no-untyped-def]
+    return Scenario(epoch=T0, driver=Driver(frozen_time=at, **driver), gpus=gpus)
+
+
+def L(i: int, gpus: list[GPU]) -> dict[str, str]:
+    return {"gpu": str(i), "gpu_uuid": gpus[i].uuid}
+
+
+def test_identity_info_and_energy_method_per_generation(rig) -> None:  # type: ignore[no-untyped-def]
+    gpus = [h100(0), a100(1), v100(2), pascal_no_counter(3), grace_hopper(4)]
+    r = rig(frozen(T0 + 10, gpus))
+    r.sample()
+    methods = {}
+    for i, g in enumerate(gpus):
+        for line in r.text().splitlines():
+            if line.startswith("gpuenergy_gpu_info{") and f'gpu_uuid="{g.uuid}"' in line:
+                methods[i] = line.split('energy_method="')[1].split('"')[0]
+                assert f'model="{g.name}"' in line and 'driver_version="550.54.15"' in line
+                assert 'backend="nvml"' in line and f'pci_bus_id="{g.pci_bus_id}"' in line
+    assert methods == {0: "counter", 1: "counter", 2: "counter", 3: "integrated_power_usage", 4: "counter"}
+    assert r.value("gpuenergy_nvml_available", reason="") == 1.0
+    assert all(r.value("gpuenergy_gpu_up", **L(i, gpus)) == 1.0 for i in range(5))
+
+
+def test_energy_counter_in_joules_follows_the_exact_integral(rig) -> None:  # type: ignore[no-untyped-def]
+    gpus = [h100(0, power=Square(100, 700, 0.05, 0.4), energy_offset_mj=5_000_000)]
+    sc = frozen(T0 + 100, gpus)
+    r = rig(sc)
+    r.sample()
+    e1 = r.value("gpuenergy_gpu_energy_joules_total", **L(0, gpus))
+    assert e1 == pytest.approx(sc.energy_counter_mj(0, T0 + 100) / 1000.0)
+    sc2 = frozen(T0 + 160, gpus)
+    r.rewrite(sc2)
+    r.sample()
+    e2 = r.value("gpuenergy_gpu_energy_joules_total", **L(0, gpus))
+    # 60 s of a 100/700 W square wave at 40% duty = 340 W mean: 20400 J, exactly the scenario's integral
+    assert e2 - e1 == pytest.approx(sc.true_energy_j(0, T0 + 100, T0 + 160), abs=0.002)
+    assert e2 - e1 == pytest.approx(20400.0, rel=1e-6)
+
+
+def test_counter_reset_is_rebased_and_counted(rig) -> None:  # type: ignore[no-untyped-def]
+    gpus = [h100(0, power=Constant(300.0), energy_offset_mj=9_000_000, energy_reset_at_s=(50.0,))]
+    r = rig(frozen(T0 + 40, gpus))
+    r.sample()
+    before = r.value("gpuenergy_gpu_energy_joules_total", **L(0, gpus))
+    assert before == pytest.approx(9000.0 + 40 * 300.0)
+    r.rewrite(frozen(T0 + 60, gpus))  # the driver reloaded at t=50: raw counter now 10 s x 300 W
+    r.sample()
+    after = r.value("gpuenergy_gpu_energy_joules_total", **L(0, gpus))
+    assert after == pytest.approx(before + 10 * 300.0)  # monotonic; the 10 s before the reset are lost
+    assert r.value("gpuenergy_gpu_energy_counter_resets_total", **L(0, gpus)) == 1.0
+
+
+def test_instant_and_average_power_are_separate_series(rig) -> None:  # type: ignore[no-untyped-def]
+    # 25 ms in 100 ms windows on a 50 ms square wave: the instant reading sees only part of the wave
+    gpus = [h100(0, power=Square(100, 700, 0.1, 0.25)), a100(1, power=Constant(250.0), power_average_field=False)]
+    at = T0 + 10.03
+    sc = frozen(at, gpus)
+    r = rig(sc)
+    r.sample()
+    assert r.value("gpuenergy_gpu_power_watts", **L(0, gpus)) == pytest.approx(sc.reported_instant_w(0, at), abs=0.001)
+    assert r.value("gpuenergy_gpu_power_average_watts", **L(0, gpus)) == pytest.approx(
+        sc.reported_average_w(0, at), abs=0.001)
+    # A100 (GA100): PowerUsage is instant, no average field: no average series at all
+    assert r.value("gpuenergy_gpu_power_watts", **L(1, gpus)) == pytest.approx(250.0)
+    assert r.value("gpuenergy_gpu_power_average_watts", **L(1, gpus)) is None
+
+
+def test_lost_gpu_shows_down_and_others_keep_working(rig) -> None:  # type: ignore[no-untyped-def]
+    gpus = [h100(0, power=Constant(200.0)), h100(1, power=Constant(400.0), lost_at_s=20.0)]
+    r = rig(frozen(T0 + 10, gpus))
+    r.sample()
+    e_lost = r.value("gpuenergy_gpu_energy_joules_total", **L(1, gpus))
+    r.rewrite(frozen(T0 + 30, gpus))
+    r.sample()
+    assert r.value("gpuenergy_gpu_up", **L(1, gpus)) == 0.0
+    assert r.value("gpuenergy_gpu_power_watts", **L(1, gpus)) is None
+    assert r.value("gpuenergy_gpu_energy_joules_total", **L(1, gpus)) == e_lost  # held, not dropped
+    assert r.value("gpuenergy_gpu_up", **L(0, gpus)) == 1.0
+    assert r.value("gpuenergy_gpu_power_watts", **L(0, gpus)) == pytest.approx(200.0)
+    assert r.value("gpuenergy_collector_success", collector="gpu") == 1.0
+
+
+def test_not_supported_and_missing_functions_remove_only_their_series(rig) -> None:  # type: ignore[no-untyped-def]
+    gpus = [
+        h100(0, not_supported=("nvmlDeviceGetTemperature",), temperature_memory_c=None),
+        h100(1, missing=("nvmlDeviceGetTotalEnergyConsumption", "nvmlDeviceGetClockInfo")),
+    ]
+    r = rig(frozen(T0 + 5, gpus))
+    r.sample()
+    r.sample()
+    assert r.value("gpuenergy_gpu_temperature_celsius", **L(0, gpus)) is None
+    assert r.value("gpuenergy_gpu_memory_temperature_celsius", **L(0, gpus)) is None
+    assert r.value("gpuenergy_gpu_temperature_celsius", **L(1, gpus)) == 34.0
+    assert r.value("gpuenergy_gpu_sm_clock_hertz", **L(1, gpus)) is None
+    assert r.value("gpuenergy_gpu_sm_clock_hertz", **L(0, gpus)) == 1980e6
+    # no energy counter: integrated from instant power instead, and the info label says so
+    assert 'energy_method="integrated_instant_power"' in r.text()
+    assert r.value("gpuenergy_gpu_up", **L(1, gpus)) == 1.0
+
+
+def test_memory_utilisation_clocks_and_throttle_reasons(rig) -> None:  # type: ignore[no-untyped-def]
+    gpus = [h100(0, memory_used_bytes=40 << 30, util_gpu_pct=87, util_memory_pct=31,
+                 clocks_event_reasons=0x4 | 0x40)]
+    r = rig(frozen(T0 + 5, gpus))
+    r.sample()
+    lab = L(0, gpus)
+    assert r.value("gpuenergy_gpu_memory_used_bytes", **lab) == 40 << 30
+    assert r.value("gpuenergy_gpu_memory_total_bytes", **lab) == gpus[0].memory_total_bytes
+    assert r.value("gpuenergy_gpu_memory_reserved_bytes", **lab) == gpus[0].memory_reserved_bytes
+    assert r.value("gpuenergy_gpu_utilization_ratio", **lab) == pytest.approx(0.87)
+    assert r.value("gpuenergy_gpu_memory_utilization_ratio", **lab) == pytest.approx(0.31)
+    assert r.value("gpuenergy_gpu_power_limit_watts", **lab) == 700.0
+    assert r.value("gpuenergy_gpu_memory_clock_hertz", **lab) == 2619e6
+    active = {reason: r.value("gpuenergy_gpu_clock_event_active", **lab, reason=reason)
+              for reason in ("sw_power_cap", "hw_thermal_slowdown", "gpu_idle", "hw_slowdown")}
+    assert active == {"sw_power_cap": 1.0, "hw_thermal_slowdown": 1.0, "gpu_idle": 0.0, "hw_slowdown": 0.0}
+
+
+def test_gpm_ratios_on_hopper_and_no_leaked_samples(rig, fake_nvml_lib: Path) -> None:  # type: ignore[no-untyped-def]
+    gpm = {2: 62.5, 3: 30.0, 5: 41.0, 10: 55.0, 1: 90.0}
+    gpus = [h100(0, gpm=gpm), a100(1)]
+    r = rig(Scenario(epoch=T0, gpus=gpus))  # real clock: GPM needs samples >= 100 ms apart
+    r.sample()
+    assert r.value("gpuenergy_gpu_sm_active_ratio", **L(0, gpus)) is None  # one sample is not a rate
+    time.sleep(0.15)
+    r.sample()
+    lab = L(0, gpus)
+    assert r.value("gpuenergy_gpu_sm_active_ratio", **lab) == pytest.approx(0.625)
+    assert r.value("gpuenergy_gpu_sm_occupancy_ratio", **lab) == pytest.approx(0.30)
+    assert r.value("gpuenergy_gpu_tensor_active_ratio", **lab) == pytest.approx(0.41)
+    assert r.value("gpuenergy_gpu_dram_bandwidth_utilization_ratio", **lab) == pytest.approx(0.55)
+    assert r.value("gpuenergy_gpu_sm_active_ratio", **L(1, gpus)) is None  # A100: not supported = no data
+    lib = ctypes.CDLL(str(fake_nvml_lib))
+    assert lib.fakeNvmlGpmSamplesOutstanding() == 1  # the one kept for the next interval
+    r.collector.close()
+    assert lib.fakeNvmlGpmSamplesOutstanding() == 0
+
+
+def test_processes_are_opt_in_and_idle_power_is_learned(rig) -> None:  # type: ignore[no-untyped-def]
+    busy = [h100(0, processes=(Process(4242, 8 << 30, 80),)), h100(1, power=Constant(70.0))]
+    r = rig(frozen(T0 + 5, busy), processes=True)
+    for _ in range(12):
+        r.sample()
+    assert r.value("gpuenergy_gpu_process_memory_used_bytes", **L(0, busy), pid="4242") == 8 << 30
+    assert r.value("gpuenergy_gpu_compute_processes", **L(0, busy)) == 1.0
+    assert r.value("gpuenergy_gpu_idle_power_watts", **L(1, busy), source="learned") == pytest.approx(70.0)
+    assert r.value("gpuenergy_gpu_idle_power_watts", **L(0, busy), source="learned") is None  # never idle
+    r.collector.close()
+    r2 = rig(frozen(T0 + 5, busy), idle_power_w=55.0)
+    r2.sample()
+    assert r2.value("gpuenergy_gpu_process_memory_used_bytes", **L(0, busy), pid="4242") is None
+    assert r2.value("gpuenergy_gpu_idle_power_watts", **L(0, busy), source="flag") == 55.0
+
+
+def test_grace_hopper_module_power_is_its_own_series(rig) -> None:  # type: ignore[no-untyped-def]
+    gpus = [grace_hopper(0, power=Constant(400.0), module_extra_w=150.0), h100(1)]
+    r = rig(frozen(T0 + 5, gpus))
+    r.sample()
+    assert r.value("gpuenergy_gpu_power_watts", **L(0, gpus)) == pytest.approx(400.0)
+    assert r.value("gpuenergy_gpu_module_power_watts", **L(0, gpus)) == pytest.approx(550.0)
+    assert r.value("gpuenergy_gpu_module_power_watts", **L(1, gpus)) is None
+
+
+def test_pre_volta_energy_is_integrated_by_the_fast_sampler(rig) -> None:  # type: ignore[no-untyped-def]
+    gpus = [pascal_no_counter(0, power=Constant(150.0))]
+    r = rig(Scenario(epoch=T0, gpus=gpus), power_interval=0.02)
+    r.sample()
+    t_start = time.time()
+    time.sleep(1.0)
+    r.sample()
+    elapsed = time.time() - t_start
+    e = r.value("gpuenergy_gpu_energy_joules_total", **L(0, gpus))
+    assert e is not None and e == pytest.approx(150.0 * elapsed, rel=0.1)
+    assert r.value("gpuenergy_gpu_energy_counter_resets_total", **L(0, gpus)) is None
+
+
+def test_no_driver_is_reported_once_and_is_not_fatal(fake_nvml_lib: Path, monkeypatch, caplog) -> None:  # type: ignore[no-untyped-def]
+    monkeypatch.delenv("FAKE_NVML_SCENARIO", raising=False)
+    c = GPUCollector(lambda: NVMLBackend(str(fake_nvml_lib)), retry_interval=3600)
+    s = Sampler([c], 1.0)
+    reg = new_registry(SnapshotCollector(s))
+    for _ in range(3):
+        s.sample_once()
+    assert reg.get_sample_value("gpuenergy_nvml_available", {"reason": "driver_not_loaded"}) == 0.0
+    assert reg.get_sample_value("gpuenergy_collector_success", {"collector": "gpu"}) == 0.0
+    warnings = [rec for rec in caplog.records if "NVML unavailable" in rec.getMessage()]
+    assert len(warnings) == 1 and "nvidia-smi" in warnings[0].getMessage()
+
+
+def test_scrape_path_never_calls_nvml(rig, fake_nvml_lib: Path) -> None:  # type: ignore[no-untyped-def]
+    gpus = [h100(i) for i in range(4)]
+    r = rig(frozen(T0 + 5, gpus))
+    r.sample()
+    lib = ctypes.CDLL(str(fake_nvml_lib))
+    lib.fakeNvmlCallCount.restype = ctypes.c_ulonglong
+    lib.fakeNvmlResetCallCounts()
+    for _ in range(20):
+        assert "gpuenergy_gpu_energy_joules_total" in r.text()
+    assert lib.fakeNvmlCallCount(None) == 0
+    r.sample()
+    assert lib.fakeNvmlCallCount(None) > 0
