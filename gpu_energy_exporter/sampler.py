@@ -168,10 +168,15 @@ class Sampler:
         self._thread = threading.Thread(target=self._run, name="sampler", daemon=True)
         self._thread.start()
 
-    def stop(self, timeout: float = 5.0) -> None:
+    def stop(self, timeout: float = 3.0) -> None:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout)
+            if self._thread.is_alive():
+                # A collector is stuck in a call (a hung GPU driver): closing it would hang too.
+                log.warning("sampler still busy after %gs (slow or hung driver?); exiting without closing "
+                            "collectors", timeout)
+                return
         for c in self._collectors:
             try:
                 c.close()

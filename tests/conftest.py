@@ -112,6 +112,8 @@ class ExporterProcess:
                 self.proc.kill()
                 self.proc.wait()
         self._reader.join(5)
+        if self.proc.stdout is not None:
+            self.proc.stdout.close()
         return int(self.proc.returncode)
 
 

@@ -114,7 +114,7 @@ def test_counter_reset_is_rebased_and_counted(rig) -> None:  # type: ignore[no-u
     r.sample()
     after = r.value("gpuenergy_gpu_energy_joules_total", **L(0, gpus))
     assert after == pytest.approx(before + 10 * 300.0)  # monotonic; the 10 s before the reset are lost
-    assert r.value("gpuenergy_gpu_energy_counter_resets_total", **L(0, gpus)) == 1.0
+    assert r.value("gpuenergy_gpu_energy_resets_total", **L(0, gpus)) == 1.0
 
 
 def test_instant_and_average_power_are_separate_series(rig) -> None:  # type: ignore[no-untyped-def]
@@ -238,7 +238,7 @@ def test_pre_volta_energy_is_integrated_by_the_fast_sampler(rig) -> None:  # typ
     elapsed = time.time() - t_start
     e = r.value("gpuenergy_gpu_energy_joules_total", **L(0, gpus))
     assert e is not None and e == pytest.approx(150.0 * elapsed, rel=0.1)
-    assert r.value("gpuenergy_gpu_energy_counter_resets_total", **L(0, gpus)) is None
+    assert r.value("gpuenergy_gpu_energy_resets_total", **L(0, gpus)) is None
 
 
 def test_no_driver_is_reported_once_and_is_not_fatal(fake_nvml_lib: Path, monkeypatch, caplog) -> None:  # type: ignore[no-untyped-def]

@@ -74,7 +74,7 @@ ENERGY = _gpu(
     unit="joules",
 )
 ENERGY_RESETS = _gpu(
-    "energy_counter_resets_total", "counter",
+    "energy_resets_total", "counter",
     "Times the NVML energy counter went backwards (driver reload, GPU reset); the exposed counter was rebased.",
 )
 POWER = _gpu(

@@ -1,0 +1,413 @@
+"""The OTLP/HTTP metrics receiver: ``POST /v1/metrics`` from training processes into the store.
+
+``ExportHandler.handle_export(headers, body) -> (status, content_type, body)`` is the whole request
+logic as a function of bytes, so it plugs into any HTTP server; ``OTLPReceiver`` mounts it on a
+``web.HTTPServer`` of its own (``--otlp.listen-address``).
+
+Protocol (OTLP specification, "OTLP/HTTP"):
+
+- Bodies are ``ExportMetricsServiceRequest`` in binary protobuf (``application/x-protobuf``) or the OTLP
+  JSON mapping (``application/json``); ``Content-Encoding: gzip`` or ``deflate``. The response uses the
+  request's content type: ``ExportMetricsServiceResponse``, with ``partial_success`` (count and reason)
+  when some data points were not stored.
+- Errors carry a ``google.rpc.Status`` body: 400 for a body that cannot be decoded (with a
+  ``google.rpc.BadRequest`` detail), 401 for a missing or wrong bearer token, 413 when the body exceeds
+  ``--otlp.max-body-bytes`` before or after decompression (decompression stops at the limit, so a gzip
+  bomb costs at most that much memory), 415 for another content type or encoding. None of these is
+  retryable for an OTLP client, which is right: a retry would fail the same way.
+- A request is decoded and translated completely before the store is touched: a rejected request stores
+  nothing. Within a decoded request, points that cannot be used are counted and reported, the rest stored.
+
+This module must never let a request crash the server: every failure becomes a response.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+import time
+import zlib
+from collections.abc import Mapping
+from typing import Any
+
+from google.protobuf import json_format
+from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import (
+    ExportMetricsPartialSuccess,
+    ExportMetricsServiceRequest,
+    ExportMetricsServiceResponse,
+)
+
+from gpu_energy_exporter.errors import ConfigError
+from gpu_energy_exporter.otlp.store import TrainingStore
+from gpu_energy_exporter.otlp.translate import translate_request
+from gpu_energy_exporter.web import HTTPError, HTTPServer, Request
+from gpu_energy_exporter.web import Response as WebResponse
+
+log = logging.getLogger(__name__)
+
+PATH = "/v1/metrics"
+PROTOBUF = "application/x-protobuf"
+JSON = "application/json"
+DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
+
+Response = tuple[int, str, bytes]
+
+_PROTOBUF_TYPES = frozenset({"application/x-protobuf", "application/protobuf"})
+_ENCODINGS = frozenset({"", "identity", "gzip", "x-gzip", "deflate"})
+# google.rpc.Code for each HTTP status we answer with (the OTLP spec lets servers omit it; it helps
+# whoever reads a captured response).
+_RPC_CODES = {400: 3, 401: 16, 413: 8, 415: 3, 500: 13}
+_BAD_REQUEST_TYPE = "type.googleapis.com/google.rpc.BadRequest"
+
+
+class _Failure(Exception):
+    def __init__(self, status: int, message: str, field: str = "") -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.field = field
+
+
+# ----------------------------------------------------------------------------------------------------
+# google.rpc.Status, encoded by hand: the exporter depends on protobuf and opentelemetry-proto only,
+# and googleapis-common-protos (which defines Status) is not among them.
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while True:
+        byte = n & 0x7F
+        n >>= 7
+        if n:
+            out.append(byte | 0x80)
+        else:
+            out.append(byte)
+            return bytes(out)
+
+
+def _len_field(number: int, data: bytes) -> bytes:
+    return _varint(number << 3 | 2) + _varint(len(data)) + data
+
+
+def status_body(status: int, message: str, content_type: str, field: str | None = None) -> bytes:
+    """A ``google.rpc.Status`` for an error response, in protobuf or OTLP JSON. With ``field`` set
+    (400 responses) it carries a ``google.rpc.BadRequest`` detail naming it."""
+    code = _RPC_CODES.get(status, 2)
+    if content_type == JSON:
+        doc: dict[str, Any] = {"code": code, "message": message}
+        if field is not None:
+            doc["details"] = [{"@type": _BAD_REQUEST_TYPE,
+                               "fieldViolations": [{"field": field, "description": message}]}]
+        return json.dumps(doc).encode()
+    out = _varint(1 << 3) + _varint(code) + _len_field(2, message.encode())
+    if field is not None:
+        violation = _len_field(1, field.encode()) + _len_field(2, message.encode())
+        bad_request = _len_field(1, violation)
+        out += _len_field(3, _len_field(1, _BAD_REQUEST_TYPE.encode()) + _len_field(2, bad_request))
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------
+# body decoding
+
+
+def _inflate(data: bytes, limit: int, wbits: int) -> bytes:
+    """Decompress every member of ``data``, never producing more than ``limit`` bytes."""
+    out = bytearray()
+    rest = data
+    while rest:
+        d = zlib.decompressobj(wbits)
+        buf = rest
+        while True:
+            chunk = d.decompress(buf, limit + 1 - len(out))
+            out += chunk
+            if len(out) > limit:
+                raise _Failure(413, f"request body exceeds {limit} bytes after decompression "
+                                    "(--otlp.max-body-bytes)")
+            buf = d.unconsumed_tail
+            if d.eof or (not chunk and not buf):
+                break
+        if not d.eof:
+            raise _Failure(400, "compressed body is truncated", "body")
+        rest = d.unused_data
+        if wbits != 31:  # zlib streams have no multi-member form
+            break
+    return bytes(out)
+
+
+def decompress(body: bytes, encoding: str, limit: int) -> bytes:
+    """Undo ``Content-Encoding`` with the size limit applied to the output."""
+    try:
+        if encoding in ("gzip", "x-gzip"):
+            return _inflate(body, limit, 31)
+        if encoding == "deflate":
+            # HTTP "deflate" means zlib-wrapped, but some clients send raw deflate: accept both.
+            try:
+                return _inflate(body, limit, zlib.MAX_WBITS)
+            except zlib.error:
+                return _inflate(body, limit, -zlib.MAX_WBITS)
+    except zlib.error as exc:
+        raise _Failure(400, f"body is not valid {encoding} data: {exc}", "body") from None
+    return body
+
+
+def _strip_exemplars(doc: Any) -> None:
+    """Drop exemplars before JSON parsing: they are not exposed, and OTLP JSON encodes their trace and
+    span ids as hex where the generic protobuf JSON parser expects base64."""
+    for rm in _items(doc, "resourceMetrics", "resource_metrics"):
+        for sm in _items(rm, "scopeMetrics", "scope_metrics"):
+            for metric in _items(sm, "metrics"):
+                if not isinstance(metric, dict):
+                    continue
+                for key in ("gauge", "sum", "histogram", "exponentialHistogram", "exponential_histogram"):
+                    for dp in _items(metric.get(key), "dataPoints", "data_points"):
+                        if isinstance(dp, dict):
+                            dp.pop("exemplars", None)
+
+
+def _items(doc: Any, *keys: str) -> list[Any]:
+    if not isinstance(doc, dict):
+        return []
+    for key in keys:
+        value = doc.get(key)
+        if isinstance(value, list):
+            return value
+    return []
+
+
+def decode(body: bytes, content_type: str) -> ExportMetricsServiceRequest:
+    """Parse an export request body; raises ``_Failure(400)`` with a message saying what is wrong."""
+    request = ExportMetricsServiceRequest()
+    if content_type == JSON:
+        try:
+            doc = json.loads(body)
+        except (ValueError, RecursionError) as exc:
+            raise _Failure(400, f"body is not valid JSON: {exc}", "body") from None
+        if not isinstance(doc, dict):
+            raise _Failure(400, "JSON body must be an ExportMetricsServiceRequest object", "body")
+        try:
+            _strip_exemplars(doc)
+            json_format.ParseDict(doc, request, ignore_unknown_fields=True)
+        except (json_format.ParseError, ValueError, TypeError, RecursionError) as exc:
+            raise _Failure(400, f"JSON body is not an OTLP ExportMetricsServiceRequest: {exc}",
+                           "resourceMetrics") from None
+        return request
+    try:
+        request.ParseFromString(body)
+    except Exception as exc:  # DecodeError, or whatever the C parser raises on garbage
+        raise _Failure(400, f"body is not a protobuf ExportMetricsServiceRequest: {exc}",
+                       "resource_metrics") from None
+    return request
+
+
+def _response_body(rejected: int, message: str, content_type: str) -> bytes:
+    response = ExportMetricsServiceResponse()
+    if rejected or message:
+        response.partial_success.CopyFrom(
+            ExportMetricsPartialSuccess(rejected_data_points=rejected, error_message=message))
+    if content_type == JSON:
+        return json_format.MessageToJson(response, indent=None).encode()
+    return response.SerializeToString()
+
+
+# ----------------------------------------------------------------------------------------------------
+# the handler
+
+
+def load_bearer_token(path: str) -> str:
+    """The token from ``--otlp.bearer-token-file`` (surrounding whitespace removed)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            token = f.read().strip()
+    except OSError as exc:
+        raise ConfigError(f"cannot read --otlp.bearer-token-file {path!r}: {exc.strerror}") from None
+    if not token:
+        raise ConfigError(f"--otlp.bearer-token-file {path!r} is empty; put the token in it")
+    return token
+
+
+class ExportHandler:
+    """OTLP export requests in, ``(status, content_type, body)`` out. Thread-safe; holds no per-request
+    state."""
+
+    def __init__(
+        self,
+        store: TrainingStore,
+        *,
+        max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+        bearer_token: str | None = None,
+    ) -> None:
+        if max_body_bytes <= 0:
+            raise ValueError("max_body_bytes must be positive")
+        self.store = store
+        self.max_body_bytes = max_body_bytes
+        self._token = f"Bearer {bearer_token}".encode() if bearer_token else None
+
+    @staticmethod
+    def _lower(headers: Mapping[str, str]) -> dict[str, str]:
+        return {k.lower(): v for k, v in headers.items()}
+
+    @staticmethod
+    def response_type(headers: Mapping[str, str]) -> str:
+        """The content type errors are answered in: the request's when it is one we speak."""
+        ct = headers.get("content-type", "").split(";", 1)[0].strip().lower()
+        return JSON if ct == JSON else PROTOBUF
+
+    def _check(self, h: Mapping[str, str], length: int) -> str:
+        """Auth, content type, encoding and size; returns the body's content type or raises."""
+        if self._token is not None:
+            given = h.get("authorization", "").strip()
+            scheme, _, credentials = given.partition(" ")
+            presented = b"Bearer " + credentials.strip().encode()
+            if scheme.lower() != "bearer" or not hmac.compare_digest(presented, self._token):
+                raise _Failure(401, "missing or wrong bearer token (Authorization: Bearer <token> "
+                                    "from --otlp.bearer-token-file)")
+        ct = h.get("content-type", "").split(";", 1)[0].strip().lower()
+        if ct in _PROTOBUF_TYPES:
+            content_type = PROTOBUF
+        elif ct == JSON:
+            content_type = JSON
+        else:
+            raise _Failure(415, f"unsupported Content-Type {ct or '(none)'!r}; send "
+                                f"{PROTOBUF} or {JSON}")
+        encoding = h.get("content-encoding", "").strip().lower()
+        if encoding not in _ENCODINGS:
+            raise _Failure(415, f"unsupported Content-Encoding {encoding!r}; use gzip, deflate or none")
+        if length > self.max_body_bytes:
+            raise _Failure(413, f"request body of {length} bytes exceeds {self.max_body_bytes} bytes "
+                                "(--otlp.max-body-bytes)")
+        return content_type
+
+    def preflight(self, headers: Mapping[str, str], content_length: int) -> Response | None:
+        """Checks a server can make before reading the body (auth, type, declared size). Returns the
+        error response (already counted) or ``None``."""
+        h = self._lower(headers)
+        try:
+            self._check(h, content_length)
+        except _Failure as exc:
+            return self.fail(exc.status, exc.message, headers)
+        return None
+
+    def fail(
+        self, status: int, message: str, headers: Mapping[str, str], field: str | None = None,
+    ) -> Response:
+        """An error response in the request's content type, counted in the self-metrics."""
+        content_type = self.response_type(self._lower(headers))
+        self.store.record_request(status, 0.0)
+        return status, content_type, status_body(status, message, content_type, field)
+
+    def handle_export(self, headers: Mapping[str, str], body: bytes) -> Response:
+        """Handle one ``POST /v1/metrics``. Never raises."""
+        started = time.perf_counter()
+        h = self._lower(headers)
+        try:
+            status, content_type, out = self._handle(h, body)
+        except _Failure as exc:
+            content_type = self.response_type(h)
+            status = exc.status
+            field = (exc.field or "body") if status == 400 else None
+            out = status_body(status, exc.message, content_type, field)
+        except Exception:
+            log.exception("OTLP request handling failed")
+            content_type = self.response_type(h)
+            status = 500
+            out = status_body(500, "internal error while handling the request; see the exporter log",
+                              content_type)
+        self.store.record_request(status, time.perf_counter() - started)
+        return status, content_type, out
+
+    def _handle(self, h: Mapping[str, str], body: bytes) -> Response:
+        content_type = self._check(h, len(body))
+        data = decompress(body, h.get("content-encoding", "").strip().lower(), self.max_body_bytes)
+        request = decode(data, content_type)
+        batch = translate_request(request, time.time_ns())
+        result = self.store.apply(batch)
+        rejected = sum(result.rejected.values())
+        message = ""
+        if rejected:
+            parts = [f"{n} {reason}: {result.messages.get(reason, '')}"
+                     for reason, n in sorted(result.rejected.items())]
+            message = ("rejected data points - " + "; ".join(parts))[:2000]
+        return 200, content_type, _response_body(rejected, message, content_type)
+
+
+# ----------------------------------------------------------------------------------------------------
+# the server
+
+
+class OTLPReceiver:
+    """``POST /v1/metrics`` on its own listening socket (a ``web.HTTPServer``), feeding ``store``.
+
+    The address is bound when ``start()`` is called (``ConfigError`` when it cannot be used); serving runs
+    on a daemon thread until ``shutdown()``. ``handle_export`` works without starting, for mounting the
+    receiver on another server.
+    """
+
+    def __init__(
+        self,
+        address: tuple[str, int],
+        store: TrainingStore,
+        *,
+        max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+        bearer_token: str | None = None,
+        path: str = PATH,
+    ) -> None:
+        self.address = address
+        self.path = path
+        self.store = store
+        self.handler = ExportHandler(store, max_body_bytes=max_body_bytes, bearer_token=bearer_token)
+        self._server: HTTPServer | None = None
+
+    def handle_export(self, headers: Mapping[str, str], body: bytes) -> Response:
+        return self.handler.handle_export(headers, body)
+
+    def route(self, req: Request) -> WebResponse:
+        """The ``web.HTTPServer`` route handler for ``POST /v1/metrics``."""
+        headers = dict(req.headers.items())
+        declared = req.headers.get("Content-Length", "").strip()
+        # Auth, type and a declared size are checked before the body is read: an oversized or
+        # unauthenticated push costs no memory.
+        early = self.handler.preflight(headers, int(declared) if declared.isdigit() else 0)
+        if early is not None:
+            return _web_response(early)
+        try:
+            # Undecoded: the handler inflates gzip and deflate itself, within the same limit.
+            body = req.read_body(self.handler.max_body_bytes, decode=False)
+        except HTTPError as exc:
+            return _web_response(self.handler.fail(exc.status, exc.message, headers,
+                                                   "body" if exc.status == 400 else None))
+        return _web_response(self.handler.handle_export(headers, body))
+
+    @property
+    def server_address(self) -> tuple[str, int]:
+        """The bound (host, port); the real port when started on port 0."""
+        if self._server is None:
+            raise RuntimeError("OTLPReceiver is not started")
+        return self._server.server_address
+
+    def start(self) -> OTLPReceiver:
+        if self._server is not None:
+            raise RuntimeError("OTLPReceiver already started")
+        self._server = HTTPServer(self.address, {("POST", self.path): self.route}, name="otlp")
+        self._server.start()
+        return self
+
+    def shutdown(self) -> None:
+        server, self._server = self._server, None
+        if server is not None:
+            server.shutdown()
+
+    def __enter__(self) -> OTLPReceiver:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+
+def _web_response(response: Response) -> WebResponse:
+    status, content_type, body = response
+    headers = {"Content-Type": content_type}
+    if status == 401:
+        headers["WWW-Authenticate"] = 'Bearer realm="otlp"'
+    return WebResponse(status, body, headers)

@@ -1,0 +1,556 @@
+"""The training store: Prometheus-ready series built from OTLP points, served on the scrape path.
+
+``TrainingStore.apply(batch)`` folds translated points (``translate.Point``) into series;
+``collect()`` returns fresh ``prometheus_client`` families for ``/metrics``. It is thread-safe (one lock;
+the receiver's request threads write, scrapes read) and bounded (TTL, total and per-run series limits).
+
+How temporality becomes a Prometheus counter, and why (``rate()`` / ``increase()`` must be right):
+
+- Delta sums and delta histograms are accumulated into a cumulative total here (spec: delta monotonic
+  sums "SHOULD be converted to a cumulative temporality"). A delta point whose time is not after the
+  series' last one is a retry or a duplicate and is dropped (``out_of_order``), so a retried export never
+  counts twice.
+- Cumulative points are exposed as ``base + value``. ``base`` starts at 0, so while one trainer process
+  runs the exposed counter is exactly the value it sent, as with the Collector or Prometheus's receiver.
+  When a trainer restarts (a new ``start_time_unix_nano``, or the value goes down) the last exposed
+  total is folded into ``base`` and counting continues from there: the exposed counter never goes down.
+  Exposing the trainer's raw value instead (what a scrape of the trainer would show) makes Prometheus see
+  a reset, and its reset handling loses whatever happened between the last scrape and the restart plus
+  the new process's count whenever that already exceeds the old value; folding loses neither, keeps
+  ``rate()`` identical everywhere else, and gives the run ledger one monotonic total per run across
+  restarts (``gpuenergy_otlp_stream_restarts_total`` counts them). Histograms are folded bucket by
+  bucket the same way; a histogram whose bounds change starts afresh.
+- Gauges and cumulative non-monotonic sums expose the last value (older points are dropped); summaries
+  are exposed as sent.
+
+Resource attributes become one ``target_info`` series per resource (labels: the sanitised attributes,
+``service.name`` as ``service_name``), never ``job`` / ``instance``, which are the exporter's own target
+labels in Prometheus. Data-point attributes (the helper's ``run_id``, ``rank``, ``gpu_uuid``) are the
+labels of every series. Series not updated for ``series_ttl`` seconds disappear.
+
+This module never parses requests and never does I/O; ``collect`` is a plain loop over dicts.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
+
+from prometheus_client.core import Metric
+from prometheus_client.samples import Sample
+from prometheus_client.utils import floatToGoString
+
+from gpu_energy_exporter import metrics
+from gpu_energy_exporter.otlp.translate import Batch, Kind, Labels, Point
+
+log = logging.getLogger(__name__)
+
+COLLECTOR = "otlp"
+
+REQUESTS = metrics.define(
+    "otlp", "requests_total", "counter",
+    "OTLP/HTTP export requests handled by the receiver, by HTTP status code.",
+    ("status",), collector=COLLECTOR)
+POINTS_RECEIVED = metrics.define(
+    "otlp", "points_received_total", "counter",
+    "Data points in decoded OTLP requests, accepted or rejected.", collector=COLLECTOR)
+POINTS_REJECTED = metrics.define(
+    "otlp", "points_rejected_total", "counter",
+    "Data points not stored, by reason (invalid_name, invalid_label, invalid_point, unsupported_type, "
+    "unsupported_temporality, type_conflict, out_of_order, series_limit, run_series_limit).",
+    ("reason",), collector=COLLECTOR)
+SERIES = metrics.define(
+    "otlp", "series", "gauge",
+    "Training series currently held (one per metric and label set; a histogram counts once).",
+    collector=COLLECTOR)
+SERIES_EXPIRED = metrics.define(
+    "otlp", "series_expired_total", "counter",
+    "Training series dropped because they were not updated for --otlp.series-ttl.", collector=COLLECTOR)
+REQUEST_DURATION = metrics.define(
+    "otlp", "request_duration_seconds_total", "counter",
+    "Time spent handling OTLP requests; divide its rate by the rate of requests for the mean.",
+    collector=COLLECTOR, unit="seconds")
+STREAM_RESTARTS = metrics.define(
+    "otlp", "stream_restarts_total", "counter",
+    "Cumulative streams that restarted (new start time or a decrease) and were folded into the exposed "
+    "total.", collector=COLLECTOR)
+
+REJECT_REASONS: tuple[str, ...] = (
+    "invalid_name", "invalid_label", "invalid_point", "unsupported_type", "unsupported_temporality",
+    "type_conflict", "out_of_order", "series_limit", "run_series_limit",
+)
+#: Status codes initialised at zero so every request outcome has a series before it first happens.
+STATUS_CODES: tuple[str, ...] = ("200", "400", "401", "413", "415", "500")
+
+
+@dataclass(frozen=True, slots=True)
+class AcceptedPoint:
+    """What a listener (the run ledger) receives for every stored point.
+
+    ``value`` is what ``/metrics`` now exposes for the series: the cumulative total for counters, the
+    value for gauges, the cumulative ``_sum`` for histograms and summaries (``count`` their ``_count``).
+    ``time`` is the point's own timestamp in Unix seconds. ``labels`` is read-only.
+    """
+
+    run_id: str
+    name: str
+    labels: Mapping[str, str]
+    value: float
+    time: float
+    kind: Kind
+    count: float | None = None
+
+
+Listener = Callable[[AcceptedPoint], None]
+
+
+@dataclass
+class ApplyResult:
+    accepted: int
+    rejected: dict[str, int]
+    messages: dict[str, str]
+
+
+class _Series:
+    """One metric + label set. Counters and histograms keep ``base`` (folded earlier streams) apart from
+    ``raw`` (the current cumulative stream), see the module docstring."""
+
+    __slots__ = ("labels", "run_id", "last_seen", "start_ns", "time_ns", "delta", "base", "raw",
+                 "bounds", "base_counts", "raw_counts", "base_sum", "raw_sum", "base_count", "raw_count",
+                 "has_sum", "quantiles", "bucket_labels", "samples")
+
+    def __init__(self, labels: dict[str, str], run_id: str) -> None:
+        self.labels = labels
+        self.run_id = run_id
+        self.last_seen = 0.0
+        self.start_ns = 0
+        self.time_ns = 0
+        self.delta = False
+        self.base = 0.0
+        self.raw = 0.0
+        self.bounds: tuple[float, ...] = ()
+        self.base_counts: list[float] = []
+        self.raw_counts: list[float] = []
+        self.base_sum = 0.0
+        self.raw_sum = 0.0
+        self.base_count = 0.0
+        self.raw_count = 0.0
+        self.has_sum = False
+        self.quantiles: tuple[tuple[float, float], ...] = ()
+        self.bucket_labels: list[dict[str, str]] = []
+        self.samples: tuple[Sample, ...] | None = None
+
+
+class _Family:
+    __slots__ = ("name", "kind", "help", "unit", "series")
+
+    def __init__(self, name: str, kind: Kind, help: str, unit: str) -> None:
+        self.name = name
+        self.kind = kind
+        self.help = help
+        self.unit = unit
+        self.series: dict[Labels, _Series] = {}
+
+
+class _OutOfOrder(Exception):
+    pass
+
+
+class TrainingStore:
+    """Series from OTLP pushes, bounded and thread-safe.
+
+    ``clock`` is monotonic seconds for the TTL (injected by tests); ``series_ttl``, ``max_series`` and
+    ``max_series_per_run`` come from ``--otlp.series-ttl``, ``--otlp.max-series`` and
+    ``--otlp.max-series-per-run``.
+    """
+
+    def __init__(
+        self,
+        *,
+        series_ttl: float = 600.0,
+        max_series: int = 20000,
+        max_series_per_run: int = 2000,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if series_ttl <= 0 or max_series <= 0 or max_series_per_run <= 0:
+            raise ValueError("series_ttl, max_series and max_series_per_run must be positive")
+        self.series_ttl = series_ttl
+        self.max_series = max_series
+        self.max_series_per_run = max_series_per_run
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._families: dict[str, _Family] = {}
+        self._series_total = 0
+        self._per_run: dict[str, int] = {}
+        self._resources: dict[Labels, tuple[dict[str, str], float]] = {}
+        self._swept_at = float("nan")
+        self._listeners: list[Listener] = []
+        # self-metrics
+        self._requests: dict[str, float] = dict.fromkeys(STATUS_CODES, 0.0)
+        self._request_seconds = 0.0
+        self._received = 0.0
+        self._rejected: dict[str, float] = dict.fromkeys(REJECT_REASONS, 0.0)
+        self._expired = 0.0
+        self._resets = 0.0
+        self._last_warning: dict[str, float] = {}
+
+    # ------------------------------------------------------------------------------------------------
+    # listeners and request accounting
+
+    def add_listener(self, fn: Listener) -> None:
+        """Call ``fn(AcceptedPoint)`` for every point stored from now on (after the store's lock is
+        released, on the request thread). An exception in ``fn`` is logged, never propagated."""
+        with self._lock:
+            self._listeners = [*self._listeners, fn]
+
+    def remove_listener(self, fn: Listener) -> None:
+        with self._lock:
+            # ==, not is: a bound method is a new object on every attribute access
+            self._listeners = [f for f in self._listeners if f != fn]
+
+    def record_request(self, status: int, seconds: float) -> None:
+        """Count one handled request (the receiver calls this for every outcome)."""
+        key = str(status)
+        with self._lock:
+            self._requests[key] = self._requests.get(key, 0.0) + 1
+            self._request_seconds += max(seconds, 0.0)
+
+    # ------------------------------------------------------------------------------------------------
+    # writing
+
+    def apply(self, batch: Batch) -> ApplyResult:
+        """Store a translated batch. Rejections already counted in ``batch`` are added to the
+        self-metrics; limits and ordering may reject more points (reported in the result)."""
+        now = self._clock()
+        rejected = dict(batch.rejected)
+        messages = dict(batch.messages)
+        accepted = 0
+        events: list[AcceptedPoint] = []
+
+        def reject(reason: str, message: str) -> None:
+            rejected[reason] = rejected.get(reason, 0) + 1
+            messages.setdefault(reason, message)
+
+        with self._lock:
+            listening = bool(self._listeners)
+            listeners = self._listeners
+            self._received += batch.received
+            for labels in batch.resources:
+                self._note_resource(labels, now)
+            families = self._families
+            for p in batch.points:
+                fam = families.get(p.name)
+                if fam is not None and fam.kind != p.kind:
+                    reject("type_conflict", f"{p.name} is already a {fam.kind}, got a {p.kind}")
+                    continue
+                series = fam.series.get(p.labels) if fam is not None else None
+                if p.no_value:
+                    if fam is not None and series is not None:
+                        self._remove(fam, p.labels, series)
+                    accepted += 1
+                    continue
+                new = series is None
+                if series is None:
+                    problem = self._admit(p.run_id, now)
+                    if problem:
+                        reject(*problem)
+                        continue
+                    fam = families.get(p.name)  # admitting may have expired the family's last series
+                    if fam is None:
+                        fam = families[p.name] = _Family(p.name, p.kind, p.help, p.unit)
+                    series = _Series(dict(p.labels), p.run_id)
+                try:
+                    self._update(p, series, new)
+                except _OutOfOrder as exc:
+                    reject("out_of_order", f"{p.name}: {exc}")
+                    continue
+                if new:
+                    assert fam is not None
+                    fam.series[p.labels] = series
+                    self._series_total += 1
+                    self._per_run[p.run_id] = self._per_run.get(p.run_id, 0) + 1
+                series.last_seen = now
+                series.samples = None
+                accepted += 1
+                if listening:
+                    events.append(self._event(p, series))
+            for reason, count in rejected.items():
+                self._rejected[reason] = self._rejected.get(reason, 0.0) + count
+
+        for reason, count in rejected.items():
+            self._warn(reason, f"rejected {count} OTLP data point(s) ({reason}): {messages.get(reason, '')}")
+        for event in events:
+            for fn in listeners:
+                try:
+                    fn(event)
+                except Exception:  # a listener bug must never fail an export
+                    log.exception("OTLP point listener %r failed", fn)
+        return ApplyResult(accepted, rejected, messages)
+
+    def _admit(self, run_id: str, now: float) -> tuple[str, str] | None:
+        """Room for one more series, or (reason, message). Expires stale series before refusing, at most
+        once per batch: a sweep is O(series), and a runaway trainer at the limit sends many new series."""
+        full = (self._series_total >= self.max_series
+                or self._per_run.get(run_id, 0) >= self.max_series_per_run)
+        if full and self._swept_at != now:
+            self._swept_at = now
+            self._expire_locked(now)
+        if self._series_total >= self.max_series:
+            return ("series_limit", f"the receiver holds {self.max_series} series (--otlp.max-series)")
+        if self._per_run.get(run_id, 0) >= self.max_series_per_run:
+            return ("run_series_limit",
+                    f"run_id {run_id!r} has {self.max_series_per_run} series (--otlp.max-series-per-run)")
+        return None
+
+    def _update(self, p: Point, s: _Series, new: bool) -> None:
+        kind = p.kind
+        if kind == "counter":
+            self._update_counter(p, s, new)
+        elif kind == "histogram":
+            self._update_histogram(p, s, new)
+        else:  # gauge, unknown, summary: the last value wins
+            if not new and p.time_ns < s.time_ns:
+                raise _OutOfOrder("point older than the last one")
+            s.raw = p.value
+            s.quantiles = p.quantiles
+            s.raw_count = float(p.count)
+            s.raw_sum = p.sum if p.sum is not None else 0.0
+            s.time_ns = p.time_ns
+
+    def _update_counter(self, p: Point, s: _Series, new: bool) -> None:
+        if new:
+            s.delta, s.start_ns, s.time_ns = p.delta, p.start_ns, p.time_ns
+            s.base, s.raw = (p.value, 0.0) if p.delta else (0.0, p.value)
+            return
+        if p.delta:
+            if p.time_ns <= s.time_ns:
+                raise _OutOfOrder("delta point not after the last one (a retry or duplicate)")
+            if not s.delta:  # cumulative -> delta: keep the total, accumulate from here
+                s.base += s.raw
+                s.raw = 0.0
+                s.delta = True
+            s.base += p.value
+        elif s.delta:  # delta -> cumulative: a new stream on top of what was counted
+            s.delta, s.raw, s.start_ns = False, p.value, p.start_ns
+        elif p.start_ns != s.start_ns:
+            if p.start_ns < s.start_ns:
+                raise _OutOfOrder("point from an earlier stream (older start time)")
+            self._fold_counter(s, p.value)
+            s.start_ns = p.start_ns
+        elif p.time_ns < s.time_ns:
+            raise _OutOfOrder("point older than the last one")
+        elif p.value < s.raw:
+            self._fold_counter(s, p.value)  # went down without a new start time: still a restart
+        else:
+            s.raw = p.value
+        s.time_ns = max(s.time_ns, p.time_ns)
+
+    def _fold_counter(self, s: _Series, value: float) -> None:
+        s.base += s.raw
+        s.raw = value
+        self._resets += 1
+
+    def _update_histogram(self, p: Point, s: _Series, new: bool) -> None:
+        counts = [float(c) for c in p.counts]
+        psum = p.sum if p.sum is not None else 0.0
+        if not new and p.bounds != s.bounds:
+            new = True  # a different bucket layout cannot be folded; start afresh
+            s.samples = None
+        if new:
+            s.bounds = p.bounds
+            s.bucket_labels = [{**s.labels, "le": floatToGoString(b)} for b in p.bounds]
+            s.bucket_labels.append({**s.labels, "le": "+Inf"})
+            s.delta, s.start_ns, s.time_ns = p.delta, p.start_ns, p.time_ns
+            s.has_sum = p.sum is not None
+            zero = [0.0] * len(counts)
+            if p.delta:
+                s.base_counts, s.base_sum, s.base_count = counts, psum, float(p.count)
+                s.raw_counts, s.raw_sum, s.raw_count = zero, 0.0, 0.0
+            else:
+                s.base_counts, s.base_sum, s.base_count = zero, 0.0, 0.0
+                s.raw_counts, s.raw_sum, s.raw_count = counts, psum, float(p.count)
+            return
+        s.has_sum = s.has_sum and p.sum is not None
+        if p.delta:
+            if p.time_ns <= s.time_ns:
+                raise _OutOfOrder("delta point not after the last one (a retry or duplicate)")
+            if not s.delta:
+                self._fold_histogram(s, [0.0] * len(s.raw_counts), 0.0, 0.0, count_reset=False)
+                s.delta = True
+            s.base_counts = [a + b for a, b in zip(s.base_counts, counts, strict=True)]
+            s.base_sum += psum
+            s.base_count += p.count
+        elif s.delta:
+            s.delta, s.start_ns = False, p.start_ns
+            s.raw_counts, s.raw_sum, s.raw_count = counts, psum, float(p.count)
+        elif p.start_ns != s.start_ns:
+            if p.start_ns < s.start_ns:
+                raise _OutOfOrder("point from an earlier stream (older start time)")
+            self._fold_histogram(s, counts, psum, float(p.count))
+            s.start_ns = p.start_ns
+        elif p.time_ns < s.time_ns:
+            raise _OutOfOrder("point older than the last one")
+        elif p.count < s.raw_count or any(c < r for c, r in zip(counts, s.raw_counts, strict=True)):
+            self._fold_histogram(s, counts, psum, float(p.count))
+        else:
+            s.raw_counts, s.raw_sum, s.raw_count = counts, psum, float(p.count)
+        s.time_ns = max(s.time_ns, p.time_ns)
+
+    def _fold_histogram(self, s: _Series, counts: list[float], psum: float, count: float,
+                        count_reset: bool = True) -> None:
+        s.base_counts = [a + b for a, b in zip(s.base_counts, s.raw_counts, strict=True)]
+        s.base_sum += s.raw_sum
+        s.base_count += s.raw_count
+        s.raw_counts, s.raw_sum, s.raw_count = counts, psum, count
+        if count_reset:
+            self._resets += 1
+
+    def _event(self, p: Point, s: _Series) -> AcceptedPoint:
+        labels = MappingProxyType(s.labels)
+        t = p.time_ns / 1e9
+        if p.kind == "counter":
+            return AcceptedPoint(p.run_id, p.name, labels, s.base + s.raw, t, p.kind)
+        if p.kind == "histogram":
+            return AcceptedPoint(p.run_id, p.name, labels, s.base_sum + s.raw_sum, t, p.kind,
+                                 s.base_count + s.raw_count)
+        if p.kind == "summary":
+            return AcceptedPoint(p.run_id, p.name, labels, s.raw_sum, t, p.kind, s.raw_count)
+        return AcceptedPoint(p.run_id, p.name, labels, s.raw, t, p.kind)
+
+    def _note_resource(self, labels: Labels, now: float) -> None:
+        entry = self._resources.get(labels)
+        if entry is not None:
+            self._resources[labels] = (entry[0], now)
+        elif len(self._resources) < self.max_series:
+            self._resources[labels] = (dict(labels), now)
+
+    # ------------------------------------------------------------------------------------------------
+    # expiry
+
+    def _remove(self, fam: _Family, key: Labels, s: _Series) -> None:
+        del fam.series[key]
+        if not fam.series:
+            del self._families[fam.name]
+        self._series_total -= 1
+        left = self._per_run.get(s.run_id, 0) - 1
+        if left > 0:
+            self._per_run[s.run_id] = left
+        else:
+            self._per_run.pop(s.run_id, None)
+
+    def _expire_locked(self, now: float) -> int:
+        cutoff = now - self.series_ttl
+        stale = [(fam, key, s) for fam in self._families.values()
+                 for key, s in fam.series.items() if s.last_seen < cutoff]
+        for fam, key, s in stale:
+            self._remove(fam, key, s)
+        self._expired += len(stale)
+        for labels in [k for k, (_, seen) in self._resources.items() if seen < cutoff]:
+            del self._resources[labels]
+        return len(stale)
+
+    def expire(self) -> int:
+        """Drop series older than the TTL now; returns how many. ``collect`` also does this."""
+        with self._lock:
+            return self._expire_locked(self._clock())
+
+    # ------------------------------------------------------------------------------------------------
+    # reading
+
+    def series_count(self) -> int:
+        with self._lock:
+            return self._series_total
+
+    def describe(self) -> list[Metric]:
+        """Nothing to declare up front (names depend on what trainers push)."""
+        return []
+
+    def collect(self) -> list[Metric]:
+        """Fresh families: every training series, ``target_info`` and the receiver's self-metrics."""
+        with self._lock:
+            self._expire_locked(self._clock())
+            out = self._collect_training()
+            out.extend(self._collect_self())
+        return out
+
+    def _collect_training(self) -> list[Metric]:
+        out: list[Metric] = []
+        for fam in self._families.values():
+            if fam.kind == "counter":
+                metric = Metric(fam.name[: -len("_total")], fam.help, "counter", fam.unit)
+            else:
+                metric = Metric(fam.name, fam.help, fam.kind, fam.unit)
+            samples = metric.samples
+            for s in fam.series.values():
+                built = s.samples
+                if built is None:
+                    built = s.samples = _samples(fam, s)
+                samples.extend(built)
+            out.append(metric)
+        if self._resources:
+            info = Metric("target", "Resource attributes of the processes pushing OTLP metrics "
+                          "(one series per resource; never job/instance).", "info")
+            for labels, _seen in self._resources.values():
+                info.samples.append(Sample("target_info", labels, 1.0))
+            out.append(info)
+        return out
+
+    def _collect_self(self) -> list[Metric]:
+        requests = REQUESTS.family()
+        for status, n in sorted(self._requests.items()):
+            metrics.add(requests, (status,), n)
+        received = POINTS_RECEIVED.family()
+        metrics.add(received, (), self._received)
+        rejected = POINTS_REJECTED.family()
+        for reason, n in sorted(self._rejected.items()):
+            metrics.add(rejected, (reason,), n)
+        series = SERIES.family()
+        metrics.add(series, (), self._series_total)
+        expired = SERIES_EXPIRED.family()
+        metrics.add(expired, (), self._expired)
+        duration = REQUEST_DURATION.family()
+        metrics.add(duration, (), self._request_seconds)
+        resets = STREAM_RESTARTS.family()
+        metrics.add(resets, (), self._resets)
+        return [requests, received, rejected, series, expired, duration, resets]
+
+    # ------------------------------------------------------------------------------------------------
+
+    def _warn(self, key: str, message: str) -> None:
+        """One warning per reason per minute: a misconfigured trainer must not flood the log."""
+        now = self._clock()
+        with self._lock:
+            last = self._last_warning.get(key)
+            if last is not None and now - last < 60.0:
+                return
+            self._last_warning[key] = now
+        log.warning("%s", message)
+
+
+def _samples(fam: _Family, s: _Series) -> tuple[Sample, ...]:
+    name, kind, labels = fam.name, fam.kind, s.labels
+    if kind == "counter":
+        return (Sample(name, labels, s.base + s.raw),)
+    if kind == "histogram":
+        out: list[Sample] = []
+        bucket = name + "_bucket"
+        running = 0.0
+        for i, blabels in enumerate(s.bucket_labels[:-1]):
+            running += s.base_counts[i] + s.raw_counts[i]
+            out.append(Sample(bucket, blabels, running))
+        total = s.base_count + s.raw_count
+        out.append(Sample(bucket, s.bucket_labels[-1], total))
+        out.append(Sample(name + "_count", labels, total))
+        if s.has_sum:
+            out.append(Sample(name + "_sum", labels, s.base_sum + s.raw_sum))
+        return tuple(out)
+    if kind == "summary":
+        out = [Sample(name, {**labels, "quantile": floatToGoString(q)}, v) for q, v in s.quantiles]
+        out.append(Sample(name + "_count", labels, s.raw_count))
+        out.append(Sample(name + "_sum", labels, s.raw_sum))
+        return tuple(out)
+    return (Sample(name, labels, s.raw),)
