@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from gpu_energy_exporter import __version__
 from gpu_energy_exporter.config import config_from_namespace
 from gpu_energy_exporter.config import new_parser as config_parser
-from gpu_energy_exporter.errors import ConfigError, ExporterError
+from gpu_energy_exporter.errors import ExporterError
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +65,7 @@ def serve(argv: Sequence[str], *, backend_factory: object = None) -> int:
         config = config_from_namespace(ns, os.environ)
         setup_logging(config.log_level, config.log_format)
         exporter = Exporter(config, backend_factory=backend_factory)  # type: ignore[arg-type]
-    except ConfigError as exc:
+    except ExporterError as exc:
         print(f"gpu-energy-exporter: error: {exc}", file=sys.stderr)
         return 2
     stop = threading.Event()

@@ -13,6 +13,7 @@ from collections.abc import Callable
 
 from prometheus_client import ProcessCollector
 
+from gpu_energy_exporter.api import api_routes, status_document
 from gpu_energy_exporter.carbon import resolve_intensity
 from gpu_energy_exporter.collectors.base import Collector
 from gpu_energy_exporter.collectors.carbon import CarbonCollector
@@ -21,8 +22,9 @@ from gpu_energy_exporter.collectors.host import HostCollector
 from gpu_energy_exporter.collectors.rapl import RaplCollector
 from gpu_energy_exporter.config import Config
 from gpu_energy_exporter.devices.base import GPUBackend
-from gpu_energy_exporter.errors import ExporterError
-from gpu_energy_exporter.exposition import SnapshotCollector, new_registry
+from gpu_energy_exporter.errors import ConfigError, ExporterError
+from gpu_energy_exporter.exposition import CachedExposition, CachedSource, SnapshotCollector, new_registry
+from gpu_energy_exporter.ledger import RunLedger
 from gpu_energy_exporter.otlp.receiver import OTLPReceiver, load_bearer_token
 from gpu_energy_exporter.otlp.store import TrainingStore
 from gpu_energy_exporter.sampler import Sampler
@@ -77,13 +79,19 @@ class Exporter:
         if config.enabled("carbon"):
             self.carbon = CarbonCollector.from_config(config, gpus=self._identities)
             collectors.append(self.carbon)
+        if config.enabled("kubernetes"):
+            from gpu_energy_exporter.collectors.kubernetes import KubernetesCollector
+
+            if self.gpu is None:
+                raise ConfigError("--collector.kubernetes needs the gpu collector (remove --no-collector.gpu)")
+            collectors.append(KubernetesCollector.from_config(config, self.gpu.states))
         self.collectors = collectors
         self.sampler = Sampler(
             collectors, config.collector_interval, gpu_states=self.gpu.states if self.gpu else None, clock=clock
         )
         self.snapshot_collector = SnapshotCollector(self.sampler, clock=clock)
         self.registry = new_registry(self.snapshot_collector)
-        ProcessCollector(namespace="gpuenergy", registry=self.registry)
+        self.process_collector = ProcessCollector(namespace="gpuenergy", registry=self.registry)
         self._build_servers()
 
     def _identities(self) -> tuple:  # type: ignore[type-arg]
@@ -98,6 +106,22 @@ class Exporter:
             max_series_per_run=config.otlp_max_series_per_run,
         )
         self.snapshot_collector.add_live_source(self.store.collect)
+        self.ledger = RunLedger(
+            config.runs_csv, warmup_s=config.runs_warmup, stale_after_s=config.runs_stale_after,
+            carbon=self.carbon_now, clock=self._clock,
+        )
+        self.sampler.add_listener(self.ledger.on_snapshot)
+        self.store.add_listener(self.ledger.on_point)
+        self.snapshot_collector.add_live_source(self.ledger.collect)
+        sc = self.snapshot_collector
+        self.exposition = CachedExposition([
+            CachedSource(sc.static_families, version=lambda: 0),
+            CachedSource(sc.snapshot_families, version=sc.snapshot_version),
+            CachedSource(sc.age_families),
+            CachedSource(self.process_collector.collect),
+            CachedSource(self.store.collect, version=self._store_version),
+            CachedSource(self.ledger.collect, version=self.ledger.version),
+        ])
         token = load_bearer_token(config.otlp_bearer_token_file) if config.otlp_bearer_token_file else None
         self.otlp = OTLPReceiver(
             config.otlp_listen_address, self.store, max_body_bytes=config.otlp_max_body_bytes, bearer_token=token
@@ -105,8 +129,29 @@ class Exporter:
         self.routes = exporter_routes(
             self.registry, telemetry_path=config.web_telemetry_path, ready=self.ready,
             links=[("OTLP receiver: POST /v1/metrics on " + _fmt(config.otlp_listen_address), "#")],
+            render=self.exposition.render,
         )
+        self.routes.update(api_routes(self.status, self.ledger.runs, self.ledger.run))
         self.web: HTTPServer | None = None
+
+    def carbon_now(self) -> tuple[float, float]:
+        """(grid intensity g/kWh, PUE) in force now."""
+        if self.carbon is not None:
+            return self.carbon.intensity_g_per_kwh, self.carbon.pue
+        return self.intensity.value, self.config.carbon_pue
+
+    def status(self) -> dict:  # type: ignore[type-arg]
+        backend = self.gpu.backend if self.gpu else None
+        return status_document(
+            self.sampler,
+            nvml_reason=lambda: self.gpu.unavailable_reason if self.gpu else "collector_disabled",
+            carbon=self.carbon_now, carbon_source=self.intensity.source,
+            backend_kind=lambda: backend.kind if backend else "", clock=self._clock,
+        )
+
+    def _store_version(self) -> int:
+        self.store.expire()  # time-driven expiry bumps the version
+        return self.store.version
 
     # ------------------------------------------------------------------------------------------------
 
@@ -130,6 +175,7 @@ class Exporter:
         if self._started:
             self.otlp.shutdown()
         self.sampler.stop()
+        self.ledger.close()
 
 
 def _fmt(address: tuple[str, int]) -> str:

@@ -1,9 +1,14 @@
-"""The scrape-side view: a prometheus_client collector that serves the latest snapshot.
+"""The scrape-side view: what /metrics serves, built only from in-memory state.
 
 ``SnapshotCollector.collect`` yields the families the sampler already built, plus a few values that must
 be computed at scrape time (sample ages) and the live in-memory sources (training series pushed over
 OTLP, per-run series of the ledger). It never calls NVML, never reads sysfs and never blocks on the
 sampler: a slow or hung driver cannot make a scrape slow.
+
+``CachedExposition`` is the fast path used by the HTTP handler: each source (the snapshot, the training
+store, ...) is encoded once per version and per format, so a scrape between two changes is a
+concatenation of cached bytes plus the few values computed at scrape time. ``SnapshotCollector`` yields
+the same families for prometheus_client's registry (``name[]`` filtering, tests, the golden file).
 """
 
 from __future__ import annotations
@@ -11,7 +16,10 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
 
+from prometheus_client import exposition as prom_exposition
+from prometheus_client import openmetrics
 from prometheus_client.core import Metric
 from prometheus_client.registry import Collector as PromCollector
 from prometheus_client.registry import CollectorRegistry
@@ -40,23 +48,41 @@ class SnapshotCollector(PromCollector):
         # Registration must not touch hardware or the snapshot; names are checked by the catalogue tests.
         return []
 
-    def collect(self) -> Iterator[Metric]:
-        yield self._build_info
+    def snapshot_families(self) -> tuple[Metric, ...]:
         snap = self._sampler.snapshot
-        if snap is not None:
-            yield from snap.families
-            if snap.gpus:
-                age = GPU_SAMPLE_AGE.family()
-                now = self._clock()
-                for g in snap.gpus:
-                    if g.last_good is not None:
-                        add(age, [str(g.identity.index), g.identity.uuid], max(0.0, now - g.last_good))
-                yield age
+        return snap.families if snap is not None else ()
+
+    def snapshot_version(self) -> object:
+        snap = self._sampler.snapshot
+        return snap.seq if snap is not None else None
+
+    def age_families(self) -> list[Metric]:
+        """Seconds since each GPU's last good sample: the one value that must be computed per scrape."""
+        snap = self._sampler.snapshot
+        if snap is None or not snap.gpus:
+            return []
+        age = GPU_SAMPLE_AGE.family()
+        now = self._clock()
+        for g in snap.gpus:
+            if g.last_good is not None:
+                add(age, [str(g.identity.index), g.identity.uuid], max(0.0, now - g.last_good))
+        return [age]
+
+    def static_families(self) -> list[Metric]:
+        return [self._build_info]
+
+    def live_families(self) -> Iterator[Metric]:
         for source in self._live:
             try:
                 yield from source()
             except Exception:  # noqa: BLE001 - a broken live source must not fail the scrape
                 log.exception("live metrics source %r failed", source)
+
+    def collect(self) -> Iterator[Metric]:
+        yield from self.static_families()
+        yield from self.snapshot_families()
+        yield from self.age_families()
+        yield from self.live_families()
 
 
 def new_registry(collector: SnapshotCollector) -> CollectorRegistry:
@@ -64,3 +90,65 @@ def new_registry(collector: SnapshotCollector) -> CollectorRegistry:
     registry = CollectorRegistry(auto_describe=False)
     registry.register(collector)
     return registry
+
+
+class _Families:
+    """The minimal registry interface prometheus_client's encoders need."""
+
+    def __init__(self, families: Iterable[Metric]) -> None:
+        self._families = families
+
+    def collect(self) -> Iterable[Metric]:
+        return self._families
+
+
+_OM_EOF = b"# EOF\n"
+
+
+def encode(families: Iterable[Metric], openmetrics_format: bool) -> bytes:
+    """Families to exposition bytes; OpenMetrics without its ``# EOF`` (added once per response)."""
+    if openmetrics_format:
+        body = openmetrics.exposition.generate_latest(_Families(families))  # type: ignore[arg-type]
+        return body[: -len(_OM_EOF)] if body.endswith(_OM_EOF) else body
+    return prom_exposition.generate_latest(_Families(families))  # type: ignore[arg-type]
+
+
+@dataclass
+class CachedSource:
+    """A source of families with a version: encoded again only when the version changes."""
+
+    collect: Callable[[], Iterable[Metric]]
+    version: Callable[[], object] | None = None  # None: encoded on every scrape (small, dynamic)
+    _cache: dict[bool, tuple[object, bytes]] = field(default_factory=dict)
+
+    def render(self, openmetrics_format: bool) -> bytes:
+        if self.version is None:
+            return encode(self.collect(), openmetrics_format)
+        version = self.version()
+        hit = self._cache.get(openmetrics_format)
+        if hit is not None and hit[0] == version:
+            return hit[1]
+        body = encode(self.collect(), openmetrics_format)
+        # Racing scrapes may both encode; either result is correct for this version.
+        self._cache[openmetrics_format] = (version, body)
+        return body
+
+
+class CachedExposition:
+    """Render /metrics from cached per-source encodings. Sources must not share metric names."""
+
+    def __init__(self, sources: Iterable[CachedSource]) -> None:
+        self.sources = list(sources)
+
+    def render(self, accept: str) -> tuple[bytes, str]:
+        _, content_type = prom_exposition.choose_encoder(accept)
+        om = content_type.startswith("application/openmetrics-text")
+        parts = []
+        for source in self.sources:
+            try:
+                parts.append(source.render(om))
+            except Exception:  # noqa: BLE001 - a broken source must not fail the scrape
+                log.exception("metrics source %r failed", source.collect)
+        if om:
+            parts.append(_OM_EOF)
+        return b"".join(parts), content_type

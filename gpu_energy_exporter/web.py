@@ -73,6 +73,8 @@ Handler = Callable[["Request"], "Response"]
 Routes = Mapping[tuple[str, str], Handler]
 #: A readiness check: True/False, or (ready, reason shown in the 503 body).
 ReadyCheck = Callable[[], "bool | tuple[bool, str]"]
+#: Renders the whole exposition for an ``Accept`` header: (body, content type).
+Render = Callable[[str], tuple[bytes, str]]
 
 PROJECT_NAME = "gpu-energy-exporter"
 _TEXT = "text/plain; charset=utf-8"
@@ -637,14 +639,22 @@ def accepts_gzip(accept_encoding: str | None) -> bool:
     return False
 
 
-def metrics_handler(registry: CollectorRegistry) -> Handler:
-    """Serialise ``registry``: format by ``Accept``, gzip by ``Accept-Encoding``, ``?name[]=`` filter."""
+def metrics_handler(registry: CollectorRegistry, render: Render | None = None) -> Handler:
+    """Serialise ``registry``: format by ``Accept``, gzip by ``Accept-Encoding``, ``?name[]=`` filter.
+
+    ``render(accept) -> (body, content_type)``, when given, serves unfiltered scrapes (the exporter passes
+    its cached exposition); the registry serves filtered ones.
+    """
 
     def handle(req: Request) -> Response:
-        encoder, content_type = choose_encoder(req.headers.get("Accept", ""))
+        accept = req.headers.get("Accept", "")
         names = parse_qs(req.query).get("name[]")
-        target = registry.restricted_registry(names) if names else registry
-        body = encoder(target)
+        if render is not None and not names:
+            body, content_type = render(accept)
+        else:
+            encoder, content_type = choose_encoder(accept)
+            target = registry.restricted_registry(names) if names else registry
+            body = encoder(target)
         headers = {"Content-Type": content_type, "Vary": "Accept, Accept-Encoding"}
         if accepts_gzip(req.headers.get("Accept-Encoding")):
             body = gzip.compress(body, compresslevel=_GZIP_LEVEL, mtime=0)
@@ -724,6 +734,7 @@ def exporter_routes(
     version: str = __version__,
     description: str = "GPU energy, joules per token, compute utilisation and carbon for ML training.",
     links: Sequence[tuple[str, str]] = (),
+    render: Render | None = None,
 ) -> dict[tuple[str, str], Handler]:
     """The exporter's routes: telemetry path, landing page, health and readiness."""
     if not telemetry_path.startswith("/"):
@@ -738,7 +749,7 @@ def exporter_routes(
         routes[("GET", "/")] = landing_page_handler(
             name=name, version=version, description=description, telemetry_path=telemetry_path, links=links,
         )
-    routes[("GET", telemetry_path)] = metrics_handler(registry)
+    routes[("GET", telemetry_path)] = metrics_handler(registry, render)
     return routes
 
 

@@ -147,6 +147,15 @@ class CarbonCollector(Collector):
         self._file_key = key
         self._bad_key = None
 
+    @property
+    def intensity_g_per_kwh(self) -> float:
+        """The intensity in force now (follows the file when the source is a file)."""
+        return self._value
+
+    @property
+    def pue(self) -> float:
+        return self._pue
+
     # -- the collector contract -----------------------------------------------------------------------
 
     def update(self) -> list[Metric]:

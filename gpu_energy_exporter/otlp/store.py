@@ -189,6 +189,7 @@ class TrainingStore:
         self._resources: dict[Labels, tuple[dict[str, str], float]] = {}
         self._swept_at = float("nan")
         self._listeners: list[Listener] = []
+        self._version = 0
         # self-metrics
         self._requests: dict[str, float] = dict.fromkeys(STATUS_CODES, 0.0)
         self._request_seconds = 0.0
@@ -216,6 +217,7 @@ class TrainingStore:
         """Count one handled request (the receiver calls this for every outcome)."""
         key = str(status)
         with self._lock:
+            self._version += 1
             self._requests[key] = self._requests.get(key, 0.0) + 1
             self._request_seconds += max(seconds, 0.0)
 
@@ -236,6 +238,7 @@ class TrainingStore:
             messages.setdefault(reason, message)
 
         with self._lock:
+            self._version += 1
             listening = bool(self._listeners)
             listeners = self._listeners
             self._received += batch.received
@@ -449,9 +452,18 @@ class TrainingStore:
         for fam, key, s in stale:
             self._remove(fam, key, s)
         self._expired += len(stale)
-        for labels in [k for k, (_, seen) in self._resources.items() if seen < cutoff]:
+        gone = [k for k, (_, seen) in self._resources.items() if seen < cutoff]
+        for labels in gone:
             del self._resources[labels]
+        if stale or gone:
+            self._version += 1
         return len(stale)
+
+    @property
+    def version(self) -> int:
+        """Changes whenever ``collect()`` would return something different (exposition cache key).
+        Expiry is time-driven: call ``expire()`` first to bring it up to date."""
+        return self._version
 
     def expire(self) -> int:
         """Drop series older than the TTL now; returns how many. ``collect`` also does this."""

@@ -1,0 +1,220 @@
+"""GPU to pod attribution on Kubernetes (``--collector.kubernetes``, off by default).
+
+Joins two inputs on the sampler thread: the per-GPU energy counters and identities the GPU collector
+already sampled (``gpu_states``), and the kubelet's device assignments, which a ``PodResourcesWatcher``
+refreshes on its own thread every ``--kubernetes.refresh-interval``. Neither this collector nor the
+scrape path ever calls the kubelet or NVML: ``update`` reads the watcher's last answer and the GPU
+collector's last states.
+
+The split rules (exclusive, MIG slices, shared GPUs by SM utilisation or evenly) live in
+``kubernetes.attribution``; docs/deploy.md explains them to users. A missing or forbidden socket means
+no attribution, one clear log line and ``gpuenergy_k8s_pod_resources_available 0``; a failing List call
+reports the collector as failed while the counters keep their values and the last known assignments stay
+in use.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import defaultdict
+from collections.abc import Callable, Sequence
+from typing import Protocol
+
+from prometheus_client.core import Metric
+
+from gpu_energy_exporter.collectors.base import Collector, NoData
+from gpu_energy_exporter.config import Config
+from gpu_energy_exporter.errors import ExporterError
+from gpu_energy_exporter.kubernetes.assignments import (
+    STATE_OK,
+    STATE_RPC_ERROR,
+    AssignmentView,
+    PodRef,
+)
+from gpu_energy_exporter.kubernetes.attribution import PodEnergyAttributor, Slot, resolve
+from gpu_energy_exporter.metrics import GPU_LABELS, add, define
+from gpu_energy_exporter.sampler import GPUState
+
+log = logging.getLogger(__name__)
+
+_POD = ("k8s_namespace", "k8s_pod")
+
+GPU_POD_INFO = define(
+    "k8s", "gpu_pod_info", "info",
+    "Which container holds which GPU, from the kubelet pod-resources API: one series per GPU (or MIG "
+    "instance, mig_uuid) and container. Join on gpu_uuid to attribute any per-GPU series to pods.",
+    (*GPU_LABELS, "mig_uuid", *_POD, "k8s_container"), collector="kubernetes",
+)
+POD_ENERGY = define(
+    "k8s", "pod_energy_joules_total", "counter",
+    "GPU energy attributed to the pod while it held GPUs, since the exporter saw it. method: exclusive "
+    "(whole GPU), mig_slices (parent GPU split by the compute slices of the held MIG instances), "
+    "sm_utilization or shared_even (GPU shared by several pods). Sum over method for the pod's total.",
+    (*_POD, "method"), collector="kubernetes", unit="joules",
+)
+CONTAINER_ENERGY = define(
+    "k8s", "container_energy_joules_total", "counter",
+    "GPU energy attributed to the container while it held GPUs (see ..._pod_energy_joules_total for "
+    "method).",
+    (*_POD, "k8s_container", "method"), collector="kubernetes", unit="joules",
+)
+UNATTRIBUTED_ENERGY = define(
+    "k8s", "unattributed_energy_joules_total", "counter",
+    "GPU energy consumed while no pod held the GPU, since the kubernetes collector started.",
+    GPU_LABELS, collector="kubernetes", unit="joules",
+)
+POD_RESOURCES_AVAILABLE = define(
+    "k8s", "pod_resources_available", "gauge",
+    "1 if the last kubelet pod-resources List succeeded; 0 with the reason label (pending, "
+    "socket_missing, permission_denied, rpc_error) if not.",
+    ("reason",), collector="kubernetes",
+)
+
+#: ``pid_to_pod(pid, candidates)``: the container (one of ``candidates``, the holders of the GPU) that
+#: runs host process ``pid``, or None when unknown.
+PidToPod = Callable[[int, Sequence[PodRef]], "PodRef | None"]
+
+
+class AssignmentSource(Protocol):
+    """What the collector needs from ``kubernetes.podresources.PodResourcesWatcher``."""
+
+    def start(self) -> None: ...
+
+    def view(self) -> AssignmentView: ...
+
+    def close(self) -> None: ...
+
+
+class KubernetesCollector(Collector):
+    """Per-pod and per-container GPU energy, and the GPU -> pod info series."""
+
+    name = "kubernetes"
+
+    def __init__(
+        self,
+        gpu_states: Callable[[], Sequence[GPUState]],
+        source: AssignmentSource,
+        *,
+        pid_to_pod: PidToPod | None = None,
+        series_grace_s: float = 300.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        """``gpu_states``: the GPU collector's latest states (``GPUCollector.states``); run this
+        collector after the GPU collector so each update sees the same sample. ``source``: a started or
+        unstarted ``PodResourcesWatcher`` (started on the first update, closed by ``close``).
+        ``pid_to_pod``: resolves GPU processes to containers so a shared GPU is split by SM utilisation;
+        without it shared GPUs are split evenly."""
+        self._gpu_states = gpu_states
+        self._source = source
+        self._pid_to_pod = pid_to_pod
+        self._clock = clock
+        self._attributor = PodEnergyAttributor(series_grace_s)
+        self._started = False
+        self._gpu_index: dict[str, str] = {}
+        self._unresolved_logged: frozenset[str] = frozenset()
+
+    @classmethod
+    def from_config(
+        cls, cfg: Config, gpu_states: Callable[[], Sequence[GPUState]], **kwargs: object
+    ) -> KubernetesCollector:
+        """The collector as the exporter runs it: a watcher on ``--kubernetes.pod-resources-socket``
+        refreshed every ``--kubernetes.refresh-interval``. Imports grpc (the ``[kubernetes]`` extra) and
+        raises ``ExporterError`` saying how to install it when it is missing or too old."""
+        try:
+            from gpu_energy_exporter.kubernetes.podresources import PodResourcesWatcher
+        except Exception as exc:  # ImportError, or the generated code's grpcio/protobuf version check
+            raise ExporterError(
+                "--collector.kubernetes needs grpcio and a recent protobuf: pip install "
+                f"'gpu-energy-exporter[kubernetes]' ({type(exc).__name__}: {exc})"
+            ) from None
+        watcher = PodResourcesWatcher(cfg.kubernetes_pod_resources_socket, cfg.kubernetes_refresh_interval)
+        return cls(gpu_states, watcher, **kwargs)  # type: ignore[arg-type]
+
+    @property
+    def attributor(self) -> PodEnergyAttributor:
+        return self._attributor
+
+    def update(self) -> list[Metric]:
+        if not self._started:
+            self._started = True
+            self._source.start()
+        view = self._source.view()
+
+        states = list(self._gpu_states())
+        identities = [s.identity for s in states]
+        for g in identities:
+            self._gpu_index[g.uuid] = str(g.index)
+        holdings, unresolved = resolve(view.assignments or (), identities)
+        self._log_unresolved(unresolved)
+        energy = {s.identity.uuid: s.energy_j for s in states if s.energy_j is not None}
+        weights = self._weights(states, holdings) if self._pid_to_pod is not None else None
+        self._attributor.update(self._clock(), energy, holdings, weights)
+
+        families = self._families(holdings, view.state)
+        if view.state == STATE_RPC_ERROR:
+            # A failure, yet the counters stay exposed (a gap would make increase() undefined): NoData
+            # carries the families, and the watcher has already logged the cause once.
+            raise NoData(view.message, families)
+        if view.state != STATE_OK:
+            # No socket, no permission, or no answer yet: no attribution, said once by the watcher.
+            raise NoData(view.message or view.state, families)
+        return families
+
+    def _weights(
+        self, states: Sequence[GPUState], holdings: dict[str, tuple[Slot, ...]]
+    ) -> dict[str, dict[PodRef, float]]:
+        assert self._pid_to_pod is not None
+        out: dict[str, dict[PodRef, float]] = {}
+        for s in states:
+            slots = holdings.get(s.identity.uuid, ())
+            candidates = sorted({slot.pod for slot in slots if not slot.mig_uuid})
+            if len(candidates) < 2 or s.reading is None or not s.reading.processes:
+                continue
+            w: dict[PodRef, float] = defaultdict(float)
+            for p in s.reading.processes:
+                if p.sm_util_pct is None:
+                    continue
+                pod = self._pid_to_pod(p.pid, candidates)
+                if pod is not None and pod in candidates:
+                    w[pod] += p.sm_util_pct
+            if w:
+                out[s.identity.uuid] = dict(w)
+        return out
+
+    def _families(self, holdings: dict[str, tuple[Slot, ...]], state: str) -> list[Metric]:
+        info = GPU_POD_INFO.family()
+        seen: set[tuple[str, ...]] = set()
+        for gpu_uuid in sorted(holdings):
+            for slot in holdings[gpu_uuid]:
+                labels = (self._gpu_index.get(gpu_uuid, ""), gpu_uuid, slot.mig_uuid, slot.pod.namespace,
+                          slot.pod.pod, slot.pod.container)
+                if labels not in seen:
+                    seen.add(labels)
+                    add(info, [], dict(zip(GPU_POD_INFO.labels, labels, strict=True)))
+        container = CONTAINER_ENERGY.family()
+        for (pod, method), joules in sorted(self._attributor.container_energy().items()):
+            add(container, [pod.namespace, pod.pod, pod.container, method], joules)
+        pod_family = POD_ENERGY.family()
+        for (namespace, name, method), joules in sorted(self._attributor.pod_energy().items()):
+            add(pod_family, [namespace, name, method], joules)
+        unattributed = UNATTRIBUTED_ENERGY.family()
+        for gpu_uuid, joules in sorted(self._attributor.unattributed_energy().items()):
+            add(unattributed, [self._gpu_index.get(gpu_uuid, ""), gpu_uuid], joules)
+        available = POD_RESOURCES_AVAILABLE.family()
+        add(available, ["" if state == STATE_OK else state], 1.0 if state == STATE_OK else 0.0)
+        return [info, container, pod_family, unattributed, available]
+
+    def _log_unresolved(self, unresolved: list[str]) -> None:
+        current = frozenset(unresolved)
+        new = current - self._unresolved_logged
+        if new:
+            log.warning(
+                "kubelet device ids match no GPU of this node, their energy is not attributed: %s "
+                "(is the device plugin's id strategy uuid or index, and does NVML see every GPU?)",
+                ", ".join(sorted(new)),
+            )
+        self._unresolved_logged = current
+
+    def close(self) -> None:
+        self._source.close()

@@ -1,0 +1,391 @@
+"""``gpu-energy-exporter runs``: list and compare training runs from the run ledger.
+
+Reads the CSV the exporter appends to with ``--runs.csv`` (``--csv FILE`` or the same environment variable
+as the exporter flag, ``GPU_ENERGY_EXPORTER_RUNS_CSV``), or the active and recent runs of a running
+exporter (``--url http://host:9863``, its ``/api/v1/runs``). Prints an aligned table, JSON or CSV; with
+``--group-by COLUMN`` it compares groups (mean J/token, tokens/s, VRAM peak, and each group's ratio to a
+baseline group), e.g. ``--group-by backend`` for bitsandbytes against Unsloth.
+
+This module only reads: it never writes the ledger and never contacts anything but the given URL.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import csv
+import io
+import json
+import math
+import os
+import sys
+import urllib.error
+import urllib.parse
+import urllib.request
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import IO, Any
+
+from gpu_energy_exporter.config import FLAGS
+from gpu_energy_exporter.errors import ExporterError
+from gpu_energy_exporter.ledger import COLUMN_NAMES, NUMERIC_COLUMNS
+
+#: The exporter's --runs.csv environment variable: the same file for the exporter and this command.
+CSV_ENV = next(f.env for f in FLAGS if f.name == "runs.csv")
+
+#: Columns whose presence marks a CSV as the ledger's (older ledger versions may lack newer columns).
+_REQUIRED = ("run_id", "start_time", "duration_s", "tokens", "energy_j", "j_per_token")
+
+GIB = float(1 << 30)
+
+#: The exporter's JSON listing of active and recent runs (``api.py``).
+API_PATH = "/api/v1/runs"
+
+
+class RunsError(ExporterError):
+    """The ledger cannot be read: the message says which file or URL and what to do."""
+
+
+# ----------------------------------------------------------------------------------------------------
+# loading
+
+
+def load_csv(path: str) -> list[dict[str, Any]]:
+    """The rows of a ledger CSV, numbers parsed (empty cells are None)."""
+    try:
+        with open(path, encoding="utf-8", newline="") as f:
+            text = f.read()
+    except FileNotFoundError:
+        raise RunsError(
+            f"runs CSV {path!r} does not exist: the exporter writes it when started with --runs.csv={path} "
+            "and a run finishes") from None
+    except IsADirectoryError:
+        raise RunsError(f"{path!r} is a directory, not a runs CSV") from None
+    except UnicodeDecodeError:
+        raise RunsError(f"{path!r} is not a runs CSV written by gpu-energy-exporter (not UTF-8 text)") from None
+    except OSError as exc:
+        raise RunsError(f"cannot read runs CSV {path!r}: {exc.strerror or exc}") from None
+    reader = csv.DictReader(io.StringIO(text))
+    header = reader.fieldnames or []
+    lacking = [c for c in _REQUIRED if c not in header]
+    if lacking:
+        raise RunsError(
+            f"{path!r} is not a runs CSV written by gpu-energy-exporter: its header lacks "
+            f"{', '.join(lacking)} (expected the columns listed in docs/ledger.md)")
+    return [_typed(row) for row in reader]
+
+
+def _typed(row: dict[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, raw in row.items():
+        if key is None:  # a row with more cells than the header
+            continue
+        if raw is None or raw == "":
+            out[key] = None
+        elif key in NUMERIC_COLUMNS:
+            try:
+                out[key] = float(raw)
+            except ValueError:
+                out[key] = None
+        else:
+            out[key] = raw
+    return out
+
+
+def load_url(url: str, timeout: float = 10.0) -> list[dict[str, Any]]:
+    """Active and recent runs from a running exporter (``GET <url>/api/v1/runs``)."""
+    parts = urllib.parse.urlsplit(url if "://" in url else "http://" + url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise RunsError(f"--url {url!r} must look like http://host:9863")
+    netloc = parts.hostname + (f":{parts.port}" if parts.port else "")
+    if ":" in parts.hostname:
+        netloc = f"[{parts.hostname}]" + (f":{parts.port}" if parts.port else "")
+    target = urllib.parse.urlunsplit((parts.scheme, netloc, parts.path.rstrip("/") + API_PATH, "", ""))
+    request = urllib.request.Request(target, headers={"Accept": "application/json"})
+    if parts.username is not None:
+        # Basic auth from the URL (--web.config.file with basic_auth_users).
+        token = f"{urllib.parse.unquote(parts.username)}:{urllib.parse.unquote(parts.password or '')}"
+        request.add_header("Authorization", "Basic " + base64.b64encode(token.encode()).decode())
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:  # noqa: S310 - user's own URL
+            body = response.read()
+    except urllib.error.HTTPError as exc:
+        if exc.code == 404:
+            raise RunsError(f"{target} answered 404: this exporter does not serve the run ledger") from None
+        if exc.code == 401:
+            raise RunsError(f"{target} answered 401: put the credentials in the URL "
+                            "(http://user:password@host:9863)") from None
+        raise RunsError(f"{target} answered HTTP {exc.code} {exc.reason}") from None
+    except (urllib.error.URLError, OSError) as exc:
+        reason = getattr(exc, "reason", exc)
+        raise RunsError(f"cannot reach the exporter at {target}: {reason} (is it running, and is this its "
+                        "--web.listen-address?)") from None
+    try:
+        doc = json.loads(body)
+        runs = doc["runs"]
+        if not isinstance(runs, list):
+            raise TypeError("runs is not a list")
+    except (ValueError, KeyError, TypeError) as exc:
+        raise RunsError(f"{target} did not answer with the run ledger's JSON ({exc})") from None
+    return [{k: r.get(k) for k in COLUMN_NAMES} for r in runs if isinstance(r, dict)]
+
+
+# ----------------------------------------------------------------------------------------------------
+# formatting
+
+
+def _num(value: float | None) -> str:
+    """Readable at any magnitude: 12,345 / 12.35 / 0.0123."""
+    if value is None or not math.isfinite(value):
+        return "-"
+    if abs(value) >= 100:
+        return f"{value:,.0f}"
+    if abs(value) >= 1:
+        return f"{value:.2f}"
+    if value == 0:
+        return "0"
+    return f"{value:#.3g}"
+
+
+def _int(value: float | None) -> str:
+    return "-" if value is None else f"{value:,.0f}"
+
+
+def _watts(value: float | None) -> str:
+    return "-" if value is None else f"{value:.0f}"
+
+
+def _gib(value: float | None) -> str:
+    return "-" if value is None else f"{value / GIB:.1f}"
+
+
+def _duration(value: float | None) -> str:
+    if value is None:
+        return "-"
+    total = int(round(value))
+    return f"{total // 3600}:{total % 3600 // 60:02d}:{total % 60:02d}"
+
+
+def _start(value: str | None) -> str:
+    if not value:
+        return "-"
+    return value[:16].replace("T", " ")
+
+
+def _text(value: Any) -> str:
+    return "-" if value is None or value == "" else str(value)
+
+
+@dataclass(frozen=True)
+class _Col:
+    header: str
+    key: str
+    fmt: Callable[[Any], str]
+    right: bool = True
+
+
+TABLE: tuple[_Col, ...] = (
+    _Col("run id", "run_id", _text, right=False),
+    _Col("start (UTC)", "start_time", _start, right=False),
+    _Col("duration", "duration_s", _duration),
+    _Col("model", "model", _text, right=False),
+    _Col("backend", "backend", _text, right=False),
+    _Col("tokens", "tokens", _int),
+    _Col("tok/s", "tokens_per_s", _num),
+    _Col("J/token", "j_per_token", _num),
+    _Col("kWh", "energy_kwh", _num),
+    _Col("avg W", "avg_power_w", _watts),
+    _Col("peak W", "peak_power_w", _watts),
+    _Col("VRAM peak GiB", "vram_peak_bytes", _gib),
+    _Col("gCO2", "co2_g", _num),
+    _Col("status", "status", _text, right=False),
+)
+
+
+def render_table(headers: Sequence[str], rows: Sequence[Sequence[str]], right: Sequence[bool]) -> str:
+    widths = [max([len(h), *(len(r[i]) for r in rows)]) for i, h in enumerate(headers)]
+
+    def line(cells: Sequence[str]) -> str:
+        out = [c.rjust(w) if r else c.ljust(w) for c, w, r in zip(cells, widths, right, strict=True)]
+        return "  ".join(out).rstrip()
+
+    return "\n".join([line(headers), *(line(r) for r in rows)]) + "\n"
+
+
+def runs_table(runs: Sequence[dict[str, Any]]) -> str:
+    rows = [[c.fmt(r.get(c.key)) for c in TABLE] for r in runs]
+    return render_table([c.header for c in TABLE], rows, [c.right for c in TABLE])
+
+
+# ----------------------------------------------------------------------------------------------------
+# comparison
+
+
+def _mean(values: Sequence[Any]) -> float | None:
+    nums = [float(v) for v in values if isinstance(v, (int, float)) and math.isfinite(v)]
+    return sum(nums) / len(nums) if nums else None
+
+
+NONE_GROUP = "(none)"
+
+
+def compare(runs: Sequence[dict[str, Any]], by: str, baseline: str | None = None) -> dict[str, Any]:
+    """Per-group means and every other group's ratio to the baseline (default: the first group by
+    name). Means are over the runs that have the figure."""
+    groups: dict[str, list[dict[str, Any]]] = {}
+    for r in runs:
+        value = r.get(by)
+        if isinstance(value, float) and value.is_integer():
+            value = int(value)
+        groups.setdefault(NONE_GROUP if value in (None, "") else str(value), []).append(r)
+    stats: list[dict[str, Any]] = []
+    for name in sorted(groups):
+        members = groups[name]
+        stats.append({
+            "group": name,
+            "runs": len(members),
+            "mean_j_per_token": _mean([m.get("j_per_token") for m in members]),
+            "mean_tokens_per_s": _mean([m.get("tokens_per_s") for m in members]),
+            "mean_vram_peak_bytes": _mean([m.get("vram_peak_bytes") for m in members]),
+            "mean_energy_kwh": _mean([m.get("energy_kwh") for m in members]),
+            "mean_co2_g": _mean([m.get("co2_g") for m in members]),
+        })
+    if baseline is None:
+        baseline = stats[0]["group"] if stats else None
+    elif baseline not in groups:
+        raise RunsError(f"--baseline {baseline!r} is not a value of {by!r}; groups: {', '.join(sorted(groups))}")
+    base = next((s for s in stats if s["group"] == baseline), None)
+    comparisons = []
+    for s in stats:
+        if base is None or s is base:
+            continue
+        comparisons.append({
+            "group": s["group"],
+            "baseline": baseline,
+            **{f"{k[len('mean_'):]}_ratio": _ratio(s[k], base[k])
+               for k in ("mean_j_per_token", "mean_tokens_per_s", "mean_vram_peak_bytes")},
+        })
+    return {"group_by": by, "baseline": baseline, "groups": stats, "comparisons": comparisons}
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    if a is None or b is None or b == 0:
+        return None
+    return a / b
+
+
+def _x(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.2f}x"
+
+
+def comparison_text(result: dict[str, Any]) -> str:
+    by = result["group_by"]
+    headers = [by, "runs", "mean J/token", "mean tok/s", "mean VRAM peak GiB", "mean kWh", "mean gCO2"]
+    rows = [[s["group"], str(s["runs"]), _num(s["mean_j_per_token"]), _num(s["mean_tokens_per_s"]),
+             _gib(s["mean_vram_peak_bytes"]), _num(s["mean_energy_kwh"]), _num(s["mean_co2_g"])]
+            for s in result["groups"]]
+    text = render_table(headers, rows, [False, True, True, True, True, True, True])
+    lines = [f"{c['group']} vs {c['baseline']}: J/token {_x(c['j_per_token_ratio'])}, "
+             f"tokens/s {_x(c['tokens_per_s_ratio'])}, VRAM peak {_x(c['vram_peak_bytes_ratio'])}"
+             for c in result["comparisons"]]
+    if lines:
+        text += "\n" + "\n".join(lines) + "\n"
+    return text
+
+
+# ----------------------------------------------------------------------------------------------------
+# command line
+
+
+def new_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="gpu-energy-exporter runs",
+        description="List and compare training runs recorded by the exporter's run ledger.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=f"""examples:
+  gpu-energy-exporter runs --csv runs.csv
+  gpu-energy-exporter runs --csv runs.csv --group-by backend          compare backends (J/token, tok/s, VRAM)
+  gpu-energy-exporter runs --csv runs.csv --group-by backend --baseline bnb
+  gpu-energy-exporter runs --url http://localhost:9863                active and recent runs, live
+  {CSV_ENV}=runs.csv gpu-energy-exporter runs --format json
+columns of the CSV and how each figure is computed: docs/ledger.md
+""")
+    parser.add_argument("--csv", metavar="FILE", default=None,
+                        help=f"the exporter's --runs.csv file [env {CSV_ENV}]")
+    parser.add_argument("--url", metavar="URL", default=None,
+                        help="read active and recent runs from a running exporter instead, e.g. "
+                             "http://localhost:9863")
+    parser.add_argument("--group-by", metavar="COLUMN", default=None,
+                        help="compare groups of runs by this column (backend, model, precision, optimizer, ...)")
+    parser.add_argument("--baseline", metavar="GROUP", default=None,
+                        help="group the others are compared to (default: the first by name)")
+    parser.add_argument("--status", metavar="STATUS[,STATUS]", default=None,
+                        help="only runs with these statuses (finished, stale, exporter_stopped, running)")
+    parser.add_argument("--format", choices=("table", "json", "csv"), default="table", help="output format")
+    return parser
+
+
+def main(argv: list[str], *, stdout: IO[str] | None = None, stderr: IO[str] | None = None,
+         environ: dict[str, str] | None = None) -> int:
+    out = stdout if stdout is not None else sys.stdout
+    err = stderr if stderr is not None else sys.stderr
+    env = os.environ if environ is None else environ
+    parser = new_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # --help (0) or a usage error (2, already printed)
+        return int(exc.code or 0)
+    try:
+        if args.url and args.csv:
+            raise RunsError("give either --csv or --url, not both")
+        if args.url:
+            runs, source = load_url(args.url), args.url
+        else:
+            path = args.csv or env.get(CSV_ENV)
+            if not path:
+                raise RunsError(f"which runs CSV? pass --csv FILE (the exporter's --runs.csv) or set {CSV_ENV}, "
+                                "or read a running exporter with --url http://host:9863")
+            runs, source = load_csv(path), path
+        if args.status:
+            wanted = {s.strip() for s in args.status.split(",") if s.strip()}
+            runs = [r for r in runs if r.get("status") in wanted]
+        if args.group_by and args.group_by not in COLUMN_NAMES:
+            raise RunsError(f"--group-by {args.group_by!r} is not a ledger column; try backend, model, precision, "
+                            "optimizer, batch_size, seq_len or gpu_models")
+        result = compare(runs, args.group_by, args.baseline) if args.group_by else None
+    except RunsError as exc:
+        print(f"gpu-energy-exporter runs: error: {exc}", file=err)
+        return 2
+    if args.format == "json":
+        doc: Any = {"runs": runs, **({"comparison": result} if result else {})}
+        out.write(json.dumps(doc, indent=2) + "\n")
+    elif args.format == "csv":
+        _write_csv(out, runs, result)
+    elif not runs:
+        out.write(f"no runs in {source} yet\n")
+    else:
+        out.write(runs_table(runs))
+        if result is not None:
+            out.write(f"\nby {result['group_by']} (mean over runs):\n")
+            out.write(comparison_text(result))
+    return 0
+
+
+def _write_csv(out: IO[str], runs: Sequence[dict[str, Any]], result: dict[str, Any] | None) -> None:
+    writer = csv.writer(out, lineterminator="\n")
+    if result is not None:
+        keys = ["group", "runs", "mean_j_per_token", "mean_tokens_per_s", "mean_vram_peak_bytes",
+                "mean_energy_kwh", "mean_co2_g"]
+        writer.writerow([result["group_by"] if k == "group" else k for k in keys])
+        for s in result["groups"]:
+            writer.writerow(["" if s[k] is None else s[k] for k in keys])
+        return
+    writer.writerow(COLUMN_NAMES)
+    for r in runs:
+        writer.writerow(["" if r.get(k) is None else _plain(r[k]) for k in COLUMN_NAMES])
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, float) and value.is_integer() and abs(value) < 1e15:
+        return int(value)
+    return value

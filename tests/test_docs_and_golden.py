@@ -1,0 +1,75 @@
+"""Docs generated from the code are current; the GPU exposition matches a reviewed golden file."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+from fakenvml import Constant, Driver, Process, Scenario, Square, a100, grace_hopper, h100, pascal_no_counter
+from prometheus_client import generate_latest
+
+from gpu_energy_exporter import docgen
+from gpu_energy_exporter.collectors.gpu import GPUCollector
+from gpu_energy_exporter.devices.nvml import NVMLBackend
+from gpu_energy_exporter.exposition import SnapshotCollector, new_registry
+from gpu_energy_exporter.metrics import CATALOGUE
+from gpu_energy_exporter.sampler import Sampler
+
+GOLDEN = Path(__file__).parent / "golden" / "gpu-exposition.prom"
+
+
+def test_generated_docs_are_current() -> None:
+    assert docgen.main(["--check"]) == 0, "run: python -m gpu_energy_exporter.docgen"
+
+
+def test_catalogue_covers_every_module_and_names_follow_conventions() -> None:
+    docgen.load_catalogue()
+    collectors = {s.collector for s in CATALOGUE.values()}
+    assert {"gpu", "host", "rapl", "carbon", "kubernetes", "otlp", "ledger", "exporter"} <= collectors
+    for spec in CATALOGUE.values():
+        assert spec.name.startswith("gpuenergy_"), spec.name
+        for unit, suffixes in (("watts", ("_watts",)), ("joules", ("_joules", "_joules_total")),
+                               ("bytes", ("_bytes",)), ("celsius", ("_celsius",)), ("hertz", ("_hertz",))):
+            if spec.unit == unit:
+                assert spec.name.endswith(suffixes), spec.name
+        assert "_count" not in spec.name.removesuffix("_total")[-6:], spec.name
+
+
+def test_golden_gpu_exposition(fake_nvml_lib: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The whole GPU exposition for a fixed scenario (frozen clock). Review diffs, then regenerate with
+    UPDATE_GOLDEN=1."""
+    t0 = 1_750_000_000.0
+    gpus = [
+        h100(0, power=Square(100, 700, 0.1, 0.5), energy_offset_mj=123_456_789, processes=(Process(4242, 8 << 30, 80),),
+             clocks_event_reasons=0x4),
+        a100(1, power=Constant(250.0), util_gpu_pct=55, util_memory_pct=20, memory_used_bytes=10 << 30),
+        grace_hopper(2),
+        pascal_no_counter(3),
+    ]
+    path = tmp_path / "scenario.ini"
+    Scenario(epoch=t0, driver=Driver(frozen_time=t0 + 100.0), gpus=gpus).write(path)
+    monkeypatch.setenv("FAKE_NVML_SCENARIO", str(path))
+    collector = GPUCollector(lambda: NVMLBackend(str(fake_nvml_lib)), processes=True, gpm=False,
+                             clock=lambda: t0 + 100.0)
+    try:
+        sampler = Sampler([collector], 1.0, gpu_states=collector.states, clock=lambda: t0 + 100.0)
+        sampler.sample_once()
+        text = generate_latest(new_registry(SnapshotCollector(sampler, clock=lambda: t0 + 100.0))).decode()
+    finally:
+        collector.close()
+    # Values that depend on the machine, not on the scenario, are masked.
+    lines = []
+    for line in text.splitlines():
+        if line.startswith("gpuenergy_build_info{"):
+            line = "gpuenergy_build_info{<masked: versions>} 1.0"
+        if line.startswith("gpuenergy_collector_duration_seconds{"):
+            line = line.rsplit(" ", 1)[0] + " <masked>"
+        if line.startswith("gpuenergy_gpu_energy_joules_total") and 'gpu="3"' in line:
+            line = line.rsplit(" ", 1)[0] + " <integrated: timing dependent>"
+        lines.append(line)
+    got = "\n".join(lines) + "\n"
+    if os.environ.get("UPDATE_GOLDEN"):
+        GOLDEN.write_text(got)
+    assert GOLDEN.exists(), "no golden file yet: run with UPDATE_GOLDEN=1 and review it"
+    assert got == GOLDEN.read_text()

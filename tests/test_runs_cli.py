@@ -1,0 +1,164 @@
+"""``gpu-energy-exporter runs``: the table, the group comparison, the formats and the errors.
+
+The CSV is written by the ledger's own ``append_csv_row`` (what the exporter writes); ``--url`` reads a
+real ledger served by the real HTTP server on an ephemeral port.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from gpu_energy_exporter import cli
+from gpu_energy_exporter.api import api_routes
+from gpu_energy_exporter.ledger import COLUMN_NAMES, RunLedger, append_csv_row
+from gpu_energy_exporter.runs_cli import CSV_ENV, main
+from gpu_energy_exporter.web import HTTPServer
+
+GIB = float(1 << 30)
+
+
+def _row(run_id: str, backend: str, j_per_token: float, tok_s: float, vram_gib: float, **extra: Any) -> dict:  # type: ignore[type-arg]
+    tokens = tok_s * 600
+    energy = j_per_token * tokens
+    return {
+        "run_id": run_id, "status": "finished", "start_time": "2024-05-01T10:00:00.000Z",
+        "end_time": "2024-05-01T10:10:00.000Z", "duration_s": 600.0, "warmup_s": 30.0, "window_s": 570.0,
+        "model": "llama-3-8b", "backend": backend, "tokens": tokens, "tokens_per_s": tok_s,
+        "j_per_token": j_per_token, "energy_j": energy, "energy_kwh": energy / 3.6e6, "avg_power_w": energy / 600,
+        "peak_power_w": 612.4, "vram_peak_bytes": vram_gib * GIB, "co2_g": energy / 3.6e6 * 480, **extra,
+    }
+
+
+@pytest.fixture
+def ledger_csv(tmp_path: Path) -> Path:
+    path = tmp_path / "runs.csv"
+    for row in (
+        _row("bnb-1", "bitsandbytes", 0.80, 1000.0, 12.0),
+        _row("uns-1", "unsloth", 0.50, 1900.0, 6.0),
+        _row("bnb-2", "bitsandbytes", 1.00, 1200.0, 13.0),
+        _row("uns-2", "unsloth", 0.62, 2100.0, 7.5, status="stale"),
+    ):
+        append_csv_row(str(path), row)
+    return path
+
+
+def run_cli(argv: list[str], environ: dict[str, str] | None = None) -> tuple[int, str, str]:
+    out, err = io.StringIO(), io.StringIO()
+    rc = main(argv, stdout=out, stderr=err, environ=environ or {})
+    return rc, out.getvalue(), err.getvalue()
+
+
+def test_table_lists_every_run_aligned(ledger_csv: Path) -> None:
+    rc, out, err = run_cli(["--csv", str(ledger_csv)])
+    assert rc == 0, err
+    lines = out.splitlines()
+    assert lines[0].split() == ["run", "id", "start", "(UTC)", "duration", "model", "backend", "tokens", "tok/s",
+                                "J/token", "kWh", "avg", "W", "peak", "W", "VRAM", "peak", "GiB", "gCO2", "status"]
+    assert [line.split()[0] for line in lines[1:]] == ["bnb-1", "uns-1", "bnb-2", "uns-2"]
+    bnb1 = lines[1].split()
+    # run id, date, time, duration, model, backend, tokens, tok/s, J/token, kWh, avg W, peak W, VRAM, gCO2, status
+    assert bnb1[3:] == ["0:10:00", "llama-3-8b", "bitsandbytes", "600,000", "1,000", "0.800", "0.133", "800",
+                        "612", "12.0", "64.00", "finished"]
+    # Right-aligned numbers: every row has the same length up to the status column.
+    status_at = lines[0].index("status")
+    assert all(line[status_at - 2: status_at] == "  " for line in lines[1:])
+
+
+def test_group_by_backend_compares_means_and_ratios(ledger_csv: Path) -> None:
+    rc, out, err = run_cli(["--csv", str(ledger_csv), "--group-by", "backend"])
+    assert rc == 0, err
+    assert "by backend (mean over runs):" in out
+    groups = out.split("by backend (mean over runs):\n", 1)[1].splitlines()
+    assert groups[0].split()[:3] == ["backend", "runs", "mean"]
+    assert groups[1].split()[:5] == ["bitsandbytes", "2", "0.900", "1,100", "12.5"]
+    assert groups[2].split()[:5] == ["unsloth", "2", "0.560", "2,000", "6.8"]
+    # unsloth / bitsandbytes: J/token 0.56/0.9, tokens/s 2000/1100, VRAM 6.75/12.5
+    assert "unsloth vs bitsandbytes: J/token 0.62x, tokens/s 1.82x, VRAM peak 0.54x" in out
+
+    rc, out, _ = run_cli(["--csv", str(ledger_csv), "--group-by", "backend", "--baseline", "unsloth"])
+    assert rc == 0
+    assert "bitsandbytes vs unsloth: J/token 1.61x, tokens/s 0.55x, VRAM peak 1.85x" in out
+
+
+def test_status_filter_and_json_and_csv_formats(ledger_csv: Path) -> None:
+    rc, out, _ = run_cli(["--csv", str(ledger_csv), "--status", "finished", "--format", "json",
+                          "--group-by", "backend"])
+    assert rc == 0
+    doc = json.loads(out)
+    assert [r["run_id"] for r in doc["runs"]] == ["bnb-1", "uns-1", "bnb-2"]
+    assert doc["runs"][0]["j_per_token"] == 0.8 and doc["runs"][0]["notes"] is None
+    comp = doc["comparison"]
+    assert comp["baseline"] == "bitsandbytes"
+    assert comp["comparisons"][0]["j_per_token_ratio"] == pytest.approx(0.5 / 0.9)
+
+    rc, out, _ = run_cli(["--csv", str(ledger_csv), "--format", "csv"])
+    rows = list(csv.DictReader(io.StringIO(out)))
+    assert list(rows[0]) == list(COLUMN_NAMES) and rows[3]["status"] == "stale"
+    assert rows[0]["tokens"] == "600000"
+
+
+def test_environment_variable_names_the_file(ledger_csv: Path) -> None:
+    rc, out, _ = run_cli([], environ={CSV_ENV: str(ledger_csv)})
+    assert rc == 0 and "uns-2" in out
+    assert CSV_ENV == "GPU_ENERGY_EXPORTER_RUNS_CSV"
+
+
+def test_clear_errors(tmp_path: Path, ledger_csv: Path) -> None:
+    rc, _, err = run_cli([])
+    assert rc == 2 and "pass --csv FILE" in err and CSV_ENV in err
+    rc, _, err = run_cli(["--csv", str(tmp_path / "nope.csv")])
+    assert rc == 2 and "does not exist" in err and "--runs.csv=" in err
+    foreign = tmp_path / "energy_results.csv"
+    foreign.write_text("model,backend,energy_J,J_per_token\nllama,bnb,1,2\n")
+    rc, _, err = run_cli(["--csv", str(foreign)])
+    assert rc == 2 and "is not a runs CSV written by gpu-energy-exporter" in err and "run_id" in err
+    binary = tmp_path / "blob.csv"
+    binary.write_bytes(b"\xff\xfe\x00\x81garbage")
+    rc, _, err = run_cli(["--csv", str(binary)])
+    assert rc == 2 and "not a runs CSV" in err
+    rc, _, err = run_cli(["--csv", str(ledger_csv), "--group-by", "colour"])
+    assert rc == 2 and "not a ledger column" in err
+    rc, _, err = run_cli(["--csv", str(ledger_csv), "--group-by", "backend", "--baseline", "deepspeed"])
+    assert rc == 2 and "groups: bitsandbytes, unsloth" in err
+    rc, _, err = run_cli(["--url", "http://127.0.0.1:1"])
+    assert rc == 2 and "cannot reach the exporter" in err
+
+
+def test_empty_ledger_says_so(tmp_path: Path) -> None:
+    path = tmp_path / "runs.csv"
+    path.write_text(",".join(COLUMN_NAMES) + "\n")
+    rc, out, _ = run_cli(["--csv", str(path)])
+    assert rc == 0 and out == f"no runs in {path} yet\n"
+
+
+def test_url_reads_a_running_ledger() -> None:
+    clock_t = [1_700_000_000.0]
+    ledger = RunLedger(None, warmup_s=0.0, stale_after_s=300.0, clock=lambda: clock_t[0])
+    from gpu_energy_exporter.otlp.store import AcceptedPoint
+
+    labels = {"run_id": "live-1", "rank": "0", "gpu_uuid": "GPU-x", "backend": "unsloth"}
+    ledger.on_point(AcceptedPoint("live-1", "training_run_info", labels, 1.0, clock_t[0], "gauge"))
+    ledger.on_point(AcceptedPoint("live-1", "training_tokens_total", labels, 4096.0, clock_t[0], "counter"))
+    server = HTTPServer(("127.0.0.1", 0), api_routes(dict, ledger.runs, ledger.run), name="test").start()
+    try:
+        rc, out, err = run_cli(["--url", server.url])
+        rc_json, out_json, _ = run_cli(["--url", server.url, "--format", "json"])
+    finally:
+        server.shutdown()
+    assert rc == 0, err
+    row = out.splitlines()[1].split()
+    assert row[0] == "live-1" and "unsloth" in row and "4,096" in row and row[-1] == "running"
+    assert json.loads(out_json)["runs"][0]["tokens"] == 4096.0
+
+
+def test_the_exporter_cli_dispatches_to_runs(ledger_csv: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["runs", "--csv", str(ledger_csv), "--group-by", "backend"]) == 0
+    assert "unsloth vs bitsandbytes" in capsys.readouterr().out
+    assert cli.main(["runs", "--help"]) == 0
+    assert "--group-by" in capsys.readouterr().out
