@@ -35,11 +35,18 @@ test-gpu: $(VENV)/.test-installed
 bench: $(VENV)/.test-installed
 	$(PY) -m bench $(ARGS)
 
-docs: $(VENV)/.run-installed
+docs: $(VENV)/.test-installed
 	$(PY) -m gpu_energy_exporter.docgen
+	$(PY) -m dashboards.build
+	$(PY) deploy/generate.py
+
+# Rebuild the Grafana dashboards JSON, their docs section and the Kubernetes objects made from them.
+dashboards: $(VENV)/.test-installed
+	$(PY) -m dashboards.build
+	$(PY) deploy/generate.py
 
 lint: $(VENV)/.test-installed
-	$(VENV)/bin/ruff check gpu_energy_exporter tests bench
+	$(VENV)/bin/ruff check gpu_energy_exporter tests bench dashboards deploy
 	$(VENV)/bin/mypy gpu_energy_exporter
 
 clean:

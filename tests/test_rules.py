@@ -1,0 +1,125 @@
+"""The Prometheus rules in dashboards/rules/: valid for promtool, every rule unit-tested with promtool
+against hand-computed values, every alert actionable, every metric name one the code produces."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from dashboards import names, promtool
+from dashboards.promql import metric_names, normalize
+
+RECORD_NAME = re.compile(r"^[a-z][a-z0-9_]*:[a-z][a-z0-9_]*:[a-z][a-z0-9_]*$")
+SEVERITIES = {"critical", "warning", "info"}
+
+
+def recorded_names() -> set[str]:
+    return {r["record"] for r in promtool.rules() if "record" in r}
+
+
+@pytest.fixture(scope="module")
+def promtool_binary() -> str:
+    try:
+        return promtool.binary()
+    except FileNotFoundError as exc:
+        pytest.fail(str(exc))
+
+
+def test_rule_files_exist() -> None:
+    assert [p.name for p in promtool.RULE_FILES] == ["alerts.yaml", "recording.yaml"]
+    assert promtool.TEST_FILES, "no promtool test files under dashboards/tests/"
+
+
+@pytest.mark.parametrize("path", promtool.RULE_FILES, ids=lambda p: p.name)
+def test_promtool_check_rules(promtool_binary: str, path: object) -> None:
+    result = promtool.run("check", "rules", str(path))
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "SUCCESS" in result.stdout
+
+
+def test_promtool_unit_tests_pass(promtool_binary: str) -> None:
+    result = promtool.run("test", "rules", *(p.name for p in promtool.TEST_FILES), cwd=promtool.ROOT / "tests")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout.count("SUCCESS") == len(promtool.TEST_FILES), result.stdout
+
+
+def test_promtool_unit_tests_can_fail(promtool_binary: str, tmp_path: object) -> None:
+    # A wrong expected value must make promtool fail: guards against tests that assert nothing.
+    from pathlib import Path
+
+    src = promtool.ROOT / "tests" / "fleet_node_test.yaml"
+    text = src.read_text(encoding="utf-8").replace("value: 562.5", "value: 562.75", 1)
+    text = text.replace("../rules/", str(promtool.ROOT / "rules") + "/")
+    broken = Path(str(tmp_path)) / "broken_test.yaml"
+    broken.write_text(text, encoding="utf-8")
+    result = promtool.run("test", "rules", str(broken))
+    assert result.returncode != 0
+    assert "562.75" in result.stdout + result.stderr or "5.6275E+02" in result.stdout + result.stderr
+
+
+def test_recording_rule_names_follow_level_metric_operations() -> None:
+    bad = [r for r in recorded_names() if not RECORD_NAME.match(r)]
+    assert not bad, f"recording rules not named level:metric:operations: {bad}"
+
+
+def test_every_recording_rule_has_a_promtool_test_with_expected_samples() -> None:
+    tested = set()
+    for t in promtool.expression_tests():
+        if not t.samples:
+            continue
+        selected = metric_names(t.expr)
+        # The test must evaluate the recorded series itself: `name` or `name{...}`.
+        if len(selected) == 1 and normalize(t.expr).split(" ")[0] in selected:
+            tested |= selected
+    missing = sorted(recorded_names() - tested)
+    assert not missing, f"recording rules without a promtool test of their output: {missing}"
+
+
+def test_every_alert_is_tested_firing_and_silent() -> None:
+    alerts = [r["alert"] for r in promtool.rules() if "alert" in r]
+    tests = promtool.alert_tests()
+    firing = {t.alertname for t in tests if t.alerts}
+    silent = {t.alertname for t in tests if not t.alerts}
+    assert not sorted(set(alerts) - firing), f"alerts never tested firing: {sorted(set(alerts) - firing)}"
+    assert not sorted(set(alerts) - silent), f"alerts never tested silent: {sorted(set(alerts) - silent)}"
+    assert not sorted((firing | silent) - set(alerts)), "tests of alerts that do not exist"
+
+
+def test_alerts_say_what_to_do() -> None:
+    for rule in promtool.rules():
+        if "alert" not in rule:
+            continue
+        name = rule["alert"]
+        assert rule.get("labels", {}).get("severity") in SEVERITIES, name
+        ann = rule.get("annotations", {})
+        assert ann.get("summary") and ann.get("description"), name
+        # "what happened: what to do" -- the summary carries the action after a colon.
+        assert ":" in ann["summary"], f"{name}: summary must say what to do after a colon"
+        assert rule.get("for"), f"{name}: an alert without `for` fires on a single bad sample"
+
+
+def test_every_name_in_the_rules_is_produced_or_recorded() -> None:
+    known = names.produced_metric_names() | recorded_names() | set(names.PENDING)
+    unknown: dict[str, str] = {}
+    for rule in promtool.rules():
+        for name in metric_names(rule["expr"]) - known:
+            unknown.setdefault(name, str(rule.get("record") or rule.get("alert")))
+    assert not unknown, f"metric names no part of the code produces: {unknown}"
+
+
+def test_the_names_check_catches_an_unknown_name() -> None:
+    known = names.produced_metric_names() | recorded_names()
+    expr = "sum by (run_id) (rate(training_tokenz_total[5m])) / on (run_id) run_id:training_tokens:rate5m"
+    assert metric_names(expr) - known == {"training_tokenz_total"}
+
+
+def test_every_rule_is_explained_next_to_it() -> None:
+    # The docs quote the comment above each rule (dashboards/build.py); a rule without one is undocumented.
+    from dashboards.build import rule_comments
+
+    for path in promtool.RULE_FILES:
+        comments = rule_comments(path.read_text(encoding="utf-8"))
+        for rule in promtool.rules([path]):
+            if "record" in rule:
+                assert comments.get(rule["record"]), f"{path.name}: {rule['record']} has no comment above it"
