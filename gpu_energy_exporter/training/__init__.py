@@ -1,0 +1,68 @@
+"""The training-side helper: a training process reports what it did to gpu-energy-exporter over OTLP.
+
+A plain loop::
+
+    from gpu_energy_exporter.training import start_run
+
+    with start_run(model="llama-3-8b", backend="unsloth", batch_size=8, seq_len=2048) as run:
+        for batch in loader:
+            loss = train_step(batch)
+            run.step(tokens=batch["input_ids"].numel(), samples=len(batch["input_ids"]), loss=loss)
+
+Hugging Face ``Trainer``: ``callbacks=[gpu_energy_exporter.training.hf.EnergyCallback()]``; Lightning:
+``callbacks=[gpu_energy_exporter.training.lightning.EnergyCallback()]`` (both optional extras, imported
+only from those submodules).
+
+Every point carries ``run_id``, ``rank`` and ``gpu_uuid`` (the GPUs this process uses), so PromQL can
+join tokens to the energy of exactly those GPUs. Each token and sample is counted once across ranks:
+every rank reports its own work (see ``run.py`` for the rules and ``hf.py`` for counts a framework has
+already summed over ranks).
+
+Importing this package never imports torch, transformers or lightning, and never touches NVML.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from gpu_energy_exporter.training.batch import count_batch
+    from gpu_energy_exporter.training.gpus import GPUResolution, resolve_gpus
+    from gpu_energy_exporter.training.instruments import GPU_NONE, GPU_UNKNOWN
+    from gpu_energy_exporter.training.run import DEFAULT_ENDPOINT, TrainingRun, resolve_endpoint, start_run
+
+# Resolved on first use, so that ``gpu_energy_exporter.training.instruments`` (the names the receiver
+# shares) can be imported by the exporter without the OpenTelemetry SDK installed.
+_EXPORTS = {
+    "DEFAULT_ENDPOINT": "run",
+    "GPU_NONE": "instruments",
+    "GPU_UNKNOWN": "instruments",
+    "GPUResolution": "gpus",
+    "TrainingRun": "run",
+    "count_batch": "batch",
+    "resolve_endpoint": "run",
+    "resolve_gpus": "gpus",
+    "start_run": "run",
+}
+
+__all__ = [
+    "DEFAULT_ENDPOINT",
+    "GPU_NONE",
+    "GPU_UNKNOWN",
+    "GPUResolution",
+    "TrainingRun",
+    "count_batch",
+    "resolve_endpoint",
+    "resolve_gpus",
+    "start_run",
+]
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    globals()[name] = value
+    return value

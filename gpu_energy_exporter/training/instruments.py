@@ -1,0 +1,81 @@
+"""The OpenTelemetry instruments a training process pushes: names, kinds, units and attributes.
+
+This is the contract between the training-side helper and the exporter's OTLP receiver (and any
+OpenTelemetry Collector in between): both sides use exactly these names, so a dashboard built on the
+Prometheus translation (``training_tokens_total``, ``training_step_duration_seconds``...) works whatever
+carried the points. The module is plain data: it imports neither the OpenTelemetry SDK nor torch, so the
+receiver can import it too. It must never grow logic.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+InstrumentKind = Literal["counter", "gauge", "histogram"]
+
+#: Resource ``service.name`` of every training process.
+SERVICE_NAME = "gpu-energy-training"
+
+#: Instrumentation scope (meter) name.
+SCOPE_NAME = "gpu_energy_exporter.training"
+
+#: Data-point attributes carried by every point, on every instrument.
+ATTR_RUN_ID = "run_id"
+ATTR_RANK = "rank"
+ATTR_GPU_UUID = "gpu_uuid"  # comma-joined when the process uses several GPUs
+POINT_ATTRIBUTES: tuple[str, ...] = (ATTR_RUN_ID, ATTR_RANK, ATTR_GPU_UUID)
+
+#: Extra attributes of ``training.run.info`` (the run's metadata). Absent when not known.
+RUN_INFO_ATTRIBUTES: tuple[str, ...] = (
+    "model", "backend", "optimizer", "batch_size", "grad_accum", "seq_len", "precision", "seed", "notes",
+    "world_size",
+)
+
+#: ``gpu_uuid`` values that are not GPUs: the process uses no GPU (a CPU device, CUDA_VISIBLE_DEVICES
+#: hides every GPU), or which GPUs it uses could not be found out (no NVML, ambiguous).
+GPU_NONE = "none"
+GPU_UNKNOWN = "unknown"
+
+
+@dataclass(frozen=True)
+class Instrument:
+    name: str
+    kind: InstrumentKind
+    unit: str
+    description: str
+
+
+TOKENS = Instrument("training.tokens", "counter", "{token}",
+                    "Tokens processed by this rank (each token counted once across ranks).")
+SAMPLES = Instrument("training.samples", "counter", "{sample}",
+                     "Samples (sequences) processed by this rank.")
+STEPS = Instrument("training.steps", "counter", "{step}",
+                   "Optimizer steps taken by this rank (in data parallelism every rank takes every step: "
+                   "aggregate over ranks with max, not sum).")
+FLOPS = Instrument("training.flops", "counter", "{flop}",
+                   "Floating-point operations done by this rank, as counted by the trainer.")
+LOSS = Instrument("training.loss", "gauge", "", "Latest training loss.")
+VALIDATION_LOSS = Instrument("training.validation.loss", "gauge", "", "Latest validation loss.")
+LEARNING_RATE = Instrument("training.learning_rate", "gauge", "", "Latest learning rate.")
+EPOCH = Instrument("training.epoch", "gauge", "", "Epochs completed (fractional during an epoch).")
+STEP_DURATION = Instrument("training.step.duration", "histogram", "s", "Wall time of one optimizer step.")
+RUN_INFO = Instrument("training.run.info", "gauge", "",
+                      "Always 1; the run's metadata (model, backend, optimizer, ...) as attributes.")
+RUN_GPU_INFO = Instrument("training.run.gpu.info", "gauge", "",
+                          "Always 1; one point per GPU this rank uses, with that GPU's gpu_uuid.")
+RUN_TOTAL_STEPS = Instrument("training.run.total_steps", "gauge", "",
+                             "Optimizer steps the run is planned to take, when known.")
+RUN_FINISHED = Instrument("training.run.finished", "gauge", "", "0 while the run is going, 1 after it finished.")
+
+ALL: tuple[Instrument, ...] = (
+    TOKENS, SAMPLES, STEPS, FLOPS, LOSS, VALIDATION_LOSS, LEARNING_RATE, EPOCH, STEP_DURATION, RUN_INFO,
+    RUN_GPU_INFO, RUN_TOTAL_STEPS, RUN_FINISHED,
+)
+
+#: Explicit bucket bounds of ``training.step.duration``, in seconds: from a millisecond (tiny models) to
+#: five minutes (large models with long gradient accumulation). OpenTelemetry's default bounds are meant
+#: for milliseconds and would put every step in one bucket.
+STEP_DURATION_BOUNDS: tuple[float, ...] = (
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 25.0, 60.0, 120.0, 300.0,
+)

@@ -1,0 +1,240 @@
+"""PyTorch Lightning integration: ``EnergyCallback``.
+
+    from gpu_energy_exporter.training.lightning import EnergyCallback
+    trainer = L.Trainer(..., callbacks=[EnergyCallback(backend="fsdp", seq_len=2048)])
+
+Works with ``lightning.pytorch`` (Lightning 2.x) or the older ``pytorch_lightning`` package, whichever is
+installed. What is reported, and from where (each rank reports its own work: Lightning hands every rank
+its own batches, so nothing here is a global count):
+
+- samples and tokens: from each training batch this rank sees (``on_train_batch_end``), by shape
+  (``count_batch``: the ``input_ids`` entry of a dict batch, else the first tensor; token ids are 2-D
+  int32/int64 tensors); pass ``count_batch=`` for other layouts.
+- steps: optimizer steps, i.e. increases of ``trainer.global_step`` (micro-batches of a gradient
+  accumulation are added to the step that consumes them); ``total_steps`` from ``trainer.max_steps`` or
+  ``trainer.estimated_stepping_batches``; step duration from the first micro-batch start to the step.
+- FLOPs: Lightning has no FLOP counter; give ``flops_per_token`` (``6 * parameters`` for a dense
+  transformer's forward and backward) and FLOPs are ``tokens * flops_per_token``.
+- loss: the ``loss`` the ``training_step`` returned for the step's last micro-batch (kept as a tensor,
+  converted at export time, no synchronisation); learning rate: the first optimizer's first parameter
+  group; validation loss: ``trainer.callback_metrics[val_loss_key]`` after validation; epochs completed
+  at each epoch end.
+- metadata: the LightningModule's class name, the optimizer's class, ``accumulate_grad_batches``, the
+  precision setting and the seed from ``seed_everything``, unless given to the constructor.
+
+The run starts at ``on_train_start`` (the run id is broadcast by the strategy so every rank agrees) and
+finishes at ``on_train_end`` or ``on_exception``. It must never change what the Trainer does.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+try:
+    from lightning.pytorch import Callback
+except ImportError:
+    try:
+        from pytorch_lightning import Callback  # type: ignore[assignment]
+    except ImportError as exc:  # pragma: no cover - depends on the installed extras
+        raise ImportError(
+            "gpu_energy_exporter.training.lightning needs PyTorch Lightning: "
+            "pip install gpu-energy-exporter[lightning]"
+        ) from exc
+
+from gpu_energy_exporter.training.batch import count_batch
+from gpu_energy_exporter.training.distributed import new_run_id
+from gpu_energy_exporter.training.run import TrainingRun, start_run
+
+log = logging.getLogger("gpu_energy_exporter.training")
+
+
+class EnergyCallback(Callback):
+    """Reports a Lightning training run to gpu-energy-exporter (see the module docstring).
+
+    Metadata keywords override what is read from the Trainer; other keywords go to ``start_run``.
+    ``run`` is the current ``TrainingRun`` (None outside ``fit``).
+    """
+
+    def __init__(
+        self,
+        run_id: str | None = None,
+        *,
+        model: str | None = None,
+        backend: str | None = None,
+        optimizer: str | None = None,
+        batch_size: int | None = None,
+        grad_accum: int | None = None,
+        seq_len: int | None = None,
+        precision: str | None = None,
+        seed: int | None = None,
+        notes: str | None = None,
+        endpoint: str | None = None,
+        export_interval: float | None = None,
+        gpu_uuids: Sequence[str] | None = None,
+        flops_per_token: float | None = None,
+        val_loss_key: str = "val_loss",
+        input_key: str = "input_ids",
+        count_batch: Callable[[Any, str], tuple[int, int]] = count_batch,
+        **run_kwargs: Any,
+    ) -> None:
+        self.run_id = run_id
+        self.metadata: dict[str, Any] = {
+            "model": model, "backend": backend, "optimizer": optimizer, "batch_size": batch_size,
+            "grad_accum": grad_accum, "seq_len": seq_len, "precision": precision, "seed": seed,
+            "notes": notes,
+        }
+        self.run_kwargs: dict[str, Any] = {
+            "endpoint": endpoint, "export_interval": export_interval, "gpu_uuids": gpu_uuids, **run_kwargs,
+        }
+        self.flops_per_token = flops_per_token
+        self.val_loss_key = val_loss_key
+        self.input_key = input_key
+        self._count_batch = count_batch
+        self.run: TrainingRun | None = None
+        self._last_global_step = 0
+        self._pending_samples = 0
+        self._pending_tokens = 0
+        self._step_started: float | None = None
+
+    # -- lifecycle ----------------------------------------------------------------------------------
+
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        self._close()
+        try:
+            # The strategy's broadcast works for every strategy (a no-op on one device), so the ranks
+            # agree on the id without start_run needing torch.distributed.
+            run_id = self.run_id or os.environ.get("GPU_ENERGY_RUN_ID") or trainer.strategy.broadcast(new_run_id())
+            metadata = {**self._from_trainer(trainer, pl_module),
+                        **{k: v for k, v in self.metadata.items() if v is not None}}
+            self.run = start_run(
+                run_id, **metadata, total_steps=self._total_steps(trainer), device=pl_module.device,
+                rank=int(trainer.global_rank), world_size=int(trainer.world_size),
+                **{k: v for k, v in self.run_kwargs.items() if v is not None},
+            )
+        except Exception:  # noqa: BLE001 - reporting must never stop training
+            log.warning("gpu_energy_exporter.training: could not start the run; training continues "
+                        "without reporting", exc_info=True)
+            self.run = None
+        self._last_global_step = int(trainer.global_step)
+        self._pending_samples = self._pending_tokens = 0
+        self._step_started = None
+
+    def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+        self._close()
+
+    def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
+        self._close()
+
+    def _close(self) -> None:
+        run, self.run = self.run, None
+        if run is None:
+            return
+        run.add(tokens=self._pending_tokens, samples=self._pending_samples,
+                flops=self._flops(self._pending_tokens))
+        self._pending_samples = self._pending_tokens = 0
+        run.finish()
+
+    # -- per batch ----------------------------------------------------------------------------------
+
+    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        if self._step_started is None:
+            self._step_started = time.perf_counter()
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        run = self.run
+        if run is None:
+            return
+        try:
+            samples, tokens = self._count_batch(batch, self.input_key)
+        except Exception:  # noqa: BLE001 - counting must never break training
+            log.debug("cannot count this batch", exc_info=True)
+            samples, tokens = 0, 0
+        self._pending_samples += samples
+        self._pending_tokens += tokens
+        global_step = int(trainer.global_step)
+        if global_step == self._last_global_step:
+            return  # a gradient-accumulation micro-batch: its work goes with the coming step
+        steps = global_step - self._last_global_step
+        self._last_global_step = global_step
+        started, self._step_started = self._step_started, None
+        duration = time.perf_counter() - started if started is not None else None
+        tokens, samples = self._pending_tokens, self._pending_samples
+        self._pending_samples = self._pending_tokens = 0
+        run.step(tokens=tokens, samples=samples, flops=self._flops(tokens),
+                 loss=_loss(outputs, trainer, pl_module), lr=_learning_rate(trainer), duration_s=duration)
+        if steps > 1:  # manual optimisation with several optimizer steps per batch
+            for _ in range(steps - 1):
+                run.step(duration_s=0.0)
+
+    def _flops(self, tokens: int) -> float:
+        return tokens * self.flops_per_token if self.flops_per_token and tokens else 0.0
+
+    # -- epochs and validation ----------------------------------------------------------------------
+
+    def on_train_epoch_end(self, trainer: Any, pl_module: Any) -> None:
+        if self.run is not None:
+            self.run.epoch(int(trainer.current_epoch) + 1)
+
+    def on_validation_end(self, trainer: Any, pl_module: Any) -> None:
+        run = self.run
+        if run is None or getattr(trainer, "sanity_checking", False):
+            return
+        value = trainer.callback_metrics.get(self.val_loss_key)
+        if value is not None:
+            run.evaluate(value.detach() if hasattr(value, "detach") else value)
+
+    # -- metadata -----------------------------------------------------------------------------------
+
+    @staticmethod
+    def _total_steps(trainer: Any) -> int | None:
+        if getattr(trainer, "max_steps", -1) and trainer.max_steps > 0:
+            return int(trainer.max_steps)
+        try:
+            estimated = float(trainer.estimated_stepping_batches)
+        except Exception:  # noqa: BLE001 - iterable datasets without a length
+            return None
+        return int(estimated) if math.isfinite(estimated) else None
+
+    @staticmethod
+    def _from_trainer(trainer: Any, pl_module: Any) -> dict[str, Any]:
+        optimizers = getattr(trainer, "optimizers", None) or []
+        seed = os.environ.get("PL_GLOBAL_SEED")  # set by seed_everything
+        batch_size = None
+        loader = getattr(trainer, "train_dataloader", None)
+        if loader is not None:
+            batch_size = getattr(loader, "batch_size", None)
+        return {
+            "model": type(pl_module).__name__,
+            "optimizer": type(optimizers[0]).__name__ if optimizers else None,
+            "batch_size": batch_size,
+            "grad_accum": getattr(trainer, "accumulate_grad_batches", None),
+            "precision": str(getattr(trainer, "precision", "")) or None,
+            "seed": int(seed) if seed and seed.lstrip("-").isdigit() else None,
+        }
+
+
+def _loss(outputs: Any, trainer: Any, pl_module: Any) -> Any:
+    """The step's last micro-batch loss, as ``training_step`` returned it."""
+    value = outputs.get("loss") if isinstance(outputs, dict) else outputs
+    if value is None:
+        return None
+    if hasattr(value, "detach"):
+        value = value.detach()
+    # With automatic optimisation Lightning hands callbacks the loss already divided by
+    # accumulate_grad_batches (the value it back-propagates); undo that to report the real loss.
+    factor = getattr(trainer, "accumulate_grad_batches", 1) or 1
+    if factor != 1 and getattr(pl_module, "automatic_optimization", True):
+        value = value * factor
+    return value
+
+
+def _learning_rate(trainer: Any) -> float | None:
+    try:
+        return float(trainer.optimizers[0].param_groups[0]["lr"])
+    except (AttributeError, IndexError, KeyError, TypeError, ValueError):
+        return None

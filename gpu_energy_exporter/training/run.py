@@ -1,0 +1,528 @@
+"""The plain training API: ``start_run``, ``TrainingRun.step`` / ``epoch`` / ``evaluate`` / ``finish``.
+
+A run owns an OpenTelemetry ``MeterProvider`` (never the global one, so it cannot clash with the
+application's own telemetry) whose periodic reader exports over OTLP/HTTP protobuf in a background
+thread. The hot path (``step``) only adds to plain Python numbers: about half a microsecond, where an
+SDK synchronous instrument costs about 9 µs per call. Observable instruments read those numbers when the
+reader collects, and the step-duration histogram is aggregated here and appended to each export (see
+``export.py``). Everything is cumulative, so a dropped export loses nothing.
+
+Counting once across ranks: each rank reports what IT processed (its ``rank`` and its GPUs on every
+point); the exporter, PromQL and the ledger sum over ranks. In data parallelism every rank sees distinct
+tokens, so pass each rank's own counts. Where several ranks process the same tokens (tensor or pipeline
+parallel groups) report tokens from one rank per data-parallel replica and 0 on the others. Where a
+framework hands you a count already summed over ranks, report only your share (the Hugging Face
+callback does this; see ``hf.py``). Steps are different: in data parallelism every rank takes every
+optimizer step, so ``training.steps`` is per rank and is aggregated over ranks with ``max``, not ``sum``.
+
+``step`` is meant to be called from one thread (the training loop): it takes no lock. Nothing here may
+raise into the training loop because of the network, and nothing may block it: export errors are counted
+in ``run.dropped_exports`` with one warning, and ``finish`` is bounded by ``finish_timeout``.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import math
+import os
+import socket
+import time
+import uuid
+from bisect import bisect_left
+from collections.abc import Iterable, Mapping, Sequence
+from types import TracebackType
+from typing import Any
+
+try:
+    from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter
+    from opentelemetry.metrics import CallbackOptions, Observation
+    from opentelemetry.sdk.metrics import MeterProvider
+    from opentelemetry.sdk.metrics.export import (
+        AggregationTemporality,
+        Histogram,
+        HistogramDataPoint,
+        Metric,
+        PeriodicExportingMetricReader,
+    )
+    from opentelemetry.sdk.resources import Resource
+    from opentelemetry.sdk.util.instrumentation import InstrumentationScope
+except ImportError as exc:  # pragma: no cover - depends on the installed extras
+    raise ImportError(
+        "gpu_energy_exporter.training needs the OpenTelemetry SDK and OTLP/HTTP exporter: "
+        "pip install gpu-energy-exporter[training]"
+    ) from exc
+
+from gpu_energy_exporter import __version__
+from gpu_energy_exporter.training import instruments as I  # noqa: N812 - a namespace of constants
+from gpu_energy_exporter.training.distributed import rank_and_world_size, shared_run_id
+from gpu_energy_exporter.training.export import GuardedExporter
+from gpu_energy_exporter.training.gpus import resolve_gpus
+
+log = logging.getLogger("gpu_energy_exporter.training")
+
+DEFAULT_ENDPOINT = "http://localhost:4318"
+METRICS_PATH = "/v1/metrics"
+#: Default seconds between exports: live enough for a 15 s Prometheus scrape, cheap for the trainer.
+DEFAULT_EXPORT_INTERVAL = 10.0
+#: Default seconds one export may take, retries included (the SDK retries transient errors). Short on
+#: purpose: every export carries cumulative totals, so the next periodic export is the real retry.
+DEFAULT_EXPORT_TIMEOUT = 3.0
+#: Default bound on ``finish()``: the final export gets this long, then the run is closed regardless.
+DEFAULT_FINISH_TIMEOUT = 5.0
+
+
+def resolve_endpoint(endpoint: str | None, environ: Mapping[str, str] | None = None) -> str:
+    """The full ``.../v1/metrics`` URL, from the argument or the standard OpenTelemetry variables.
+
+    ``endpoint`` and ``OTEL_EXPORTER_OTLP_ENDPOINT`` are base URLs (``/v1/metrics`` is appended unless
+    already there); ``OTEL_EXPORTER_OTLP_METRICS_ENDPOINT`` is used as is, as the specification says.
+    """
+    env = os.environ if environ is None else environ
+    if endpoint:
+        return _with_path(endpoint)
+    if env.get("OTEL_EXPORTER_OTLP_METRICS_ENDPOINT"):
+        return env["OTEL_EXPORTER_OTLP_METRICS_ENDPOINT"].strip()
+    if env.get("OTEL_EXPORTER_OTLP_ENDPOINT"):
+        return _with_path(env["OTEL_EXPORTER_OTLP_ENDPOINT"])
+    return DEFAULT_ENDPOINT + METRICS_PATH
+
+
+def _with_path(base: str) -> str:
+    base = base.strip()
+    if "://" not in base:
+        base = "http://" + base
+    if base.rstrip("/").endswith(METRICS_PATH):
+        return base.rstrip("/")
+    return base.rstrip("/") + METRICS_PATH
+
+
+def _export_interval(value: float | None, environ: Mapping[str, str]) -> float:
+    if value is not None:
+        if not value > 0:
+            raise ValueError(f"export_interval must be a positive number of seconds, got {value!r}")
+        return float(value)
+    raw = environ.get("OTEL_METRIC_EXPORT_INTERVAL")  # milliseconds, per the specification
+    if raw:
+        try:
+            ms = float(raw)
+            if ms > 0:
+                return ms / 1000.0
+        except ValueError:
+            pass
+        log.warning("gpu_energy_exporter.training: ignoring OTEL_METRIC_EXPORT_INTERVAL=%r (milliseconds "
+                    "expected)", raw)
+    return DEFAULT_EXPORT_INTERVAL
+
+
+class TrainingRun:
+    """One training run as seen by one rank. Create it with ``start_run``."""
+
+    def __init__(
+        self,
+        *,
+        run_id: str,
+        rank: int,
+        world_size: int,
+        gpu_uuids: Sequence[str],
+        gpu_label: str,
+        metadata: Mapping[str, Any],
+        total_steps: int | None,
+        endpoint: str,
+        headers: Mapping[str, str] | None,
+        export_interval: float,
+        export_timeout: float,
+        finish_timeout: float,
+    ) -> None:
+        self.run_id = run_id
+        self.rank = rank
+        self.world_size = world_size
+        self.gpu_uuids: tuple[str, ...] = tuple(gpu_uuids)
+        self.endpoint = endpoint
+        # OpenTelemetry attributes must be str, bool, int or float (a torch.dtype or numpy int is not).
+        self.metadata = {k: v if isinstance(v, (str, bool, int, float)) else str(v)
+                         for k, v in metadata.items() if v is not None}
+        self.finish_timeout = finish_timeout
+        self._pid = os.getpid()
+        self._started_ns = time.time_ns()
+        self._started = time.monotonic()
+
+        # Hot-path state: plain numbers, read by the SDK's callbacks at export time.
+        self._tokens: int | float = 0
+        self._samples: int | float = 0
+        self._steps = 0
+        self._flops: int | float = 0
+        self._loss: Any = None
+        self._lr: Any = None
+        self._val_loss: Any = None
+        self._epoch: Any = None
+        self._total_steps = total_steps
+        self._finished = False
+        self._last_step_at: float | None = None
+        self._bounds = I.STEP_DURATION_BOUNDS
+        self._buckets = [0] * (len(self._bounds) + 1)
+        self._duration_sum = 0.0
+        self._duration_min = math.inf
+        self._duration_max = -math.inf
+
+        self._attrs: dict[str, Any] = {I.ATTR_RUN_ID: run_id, I.ATTR_RANK: rank, I.ATTR_GPU_UUID: gpu_label}
+        self._info_attrs = {**self.metadata, "world_size": world_size, **self._attrs}
+        gpu_points = self.gpu_uuids or (gpu_label,)
+        self._gpu_attrs = [{**self._attrs, I.ATTR_GPU_UUID: g} for g in gpu_points]
+
+        self._resource = Resource.create({
+            "service.name": I.SERVICE_NAME,
+            "service.instance.id": str(uuid.uuid4()),
+            "service.version": __version__,
+            "host.name": socket.gethostname(),
+            "process.pid": self._pid,
+        })
+        self._scope = InstrumentationScope(I.SCOPE_NAME, __version__)
+        inner = OTLPMetricExporter(endpoint=endpoint, headers=dict(headers) if headers else None,
+                                   timeout=export_timeout)
+        self._exporter = GuardedExporter(inner, endpoint=endpoint, resource=self._resource,
+                                         scope=self._scope, extra=self._extra_metrics)
+        reader = PeriodicExportingMetricReader(
+            self._exporter,
+            export_interval_millis=export_interval * 1000.0,
+            export_timeout_millis=max(export_timeout, export_interval) * 1000.0,
+        )
+        self._provider = MeterProvider(metric_readers=[reader], resource=self._resource, shutdown_on_exit=False)
+        meter = self._provider.get_meter(I.SCOPE_NAME, __version__)
+        observers = {
+            I.TOKENS: self._observe_tokens,
+            I.SAMPLES: self._observe_samples,
+            I.STEPS: self._observe_steps,
+            I.FLOPS: self._observe_flops,
+            I.LOSS: self._observe_loss,
+            I.VALIDATION_LOSS: self._observe_val_loss,
+            I.LEARNING_RATE: self._observe_lr,
+            I.EPOCH: self._observe_epoch,
+            I.RUN_INFO: self._observe_info,
+            I.RUN_GPU_INFO: self._observe_gpu_info,
+            I.RUN_TOTAL_STEPS: self._observe_total_steps,
+            I.RUN_FINISHED: self._observe_finished,
+        }
+        for inst, callback in observers.items():
+            create = meter.create_observable_counter if inst.kind == "counter" else meter.create_observable_gauge
+            create(inst.name, callbacks=[callback], unit=inst.unit, description=inst.description)
+        # A script that never calls finish() still flushes at exit (bounded like finish()).
+        atexit.register(self._at_exit)
+
+    # -- the hot path -------------------------------------------------------------------------------
+
+    def step(
+        self,
+        tokens: int = 0,
+        samples: int = 0,
+        loss: Any = None,
+        lr: Any = None,
+        flops: float = 0,
+        duration_s: float | None = None,
+    ) -> None:
+        """Record one optimizer step of this rank: the tokens and samples it processed (all micro-batches
+        of the step), the FLOPs it did, and optionally the loss and learning rate.
+
+        ``loss`` / ``lr`` may be floats or 0-d tensors; a tensor is detached here and converted only at
+        export time, in the background, so passing one adds no device synchronisation to the step.
+        ``duration_s`` defaults to the time since the previous ``step()`` (the first step then has none).
+        """
+        if self._finished:
+            return
+        now = time.perf_counter()
+        if duration_s is None:
+            last = self._last_step_at
+            self._last_step_at = now
+            if last is not None:
+                self._observe_duration(now - last)
+        else:
+            self._last_step_at = now
+            self._observe_duration(duration_s)
+        self._steps += 1
+        if tokens:
+            self._tokens += tokens
+        if samples:
+            self._samples += samples
+        if flops:
+            self._flops += flops
+        if loss is not None:
+            # Detaching (0.4 µs) keeps us from holding the step's autograd graph until the next step.
+            detach = getattr(loss, "detach", None)
+            self._loss = loss if detach is None else detach()
+        if lr is not None:
+            self._lr = lr
+
+    def _observe_duration(self, seconds: float) -> None:
+        if not seconds >= 0:  # negative or NaN: a caller's clock mistake must not poison the sum
+            return
+        self._buckets[bisect_left(self._bounds, seconds)] += 1
+        self._duration_sum += seconds
+        if seconds < self._duration_min:
+            self._duration_min = seconds
+        if seconds > self._duration_max:
+            self._duration_max = seconds
+
+    def add(self, tokens: int = 0, samples: int = 0, flops: float = 0) -> None:
+        """Count work that is not a whole step (a final partial gradient accumulation, FLOPs a trainer
+        reports late): added to the totals, the step count is unchanged."""
+        if self._finished:
+            return
+        if tokens:
+            self._tokens += tokens
+        if samples:
+            self._samples += samples
+        if flops:
+            self._flops += flops
+
+    def log(self, loss: Any = None, lr: Any = None) -> None:
+        """Update the latest loss and/or learning rate without counting a step."""
+        if loss is not None:
+            detach = getattr(loss, "detach", None)
+            self._loss = loss if detach is None else detach()
+        if lr is not None:
+            self._lr = lr
+
+    def epoch(self, epoch: float, val_loss: Any = None) -> None:
+        """Record the epochs completed so far (may be fractional) and optionally a validation loss."""
+        self._epoch = epoch
+        if val_loss is not None:
+            self._val_loss = val_loss
+
+    def evaluate(self, val_loss: Any) -> None:
+        """Record a validation loss."""
+        self._val_loss = val_loss
+
+    def set_total_steps(self, total_steps: int | None) -> None:
+        """The number of optimizer steps the run plans to take (for progress and ETA panels)."""
+        self._total_steps = total_steps
+
+    # -- totals -------------------------------------------------------------------------------------
+
+    @property
+    def tokens(self) -> int | float:
+        return self._tokens
+
+    @property
+    def samples(self) -> int | float:
+        return self._samples
+
+    @property
+    def steps(self) -> int:
+        return self._steps
+
+    @property
+    def flops(self) -> int | float:
+        return self._flops
+
+    @property
+    def finished(self) -> bool:
+        return self._finished
+
+    @property
+    def dropped_exports(self) -> int:
+        """Exports that did not reach the endpoint (unreachable, refused, timed out)."""
+        return self._exporter.dropped
+
+    @property
+    def delivered_exports(self) -> int:
+        """Exports the endpoint accepted."""
+        return self._exporter.delivered
+
+    # -- ending -------------------------------------------------------------------------------------
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Export now, in the calling thread (blocks up to ``timeout``, default ``finish_timeout``).
+        Returns whether the export reached the endpoint."""
+        if self._finished or os.getpid() != self._pid:
+            return False
+        before = self._exporter.delivered
+        limit = self.finish_timeout if timeout is None else timeout
+        try:
+            self._provider.force_flush(timeout_millis=limit * 1000.0)
+        except Exception:  # noqa: BLE001 - flushing is best effort
+            log.debug("flush failed", exc_info=True)
+        return self._exporter.delivered > before
+
+    def finish(self, timeout: float | None = None) -> None:
+        """Mark the run finished, push the final totals and stop the background exporter.
+
+        Returns within about ``timeout`` seconds (default ``finish_timeout``) even when the endpoint is
+        unreachable. Idempotent; ``step()`` calls after it are ignored.
+        """
+        if self._finished or os.getpid() != self._pid:
+            return
+        self._finished = True
+        atexit.unregister(self._at_exit)
+        limit = self.finish_timeout if timeout is None else timeout
+        if self._exporter.failing:
+            # The endpoint did not answer the last export: give the final one a short chance only,
+            # rather than the whole bound spent waiting between the SDK's retries.
+            limit = min(limit, 1.0)
+        try:
+            # The reader collects once more on shutdown: that export carries training.run.finished = 1.
+            self._provider.shutdown(timeout_millis=max(limit, 0.001) * 1000.0)
+        except Exception:  # noqa: BLE001 - a failed final export is already counted
+            log.debug("meter provider shutdown failed", exc_info=True)
+        log.info(
+            "gpu_energy_exporter.training: run %s rank %d finished after %.1fs: %s steps, %s tokens, "
+            "%s samples (%d exports delivered, %d dropped)", self.run_id, self.rank,
+            time.monotonic() - self._started, self._steps, self._tokens, self._samples,
+            self._exporter.delivered, self._exporter.dropped,
+        )
+
+    def _at_exit(self) -> None:
+        self.finish()
+
+    def __enter__(self) -> TrainingRun:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.finish()
+
+    def __repr__(self) -> str:
+        return (f"TrainingRun(run_id={self.run_id!r}, rank={self.rank}, world_size={self.world_size}, "
+                f"gpu_uuids={self.gpu_uuids!r}, endpoint={self.endpoint!r}, finished={self._finished})")
+
+    # -- SDK callbacks (background thread) ----------------------------------------------------------
+
+    def _alive(self) -> bool:
+        # After a fork (DataLoader workers) the child's copy must stay silent.
+        return os.getpid() == self._pid
+
+    def _counter(self, value: int | float) -> Iterable[Observation]:
+        return (Observation(value, self._attrs),) if self._alive() else ()
+
+    def _gauge(self, value: Any) -> Iterable[Observation]:
+        if value is None or not self._alive():
+            return ()
+        try:
+            if hasattr(value, "detach"):
+                value = value.detach()  # float() of a tensor that requires grad warns
+            number = float(value)  # a device tensor is synchronised here, in the export thread
+        except Exception:  # noqa: BLE001 - a value we cannot read is skipped, never raised
+            log.debug("cannot convert %r to a number", type(value), exc_info=True)
+            return ()
+        return (Observation(number, self._attrs),)
+
+    def _observe_tokens(self, options: CallbackOptions) -> Iterable[Observation]:
+        return self._counter(self._tokens)
+
+    def _observe_samples(self, options: CallbackOptions) -> Iterable[Observation]:
+        return self._counter(self._samples)
+
+    def _observe_steps(self, options: CallbackOptions) -> Iterable[Observation]:
+        return self._counter(self._steps)
+
+    def _observe_flops(self, options: CallbackOptions) -> Iterable[Observation]:
+        return self._counter(self._flops)
+
+    def _observe_loss(self, options: CallbackOptions) -> Iterable[Observation]:
+        return self._gauge(self._loss)
+
+    def _observe_val_loss(self, options: CallbackOptions) -> Iterable[Observation]:
+        return self._gauge(self._val_loss)
+
+    def _observe_lr(self, options: CallbackOptions) -> Iterable[Observation]:
+        return self._gauge(self._lr)
+
+    def _observe_epoch(self, options: CallbackOptions) -> Iterable[Observation]:
+        return self._gauge(self._epoch)
+
+    def _observe_total_steps(self, options: CallbackOptions) -> Iterable[Observation]:
+        return self._gauge(self._total_steps)
+
+    def _observe_finished(self, options: CallbackOptions) -> Iterable[Observation]:
+        return self._gauge(1 if self._finished else 0)
+
+    def _observe_info(self, options: CallbackOptions) -> Iterable[Observation]:
+        return (Observation(1, self._info_attrs),) if self._alive() else ()
+
+    def _observe_gpu_info(self, options: CallbackOptions) -> Iterable[Observation]:
+        return [Observation(1, a) for a in self._gpu_attrs] if self._alive() else ()
+
+    def _extra_metrics(self) -> list[Metric]:
+        """The step-duration histogram, cumulative since the run started."""
+        buckets = list(self._buckets)  # one consistent snapshot: count is derived from it
+        count = sum(buckets)
+        if count == 0:
+            return []
+        point = HistogramDataPoint(
+            attributes=self._attrs,
+            start_time_unix_nano=self._started_ns,
+            time_unix_nano=time.time_ns(),
+            count=count,
+            sum=self._duration_sum,
+            bucket_counts=buckets,
+            explicit_bounds=list(self._bounds),
+            min=self._duration_min,
+            max=self._duration_max,
+        )
+        data = Histogram(data_points=[point], aggregation_temporality=AggregationTemporality.CUMULATIVE)
+        inst = I.STEP_DURATION
+        return [Metric(name=inst.name, description=inst.description, unit=inst.unit, data=data)]
+
+
+def start_run(
+    run_id: str | None = None,
+    *,
+    model: str | None = None,
+    backend: str | None = None,
+    optimizer: str | None = None,
+    batch_size: int | None = None,
+    grad_accum: int | None = None,
+    seq_len: int | None = None,
+    precision: str | None = None,
+    seed: int | None = None,
+    notes: str | None = None,
+    total_steps: int | None = None,
+    endpoint: str | None = None,
+    headers: Mapping[str, str] | None = None,
+    export_interval: float | None = None,
+    export_timeout: float = DEFAULT_EXPORT_TIMEOUT,
+    finish_timeout: float = DEFAULT_FINISH_TIMEOUT,
+    gpu_uuids: Sequence[str] | None = None,
+    device: Any = None,
+    rank: int | None = None,
+    world_size: int | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> TrainingRun:
+    """Start reporting a training run to the exporter (or any OTLP/HTTP endpoint).
+
+    ``run_id``: shared by all ranks; generated when omitted (see ``distributed.py``; in a multi-rank run
+    with an initialised process group, call this on every rank). Metadata (``model`` ... ``notes``)
+    becomes the attributes of ``training.run.info`` and the columns of the exporter's run ledger.
+    ``endpoint``: base URL of the receiver; default ``OTEL_EXPORTER_OTLP_METRICS_ENDPOINT``, else
+    ``OTEL_EXPORTER_OTLP_ENDPOINT``, else ``http://localhost:4318``. ``headers``: extra HTTP headers
+    (e.g. ``{"Authorization": "Bearer ..."}``); default ``OTEL_EXPORTER_OTLP_HEADERS``.
+    ``export_interval`` seconds between background exports (default ``OTEL_METRIC_EXPORT_INTERVAL`` or
+    10 s). ``gpu_uuids`` / ``device`` pin the GPUs (see ``gpus.py``); ``rank`` / ``world_size`` override
+    what ``torch.distributed`` or ``RANK`` / ``WORLD_SIZE`` say.
+    """
+    env = os.environ if environ is None else environ
+    detected_rank, detected_world = rank_and_world_size(env)
+    rank = detected_rank if rank is None else int(rank)
+    world_size = detected_world if world_size is None else int(world_size)
+    resolution = resolve_gpus(gpu_uuids, device=device, world_size=world_size, environ=env)
+    run = TrainingRun(
+        run_id=shared_run_id(run_id, world_size, env),
+        rank=rank,
+        world_size=world_size,
+        gpu_uuids=resolution.uuids,
+        gpu_label=resolution.label,
+        metadata={
+            "model": model, "backend": backend, "optimizer": optimizer, "batch_size": batch_size,
+            "grad_accum": grad_accum, "seq_len": seq_len, "precision": precision, "seed": seed,
+            "notes": notes,
+        },
+        total_steps=total_steps,
+        endpoint=resolve_endpoint(endpoint, env),
+        headers=headers,
+        export_interval=_export_interval(export_interval, env),
+        export_timeout=export_timeout,
+        finish_timeout=finish_timeout,
+    )
+    log.info("gpu_energy_exporter.training: run %s rank %d/%d on GPUs %s (%s) reporting to %s",
+             run.run_id, rank, world_size, resolution.label, resolution.source, run.endpoint)
+    return run
