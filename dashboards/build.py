@@ -159,8 +159,19 @@ GPU_LEGEND = "{{instance}} GPU {{gpu}}"
 # The run's energy so far: the exporter's run ledger where the run pushed to an exporter (exact, from
 # the counters), else the recorded power integrated minute by minute over the dashboard range.
 RUN_ENERGY_SO_FAR = (
-    f"sum by (run_id) ({sel('gpuenergy_run_energy_joules', RUN)})"
+    f"sum by (run_id) ({sel('gpuenergy_run_energy_joules_total', RUN)})"
     f" or sum_over_time({sel('run_id:gpuenergy_gpu_energy_joules:rate5m', RUN)}[$__range:1m]) * 60"
+)
+# J/token over the dashboard range: the ledgers' counters where the run has them (energy and tokens
+# counted over the same samples), else the recorded power and token rate averaged over the range. The
+# fallback is only for runs the ledgers do not know: a token rate younger than its 5-minute window reads
+# low, so the fallback overstates J/token for a run that started inside the range.
+RUN_JOULES_PER_TOKEN_RANGE = (
+    f"sum by (run_id) (increase({sel('gpuenergy_run_energy_joules_total', RUN)}[$__range]))"
+    f" / (sum by (run_id) (increase({sel('gpuenergy_run_tokens_total', RUN)}[$__range])) > 0)"
+    f" or (avg_over_time({sel('run_id:gpuenergy_gpu_energy_joules:rate5m', RUN)}[$__range])"
+    f" / (avg_over_time({sel('run_id:training_tokens:rate5m', RUN)}[$__range]) > 0)"
+    f" unless on (run_id) {sel('gpuenergy_run_energy_joules_total', RUN)})"
 )
 RUN_CO2_SO_FAR = (
     f"sum by (run_id) ({sel('gpuenergy_run_co2_grams', RUN)})"
@@ -426,11 +437,12 @@ TRAINING_DASHBOARD = Dashboard(
         Row("Energy", (
             Panel("stat", "Energy per token (range)",
                   "GPU joules per token over the part of the dashboard range in which the run was active: "
-                  "mean run power / mean token rate (both recorded every evaluation).",
-                  JOULE, (Query(f"avg_over_time({sel('run_id:gpuenergy_gpu_energy_joules:rate5m', RUN)}"
-                                "[$__range])"
-                                f" / (avg_over_time({sel('run_id:training_tokens:rate5m', RUN)}[$__range]) > 0)",
-                                "{{run_id}}"),),
+                  "the run ledgers' energy increase / token increase (both counters start with the run, so "
+                  "the figure is right for a run that started or ended inside the range). For runs without "
+                  "a ledger (training data through another OTLP path): mean run power / mean token rate, "
+                  "which overstates J/token when the run started less than 5 minutes before the range ends "
+                  "or inside it.",
+                  JOULE, (Query(RUN_JOULES_PER_TOKEN_RANGE, "{{run_id}}"),),
                   width=6, height=5),
             Panel("stat", "Energy so far",
                   "Energy of the run's GPUs since it started: the exporter's run ledger (exact, from the "
@@ -455,8 +467,11 @@ TRAINING_DASHBOARD = Dashboard(
                   width=6, height=5),
             Panel("timeseries", "Energy per token",
                   "GPU joules per token over the last 5 minutes (recording rule "
-                  "run_id:training_energy_joules_per_token:ratio_rate5m): the run's GPUs' energy-counter "
-                  "power divided by the tokens all its ranks processed.",
+                  "run_id:training_energy_joules_per_token:ratio_rate5m): the run's GPUs' energy divided by "
+                  "the tokens all its ranks processed, from the exporters' run ledgers (right from the "
+                  "run's first minute). Runs without a ledger (training data through another OTLP path) "
+                  "use the GPUs' power / token rate, which overstates J/token in the run's first 5 "
+                  "minutes.",
                   JOULE, (Query(sel("run_id:training_energy_joules_per_token:ratio_rate5m", RUN), "{{run_id}}"),),
                   width=8),
             Panel("timeseries", "Tokens per second",
@@ -465,7 +480,9 @@ TRAINING_DASHBOARD = Dashboard(
                   TOKENS_PER_SECOND, (Query(sel("run_id:training_tokens:rate5m", RUN), "{{run_id}}"),),
                   width=8),
             Panel("timeseries", "Energy per optimizer step",
-                  "GPU joules per optimizer step over the last 5 minutes.",
+                  "GPU joules per optimizer step over the last 5 minutes (recording rule "
+                  "run_id:training_energy_joules_per_step:ratio_rate5m; from the run ledgers, like energy "
+                  "per token).",
                   JOULE, (Query(sel("run_id:training_energy_joules_per_step:ratio_rate5m", RUN), "{{run_id}}"),),
                   width=8),
             Panel("timeseries", "Power of the run (AEC)",
@@ -504,7 +521,8 @@ TRAINING_DASHBOARD = Dashboard(
                   width=4, height=5, minimum=0, maximum=1),
             Panel("stat", "MFU",
                   "Model FLOPs utilisation: the FLOPs the trainer counted per second against the dense peak "
-                  "of the run's GPUs at the run's precision.",
+                  "of the run's GPUs at the run's precision. Reads low in the run's first 5 minutes (the "
+                  "FLOP rate is over a 5-minute window).",
                   RATIO, (Query(f"avg_over_time({sel('run_id:training_mfu:ratio_rate5m', RUN)}[$__range])",
                                 "{{run_id}}"),),
                   width=4, height=5, minimum=0, maximum=1),
@@ -534,7 +552,7 @@ TRAINING_DASHBOARD = Dashboard(
         Row("Utilisation over time", (
             Panel("timeseries", "MFU",
                   "Model FLOPs utilisation over the last 5 minutes (recording rule "
-                  "run_id:training_mfu:ratio_rate5m).",
+                  "run_id:training_mfu:ratio_rate5m). Reads low in the run's first 5 minutes.",
                   RATIO, (Query(sel("run_id:training_mfu:ratio_rate5m", RUN), "{{run_id}}"),),
                   width=8, minimum=0, maximum=1),
             Panel("timeseries", "PCU: time-active, SM and tensor activity",
@@ -578,7 +596,7 @@ TRAINING_DASHBOARD = Dashboard(
                   "Training loss (y) against the energy the run has used so far (x), from the exporter's "
                   "run ledger: how many joules each step down in loss costs. One panel per selected run.",
                   COUNT, (
-                      Query(f"sum({sel('gpuenergy_run_energy_joules', ONE_RUN)})", "cumulative energy"),
+                      Query(f"sum({sel('gpuenergy_run_energy_joules_total', ONE_RUN)})", "cumulative energy"),
                       Query(f"avg({sel('training_loss', ONE_RUN)})", "loss"),
                   ),
                   width=8, repeat="run_id", overrides=(("cumulative energy", JOULE),),

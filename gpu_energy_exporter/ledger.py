@@ -74,17 +74,26 @@ RUN_INFO = metrics.define(
 RUN_DURATION = metrics.define(
     "run", "duration_seconds", "gauge", "Wall time of the run so far (from its first point).",
     _RUN, collector=COLLECTOR, unit="seconds")
+# The run's energy, tokens and steps are counters that start at zero with the run (a resumed run id
+# starts again from zero: a counter reset), so that rate() of two of them covers the same samples and
+# their ratio is right from the run's first minute (recording rule
+# run_id:training_energy_joules_per_token:ratio_rate5m). See _counter_values for why they never decrease.
 RUN_ENERGY = metrics.define(
-    "run", "energy_joules", "gauge",
-    "Energy of the run's GPUs since the run started, from the GPU energy counters.",
+    "run", "energy_joules_total", "counter",
+    "Energy of the run's GPUs on this node since the run started, from the GPU energy counters.",
     _RUN, collector=COLLECTOR, unit="joules")
 RUN_DYNAMIC_ENERGY = metrics.define(
     "run", "dynamic_energy_joules", "gauge",
     "Run energy above the GPUs' idle baseline (energy - idle power x time); absent while the idle "
     "power is unknown.", _RUN, collector=COLLECTOR, unit="joules")
 RUN_TOKENS = metrics.define(
-    "run", "tokens", "gauge", "Tokens processed by the run so far, summed over ranks.",
+    "run", "tokens_total", "counter",
+    "Tokens processed by the run since it started, summed over the ranks that push to this exporter.",
     _RUN, collector=COLLECTOR)
+RUN_STEPS = metrics.define(
+    "run", "steps_total", "counter",
+    "Optimizer steps the run took since it started: the maximum over the ranks that push to this exporter "
+    "(every data-parallel rank takes every step).", _RUN, collector=COLLECTOR)
 RUN_TOKENS_PER_SECOND = metrics.define(
     "run", "tokens_per_second", "gauge",
     "Token throughput over the run's efficiency window (after the warm-up; the whole run while shorter).",
@@ -528,6 +537,7 @@ class _Run:
         self.resolved: set[str] = set()  # run GPU keys found in some snapshot
         self.summary: dict[str, Any] | None = None
         self.closed_at: float | None = None
+        self.exposed: dict[str, float] = {}  # counter name -> highest value collect() has served
 
     # -- counters ------------------------------------------------------------------------------------
 
@@ -1180,10 +1190,30 @@ class RunLedger:
             return {"schema": SUMMARY_SCHEMA, "start_unix": run.s, "end_unix": run.e,
                     "configured_warmup_s": self.warmup_s, **summary, **self._details(run)}
 
+    @staticmethod
+    def _counter_values(run: _Run, summary: Mapping[str, Any]) -> dict[str, float]:
+        """The run's counters as served: the summary's figures, never below what was served before.
+
+        The figures can go down: closing a run whose end became known late (a stale run, a late finish
+        point) replays the snapshots only up to the end, and a rank's counter can restart. Prometheus
+        would read a decrease as a reset and count the whole value again as an increase, a spike in every
+        rate. So the served value holds the highest one served (for a run closed late it stays above the
+        summary's ``energy_j`` by the energy counted after the end: at most ``stale_after`` of the GPUs'
+        energy, seen in one rate window). Call with the ledger lock held."""
+        out: dict[str, float] = {}
+        for spec, key in ((RUN_ENERGY, "energy_j"), (RUN_TOKENS, "tokens"), (RUN_STEPS, "steps")):
+            value = summary.get(key)
+            if value is None or not math.isfinite(value):
+                continue
+            served = max(float(value), run.exposed.get(spec.name, 0.0))
+            run.exposed[spec.name] = served
+            out[spec.name] = served
+        return out
+
     def collect(self) -> list[Metric]:
         """Per-run series and the ledger's self-metrics (a live source of the /metrics collector)."""
         fams = {spec.name: spec.family() for spec in (
-            RUN_ACTIVE, RUN_INFO, RUN_DURATION, RUN_ENERGY, RUN_DYNAMIC_ENERGY, RUN_TOKENS,
+            RUN_ACTIVE, RUN_INFO, RUN_DURATION, RUN_ENERGY, RUN_DYNAMIC_ENERGY, RUN_TOKENS, RUN_STEPS,
             RUN_TOKENS_PER_SECOND, RUN_JOULES_PER_TOKEN, RUN_AVERAGE_POWER, RUN_PEAK_POWER, RUN_MEMORY_PEAK,
             RUN_CO2)}
         with self._lock:
@@ -1195,6 +1225,7 @@ class RunLedger:
                     by_id[r.run_id] = (r, r.summary)
             for r in self._active.values():
                 by_id[r.run_id] = (r, self._summary(r))
+            counters = {run_id: self._counter_values(r, s) for run_id, (r, s) in by_id.items()}
             finished = dict(self._finished_counts)
             rejected, errors = self._rejected, self._write_errors
         for run_id, (r, s) in by_id.items():
@@ -1202,8 +1233,9 @@ class RunLedger:
             metrics.add(fams[RUN_ACTIVE.name], lab, 1.0 if r.status in ("running", "finishing") else 0.0)
             metrics.add(fams[RUN_INFO.name], [run_id, r.status, *(s.get(k) or "" for k in (
                 "model", "backend", "optimizer", "precision")), ",".join(s["gpu_uuids"].split())], {})
-            for spec, key in ((RUN_DURATION, "duration_s"), (RUN_ENERGY, "energy_j"),
-                              (RUN_DYNAMIC_ENERGY, "dynamic_energy_j"), (RUN_TOKENS, "tokens"),
+            for name, total in counters[run_id].items():
+                metrics.add(fams[name], lab, total)
+            for spec, key in ((RUN_DURATION, "duration_s"), (RUN_DYNAMIC_ENERGY, "dynamic_energy_j"),
                               (RUN_TOKENS_PER_SECOND, "tokens_per_s"), (RUN_JOULES_PER_TOKEN, "j_per_token"),
                               (RUN_AVERAGE_POWER, "avg_power_w"), (RUN_PEAK_POWER, "peak_power_w"),
                               (RUN_MEMORY_PEAK, "vram_peak_bytes"), (RUN_CO2, "co2_g")):

@@ -1,49 +1,126 @@
-"""End to end: the exporter on the fake NVML library, scraped by a real Prometheus on loopback.
+"""End to end: the exporter on the fake NVML library, a real tiny PyTorch training loop pushing over OTLP,
+and a real Prometheus on loopback scraping the exporter with the bundled recording rules loaded.
 
-Prometheus's answer to ``rate(gpuenergy_gpu_energy_joules_total[1m])`` must match the scenario's true
-power within 1%. ``rate()`` over 1m is only exact once the series has a full minute of history (before
-that Prometheus extrapolates from a partial window), so the test waits 65 s of scraping.
+One session serves both checks (each needs a minute of history):
+- Prometheus's ``rate(gpuenergy_gpu_energy_joules_total[1m])`` matches the scenario's true power within
+  1%. ``rate()`` over 1m is only exact once the series has a full minute of history (before that
+  Prometheus extrapolates from a partial window), so the checks run after 65 s of scraping.
+- The J/token recording rule, read through Prometheus's HTTP API, matches the run ledger within 2%.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 import urllib.parse
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
-from conftest import ExporterProcess, wait_until
+from conftest import ROOT, ExporterProcess, wait_until
 from fakenvml import Constant, Scenario, Square, h100, v100
 from prom import Prometheus
 
 pytestmark = pytest.mark.slow
 
+GPUS = [
+    h100(0, power=Constant(312.0), energy_offset_mj=4_000_000_000),
+    # bursty training steps: 80 ms period, 60% at 650 W, 40% at 120 W -> 438 W mean
+    h100(1, power=Square(120.0, 650.0, 0.08, 0.6)),
+    v100(2, power=Constant(151.5)),
+]
+TRUE_MEAN_W = {GPUS[0].uuid: 312.0, GPUS[1].uuid: 438.0, GPUS[2].uuid: 151.5}
+RUN_ID = "e2e-jpt"
+TOKENS_PER_STEP = 2048
+STEP_S = 0.05  # paced: ~40,960 tokens/s
 
-def test_prometheus_rate_of_the_energy_counter_matches_true_power(
-    start_exporter: type[ExporterProcess], fake_nvml_lib: Path, tmp_path: Path
-) -> None:
-    gpus = [
-        h100(0, power=Constant(312.0), energy_offset_mj=4_000_000_000),
-        # bursty training steps: 80 ms period, 60% at 650 W, 40% at 120 W -> 438 W mean
-        h100(1, power=Square(120.0, 650.0, 0.08, 0.6)),
-        v100(2, power=Constant(151.5)),
-    ]
-    scenario = Scenario(epoch=time.time() - 3600, gpus=gpus)
-    scenario.write(tmp_path / "scenario.ini")
-    exp = start_exporter([f"--nvml.library={fake_nvml_lib}", "--collector.interval=1s"],
-                         {"FAKE_NVML_SCENARIO": str(tmp_path / "scenario.ini")}).wait_ready()
-    target = urllib.parse.urlparse(exp.metrics_url).netloc
-    prom = Prometheus(tmp_path / "prom", [target])
+
+class Session:
+    def __init__(self, exporter: ExporterProcess, prom: Prometheus) -> None:
+        self.exporter, self.prom = exporter, prom
+        self.stop = threading.Event()
+        self.error: BaseException | None = None
+        self.steps = 0
+
+    def train(self) -> None:
+        """A real tiny PyTorch LM, trained on synthetic ids, reporting through the training helper."""
+        try:
+            import torch
+            from training_models import TinyLM, TinyLMConfig, synthetic_tokens
+
+            from gpu_energy_exporter.training import start_run
+
+            cfg = TinyLMConfig()
+            model = TinyLM(cfg)
+            opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            batch = synthetic_tokens(TOKENS_PER_STEP // cfg.seq_len, cfg)
+            run = start_run(RUN_ID, model="tiny-lm", backend="eager", batch_size=len(batch), seq_len=cfg.seq_len,
+                            precision="fp32", endpoint=self.exporter.otlp_url, export_interval=1.0,
+                            gpu_uuids=[GPUS[0].uuid, GPUS[1].uuid])
+            next_step = time.monotonic()
+            while not self.stop.is_set():
+                loss = model.loss(batch)
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+                run.step(tokens=TOKENS_PER_STEP, samples=len(batch), loss=loss)
+                self.steps += 1
+                next_step += STEP_S
+                time.sleep(max(0.0, next_step - time.monotonic()))
+            run.finish()
+        except BaseException as exc:  # noqa: BLE001 - reported by the test
+            self.error = exc
+
+
+@pytest.fixture(scope="module")
+def session(fake_nvml_lib: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Session]:
+    tmp = tmp_path_factory.mktemp("e2e")
+    Scenario(epoch=time.time() - 3600, gpus=GPUS).write(tmp / "scenario.ini")
+    exporter = ExporterProcess(
+        [f"--nvml.library={fake_nvml_lib}", "--collector.interval=1s", "--runs.warmup=0s"],
+        {"FAKE_NVML_SCENARIO": str(tmp / "scenario.ini")},
+    ).wait_ready()
+    rules = [ROOT / "dashboards" / "rules" / "recording.yaml"]
+    prom = None
     try:
+        prom = Prometheus(tmp / "prom", [urllib.parse.urlparse(exporter.metrics_url).netloc], rule_files=rules)
+        s = Session(exporter, prom)
         wait_until(lambda: prom.value('up{job="gpu-energy-exporter"}') == 1.0, timeout=30, what="first scrape")
+        trainer = threading.Thread(target=s.train, daemon=True)
+        trainer.start()
         time.sleep(65)
-        for g, true_mean in ((gpus[0], 312.0), (gpus[1], 438.0), (gpus[2], 151.5)):
-            rate = prom.value(f'rate(gpuenergy_gpu_energy_joules_total{{gpu_uuid="{g.uuid}"}}[1m])')
-            assert rate == pytest.approx(true_mean, rel=0.01), (g.name, rate)
-        # the counter has no resets and the collector is healthy throughout
-        assert prom.value('max_over_time(gpuenergy_collector_success{collector="gpu"}[1m])') == 1.0
-        assert prom.value("sum(resets(gpuenergy_gpu_energy_joules_total[1m]))") == 0.0
-        # instant power sampled through the 25 ms window under-reads nothing for constant power
-        assert prom.value(f'gpuenergy_gpu_power_watts{{gpu_uuid="{gpus[0].uuid}"}}') == pytest.approx(312.0)
+        yield s
+        s.stop.set()
+        trainer.join(30)
     finally:
-        prom.stop()
+        if prom is not None:
+            prom.stop()
+        exporter.stop()
+
+
+def test_prometheus_rate_of_the_energy_counter_matches_true_power(session: Session) -> None:
+    for uuid, true_mean in TRUE_MEAN_W.items():
+        rate = session.prom.value(f'rate(gpuenergy_gpu_energy_joules_total{{gpu_uuid="{uuid}"}}[1m])')
+        assert rate == pytest.approx(true_mean, rel=0.01), (uuid, rate)
+    assert session.prom.value('max_over_time(gpuenergy_collector_success{collector="gpu"}[1m])') == 1.0
+    assert session.prom.value("sum(resets(gpuenergy_gpu_energy_joules_total[1m]))") == 0.0
+    assert session.prom.value(f'gpuenergy_gpu_power_watts{{gpu_uuid="{GPUS[0].uuid}"}}') == pytest.approx(312.0)
+
+
+def test_jpt_recording_rule_matches_the_run_ledger(session: Session) -> None:
+    import json
+    import urllib.request
+
+    assert session.error is None, session.error
+    assert session.steps > 500
+    with urllib.request.urlopen(session.exporter.metrics_url + "/api/v1/runs", timeout=10) as r:
+        runs: list[dict[str, Any]] = json.load(r)["runs"]
+    (ledger,) = [doc for doc in runs if doc["run_id"] == RUN_ID]
+    assert ledger["status"] == "running"
+    rule = session.prom.value(f'run_id:training_energy_joules_per_token:ratio_rate5m{{run_id="{RUN_ID}"}}')
+    assert rule is not None, "the J/token recording rule has no value for the run"
+    # The run uses GPUs 0 and 1: 312 W + 438 W = 750 W at ~40,960 tokens/s (paced, so a little less).
+    expected_max = 750.0 / (TOKENS_PER_STEP / STEP_S)
+    assert ledger["j_per_token"] == pytest.approx(rule, rel=0.02), (ledger["j_per_token"], rule)
+    assert expected_max * 0.98 <= ledger["j_per_token"] <= expected_max * 1.3

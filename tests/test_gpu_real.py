@@ -24,9 +24,12 @@ pytestmark = pytest.mark.gpu
 
 
 def _nvml_or_skip() -> Any:
-    try:
-        import pynvml
+    import pynvml
 
+    lib = getattr(pynvml, "nvmlLib", None)
+    if lib is not None and "fakenvml" in str(getattr(lib, "_name", "")):
+        pytest.skip("this process already loaded the fake NVML library; run the real-GPU tests alone: make test-gpu")
+    try:
         pynvml.nvmlInit()
         count = pynvml.nvmlDeviceGetCount()
         pynvml.nvmlShutdown()

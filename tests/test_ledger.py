@@ -595,7 +595,7 @@ def test_docs_list_the_columns_and_metrics_as_the_code_defines_them() -> None:
     doc = (Path(__file__).resolve().parent.parent / "docs" / "ledger.md").read_text()
     assert columns_markdown() in doc, "regenerate the table in docs/ledger.md from ledger.columns_markdown()"
     ours = [name for name, spec in CATALOGUE.items() if spec.collector == ledger_mod.COLLECTOR]
-    assert len(ours) == 15
+    assert len(ours) == 16
     assert [name for name in ours if f"`{name}`" not in doc] == []
 
 
@@ -627,8 +627,12 @@ def test_per_run_series_on_metrics_and_finished_runs_expire() -> None:
     h.run_until(T0 + 10, pushes)
     text = exposition(ledger)
     assert 'gpuenergy_run_active{run_id="live"} 1.0' in text
-    assert 'gpuenergy_run_tokens{run_id="live"} 1000.0' in text
-    assert 'gpuenergy_run_energy_joules{run_id="live"} 2000.0' in text
+    # Energy, tokens and steps are counters from zero at the run's start (the J/token rule takes their rates).
+    assert "# TYPE gpuenergy_run_energy_joules_total counter" in text
+    assert "# TYPE gpuenergy_run_tokens_total counter" in text
+    assert 'gpuenergy_run_tokens_total{run_id="live"} 1000.0' in text
+    assert 'gpuenergy_run_energy_joules_total{run_id="live"} 2000.0' in text
+    assert 'gpuenergy_run_steps_total{run_id="live"} 20.0' in text
     assert 'gpuenergy_run_joules_per_token{run_id="live"} 2.0' in text
     assert 'backend="bnb"' in text and 'status="running"' in text
     h.run_until(T0 + 21, pushes)
@@ -641,6 +645,38 @@ def test_per_run_series_on_metrics_and_finished_runs_expire() -> None:
     assert ledger.version() != version, "the finished run expired"
     assert 'run_id="live"' not in exposition(ledger)
     assert ledger.run("live") is None
+
+
+def served(text: str, name: str, run_id: str) -> float:
+    prefix = f'{name}{{run_id="{run_id}"}} '
+    lines = [line for line in text.splitlines() if line.startswith(prefix)]
+    assert len(lines) == 1, f"{prefix!r} not served exactly once"
+    return float(lines[0][len(prefix):])
+
+
+def test_run_counters_never_decrease_when_a_stale_run_is_cut_back_to_its_last_point() -> None:
+    # While nobody knows the run is dead its energy keeps growing; closing it as stale replays the
+    # snapshots only up to its last point, so the summary's energy drops. A counter that dropped would be
+    # read by Prometheus as a reset, i.e. the whole run's energy again as one increase.
+    clock = Clock()
+    trace = constant(500.0)
+    ledger = RunLedger(None, warmup_s=0.0, stale_after_s=60.0, clock=clock)
+    h = Harness(ledger, clock, {UUID_A: trace})
+    pushes = trainer(h, "crash", T0 + 0.5, T0 + 1000, rate=200.0)
+
+    def until_crash(t: float) -> None:
+        if t <= T0 + 40:
+            pushes(t)
+
+    h.run_until(T0 + 95, until_crash)
+    live = served(exposition(ledger), "gpuenergy_run_energy_joules_total", "crash")
+    assert live == pytest.approx(500.0 * 94.5, rel=1e-6)  # still counted up to the last snapshot
+    h.run_until(T0 + 105, until_crash)
+    assert summary_of(ledger, "crash")["status"] == "stale"
+    text = exposition(ledger)
+    assert summary_of(ledger, "crash")["energy_j"] == pytest.approx(500.0 * 38, rel=1e-6)
+    assert served(text, "gpuenergy_run_energy_joules_total", "crash") == live
+    assert served(text, "gpuenergy_run_tokens_total", "crash") == pytest.approx(200.0 * 38)
 
 
 def test_runs_and_one_run_through_the_json_api() -> None:
