@@ -64,7 +64,7 @@ def metrics_markdown() -> str:
         "prometheus_client's process collector.",
         "",
     ]
-    by_collector: dict[str, list] = {}  # type: ignore[type-arg]
+    by_collector: dict[str, list] = {}
     for spec in CATALOGUE.values():
         by_collector.setdefault(spec.collector, []).append(spec)
     order = list(_COLLECTOR_TITLES) + sorted(set(by_collector) - set(_COLLECTOR_TITLES))

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from typing import Any
 
 from prometheus_client import ProcessCollector
 
@@ -21,7 +22,7 @@ from gpu_energy_exporter.collectors.gpu import GPUCollector
 from gpu_energy_exporter.collectors.host import HostCollector
 from gpu_energy_exporter.collectors.rapl import RaplCollector
 from gpu_energy_exporter.config import Config
-from gpu_energy_exporter.devices.base import GPUBackend
+from gpu_energy_exporter.devices.base import GPUBackend, GPUIdentity
 from gpu_energy_exporter.errors import ConfigError, ExporterError
 from gpu_energy_exporter.exposition import CachedExposition, CachedSource, SnapshotCollector, new_registry
 from gpu_energy_exporter.ledger import RunLedger
@@ -94,7 +95,7 @@ class Exporter:
         self.process_collector = ProcessCollector(namespace="gpuenergy", registry=self.registry)
         self._build_servers()
 
-    def _identities(self) -> tuple:  # type: ignore[type-arg]
+    def _identities(self) -> tuple[GPUIdentity, ...]:
         return self.gpu.identities() if self.gpu else ()
 
     def _build_servers(self) -> None:
@@ -140,7 +141,7 @@ class Exporter:
             return self.carbon.intensity_g_per_kwh, self.carbon.pue
         return self.intensity.value, self.config.carbon_pue
 
-    def status(self) -> dict:  # type: ignore[type-arg]
+    def status(self) -> dict[str, Any]:
         backend = self.gpu.backend if self.gpu else None
         return status_document(
             self.sampler,

@@ -108,9 +108,9 @@ _OM_EOF = b"# EOF\n"
 def encode(families: Iterable[Metric], openmetrics_format: bool) -> bytes:
     """Families to exposition bytes; OpenMetrics without its ``# EOF`` (added once per response)."""
     if openmetrics_format:
-        body = openmetrics.exposition.generate_latest(_Families(families))  # type: ignore[arg-type]
+        body = openmetrics.exposition.generate_latest(_Families(families))
         return body[: -len(_OM_EOF)] if body.endswith(_OM_EOF) else body
-    return prom_exposition.generate_latest(_Families(families))  # type: ignore[arg-type]
+    return prom_exposition.generate_latest(_Families(families))
 
 
 @dataclass

@@ -562,11 +562,17 @@ class _Run:
 class PointLike(Protocol):
     """What the OTLP store hands its listeners (``otlp.store.AcceptedPoint``)."""
 
-    run_id: str
-    name: str
-    labels: Mapping[str, str]
-    value: float
-    time: float
+    # read-only members, so frozen dataclasses (the store's AcceptedPoint) match
+    @property
+    def run_id(self) -> str: ...
+    @property
+    def name(self) -> str: ...
+    @property
+    def labels(self) -> Mapping[str, str]: ...
+    @property
+    def value(self) -> float: ...
+    @property
+    def time(self) -> float: ...
 
 
 CarbonSource = Callable[[], "tuple[float, float]"]

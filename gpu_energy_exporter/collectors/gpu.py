@@ -33,7 +33,7 @@ from gpu_energy_exporter.devices.base import (
 )
 from gpu_energy_exporter.energy import MonotonicCounter, TrapezoidIntegrator
 from gpu_energy_exporter.errors import GPULost, NVMLUnavailable
-from gpu_energy_exporter.metrics import GPU_LABELS, add, define
+from gpu_energy_exporter.metrics import GPU_LABELS, Kind, MetricSpec, add, define
 from gpu_energy_exporter.sampler import GPUState
 
 log = logging.getLogger(__name__)
@@ -41,8 +41,8 @@ log = logging.getLogger(__name__)
 _G = GPU_LABELS
 
 
-def _gpu(name: str, kind: str, help: str, extra: tuple[str, ...] = (), unit: str = "") -> object:
-    return define("gpu", name, kind, help, _G + extra, collector="gpu", unit=unit)  # type: ignore[arg-type]
+def _gpu(name: str, kind: Kind, help: str, extra: tuple[str, ...] = (), unit: str = "") -> MetricSpec:
+    return define("gpu", name, kind, help, _G + extra, collector="gpu", unit=unit)
 
 
 NVML_AVAILABLE = define(
@@ -408,9 +408,9 @@ class GPUCollector(Collector):
         return t.idle.value, "learned"
 
     def _emit(self, fams: dict[str, Metric], t: _Track, r: GPUReading, labels: list[str]) -> None:
-        def put(spec: object, value: float | None, scale: float = 1.0) -> None:
+        def put(spec: MetricSpec, value: float | None, scale: float = 1.0) -> None:
             if value is not None:
-                add(fams[spec.name], labels, value * scale)  # type: ignore[attr-defined]
+                add(fams[spec.name], labels, value * scale)
 
         if r.energy_mj is not None and t.integrator is None:
             t.counter.update(r.energy_mj / 1000.0)
