@@ -1,0 +1,786 @@
+"""``gpu-energy-exporter top``: a live terminal view of a running exporter, local or remote.
+
+Shows, refreshed every ``--interval``: per GPU power, energy, utilisation, temperature and VRAM bars; the
+active training runs with J/token, tokens/s, loss, elapsed time, ETA and CO2 so far; host RAM with a
+warning below the exporter's critical threshold. Works over SSH (curses from the standard library, no
+mouse, no true colour), follows terminal resizes and exits on ``q`` or Ctrl-C with the terminal restored.
+When stdout is not a terminal (a pipe, a log file) or with ``--once`` it prints plain-text frames.
+
+Everything it shows comes from the exporter's JSON API (``/api/v1/status`` and ``/api/v1/runs``, see
+``api.py``); the HTTP client here (``ExporterClient``, basic auth and TLS options) is shared with
+``report``. This module only reads: it never calls NVML, never writes to the exporter, and never lets a
+slow or unreachable exporter freeze the keyboard (fetching runs on its own thread).
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import json
+import locale
+import math
+import os
+import shutil
+import signal
+import ssl
+import sys
+import threading
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import IO, Any
+
+from gpu_energy_exporter.config import DEFAULT_METRICS_PORT, parse_duration
+from gpu_energy_exporter.errors import ExporterError
+
+DEFAULT_URL = f"http://localhost:{DEFAULT_METRICS_PORT}"
+#: Where ``--url`` comes from when not given (the same URL ``report`` uses).
+URL_ENV = "GPU_ENERGY_EXPORTER_URL"
+GIB = float(1 << 30)
+
+HINT_START = "is the exporter running? try: gpu-energy-exporter demo"
+
+
+# ----------------------------------------------------------------------------------------------------
+# talking to the exporter
+
+
+class ExporterUnreachable(ExporterError):
+    """The exporter did not answer usefully; the message says why and what to try."""
+
+
+@dataclass
+class ExporterClient:
+    """GET JSON documents from an exporter's API. ``url`` is the exporter's base URL (``http://host:9863``);
+    credentials may also be embedded in it (``http://user:pass@host:9863``)."""
+
+    url: str = DEFAULT_URL
+    user: str | None = None
+    password: str | None = None
+    ca_file: str | None = None
+    insecure: bool = False
+    timeout: float = 5.0
+    _base: str = field(init=False, default="")
+    _auth: str | None = field(init=False, default=None)
+    _ssl: ssl.SSLContext | None = field(init=False, default=None)
+
+    def __post_init__(self) -> None:
+        text = self.url.strip()
+        parts = urllib.parse.urlsplit(text if "://" in text else "http://" + text)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ExporterUnreachable(f"--url {self.url!r} must look like http://host:{DEFAULT_METRICS_PORT}")
+        host = parts.hostname
+        if ":" in host:
+            host = f"[{host}]"
+        netloc = host + (f":{parts.port}" if parts.port else "")
+        self._base = urllib.parse.urlunsplit((parts.scheme, netloc, parts.path.rstrip("/"), "", ""))
+        user, password = self.user, self.password
+        if user is None and parts.username is not None:
+            user = urllib.parse.unquote(parts.username)
+            password = urllib.parse.unquote(parts.password or "") if password is None else password
+        if user is not None:
+            token = f"{user}:{password or ''}".encode()
+            self._auth = "Basic " + base64.b64encode(token).decode()
+        if parts.scheme == "https":
+            try:
+                ctx = ssl.create_default_context(cafile=self.ca_file)
+            except (OSError, ssl.SSLError) as exc:
+                raise ExporterUnreachable(f"cannot use --ca-file {self.ca_file!r}: {exc}") from None
+            if self.insecure:
+                ctx.check_hostname = False
+                ctx.verify_mode = ssl.CERT_NONE
+            self._ssl = ctx
+
+    @property
+    def base_url(self) -> str:
+        """The URL without credentials (safe to print)."""
+        return self._base
+
+    def get(self, path: str, query: dict[str, str] | None = None) -> Any:
+        """``GET base + path`` and decode JSON. Raises ExporterUnreachable with what to do; an HTTP error
+        whose body is a JSON object with ``error`` raises with that message."""
+        target = self._base + path + ("?" + urllib.parse.urlencode(query) if query else "")
+        request = urllib.request.Request(target, headers={"Accept": "application/json"})
+        if self._auth:
+            request.add_header("Authorization", self._auth)
+        try:
+            with urllib.request.urlopen(request, timeout=self.timeout, context=self._ssl) as resp:  # noqa: S310
+                body = resp.read()
+        except urllib.error.HTTPError as exc:
+            detail = _error_detail(exc)
+            if exc.code == 401:
+                raise ExporterUnreachable(f"{target} answered 401 Unauthorized: pass --user and --password-file "
+                                          "(the exporter's --web.config.file has basic_auth_users)") from None
+            if exc.code == 404 and detail:
+                raise ExporterUnreachable(detail) from None
+            if exc.code == 404:
+                raise ExporterUnreachable(f"{target} answered 404: is {self._base} a gpu-energy-exporter "
+                                          "(the JSON API needs version 0.1 or newer)?") from None
+            raise ExporterUnreachable(f"{target} answered HTTP {exc.code} {exc.reason}"
+                                      + (f": {detail}" if detail else "")) from None
+        except (urllib.error.URLError, OSError) as exc:
+            reason = getattr(exc, "reason", exc)
+            if isinstance(reason, ssl.SSLCertVerificationError):
+                raise ExporterUnreachable(f"cannot verify the TLS certificate of {self._base} "
+                                          f"({reason.verify_message}): pass --ca-file with the CA that signed it, "
+                                          "or --insecure") from None
+            if isinstance(reason, ssl.SSLError) and self._base.startswith("http://"):
+                raise ExporterUnreachable(f"{self._base}: TLS error ({reason}); does the exporter use https?") from None
+            text = str(getattr(reason, "strerror", None) or reason)
+            if "http://" in self._base and "Remote end closed" in text:
+                text += " (the exporter may serve https: use an https:// URL)"
+            raise ExporterUnreachable(f"cannot reach the exporter at {self._base}: {text}") from None
+        try:
+            return json.loads(body)
+        except ValueError:
+            raise ExporterUnreachable(f"{target} did not answer with JSON: is {self._base} a "
+                                      "gpu-energy-exporter?") from None
+
+
+def _error_detail(exc: urllib.error.HTTPError) -> str:
+    try:
+        doc = json.loads(exc.read() or b"null")
+    except (ValueError, OSError):
+        return ""
+    if isinstance(doc, dict) and isinstance(doc.get("error"), str):
+        return str(doc["error"])
+    return ""
+
+
+def read_password_file(path: str) -> str:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.readline().rstrip("\r\n")
+    except OSError as exc:
+        raise ExporterUnreachable(f"cannot read --password-file {path!r}: {exc.strerror or exc}") from None
+
+
+def add_client_flags(parser: argparse.ArgumentParser) -> None:
+    """``--url``, ``--user``, ``--password-file``, ``--ca-file``, ``--insecure`` (``top`` and ``report``)."""
+    parser.add_argument("--url", default=None, metavar="URL",
+                        help=f"the exporter's web address (default: ${URL_ENV} or {DEFAULT_URL}); "
+                             "http://user:password@host:port also works")
+    parser.add_argument("--user", default=None, help="basic auth user (the exporter's --web.config.file)")
+    parser.add_argument("--password-file", default=None, metavar="FILE",
+                        help="file whose first line is the basic auth password")
+    parser.add_argument("--ca-file", default=None, metavar="FILE",
+                        help="CA certificate(s) to verify an https exporter with")
+    parser.add_argument("--insecure", action="store_true", help="do not verify the exporter's TLS certificate")
+
+
+def client_from_args(args: argparse.Namespace, environ: dict[str, str] | os._Environ[str] | None = None,
+                     timeout: float = 5.0) -> ExporterClient:
+    env = os.environ if environ is None else environ
+    password = read_password_file(args.password_file) if args.password_file else None
+    if password is not None and args.user is None:
+        raise ExporterUnreachable("--password-file needs --user")
+    return ExporterClient(args.url or env.get(URL_ENV) or DEFAULT_URL, user=args.user, password=password,
+                          ca_file=args.ca_file, insecure=args.insecure, timeout=timeout)
+
+
+# ----------------------------------------------------------------------------------------------------
+# formatting
+
+
+def fmt_energy(joules: float | None) -> str:
+    if joules is None or not math.isfinite(joules):
+        return "-"
+    if abs(joules) < 1000:
+        return f"{joules:.0f} J"
+    if abs(joules) < 360_000:  # below 0.1 kWh kJ reads better
+        return f"{joules / 1000:.1f} kJ"
+    return f"{joules / 3.6e6:.3f} kWh"
+
+
+def fmt_co2(grams: float | None) -> str:
+    if grams is None or not math.isfinite(grams):
+        return "-"
+    if abs(grams) < 10:
+        return f"{grams:.2f} g"
+    if abs(grams) < 1000:
+        return f"{grams:.1f} g"
+    return f"{grams / 1000:.2f} kg"
+
+
+def fmt_num(value: float | None) -> str:
+    """Readable at any magnitude: 12,345 / 12.35 / 0.0123."""
+    if value is None or not math.isfinite(value):
+        return "-"
+    if abs(value) >= 100:
+        return f"{value:,.0f}"
+    if abs(value) >= 1:
+        return f"{value:.2f}"
+    if value == 0:
+        return "0"
+    return f"{value:#.3g}"
+
+
+def fmt_duration(seconds: float | None) -> str:
+    if seconds is None or not math.isfinite(seconds) or seconds < 0:
+        return "-"
+    total = int(round(seconds))
+    h, m, s = total // 3600, total % 3600 // 60, total % 60
+    if h >= 100:
+        return f"{h // 24}d{h % 24:02d}h"
+    return f"{h}:{m:02d}:{s:02d}"
+
+
+def fmt_gib(value: float | None) -> str:
+    return "-" if value is None else f"{value / GIB:.1f}"
+
+
+def eta_seconds(run: dict[str, Any]) -> float | None:
+    """Time left from the planned total steps and the pace so far (mean step time where the trainer pushed
+    it, else elapsed / steps); None when the plan is unknown."""
+    total, steps = run.get("total_steps"), run.get("steps")
+    if not isinstance(total, (int, float)) or not isinstance(steps, (int, float)) or steps <= 0 or total <= 0:
+        return None
+    if steps >= total:
+        return 0.0
+    pace = run.get("mean_step_s")
+    if not isinstance(pace, (int, float)) or pace <= 0:
+        duration = run.get("duration_s")
+        if not isinstance(duration, (int, float)) or duration <= 0:
+            return None
+        pace = duration / steps
+    return (total - steps) * float(pace)
+
+
+# ----------------------------------------------------------------------------------------------------
+# the frame: lines of (text, style) segments, shared by the curses and the plain-text outputs
+
+Segment = tuple[str, str]
+Line = list[Segment]
+
+#: Styles used in frames; curses maps them to colours, plain text ignores them.
+STYLES = ("", "title", "head", "dim", "ok", "warn", "bad", "sim", "bold")
+
+
+@dataclass
+class View:
+    """What the last successful fetch returned, and what went wrong since."""
+
+    status: dict[str, Any] | None = None
+    runs: list[dict[str, Any]] = field(default_factory=list)
+    fetched_at: float | None = None  # monotonic
+    error: str | None = None  # the last fetch failed (the data above may be older)
+    failures: int = 0
+
+
+def _level(frac: float | None, warn: float = 0.7, bad: float = 0.9) -> str:
+    if frac is None:
+        return "dim"
+    return "bad" if frac >= bad else "warn" if frac >= warn else "ok"
+
+
+def bar(frac: float | None, width: int, unicode: bool = True) -> str:
+    """``[█████·····]``-style bar of ``width`` cells inside the brackets (ASCII ``#`` / ``.`` fallback)."""
+    width = max(1, width)
+    if frac is None or not math.isfinite(frac):
+        return "[" + "?".center(width, " ") + "]"
+    frac = min(1.0, max(0.0, frac))
+    full_ch, empty_ch = ("█", "·") if unicode else ("#", ".")
+    filled = int(round(frac * width))
+    return "[" + full_ch * filled + empty_ch * (width - filled) + "]"
+
+
+def _ratio(num: Any, den: Any) -> float | None:
+    if not isinstance(num, (int, float)) or not isinstance(den, (int, float)) or den <= 0:
+        return None
+    return float(num) / float(den)
+
+
+def _pad(text: str, width: int, right: bool = False) -> str:
+    if len(text) > width:
+        return text[: max(0, width - 1)] + "…" if width > 1 else text[:width]
+    return text.rjust(width) if right else text.ljust(width)
+
+
+def _pad_middle(text: str, width: int) -> str:
+    """Shorten in the middle: run ids differ at both ends (a prefix and a time or backend suffix)."""
+    if len(text) <= width:
+        return text.ljust(width)
+    if width < 5:
+        return text[:width]
+    head = (width - 1) // 2
+    return text[:head] + "…" + text[len(text) - (width - 1 - head):]
+
+
+#: What an ASCII-only terminal (LANG=C over SSH, --ascii) gets instead of the few non-ASCII characters.
+_ASCII = str.maketrans({"·": "|", "…": "~", "°": " ", "█": "#"})
+
+
+def render_frame(view: View, *, url: str, interval: float, width: int = 100, unicode: bool = True,
+                 now: float | None = None, clock: Callable[[], float] = time.monotonic) -> list[Line]:
+    """The whole screen as lines of styled segments (pure: no terminal, no network)."""
+    lines = _frame(view, url=url, interval=interval, width=width, unicode=unicode, now=now, clock=clock)
+    if not unicode:
+        lines = [[(text.translate(_ASCII), style) for text, style in line] for line in lines]
+    return lines
+
+
+def _frame(view: View, *, url: str, interval: float, width: int, unicode: bool, now: float | None,
+           clock: Callable[[], float]) -> list[Line]:
+    width = max(40, width)
+    wall = time.time() if now is None else now
+    lines: list[Line] = []
+    header = f" gpu-energy-exporter top   {url}   {time.strftime('%H:%M:%S', time.localtime(wall))}   " \
+             f"every {interval:g}s"
+    keys = "q: quit "
+    lines.append([(_pad(header, width - len(keys)) + keys, "title")])
+    status = view.status
+    if status is None:
+        if view.error:
+            lines += [[("", "")], [(view.error, "bad")], [(HINT_START, "warn")],
+                      [(f"retrying every {interval:g}s (attempt {view.failures})", "dim")]]
+        else:
+            lines.append([("connecting…" if unicode else "connecting...", "dim")])
+        return lines
+    if view.error:
+        age = clock() - view.fetched_at if view.fetched_at is not None else 0.0
+        lines.append([(f"! {view.error} (showing data from {age:.0f}s ago; retrying)", "bad")])
+    if status.get("simulated"):
+        lines.append([(" SIMULATED DATA: these GPUs are simulated by `gpu-energy-exporter demo`, not measured ",
+                       "sim")])
+    lines.append([("", "")])
+    lines += _gpu_lines(status, width, unicode)
+    lines.append([("", "")])
+    lines += _run_lines(view.runs, width)
+    lines.append([("", "")])
+    lines += _host_lines(status, width, unicode)
+    return lines
+
+
+def _gpu_lines(status: dict[str, Any], width: int, unicode: bool) -> list[Line]:
+    gpus = status.get("gpus") or []
+    nvml = status.get("nvml") or {}
+    out: list[Line] = []
+    total_w = sum(g["power_w"] for g in gpus if isinstance(g.get("power_w"), (int, float)))
+    total_j = sum(g["energy_j"] for g in gpus if isinstance(g.get("energy_j"), (int, float)))
+    title = f"GPUs ({len(gpus)})"
+    if gpus:
+        title += f"   now {total_w:,.0f} W   energy counters {fmt_energy(total_j)}"
+    out.append([(title, "head")])
+    if not gpus:
+        reason = nvml.get("reason") or "no GPU found"
+        out.append([(f"  no GPUs: NVML unavailable ({reason}); see the exporter's log. "
+                     "Try `gpu-energy-exporter demo` for simulated GPUs.", "warn")])
+        return out
+    names = [str(g.get("name") or "").replace("NVIDIA ", "") for g in gpus]
+    # Everything but the name and the three bars takes 61 columns; the bars share what is left with the
+    # name, which is shortened last.
+    rest = width - 61
+    name_need = min(34, max(len(n) for n in names))
+    bar_w = max(8 if rest >= 40 else 5, min(20, (rest - name_need) // 3))
+    name_w = max(8, min(name_need, rest - 3 * bar_w))
+    head = (" # " + _pad("model", name_w) + " " + _pad("power", bar_w + 2) + " " + _pad("W / limit", 10) + " "
+            + _pad("energy", 10, right=True) + "  " + _pad("utilisation", bar_w + 2) + " " + " " * 5
+            + _pad("temp", 5, right=True) + "  " + "VRAM")
+    out.append([(head, "dim")])
+    for g, name in zip(gpus, names, strict=True):
+        idx = str(g.get("index", "?"))
+        if not g.get("up", True):
+            out.append([(f"{idx:>2} ", "bold"), (_pad(name, name_w) + " ", ""),
+                        (f"DOWN: {g.get('error') or 'not answering'}", "bad")])
+            continue
+        power, limit = g.get("power_w"), g.get("power_limit_w")
+        pfrac = _ratio(power, limit)
+        util = g.get("utilization")
+        used, total = g.get("memory_used_bytes"), g.get("memory_total_bytes")
+        mfrac = _ratio(used, total)
+        temp = g.get("temperature_c")
+        ptext = f"{power:.0f}" if isinstance(power, (int, float)) else "-"
+        ltext = f"/{limit:.0f} W" if isinstance(limit, (int, float)) else " W"
+        util_ok = isinstance(util, (int, float))
+        line: Line = [
+            (f"{idx:>2} ", "bold"), (_pad(name, name_w) + " ", ""),
+            (bar(pfrac, bar_w, unicode), _level(pfrac, 0.8, 0.95)), (" " + _pad(ptext + ltext, 10) + " ", ""),
+            (_pad(fmt_energy(g.get("energy_j")), 10, right=True) + "  ", ""),
+            (bar(util if util_ok else None, bar_w, unicode), "ok" if util else "dim"),
+            (" " + (_pad(f"{util * 100:.0f}%", 4, right=True) if util_ok else "   -") + " ", ""),
+            (_pad(f"{temp:.0f}°C" if isinstance(temp, (int, float)) else "-", 5, right=True) + "  ",
+             _level(temp / 100 if isinstance(temp, (int, float)) else None, 0.8, 0.87)),
+            (bar(mfrac, bar_w, unicode), _level(mfrac)),
+            (f" {fmt_gib(used)}/{fmt_gib(total)} GiB", ""),
+        ]
+        out.append(line)
+        if g.get("error"):
+            out.append([("   " + str(g["error"]), "warn")])
+    return out
+
+
+#: Run table columns after the run id: (header, width, right-aligned).
+_RUN_COLS: tuple[tuple[str, int, bool], ...] = (
+    ("steps", 13, True), ("loss", 7, True), ("tok/s", 8, True), ("J/token", 8, True), ("elapsed", 8, True),
+    ("ETA", 8, True), ("energy", 10, True), ("CO2", 8, True),
+)
+
+
+def _run_cells(r: dict[str, Any]) -> list[str]:
+    steps, total = r.get("steps"), r.get("total_steps")
+    steps_text = f"{steps:,.0f}" if isinstance(steps, (int, float)) else "-"
+    if isinstance(total, (int, float)) and total > 0:
+        steps_text += f"/{total:,.0f}"
+    active = r.get("status") in ("running", "finishing")
+    loss = r.get("last_loss")
+    return [
+        steps_text, f"{loss:.3f}" if isinstance(loss, (int, float)) else "-",
+        fmt_num(r.get("tokens_per_s")), fmt_num(r.get("j_per_token")), fmt_duration(r.get("duration_s")),
+        fmt_duration(eta_seconds(r)) if active else str(r.get("status") or ""),
+        fmt_energy(r.get("energy_j")), fmt_co2(r.get("co2_g")),
+    ]
+
+
+#: Columns dropped first when the terminal is narrow (the run id keeps at least 12 columns).
+_DROP_ORDER = ("energy", "elapsed", "loss", "CO2", "tok/s")
+
+
+def _visible_cols(width: int) -> list[int]:
+    keep = list(range(len(_RUN_COLS)))
+    for name in _DROP_ORDER:
+        if 20 + sum(_RUN_COLS[i][1] + 1 for i in keep) <= width:
+            break
+        keep = [i for i in keep if _RUN_COLS[i][0] != name]
+    return keep
+
+
+def _row(run_id: str, run_w: int, cells: Sequence[str], keep: Sequence[int], width: int) -> str:
+    parts = [_pad_middle(run_id, run_w)] + [_pad(cells[i], _RUN_COLS[i][1], _RUN_COLS[i][2]) for i in keep]
+    return " ".join(parts)[:width]
+
+
+def _run_lines(runs: list[dict[str, Any]], width: int, max_finished: int = 3) -> list[Line]:
+    active = [r for r in runs if r.get("status") in ("running", "finishing")]
+    done = [r for r in runs if r.get("status") not in ("running", "finishing")][-max_finished:]
+    out: list[Line] = [[(f"TRAINING RUNS ({len(active)} active" + (f", {len(done)} recent)" if done else ")"),
+                         "head")]]
+    if not runs:
+        out.append([("  no training run has pushed to this exporter yet (gpu_energy_exporter.training, "
+                     "or the Hugging Face / Lightning callbacks)", "dim")])
+        return out
+    keep = _visible_cols(width)
+    fixed = sum(_RUN_COLS[i][1] + 1 for i in keep)
+    ids = [str(r.get("run_id") or "?") for r in (*active, *done)]
+    run_w = max(12, min(max(len(i) for i in ids), width - fixed))
+    out.append([(_row("run", run_w, [c[0] for c in _RUN_COLS], keep, width), "dim")])
+    for r in active:
+        out.append([(_row(str(r.get("run_id") or "?"), run_w, _run_cells(r), keep, width), "bold")])
+        about = [str(r[k]) for k in ("model", "backend", "precision") if r.get(k)]
+        if isinstance(r.get("gpu_count"), (int, float)):
+            about.append(f"{r['gpu_count']:.0f} GPU(s)")
+        avg = r.get("avg_power_w")
+        if isinstance(avg, (int, float)):
+            about.append(f"avg {avg:,.0f} W")
+        if "shorter than the warm-up" in (r.get("ledger_notes") or ""):
+            about.append("in warm-up: J/token and tok/s cover the run so far")
+        if about:
+            out.append([("  " + " · ".join(about), "dim")])
+    for r in done:
+        out.append([(_row(str(r.get("run_id") or "?"), run_w, _run_cells(r), keep, width), "dim")])
+    return out
+
+
+def _host_lines(status: dict[str, Any], width: int, unicode: bool) -> list[Line]:
+    host = status.get("host") or {}
+    carbon = status.get("carbon") or {}
+    total, avail = host.get("memory_total_bytes"), host.get("memory_available_bytes")
+    critical = host.get("memory_critical_bytes")
+    cpu = host.get("cpu_utilization")
+    used_frac = 1 - avail / total if isinstance(avail, (int, float)) and isinstance(total, (int, float)) \
+        and total > 0 else None
+    low = isinstance(avail, (int, float)) and isinstance(critical, (int, float)) and avail < critical
+    bar_w = max(8, min(16, (width - 80) // 2))
+    line: Line = [("HOST  ", "head")]
+    if isinstance(cpu, (int, float)):
+        line += [("CPU ", ""), (bar(cpu, bar_w, unicode), _level(cpu)), (f" {cpu * 100:3.0f}%   ", "")]
+    line += [("RAM used ", ""), (bar(used_frac, bar_w, unicode), "bad" if low else _level(used_frac, 0.85, 0.95)),
+             (f" {fmt_gib(avail)} of {fmt_gib(total)} GiB available", "bad" if low else "")]
+    if isinstance(critical, (int, float)):
+        line.append((f" (warns < {fmt_gib(critical)} GiB)", "dim"))
+    out = [line]
+    if low:
+        out.append([(f"  WARNING: host RAM available {fmt_gib(avail)} GiB is below the critical threshold "
+                     f"{fmt_gib(critical)} GiB: the kernel may soon kill the training process (out of memory)",
+                     "bad")])
+    intensity, pue = carbon.get("intensity_g_per_kwh"), carbon.get("pue")
+    if isinstance(intensity, (int, float)):
+        text = f"CARBON {intensity:.0f} gCO2e/kWh ({carbon.get('source') or '?'})"
+        if isinstance(pue, (int, float)):
+            text += f", PUE {pue:.2f}"
+        out.append([(text, "dim")])
+    return out
+
+
+def frame_text(lines: Sequence[Line]) -> str:
+    return "\n".join("".join(text for text, _ in line).rstrip() for line in lines) + "\n"
+
+
+# ----------------------------------------------------------------------------------------------------
+# fetching on a background thread
+
+
+class Poller:
+    """Fetches status and runs every ``interval`` on a daemon thread; ``view()`` returns the latest."""
+
+    def __init__(self, client: ExporterClient, interval: float) -> None:
+        self.client = client
+        self.interval = interval
+        self._lock = threading.Lock()
+        self._view = View()
+        self.changed = threading.Event()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="top-poller", daemon=True)
+
+    def start(self) -> Poller:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def view(self) -> View:
+        with self._lock:
+            v = self._view
+            return View(v.status, list(v.runs), v.fetched_at, v.error, v.failures)
+
+    def fetch_once(self) -> None:
+        try:
+            status = self.client.get("/api/v1/status")
+            runs_doc = self.client.get("/api/v1/runs")
+            runs = runs_doc.get("runs") if isinstance(runs_doc, dict) else None
+            if not isinstance(status, dict) or not isinstance(runs, list):
+                raise ExporterUnreachable(f"{self.client.base_url} answered an unexpected JSON document")
+        except ExporterUnreachable as exc:
+            with self._lock:
+                self._view.error = str(exc)
+                self._view.failures += 1
+        else:
+            with self._lock:
+                self._view = View(status, [r for r in runs if isinstance(r, dict)], time.monotonic(), None, 0)
+        self.changed.set()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            started = time.monotonic()
+            self.fetch_once()
+            self._stop.wait(max(0.05, self.interval - (time.monotonic() - started)))
+
+
+# ----------------------------------------------------------------------------------------------------
+# outputs
+
+
+def _unicode_ok(stream: IO[str]) -> bool:
+    encoding = (getattr(stream, "encoding", None) or locale.getpreferredencoding(False) or "").lower()
+    return encoding.replace("-", "").startswith("utf8")
+
+
+def run_plain(poller: Poller, *, once: bool, out: IO[str], url: str, unicode: bool, width: int | None = None,
+              stop: threading.Event | None = None) -> int:
+    """One text frame per interval (or one with ``once``); returns 1 when ``once`` could not reach it."""
+    stop = stop or threading.Event()
+    while True:
+        started = time.monotonic()
+        poller.fetch_once()
+        view = poller.view()
+        cols = width or shutil.get_terminal_size((120, 40)).columns
+        out.write(frame_text(render_frame(view, url=url, interval=poller.interval, width=cols, unicode=unicode)))
+        out.flush()
+        if once:
+            return 0 if view.status is not None else 1
+        out.write("\n")
+        if stop.wait(max(0.05, poller.interval - (time.monotonic() - started))):
+            return 0
+
+
+def run_curses(poller: Poller, *, url: str, unicode: bool) -> int:
+    import curses  # noqa: PLC0415 - only the interactive view needs it
+
+    def app(stdscr: Any) -> int:
+        try:
+            curses.curs_set(0)
+        except curses.error:
+            pass  # some terminals cannot hide the cursor
+        styles: dict[str, int] = dict.fromkeys(STYLES, curses.A_NORMAL)
+        if curses.has_colors():
+            curses.start_color()
+            try:
+                curses.use_default_colors()
+                bg = -1
+            except curses.error:
+                bg = curses.COLOR_BLACK
+            pairs = {"ok": curses.COLOR_GREEN, "warn": curses.COLOR_YELLOW, "bad": curses.COLOR_RED,
+                     "head": curses.COLOR_CYAN}
+            for n, (name, fg) in enumerate(pairs.items(), start=1):
+                curses.init_pair(n, fg, bg)
+                styles[name] = curses.color_pair(n)
+            curses.init_pair(10, curses.COLOR_WHITE, curses.COLOR_BLUE)
+            curses.init_pair(11, curses.COLOR_BLACK, curses.COLOR_YELLOW)
+            styles["title"] = curses.color_pair(10) | curses.A_BOLD
+            styles["sim"] = curses.color_pair(11) | curses.A_BOLD
+            styles["head"] |= curses.A_BOLD
+            styles["bad"] |= curses.A_BOLD
+        else:
+            styles.update(title=curses.A_REVERSE, sim=curses.A_REVERSE, bad=curses.A_BOLD, head=curses.A_BOLD)
+        styles["dim"] = curses.A_DIM
+        styles["bold"] = curses.A_BOLD
+        stdscr.timeout(100)  # ms: keys stay responsive while the poller waits on the network
+        try:
+            curses.set_escdelay(50)  # Esc quits without ncurses' default one-second wait for a sequence
+        except (AttributeError, curses.error):
+            pass
+        redraw = True
+        while True:
+            key = stdscr.getch()
+            if key in (ord("q"), ord("Q"), 27):
+                return 0
+            if key == curses.KEY_RESIZE:
+                curses.update_lines_cols()
+                redraw = True
+            if poller.changed.is_set():
+                poller.changed.clear()
+                redraw = True
+            if redraw:
+                _draw(stdscr, poller.view(), styles, url, poller.interval, unicode)
+                redraw = False
+
+    # ncurses prefers LINES/COLUMNS from the environment to the terminal's real size: some tools export
+    # them, they go stale when the terminal is resized, and the view would then never follow KEY_RESIZE.
+    for name in ("LINES", "COLUMNS"):
+        os.environ.pop(name, None)
+    return int(curses.wrapper(app))
+
+
+def _draw(stdscr: Any, view: View, styles: dict[str, int], url: str, interval: float, unicode: bool) -> None:
+    import curses  # noqa: PLC0415
+
+    height, width = stdscr.getmaxyx()
+    stdscr.erase()
+    lines = render_frame(view, url=url, interval=interval, width=width, unicode=unicode)
+    for y, line in enumerate(lines[:height]):
+        x = 0
+        for text, style in line:
+            room = width - x - (1 if y == height - 1 else 0)  # the bottom-right cell cannot be written
+            if room <= 0:
+                break
+            try:
+                stdscr.addnstr(y, x, text, room, styles.get(style, curses.A_NORMAL))
+            except curses.error:
+                pass  # a cell beyond a resized window: drawn again on the next frame
+            x += min(len(text), room)
+        if y == 0:
+            try:
+                stdscr.chgat(0, x, max(0, width - x - 1), styles["title"])
+            except curses.error:
+                pass
+    if len(lines) > height:
+        try:
+            stdscr.addnstr(height - 1, 0, f"… {len(lines) - height + 1} more lines: enlarge the terminal",
+                           width - 1, curses.A_DIM)
+        except curses.error:
+            pass
+    stdscr.refresh()
+
+
+# ----------------------------------------------------------------------------------------------------
+# command line
+
+
+def new_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="gpu-energy-exporter top",
+        description="Live terminal view of a running exporter: GPU power, energy, utilisation, temperature "
+                    "and VRAM; active training runs (J/token, tokens/s, loss, ETA, CO2); host RAM.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="""keys: q, Esc or Ctrl-C quit. Without a terminal (a pipe) or with --once it prints text frames.
+examples:
+  gpu-energy-exporter top                                   the exporter on this machine
+  gpu-energy-exporter top --url http://gpu-node-7:9863 --interval 2s
+  gpu-energy-exporter top --url https://node:9863 --user ops --password-file ~/.exporter-pw --ca-file ca.pem
+  gpu-energy-exporter top --once | head -20                 one text frame, for scripts and bug reports
+""")
+    add_client_flags(parser)
+    parser.add_argument("--interval", default="1s", metavar="DURATION",
+                        help="refresh interval, e.g. 500ms, 1s, 5s (default: 1s)")
+    parser.add_argument("--once", action="store_true", help="print one text frame and exit (1 if unreachable)")
+    parser.add_argument("--ascii", action="store_true", help="draw bars with ASCII characters only")
+    return parser
+
+
+def main(argv: list[str], *, stdout: IO[str] | None = None, stderr: IO[str] | None = None) -> int:
+    out = stdout if stdout is not None else sys.stdout
+    err = stderr if stderr is not None else sys.stderr
+    parser = new_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:
+        return int(exc.code or 0)
+    try:
+        interval = parse_duration(args.interval)
+    except ValueError as exc:
+        print(f"gpu-energy-exporter top: error: --interval {args.interval!r} {exc}", file=err)
+        return 2
+    if interval < 0.1:
+        print("gpu-energy-exporter top: error: --interval must be at least 100ms", file=err)
+        return 2
+    try:
+        client = client_from_args(args, timeout=max(2.0, min(10.0, interval * 3)))
+    except ExporterUnreachable as exc:
+        print(f"gpu-energy-exporter top: error: {exc}", file=err)
+        return 2
+    poller = Poller(client, interval)
+    url = client.base_url
+    interactive = not args.once and stdout is None and sys.stdout.isatty() and sys.stdin.isatty() \
+        and os.environ.get("TERM", "") not in ("", "dumb")
+    if interactive:
+        try:
+            locale.setlocale(locale.LC_ALL, "")  # curses needs it to draw UTF-8 bars
+        except locale.Error:
+            pass  # an unknown LANG: the C locale, and ASCII bars below
+    unicode = not args.ascii and _unicode_ok(out)
+    stop = threading.Event()
+    previous = _on_signals(stop, interactive)
+    try:
+        if interactive:
+            poller.start()
+            return run_curses(poller, url=url, unicode=unicode)
+        return run_plain(poller, once=args.once, out=out, url=url, unicode=unicode, stop=stop)
+    except KeyboardInterrupt:
+        return 0
+    except BrokenPipeError:  # `top --once | head`
+        try:
+            sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - silence the interpreter's flush at exit
+        except OSError:
+            pass
+        return 0
+    finally:
+        poller.stop()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _on_signals(stop: threading.Event, interactive: bool) -> dict[int, Any]:
+    """SIGTERM and SIGHUP (an SSH session that drops) end the view like Ctrl-C, so curses restores the
+    terminal; in text mode they end the loop between frames."""
+    previous: dict[int, Any] = {}
+    if threading.current_thread() is not threading.main_thread():
+        return previous
+
+    def handler(_signum: int, _frame: object) -> None:
+        stop.set()
+        if interactive:
+            raise KeyboardInterrupt
+
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        previous[sig] = signal.signal(sig, handler)
+    return previous
+
+
+__all__ = [
+    "DEFAULT_URL", "ExporterClient", "ExporterUnreachable", "Poller", "View", "add_client_flags", "bar",
+    "client_from_args", "eta_seconds", "fmt_co2", "fmt_duration", "fmt_energy", "fmt_num", "frame_text", "main",
+    "render_frame",
+]

@@ -1,0 +1,139 @@
+"""``gpu-energy-exporter demo`` as a user starts it: a subprocess serving simulated GPUs and a simulated
+training run on /metrics, filling the run ledger, marked as simulated everywhere, stopping cleanly."""
+
+from __future__ import annotations
+
+import csv
+import json
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import ExporterProcess, sample_value, wait_until
+
+from gpu_energy_exporter.demo import DEMO_WARMUP, parse_args
+from gpu_energy_exporter.errors import ConfigError
+
+FAST = ["--collector.interval=200ms", "--demo.pause=1s", "--demo.run-duration=3s", "--demo.export-interval=300ms"]
+
+
+def _json(exp: ExporterProcess, path: str) -> dict[str, Any]:
+    status, body, _ = exp.get(path)
+    assert status == 200, body
+    doc: dict[str, Any] = json.loads(body)
+    return doc
+
+
+def _rows(path: Path) -> list[dict[str, str]]:
+    with path.open(newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def test_demo_serves_simulated_gpus_and_runs_then_stops_on_sigterm(
+    start_exporter: type[ExporterProcess], tmp_path: Path
+) -> None:
+    csv_path = tmp_path / "runs.csv"
+    exp = start_exporter([*FAST, "--demo.gpus=3", f"--runs.csv={csv_path}"], subcommand=("demo",)).wait_ready()
+    text = exp.metrics()
+    # Every simulated series is marked as such.
+    for gpu in ("0", "1", "2"):
+        assert 'backend="simulated"' in text
+        assert sample_value(text, "gpuenergy_gpu_up", gpu=gpu) == 1.0
+    assert sample_value(text, "gpuenergy_gpu_info", gpu="2", backend="simulated",
+                        model="NVIDIA H100 80GB HBM3 (simulated)") == 1.0
+    assert "GPU-SIM00002" in text
+    assert any("SIMULATED DATA" in line and "level=warn" in line for line in exp.lines)
+    status = _json(exp, "/api/v1/status")
+    assert status["simulated"] is True and status["backend"] == "simulated" and len(status["gpus"]) == 3
+    # The banner says what to do next, with the real URL.
+    wait_until(lambda: any("gpu-energy-exporter top" in line for line in exp.lines), what="next steps")
+    assert any(f"{exp.metrics_url}/metrics" in line for line in exp.lines)
+
+    # A run pushes through OTLP: training series on /metrics, GPUs under load.
+    def running() -> str | None:
+        m = exp.metrics()
+        for line in m.splitlines():
+            if line.startswith("training_tokens_total{") and 'run_id="demo-' in line and float(line.split()[-1]) > 0:
+                return m
+        return None
+
+    m = wait_until(running, timeout=30, what="a simulated run pushing tokens")
+    assert (sample_value(m, "gpuenergy_gpu_utilization_ratio", gpu="0") or 0.0) > 0.5
+    assert sample_value(m, "gpuenergy_run_active") == 1.0
+
+    # It finishes, the ledger records it (CSV row + JSON summary), and the next one starts.
+    finished = wait_until(lambda: [r for r in _json(exp, "/api/v1/runs")["runs"] if r["status"] == "finished"],
+                          timeout=30, what="a finished run in the ledger")
+    run = finished[0]
+    assert run["energy_j"] > 0 and run["tokens"] > 0 and run["j_per_token"] > 0
+    assert run["gpu_count"] == 3 and "(simulated)" in run["gpu_models"]
+    assert run["notes"] == "simulated by gpu-energy-exporter demo"
+    assert run["backend"] == "bitsandbytes" and run["total_steps"] > 0
+    detail = _json(exp, "/api/v1/run?id=" + run["run_id"])
+    assert detail["configured_warmup_s"] == 5.0  # the demo's shortened warm-up
+    assert len(detail["timeline"]) >= 5
+    wait_until(lambda: csv_path.exists(), what="the runs CSV")
+    rows = _rows(csv_path)
+    assert rows[0]["run_id"] == run["run_id"] and rows[0]["status"] == "finished"
+    assert (tmp_path / "runs" / f"{run['run_id']}.json").exists()
+    wait_until(lambda: any(r["backend"] == "unsloth" for r in _json(exp, "/api/v1/runs")["runs"]),
+               timeout=20, what="the second run (the other backend)")
+
+    start = time.monotonic()
+    assert exp.stop() == 0, exp.log()
+    assert time.monotonic() - start < 15
+    log = exp.log()
+    assert "stopping the demo" in log and "demo stopped" in log
+    assert "Traceback" not in log
+    # The run going at SIGTERM finished (its final export reached the receiver before it stopped).
+    statuses = [r["status"] for r in _rows(csv_path)]
+    assert statuses and set(statuses) <= {"finished"}, statuses
+
+
+def test_demo_says_what_to_do_when_the_port_is_taken(tmp_path: Path) -> None:
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        out = subprocess.run(
+            [sys.executable, "-m", "gpu_energy_exporter", "demo", f"--web.listen-address=127.0.0.1:{port}",
+             "--otlp.listen-address=127.0.0.1:0"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 1, out.stderr
+    assert "already running" in out.stderr and "--web.listen-address" in out.stderr
+
+
+def test_demo_stops_on_sigint_during_the_idle_pause() -> None:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "gpu_energy_exporter", "demo", "--web.listen-address=127.0.0.1:0",
+         "--otlp.listen-address=127.0.0.1:0", "--demo.pause=1m"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        if "Ctrl-C stops the demo" in line:
+            break
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(20) == 0
+    rest = proc.stdout.read()
+    proc.stdout.close()
+    assert "demo stopped" in rest
+
+
+def test_flags_are_the_exporters_plus_the_demos() -> None:
+    config, opts = parse_args(["--demo.gpus=4", "--demo.run-duration=90s", "--web.listen-address=:9999"], {})
+    assert opts.gpus == 4 and opts.run_duration == 90.0 and opts.pause == 20.0 and opts.runs == 0
+    assert config.web_listen_address == ("", 9999)
+    assert config.runs_warmup == 5.0 and DEMO_WARMUP == "5s"
+    # An explicit warm-up, by flag or by environment, wins over the demo's default.
+    assert parse_args(["--runs.warmup=1m"], {})[0].runs_warmup == 60.0
+    assert parse_args([], {"GPU_ENERGY_EXPORTER_RUNS_WARMUP": "12s"})[0].runs_warmup == 12.0
+    with pytest.raises(ConfigError, match="--demo.run-duration"):
+        parse_args(["--demo.run-duration=soon"], {})
+    with pytest.raises(ConfigError, match="--demo.gpus"):
+        parse_args(["--demo.gpus=0"], {})
+    with pytest.raises(ConfigError, match="simulates GPUs"):
+        parse_args(["--no-collector.gpu"], {})
