@@ -49,6 +49,7 @@ from prometheus_client.core import Metric
 
 from gpu_energy_exporter import metrics
 from gpu_energy_exporter.sampler import GPUState, Snapshot
+from gpu_energy_exporter.textfmt import json_safe
 
 log = logging.getLogger(__name__)
 
@@ -1161,7 +1162,7 @@ class RunLedger:
                     with self._lock:
                         if run.summary is not None:
                             run.summary["summary_file"] = summary["summary_file"]
-                payload = (json.dumps(_json_safe(doc), indent=2, sort_keys=False) + "\n").encode("utf-8")
+                payload = (json.dumps(json_safe(doc), indent=2, sort_keys=False) + "\n").encode("utf-8")
                 atomic_write(path, lambda f: f.write(payload))
                 append_csv_row(self.csv_path, summary, self._clock)
             except OSError as exc:
@@ -1256,17 +1257,6 @@ class RunLedger:
         err = LEDGER_WRITE_ERRORS.family()
         metrics.add(err, [], errors)
         return [*fams.values(), done, rej, err]
-
-
-def _json_safe(value: Any) -> Any:
-    """JSON has no NaN or infinity: they become null."""
-    if isinstance(value, float):
-        return value if math.isfinite(value) else None
-    if isinstance(value, dict):
-        return {k: _json_safe(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_json_safe(v) for v in value]
-    return value
 
 
 def _fmt(value: Any) -> str:

@@ -39,6 +39,7 @@ from typing import IO, Any
 from gpu_energy_exporter import __version__
 from gpu_energy_exporter.config import parse_duration
 from gpu_energy_exporter.errors import ExporterError
+from gpu_energy_exporter.textfmt import json_safe
 from gpu_energy_exporter.top import (
     ExporterClient,
     ExporterUnreachable,
@@ -956,16 +957,6 @@ def safe_name(run_id: str) -> str:
     return re.sub(r"[^A-Za-z0-9._-]+", "_", run_id).strip("._")[:100] or "run"
 
 
-def _json_safe(value: Any) -> Any:
-    if isinstance(value, float):
-        return value if math.isfinite(value) else None
-    if isinstance(value, dict):
-        return {k: _json_safe(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_json_safe(v) for v in value]
-    return value
-
-
 def write_report(runs: Sequence[RunData], out_dir: str, progress: Callable[[str], None] = lambda _m: None
                  ) -> dict[str, str]:
     """Plots, report.md, report.html and report.json under ``out_dir``; returns their paths."""
@@ -999,7 +990,7 @@ def write_report(runs: Sequence[RunData], out_dir: str, progress: Callable[[str]
     if "" in plots:
         doc["comparison_plots"] = {k: os.path.relpath(v, out_dir) for k, v in plots[""].items()}
     with open(paths["json"], "w", encoding="utf-8") as f:
-        json.dump(_json_safe(doc), f, indent=2)
+        json.dump(json_safe(doc), f, indent=2)
         f.write("\n")
     for r in runs:
         for name, path in plots[r.run_id].items():

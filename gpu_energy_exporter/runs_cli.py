@@ -29,6 +29,7 @@ from typing import IO, Any
 from gpu_energy_exporter.config import FLAGS
 from gpu_energy_exporter.errors import ExporterError
 from gpu_energy_exporter.ledger import COLUMN_NAMES, NUMERIC_COLUMNS
+from gpu_energy_exporter.textfmt import fmt_num
 
 #: The exporter's --runs.csv environment variable: the same file for the exporter and this command.
 CSV_ENV = next(f.env for f in FLAGS if f.name == "runs.csv")
@@ -134,19 +135,6 @@ def load_url(url: str, timeout: float = 10.0) -> list[dict[str, Any]]:
 # formatting
 
 
-def _num(value: float | None) -> str:
-    """Readable at any magnitude: 12,345 / 12.35 / 0.0123."""
-    if value is None or not math.isfinite(value):
-        return "-"
-    if abs(value) >= 100:
-        return f"{value:,.0f}"
-    if abs(value) >= 1:
-        return f"{value:.2f}"
-    if value == 0:
-        return "0"
-    return f"{value:#.3g}"
-
-
 def _int(value: float | None) -> str:
     return "-" if value is None else f"{value:,.0f}"
 
@@ -191,13 +179,13 @@ TABLE: tuple[_Col, ...] = (
     _Col("model", "model", _text, right=False),
     _Col("backend", "backend", _text, right=False),
     _Col("tokens", "tokens", _int),
-    _Col("tok/s", "tokens_per_s", _num),
-    _Col("J/token", "j_per_token", _num),
-    _Col("kWh", "energy_kwh", _num),
+    _Col("tok/s", "tokens_per_s", fmt_num),
+    _Col("J/token", "j_per_token", fmt_num),
+    _Col("kWh", "energy_kwh", fmt_num),
     _Col("avg W", "avg_power_w", _watts),
     _Col("peak W", "peak_power_w", _watts),
     _Col("VRAM peak GiB", "vram_peak_bytes", _gib),
-    _Col("gCO2", "co2_g", _num),
+    _Col("gCO2", "co2_g", fmt_num),
     _Col("status", "status", _text, right=False),
 )
 
@@ -281,8 +269,8 @@ def _x(value: float | None) -> str:
 def comparison_text(result: dict[str, Any]) -> str:
     by = result["group_by"]
     headers = [by, "runs", "mean J/token", "mean tok/s", "mean VRAM peak GiB", "mean kWh", "mean gCO2"]
-    rows = [[s["group"], str(s["runs"]), _num(s["mean_j_per_token"]), _num(s["mean_tokens_per_s"]),
-             _gib(s["mean_vram_peak_bytes"]), _num(s["mean_energy_kwh"]), _num(s["mean_co2_g"])]
+    rows = [[s["group"], str(s["runs"]), fmt_num(s["mean_j_per_token"]), fmt_num(s["mean_tokens_per_s"]),
+             _gib(s["mean_vram_peak_bytes"]), fmt_num(s["mean_energy_kwh"]), fmt_num(s["mean_co2_g"])]
             for s in result["groups"]]
     text = render_table(headers, rows, [False, True, True, True, True, True, True])
     lines = [f"{c['group']} vs {c['baseline']}: J/token {_x(c['j_per_token_ratio'])}, "

@@ -35,6 +35,7 @@ from typing import IO, Any
 
 from gpu_energy_exporter.config import DEFAULT_METRICS_PORT, parse_duration
 from gpu_energy_exporter.errors import ExporterError
+from gpu_energy_exporter.textfmt import fmt_num
 
 DEFAULT_URL = f"http://localhost:{DEFAULT_METRICS_PORT}"
 #: Where ``--url`` comes from when not given (the same URL ``report`` uses).
@@ -203,19 +204,6 @@ def fmt_co2(grams: float | None) -> str:
     if abs(grams) < 1000:
         return f"{grams:.1f} g"
     return f"{grams / 1000:.2f} kg"
-
-
-def fmt_num(value: float | None) -> str:
-    """Readable at any magnitude: 12,345 / 12.35 / 0.0123."""
-    if value is None or not math.isfinite(value):
-        return "-"
-    if abs(value) >= 100:
-        return f"{value:,.0f}"
-    if abs(value) >= 1:
-        return f"{value:.2f}"
-    if value == 0:
-        return "0"
-    return f"{value:#.3g}"
 
 
 def fmt_duration(seconds: float | None) -> str:
