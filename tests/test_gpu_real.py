@@ -26,6 +26,8 @@ pytestmark = pytest.mark.gpu
 def _nvml_or_skip() -> Any:
     import pynvml
 
+    if not (os.path.exists("/dev/nvidiactl") or os.path.exists("/proc/driver/nvidia/version")):
+        pytest.skip("needs a real NVIDIA GPU and driver (no /dev/nvidiactl on this machine)")
     lib = getattr(pynvml, "nvmlLib", None)
     if lib is not None and "fakenvml" in str(getattr(lib, "_name", "")):
         pytest.skip("this process already loaded the fake NVML library; run the real-GPU tests alone: make test-gpu")
