@@ -475,8 +475,11 @@ TRAINING_DASHBOARD = Dashboard(
                   JOULE, (Query(sel("run_id:training_energy_joules_per_token:ratio_rate5m", RUN), "{{run_id}}"),),
                   width=8),
             Panel("timeseries", "Tokens per second",
-                  "Tokens processed per second by all ranks together (each token counted once). For an "
-                  "inference run this is the EfficientLLM inference throughput (IT).",
+                  "Tokens processed per second by all ranks together (each token counted once) while the run "
+                  "was active, over the last 5 minutes (recording rule run_id:training_tokens:rate5m): from "
+                  "the run ledgers, right from the run's first minute; runs without a ledger (training data "
+                  "through another OTLP path) read low in their first 5 minutes. For an inference run this is "
+                  "the EfficientLLM inference throughput (IT).",
                   TOKENS_PER_SECOND, (Query(sel("run_id:training_tokens:rate5m", RUN), "{{run_id}}"),),
                   width=8),
             Panel("timeseries", "Energy per optimizer step",
@@ -520,9 +523,9 @@ TRAINING_DASHBOARD = Dashboard(
                                 "[$__range])", "{{run_id}} SM active")),
                   width=4, height=5, minimum=0, maximum=1),
             Panel("stat", "MFU",
-                  "Model FLOPs utilisation: the FLOPs the trainer counted per second against the dense peak "
-                  "of the run's GPUs at the run's precision. Reads low in the run's first 5 minutes (the "
-                  "FLOP rate is over a 5-minute window).",
+                  "Model FLOPs utilisation: the FLOPs the trainer counted per second of the run's activity "
+                  "against the dense peak of the run's GPUs at the run's precision (bf16, fp16, fp8 or tf32; "
+                  "none for fp32).",
                   RATIO, (Query(f"avg_over_time({sel('run_id:training_mfu:ratio_rate5m', RUN)}[$__range])",
                                 "{{run_id}}"),),
                   width=4, height=5, minimum=0, maximum=1),
@@ -534,12 +537,14 @@ TRAINING_DASHBOARD = Dashboard(
                                   "[$__range]))", "{{run_id}}"),),
                   width=3, height=5),
             Panel("stat", "TT: tokens / parameter / s",
-                  "Token throughput per model parameter (pre-training figure of merit).",
+                  "Token throughput per model parameter (pre-training figure of merit; needs the parameter "
+                  "count, training_model_parameters).",
                   SCIENTIFIC, (Query(f"avg_over_time({sel('run_id:training_tokens_per_parameter:rate5m', RUN)}"
                                      "[$__range])", "{{run_id}}"),),
                   width=3, height=5),
             Panel("stat", "ST: samples / parameter / s",
-                  "Sample throughput per model parameter (fine-tuning figure of merit).",
+                  "Sample throughput per model parameter (fine-tuning figure of merit; needs the parameter "
+                  "count, training_model_parameters).",
                   SCIENTIFIC, (Query(f"avg_over_time({sel('run_id:training_samples_per_parameter:rate5m', RUN)}"
                                      "[$__range])", "{{run_id}}"),),
                   width=3, height=5),
@@ -552,7 +557,9 @@ TRAINING_DASHBOARD = Dashboard(
         Row("Utilisation over time", (
             Panel("timeseries", "MFU",
                   "Model FLOPs utilisation over the last 5 minutes (recording rule "
-                  "run_id:training_mfu:ratio_rate5m). Reads low in the run's first 5 minutes.",
+                  "run_id:training_mfu:ratio_rate5m), from the run ledgers' FLOP and active-time counters: "
+                  "right from the run's first minute. Runs without a ledger read low in their first 5 "
+                  "minutes.",
                   RATIO, (Query(sel("run_id:training_mfu:ratio_rate5m", RUN), "{{run_id}}"),),
                   width=8, minimum=0, maximum=1),
             Panel("timeseries", "PCU: time-active, SM and tensor activity",
@@ -608,7 +615,8 @@ TRAINING_DASHBOARD = Dashboard(
                   width=8),
             Panel("table", "Run metadata",
                   "What the run reported about itself: model, backend, optimizer, batch size, gradient "
-                  "accumulation, sequence length, precision, seed, world size, notes.",
+                  "accumulation, sequence length, precision (normalised to bf16, fp16, fp8, tf32 or fp32; "
+                  "precision_raw as the framework wrote it), seed, world size, notes.",
                   COUNT, (Query(f"max by ({', '.join(('run_id', *RUN_INFO_ATTRIBUTES))}) "
                                 f"({sel('training_run_info', RUN)})"),),
                   width=24, height=6),

@@ -21,12 +21,7 @@ PROMETHEUS_SERIES: frozenset[str] = frozenset({"up"})
 
 #: Names agreed with another part of the project but not produced by the code yet, with who adds them.
 #: The tests accept these while they are missing and fail once they exist, so the entry gets deleted.
-PENDING: dict[str, str] = {
-    "training_model_parameters": (
-        "training helper: a gauge training.model.parameters (the model's parameter count), needed for the "
-        "EfficientLLM TT and ST figures"
-    ),
-}
+PENDING: dict[str, str] = {}
 
 _PACKAGE = "gpu_energy_exporter"
 # Training modules may import torch/transformers/lightning; their names come from the instrument table.

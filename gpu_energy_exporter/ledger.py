@@ -75,10 +75,11 @@ RUN_INFO = metrics.define(
 RUN_DURATION = metrics.define(
     "run", "duration_seconds", "gauge", "Wall time of the run so far (from its first point).",
     _RUN, collector=COLLECTOR, unit="seconds")
-# The run's energy, tokens and steps are counters that start at zero with the run (a resumed run id
-# starts again from zero: a counter reset), so that rate() of two of them covers the same samples and
-# their ratio is right from the run's first minute (recording rule
-# run_id:training_energy_joules_per_token:ratio_rate5m). See _counter_values for why they never decrease.
+# The run's energy, tokens, samples, steps, FLOPs and active seconds are counters that start at zero with
+# the run (a resumed run id starts again from zero: a counter reset), so that rate() of two of them covers
+# the same samples and their ratio is right from the run's first minute: J/token (energy / tokens) and
+# throughput (tokens, samples, FLOPs / active seconds), see dashboards/rules/recording.yaml. See
+# _counter_values for why they never decrease.
 RUN_ENERGY = metrics.define(
     "run", "energy_joules_total", "counter",
     "Energy of the run's GPUs on this node since the run started, from the GPU energy counters.",
@@ -95,6 +96,20 @@ RUN_STEPS = metrics.define(
     "run", "steps_total", "counter",
     "Optimizer steps the run took since it started: the maximum over the ranks that push to this exporter "
     "(every data-parallel rank takes every step).", _RUN, collector=COLLECTOR)
+RUN_SAMPLES = metrics.define(
+    "run", "samples_total", "counter",
+    "Samples processed by the run since it started, summed over the ranks that push to this exporter.",
+    _RUN, collector=COLLECTOR)
+RUN_FLOPS = metrics.define(
+    "run", "flops_total", "counter",
+    "Floating-point operations the trainer counted since the run started, summed over the ranks that push "
+    "to this exporter.", _RUN, collector=COLLECTOR)
+RUN_ACTIVE_SECONDS = metrics.define(
+    "run", "active_seconds_total", "counter",
+    "Seconds the run has been active on this node: from its first point to the latest snapshot while it "
+    "runs, its duration once it ended (then it stops growing). Divide a rate of the run's other counters by "
+    "its rate for throughput that is right from the run's first minute.",
+    _RUN, collector=COLLECTOR, unit="seconds")
 RUN_TOKENS_PER_SECOND = metrics.define(
     "run", "tokens_per_second", "gauge",
     "Token throughput over the run's efficiency window (after the warm-up; the whole run while shorter).",
@@ -132,6 +147,12 @@ LEDGER_WRITE_ERRORS = metrics.define(
 
 STATUSES = ("finished", "stale", "exporter_stopped")
 
+#: The per-run counters on /metrics and the summary figure each one serves (``_counter_values``).
+_COUNTER_COLUMNS = (
+    (RUN_ENERGY, "energy_j"), (RUN_TOKENS, "tokens"), (RUN_STEPS, "steps"), (RUN_SAMPLES, "samples"),
+    (RUN_FLOPS, "flops"), (RUN_ACTIVE_SECONDS, "duration_s"),
+)
+
 # ----------------------------------------------------------------------------------------------------
 # the columns: one definition for the CSV, the JSON summary, the docs and the ``runs`` command
 
@@ -144,9 +165,16 @@ class Column:
 
 
 METADATA_KEYS: tuple[str, ...] = (
-    "model", "backend", "optimizer", "batch_size", "grad_accum", "seq_len", "precision", "seed",
-    "world_size", "notes",
+    "model", "backend", "optimizer", "batch_size", "grad_accum", "seq_len", "precision", "precision_raw",
+    "seed", "world_size", "notes",
 )
+
+_METADATA_NOTES = {
+    "precision": ": the compute precision, which the training helper normalises to `bf16`, `fp16`, `fp8`, "
+                 "`tf32` or `fp32`",
+    "precision_raw": ": the precision as the framework or the caller wrote it (`bf16-mixed`, `16-mixed`, "
+                     "...), where it differs from `precision`",
+}
 
 COLUMNS: tuple[Column, ...] = (
     Column("run_id", "", "The `run_id` label of the run's points."),
@@ -161,7 +189,8 @@ COLUMNS: tuple[Column, ...] = (
            "when the run was shorter than that (the efficiency figures then cover the whole run; "
            "`ledger_notes` says so)."),
     Column("window_s", "s", "The efficiency window: `duration_s - warmup_s`."),
-    *(Column(k, "", f"`{k}` label of `training_run_info` (lowest rank that sent it).") for k in METADATA_KEYS),
+    *(Column(k, "", f"`{k}` label of `training_run_info` (lowest rank that sent it){_METADATA_NOTES.get(k, '')}.")
+      for k in METADATA_KEYS),
     Column("ranks", "count", "Distinct `rank` labels that pushed points for the run."),
     Column("gpu_count", "count", "GPUs attributed to the run: the union of its `gpu_uuid` labels, MIG "
            "instances mapped to their parent GPU."),
@@ -1206,9 +1235,11 @@ class RunLedger:
         would read a decrease as a reset and count the whole value again as an increase, a spike in every
         rate. So the served value holds the highest one served (for a run closed late it stays above the
         summary's ``energy_j`` by the energy counted after the end: at most ``stale_after`` of the GPUs'
-        energy, seen in one rate window). Call with the ledger lock held."""
+        energy, seen in one rate window; likewise the active seconds, which hold the time until the run was
+        found stale, a period with no tokens that throughput then averages in). Call with the ledger lock
+        held."""
         out: dict[str, float] = {}
-        for spec, key in ((RUN_ENERGY, "energy_j"), (RUN_TOKENS, "tokens"), (RUN_STEPS, "steps")):
+        for spec, key in _COUNTER_COLUMNS:
             value = summary.get(key)
             if value is None or not math.isfinite(value):
                 continue
@@ -1221,8 +1252,8 @@ class RunLedger:
         """Per-run series and the ledger's self-metrics (a live source of the /metrics collector)."""
         fams = {spec.name: spec.family() for spec in (
             RUN_ACTIVE, RUN_INFO, RUN_DURATION, RUN_ENERGY, RUN_DYNAMIC_ENERGY, RUN_TOKENS, RUN_STEPS,
-            RUN_TOKENS_PER_SECOND, RUN_JOULES_PER_TOKEN, RUN_AVERAGE_POWER, RUN_PEAK_POWER, RUN_MEMORY_PEAK,
-            RUN_CO2)}
+            RUN_SAMPLES, RUN_FLOPS, RUN_ACTIVE_SECONDS, RUN_TOKENS_PER_SECOND, RUN_JOULES_PER_TOKEN,
+            RUN_AVERAGE_POWER, RUN_PEAK_POWER, RUN_MEMORY_PEAK, RUN_CO2)}
         with self._lock:
             self._expire(self._clock())
             # A closed run and a resumed instance of it share the run id: show only the newest.

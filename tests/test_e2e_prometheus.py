@@ -124,3 +124,9 @@ def test_jpt_recording_rule_matches_the_run_ledger(session: Session) -> None:
     expected_max = 750.0 / (TOKENS_PER_STEP / STEP_S)
     assert ledger["j_per_token"] == pytest.approx(rule, rel=0.02), (ledger["j_per_token"], rule)
     assert expected_max * 0.98 <= ledger["j_per_token"] <= expected_max * 1.3
+    # Throughput of a run younger than the 5m window: the rule divides by the run's active time, so it
+    # matches the ledger; a plain rate() divides by the whole 300 s range and reads far too low.
+    tokens_rule = session.prom.value(f'run_id:training_tokens:rate5m{{run_id="{RUN_ID}"}}')
+    assert tokens_rule == pytest.approx(ledger["tokens_per_s"], rel=0.02)
+    plain = session.prom.value(f'sum(rate(training_tokens_total{{run_id="{RUN_ID}"}}[5m]))')
+    assert plain is not None and plain < 0.5 * tokens_rule

@@ -595,7 +595,7 @@ def test_docs_list_the_columns_and_metrics_as_the_code_defines_them() -> None:
     doc = (Path(__file__).resolve().parent.parent / "docs" / "ledger.md").read_text()
     assert columns_markdown() in doc, "regenerate the table in docs/ledger.md from ledger.columns_markdown()"
     ours = [name for name, spec in CATALOGUE.items() if spec.collector == ledger_mod.COLLECTOR]
-    assert len(ours) == 16
+    assert len(ours) == 19
     assert [name for name in ours if f"`{name}`" not in doc] == []
 
 
@@ -669,14 +669,69 @@ def test_run_counters_never_decrease_when_a_stale_run_is_cut_back_to_its_last_po
             pushes(t)
 
     h.run_until(T0 + 95, until_crash)
-    live = served(exposition(ledger), "gpuenergy_run_energy_joules_total", "crash")
+    text = exposition(ledger)
+    live = served(text, "gpuenergy_run_energy_joules_total", "crash")
     assert live == pytest.approx(500.0 * 94.5, rel=1e-6)  # still counted up to the last snapshot
+    assert served(text, "gpuenergy_run_active_seconds_total", "crash") == pytest.approx(94.5)
     h.run_until(T0 + 105, until_crash)
     assert summary_of(ledger, "crash")["status"] == "stale"
     text = exposition(ledger)
     assert summary_of(ledger, "crash")["energy_j"] == pytest.approx(500.0 * 38, rel=1e-6)
     assert served(text, "gpuenergy_run_energy_joules_total", "crash") == live
     assert served(text, "gpuenergy_run_tokens_total", "crash") == pytest.approx(200.0 * 38)
+    # The run is 38 s long now, but active seconds served 94.5 already: they hold, never drop.
+    assert summary_of(ledger, "crash")["duration_s"] == pytest.approx(38.0)
+    assert served(text, "gpuenergy_run_active_seconds_total", "crash") == pytest.approx(94.5)
+
+
+def test_throughput_counters_start_with_the_run_and_active_seconds_stop_at_its_end() -> None:
+    # The throughput rules divide the rates of gpuenergy_run_{tokens,samples,flops}_total by the rate of
+    # gpuenergy_run_active_seconds_total: all four start with the run, the first three are summed over
+    # ranks, and active seconds grow with wall time while the run goes and stop (not drop) at its end.
+    clock = Clock()
+    ledger = RunLedger(None, warmup_s=0.0, stale_after_s=300.0, clock=clock)
+    h = Harness(ledger, clock, {UUID_A: constant(200.0), UUID_B: constant(200.0)})
+    start, end = T0 + 0.5, T0 + 20.5
+    ranks = (("0", UUID_A), ("1", UUID_B))
+    meta = {"precision": "bf16", "precision_raw": "bf16-mixed"}
+    token_pushes = [trainer(h, "tp", start, end, rate=100.0, rank=r, gpu=g, every=1.0, metadata=meta)
+                    for r, g in ranks]
+    last = {"t": start}
+
+    def pushes(t: float) -> None:
+        for push in token_pushes:
+            push(t)
+        pt = min(t, end)
+        if pt > last["t"]:  # each rank: 4 samples/s and 1e12 FLOP/s
+            for rank, gpu in ranks:
+                h.push(point("tp", "training_samples_total", 4 * (pt - start), pt, rank, gpu))
+                h.push(point("tp", "training_flops_total", 1e12 * (pt - start), pt, rank, gpu))
+            last["t"] = pt
+
+    def counters() -> dict[str, float]:
+        text = exposition(ledger)
+        return {k: served(text, f"gpuenergy_run_{k}_total", "tp")
+                for k in ("tokens", "samples", "flops", "steps", "active_seconds")}
+
+    h.run_until(T0 + 10, pushes)
+    at10 = counters()
+    # 9.5 s since the first point (T0 + 0.5) at the snapshot of T0 + 10; tokens of both ranks pushed at
+    # T0 + 9.5 (2 x 900); samples and FLOPs pushed at T0 + 10 (2 x 4 x 9.5, 2 x 9.5e12).
+    assert at10 == {"tokens": 1800.0, "samples": 76.0, "flops": 1.9e13, "steps": 18.0, "active_seconds": 9.5}
+    h.run_until(T0 + 15, pushes)
+    at15 = counters()
+    assert at15["active_seconds"] == 14.5
+    # What the rules compute: increase over increase of active seconds, the two ranks' throughput summed.
+    assert (at15["tokens"] - at10["tokens"]) / (at15["active_seconds"] - at10["active_seconds"]) == 200.0
+    assert (at15["samples"] - at10["samples"]) / (at15["active_seconds"] - at10["active_seconds"]) == 8.0
+    h.run_until(T0 + 25, pushes)
+    assert summary_of(ledger, "tp")["status"] == "finished"
+    at25 = counters()
+    assert at25 == {"tokens": 4000.0, "samples": 160.0, "flops": 4e13, "steps": 40.0, "active_seconds": 20.0}
+    h.run_until(T0 + 40)
+    assert counters() == at25, "a finished run's counters stop"
+    s = summary_of(ledger, "tp")
+    assert (s["precision"], s["precision_raw"]) == ("bf16", "bf16-mixed")
 
 
 def test_runs_and_one_run_through_the_json_api() -> None:

@@ -61,8 +61,9 @@ def test_totals_attributes_and_metadata_reach_the_receiver() -> None:
     with receiver() as (endpoint, store):
         run = start_run(
             "run-a", model="tiny-lm", backend="bnb", optimizer="adamw", batch_size=4, grad_accum=2,
-            seq_len=16, precision="bf16", seed=7, notes="lora r=8", total_steps=5, endpoint=endpoint,
-            export_interval=30, gpu_uuids=[GPU_A, GPU_B], environ={"RANK": "1", "WORLD_SIZE": "2"},
+            seq_len=16, precision="bf16", seed=7, notes="lora r=8", total_steps=5, parameters=8_030_261_248,
+            endpoint=endpoint, export_interval=30, gpu_uuids=[GPU_A, GPU_B],
+            environ={"RANK": "1", "WORLD_SIZE": "2"},
         )
         for i in range(5):
             run.step(tokens=64, samples=4, loss=2.0 - i / 10, lr=1e-3, flops=1e9, duration_s=0.03 * (i + 1))
@@ -79,6 +80,7 @@ def test_totals_attributes_and_metadata_reach_the_receiver() -> None:
         assert total(store, "training_learning_rate", **labels) == pytest.approx(1e-3)
         assert total(store, "training_epoch", **labels) == 1
         assert total(store, "training_run_total_steps", **labels) == 5
+        assert total(store, "training_model_parameters", **labels) == 8_030_261_248  # exact in a double
         assert total(store, "training_run_finished", **labels) == 1
         assert total(store, "training_step_duration_seconds_count", **labels) == 5
         assert total(store, "training_step_duration_seconds_sum", **labels) == pytest.approx(0.45)
@@ -103,6 +105,41 @@ def test_totals_attributes_and_metadata_reach_the_receiver() -> None:
         assert dict(target)["service_name"] == "gpu-energy-training"
         assert dict(target)["service_instance_id"]
         assert run.dropped_exports == 0 and run.delivered_exports >= 1
+
+
+@pytest.mark.parametrize(("given", "precision"), [
+    # Lightning's precision settings
+    ("bf16-mixed", "bf16"), ("bf16-true", "bf16"), ("16-mixed", "fp16"), ("16-true", "fp16"),
+    ("32-true", "fp32"), ("32", "fp32"), ("transformer-engine", "fp8"), ("64-true", None),
+    # Accelerate's mixed_precision, torch dtypes, what people write
+    ("no", "fp32"), ("fp8", "fp8"), ("torch.bfloat16", "bf16"), ("float16", "fp16"), ("BF16", "bf16"),
+    ("tf32", "tf32"), ("fp32", "fp32"), ("bf16_mixed", "bf16"), ("nf4", None), ("", None),
+])
+def test_precision_is_normalised_for_the_peak_flops_join(given: str, precision: str | None) -> None:
+    from gpu_energy_exporter.training.instruments import PRECISIONS
+    from gpu_energy_exporter.training.run import normalize_precision, precision_attributes
+
+    assert normalize_precision(given) == precision
+    assert precision is None or precision in PRECISIONS
+    attrs = precision_attributes(given)
+    assert attrs.get("precision") == precision
+    # The raw value is kept only when it says more than the normalised one.
+    assert attrs.get("precision_raw") == (given if given and given.lower() != precision else None)
+
+
+def test_normalised_precision_and_the_raw_value_reach_the_receiver() -> None:
+    with receiver() as (endpoint, store):
+        run = start_run("prec", precision="16-mixed", endpoint=endpoint, export_interval=30, gpu_uuids=[GPU_A])
+        run.set_parameters(0)  # not a parameter count: no series rather than a zero that divides TT
+        run.finish()
+        (info,) = series(store, "training_run_info")
+        assert (dict(info)["precision"], dict(info)["precision_raw"]) == ("fp16", "16-mixed")
+        assert series(store, "training_model_parameters") == {}
+        run = start_run("prec-raw", precision="tf32", precision_raw="32-true", endpoint=endpoint,
+                        export_interval=30, gpu_uuids=[GPU_A])
+        run.finish()
+        infos = [dict(i) for i in series(store, "training_run_info") if dict(i)["run_id"] == "prec-raw"]
+        assert [(i["precision"], i["precision_raw"]) for i in infos] == [("tf32", "32-true")]
 
 
 def test_finished_is_zero_while_running_and_steps_after_finish_are_ignored() -> None:

@@ -61,7 +61,10 @@ def test_trainer_run_is_reported(tmp_path: Path) -> None:
         meta = dict(info)
         assert meta["model"] == "GPT2LMHeadModel" and meta["backend"] == "hf-test" and meta["notes"] == "tiny"
         assert (meta["batch_size"], meta["grad_accum"], meta["seq_len"], meta["seed"]) == ("4", "2", "16", "3")
-        assert meta["precision"] == "fp32" and meta["optimizer"].startswith("adamw")
+        assert meta["precision"] == "fp32" and "precision_raw" not in meta
+        assert meta["optimizer"].startswith("adamw")
+        # Counted from the model at on_train_begin: GPT-2's tied input/output embedding counted once.
+        assert total(store, "training_model_parameters") == sum(p.numel() for p in model.parameters())
         assert label_values(store, "training_tokens_total", "gpu_uuid") == {"none"}  # a CPU run
         assert callback.run is None and not model._forward_pre_hooks  # cleaned up after train()
 

@@ -80,6 +80,9 @@ def test_lightning_run_is_reported() -> None:
         meta = dict(info)
         assert (meta["model"], meta["optimizer"], meta["grad_accum"]) == ("LitTinyLM", "SGD", "2")
         assert meta["backend"] == "lightning-test" and meta["batch_size"] == "4"
+        # Lightning's "32-true", normalised for the peak-FLOP/s join; the raw setting kept beside it.
+        assert (meta["precision"], meta["precision_raw"]) == ("fp32", "32-true")
+        assert total(store, "training_model_parameters") == params
         assert label_values(store, "training_tokens_total", "gpu_uuid") == {"none"}  # a CPU run
         assert callback.run is None
 

@@ -12,6 +12,7 @@ import torch
 from training_models import TinyLM, TinyLMConfig, label_values, receiver, series, synthetic_tokens, total
 
 from gpu_energy_exporter.training import count_batch, start_run
+from gpu_energy_exporter.training.run import count_parameters
 
 pytestmark = [
     pytest.mark.slow,
@@ -50,7 +51,8 @@ def test_tiny_lm_training_loop_totals_reach_the_receiver() -> None:
     with receiver() as (endpoint, store):
         with start_run(model="tiny-lm", backend="torch", optimizer="adamw", batch_size=batch_size,
                        grad_accum=grad_accum, seq_len=CONFIG.seq_len, precision="fp32", seed=0,
-                       total_steps=epochs * 3, endpoint=endpoint, export_interval=0.05) as run:
+                       total_steps=epochs * 3, parameters=count_parameters(model), endpoint=endpoint,
+                       export_interval=0.05) as run:
             for epoch in range(epochs):
                 step_tokens = step_samples = 0
                 for i, batch in enumerate(loader):
@@ -84,10 +86,31 @@ def test_tiny_lm_training_loop_totals_reach_the_receiver() -> None:
         assert total(store, "training_epoch") == epochs
         assert total(store, "training_run_finished") == 1
         assert label_values(store, "training_run_info", "model") == {"tiny-lm"}
+        # The model's real parameter count: embedding 64 x 16, head 16 x 64 weights + 64 biases = 2112.
+        assert sum(p.numel() for p in model.parameters()) == 2112
+        assert total(store, "training_model_parameters") == 2112
         assert label_values(store, "training_tokens_total", "run_id") == {run.run_id}
         assert len(series(store, "training_tokens_total")) == 1  # one rank, one series: no stray pushers
         assert run.delivered_exports > 2 and run.dropped_exports == 0
         assert last_loss < first_loss  # it really trained
+
+
+def test_count_parameters_counts_shared_and_sharded_parameters_whole() -> None:
+    from gpu_energy_exporter.training.run import count_parameters
+
+    model = TinyLM(CONFIG)
+    assert count_parameters(model) == 2112
+    tied = torch.nn.Sequential(model.embed, torch.nn.Linear(16, 64, bias=False))
+    assert count_parameters(tied) == 64 * 16 + 16 * 64
+    tied[1].weight = model.embed.weight  # tied (both 64 x 16): one tensor, counted once
+    assert count_parameters(tied) == 64 * 16
+    # DeepSpeed ZeRO-3 leaves an empty local tensor and the full size in ds_numel.
+    shard = torch.nn.Linear(4, 4)
+    for p in shard.parameters():
+        p.data = torch.empty(0)
+        p.ds_numel = 1000  # type: ignore[attr-defined]
+    assert count_parameters(shard) == 2000
+    assert count_parameters(None) is None
 
 
 @pytest.mark.gpu

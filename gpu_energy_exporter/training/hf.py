@@ -23,7 +23,12 @@ What is reported, and from where (each rank runs its own callback and reports it
   scheduler at every step. Validation loss: ``on_evaluate`` (``eval_loss``). Epochs: ``state.epoch``.
 - metadata: model name, optimizer, per-device batch size, gradient accumulation, precision and seed from
   the ``TrainingArguments``, unless given to the constructor; ``backend``, ``seq_len`` and ``notes`` only
-  from the constructor.
+  from the constructor. Precision: ``bf16`` / ``fp16`` from those flags, else ``tf32`` where float32
+  matmuls run on TF32 tensor cores (``tf32=True``, or torch's ``allow_tf32`` on a CUDA device), else
+  ``fp32``.
+- parameters (``training.model.parameters``, for TT and ST): counted from the model at
+  ``on_train_begin`` (``count_parameters``), unless given to the constructor (do that where the model is
+  sharded: FSDP leaves each rank only its shard).
 
 The run starts at ``on_train_begin`` (every rank; the run id is agreed over the process group) and
 finishes at ``on_train_end``. This module needs ``transformers``; it must never change what the Trainer
@@ -47,7 +52,7 @@ except ImportError as exc:  # pragma: no cover - depends on the installed extras
     ) from exc
 
 from gpu_energy_exporter.training.batch import count_batch
-from gpu_energy_exporter.training.run import TrainingRun, start_run
+from gpu_energy_exporter.training.run import TrainingRun, count_parameters, fp32_matmul_precision, start_run
 
 log = logging.getLogger("gpu_energy_exporter.training")
 
@@ -115,6 +120,7 @@ class EnergyCallback(TrainerCallback):
         precision: str | None = None,
         seed: int | None = None,
         notes: str | None = None,
+        parameters: int | None = None,
         endpoint: str | None = None,
         export_interval: float | None = None,
         gpu_uuids: Sequence[str] | None = None,
@@ -130,6 +136,7 @@ class EnergyCallback(TrainerCallback):
         self.run_kwargs: dict[str, Any] = {
             "endpoint": endpoint, "export_interval": export_interval, "gpu_uuids": gpu_uuids, **run_kwargs,
         }
+        self.parameters = parameters
         self._count_batch = count_batch
         self.run: TrainingRun | None = None
         self._counter: _BatchCounter | None = None
@@ -152,9 +159,11 @@ class EnergyCallback(TrainerCallback):
         self._tokens_seen = int(getattr(state, "num_input_tokens_seen", 0) or 0)
         self._flos_seen = float(getattr(state, "total_flos", 0.0) or 0.0)
         metadata = {**self._from_args(args, model), **{k: v for k, v in self.metadata.items() if v is not None}}
+        parameters = self.parameters if self.parameters is not None else count_parameters(model)
         try:
             self.run = start_run(
                 self.run_id, **metadata, total_steps=int(state.max_steps) if state.max_steps else None,
+                parameters=parameters,
                 device=getattr(args, "device", None), rank=self._rank, world_size=self._world_size,
                 **{k: v for k, v in self.run_kwargs.items() if v is not None},
             )
@@ -252,7 +261,14 @@ class EnergyCallback(TrainerCallback):
         name = getattr(model, "name_or_path", "") or getattr(getattr(model, "config", None), "_name_or_path", "")
         if not name and model is not None:
             name = type(model).__name__
-        precision = "bf16" if getattr(args, "bf16", False) else "fp16" if getattr(args, "fp16", False) else "fp32"
+        if getattr(args, "bf16", False):
+            precision = "bf16"
+        elif getattr(args, "fp16", False):
+            precision = "fp16"
+        elif getattr(args, "tf32", None):
+            precision = "tf32"
+        else:
+            precision = fp32_matmul_precision(getattr(args, "device", None))
         optim = getattr(args, "optim", None)
         return {
             "model": name or None,

@@ -28,9 +28,15 @@ POINT_ATTRIBUTES: tuple[str, ...] = (ATTR_RUN_ID, ATTR_RANK, ATTR_GPU_UUID)
 
 #: Extra attributes of ``training.run.info`` (the run's metadata). Absent when not known.
 RUN_INFO_ATTRIBUTES: tuple[str, ...] = (
-    "model", "backend", "optimizer", "batch_size", "grad_accum", "seq_len", "precision", "seed", "notes",
-    "world_size",
+    "model", "backend", "optimizer", "batch_size", "grad_accum", "seq_len", "precision", "precision_raw",
+    "seed", "notes", "world_size",
 )
+
+#: Values of the ``precision`` attribute: the compute precision of the run's matrix multiplications, as
+#: the exporter's peak-FLOP/s table names them (``gpuenergy_gpu_peak_flops_per_second{precision}``, which
+#: has no fp32 row: an fp32 run gets no MFU rather than a wrong one). What the framework or the caller
+#: said (``"bf16-mixed"``, ``"16-mixed"``...) is kept in ``precision_raw`` when it differs.
+PRECISIONS: tuple[str, ...] = ("bf16", "fp16", "fp8", "tf32", "fp32")
 
 #: ``gpu_uuid`` values that are not GPUs: the process uses no GPU (a CPU device, CUDA_VISIBLE_DEVICES
 #: hides every GPU), or which GPUs it uses could not be found out (no NVML, ambiguous).
@@ -67,10 +73,13 @@ RUN_GPU_INFO = Instrument("training.run.gpu.info", "gauge", "",
 RUN_TOTAL_STEPS = Instrument("training.run.total_steps", "gauge", "",
                              "Optimizer steps the run is planned to take, when known.")
 RUN_FINISHED = Instrument("training.run.finished", "gauge", "", "0 while the run is going, 1 after it finished.")
+MODEL_PARAMETERS = Instrument("training.model.parameters", "gauge", "{parameter}",
+                              "Parameters of the whole model being trained (trainable or not; the same value on "
+                              "every rank, aggregate with max), when known. For TT and ST (per parameter).")
 
 ALL: tuple[Instrument, ...] = (
     TOKENS, SAMPLES, STEPS, FLOPS, LOSS, VALIDATION_LOSS, LEARNING_RATE, EPOCH, STEP_DURATION, RUN_INFO,
-    RUN_GPU_INFO, RUN_TOTAL_STEPS, RUN_FINISHED,
+    RUN_GPU_INFO, RUN_TOTAL_STEPS, RUN_FINISHED, MODEL_PARAMETERS,
 )
 
 #: Explicit bucket bounds of ``training.step.duration``, in seconds: from a millisecond (tiny models) to

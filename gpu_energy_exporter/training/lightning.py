@@ -20,7 +20,12 @@ its own batches, so nothing here is a global count):
   group; validation loss: ``trainer.callback_metrics[val_loss_key]`` after validation; epochs completed
   at each epoch end.
 - metadata: the LightningModule's class name, the optimizer's class, ``accumulate_grad_batches``, the
-  precision setting and the seed from ``seed_everything``, unless given to the constructor.
+  precision setting and the seed from ``seed_everything``, unless given to the constructor. The precision
+  setting is normalised (``"bf16-mixed"`` -> ``bf16``, ``"16-mixed"`` -> ``fp16``, ``"32-true"`` -> ``fp32``,
+  or ``tf32`` where float32 matmuls run on TF32 tensor cores) and kept as given in ``precision_raw``.
+- parameters (``training.model.parameters``, for TT and ST): counted from the LightningModule at
+  ``on_train_start``, unless given to the constructor (do that where the strategy shards the model: FSDP
+  leaves each rank only its shard).
 
 The run starts at ``on_train_start`` (the run id is broadcast by the strategy so every rank agrees) and
 finishes at ``on_train_end`` or ``on_exception``. It must never change what the Trainer does.
@@ -48,7 +53,13 @@ except ImportError:
 
 from gpu_energy_exporter.training.batch import count_batch
 from gpu_energy_exporter.training.distributed import new_run_id
-from gpu_energy_exporter.training.run import TrainingRun, start_run
+from gpu_energy_exporter.training.run import (
+    TrainingRun,
+    count_parameters,
+    fp32_matmul_precision,
+    normalize_precision,
+    start_run,
+)
 
 log = logging.getLogger("gpu_energy_exporter.training")
 
@@ -73,6 +84,7 @@ class EnergyCallback(Callback):
         precision: str | None = None,
         seed: int | None = None,
         notes: str | None = None,
+        parameters: int | None = None,
         endpoint: str | None = None,
         export_interval: float | None = None,
         gpu_uuids: Sequence[str] | None = None,
@@ -91,6 +103,7 @@ class EnergyCallback(Callback):
         self.run_kwargs: dict[str, Any] = {
             "endpoint": endpoint, "export_interval": export_interval, "gpu_uuids": gpu_uuids, **run_kwargs,
         }
+        self.parameters = parameters
         self.flops_per_token = flops_per_token
         self.val_loss_key = val_loss_key
         self.input_key = input_key
@@ -111,8 +124,12 @@ class EnergyCallback(Callback):
             run_id = self.run_id or os.environ.get("GPU_ENERGY_RUN_ID") or trainer.strategy.broadcast(new_run_id())
             metadata = {**self._from_trainer(trainer, pl_module),
                         **{k: v for k, v in self.metadata.items() if v is not None}}
+            if self.metadata.get("precision") is not None:
+                metadata.pop("precision_raw", None)  # the caller's precision replaces the framework's
+            parameters = self.parameters if self.parameters is not None else count_parameters(pl_module)
             self.run = start_run(
-                run_id, **metadata, total_steps=self._total_steps(trainer), device=pl_module.device,
+                run_id, **metadata, total_steps=self._total_steps(trainer), parameters=parameters,
+                device=pl_module.device,
                 rank=int(trainer.global_rank), world_size=int(trainer.world_size),
                 **{k: v for k, v in self.run_kwargs.items() if v is not None},
             )
@@ -208,12 +225,17 @@ class EnergyCallback(Callback):
         loader = getattr(trainer, "train_dataloader", None)
         if loader is not None:
             batch_size = getattr(loader, "batch_size", None)
+        raw = str(getattr(trainer, "precision", "") or "") or None
+        precision = raw
+        if normalize_precision(raw) == "fp32":
+            precision = fp32_matmul_precision(getattr(pl_module, "device", None))
         return {
             "model": type(pl_module).__name__,
             "optimizer": type(optimizers[0]).__name__ if optimizers else None,
             "batch_size": batch_size,
             "grad_accum": getattr(trainer, "accumulate_grad_batches", None),
-            "precision": str(getattr(trainer, "precision", "")) or None,
+            "precision": precision,
+            "precision_raw": raw,
             "seed": int(seed) if seed and seed.lstrip("-").isdigit() else None,
         }
 

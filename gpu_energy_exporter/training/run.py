@@ -27,6 +27,8 @@ import logging
 import math
 import os
 import socket
+import sys
+import threading
 import time
 import uuid
 from bisect import bisect_left
@@ -157,6 +159,7 @@ class TrainingRun:
         self._val_loss: Any = None
         self._epoch: Any = None
         self._total_steps = total_steps
+        self._parameters: int | None = None
         self._finished = False
         self._last_step_at: float | None = None
         self._bounds = I.STEP_DURATION_BOUNDS
@@ -178,6 +181,7 @@ class TrainingRun:
             "process.pid": self._pid,
         })
         self._scope = InstrumentationScope(I.SCOPE_NAME, __version__)
+        self._export_timeout = export_timeout
         inner = OTLPMetricExporter(endpoint=endpoint, headers=dict(headers) if headers else None,
                                    timeout=export_timeout)
         self._exporter = GuardedExporter(inner, endpoint=endpoint, resource=self._resource,
@@ -202,12 +206,17 @@ class TrainingRun:
             I.RUN_GPU_INFO: self._observe_gpu_info,
             I.RUN_TOTAL_STEPS: self._observe_total_steps,
             I.RUN_FINISHED: self._observe_finished,
+            I.MODEL_PARAMETERS: self._observe_parameters,
         }
         for inst, callback in observers.items():
             create = meter.create_observable_counter if inst.kind == "counter" else meter.create_observable_gauge
             create(inst.name, callbacks=[callback], unit=inst.unit, description=inst.description)
         # A script that never calls finish() still flushes at exit (bounded like finish()).
         atexit.register(self._at_exit)
+        # Export once right away, in the background: the exporter's ledger dates the run from its first
+        # point, so a first export only after export_interval would count that interval's tokens in a
+        # run that, for the ledger, started later (J/token too low for short runs). Never blocks step().
+        threading.Thread(target=self._first_export, name="gpu-energy-first-export", daemon=True).start()
 
     # -- the hot path -------------------------------------------------------------------------------
 
@@ -296,6 +305,15 @@ class TrainingRun:
         """The number of optimizer steps the run plans to take (for progress and ETA panels)."""
         self._total_steps = total_steps
 
+    def set_parameters(self, parameters: int | None) -> None:
+        """The whole model's parameter count (``training.model.parameters``, for TT and ST); pass the same
+        value on every rank, also where each rank holds only a shard (FSDP, ZeRO-3, tensor parallelism)."""
+        self._parameters = _parameter_count(parameters)
+
+    @property
+    def parameters(self) -> int | None:
+        return self._parameters
+
     # -- totals -------------------------------------------------------------------------------------
 
     @property
@@ -329,6 +347,12 @@ class TrainingRun:
         return self._exporter.delivered
 
     # -- ending -------------------------------------------------------------------------------------
+
+    def _first_export(self) -> None:
+        try:
+            self._provider.force_flush(timeout_millis=self._export_timeout * 1000.0)
+        except Exception:  # noqa: BLE001 - best effort; the periodic export follows anyway
+            log.debug("first export failed", exc_info=True)
 
     def flush(self, timeout: float | None = None) -> bool:
         """Export now, in the calling thread (blocks up to ``timeout``, default ``finish_timeout``).
@@ -436,6 +460,9 @@ class TrainingRun:
     def _observe_finished(self, options: CallbackOptions) -> Iterable[Observation]:
         return self._gauge(1 if self._finished else 0)
 
+    def _observe_parameters(self, options: CallbackOptions) -> Iterable[Observation]:
+        return self._gauge(self._parameters)
+
     def _observe_info(self, options: CallbackOptions) -> Iterable[Observation]:
         return (Observation(1, self._info_attrs),) if self._alive() else ()
 
@@ -477,6 +504,8 @@ def start_run(
     seed: int | None = None,
     notes: str | None = None,
     total_steps: int | None = None,
+    parameters: int | None = None,
+    precision_raw: str | None = None,
     endpoint: str | None = None,
     headers: Mapping[str, str] | None = None,
     export_interval: float | None = None,
@@ -492,7 +521,11 @@ def start_run(
 
     ``run_id``: shared by all ranks; generated when omitted (see ``distributed.py``; in a multi-rank run
     with an initialised process group, call this on every rank). Metadata (``model`` ... ``notes``)
-    becomes the attributes of ``training.run.info`` and the columns of the exporter's run ledger.
+    becomes the attributes of ``training.run.info`` and the columns of the exporter's run ledger;
+    ``precision`` is normalised to one of ``bf16``, ``fp16``, ``fp8``, ``tf32``, ``fp32`` (see
+    ``normalize_precision``; what was given, or ``precision_raw`` (what a framework said, when ``precision``
+    was derived from it), goes to the ``precision_raw`` attribute when it differs; an unknown value goes only
+    there). ``parameters``: the whole model's parameter count (``count_parameters(model)``), for TT and ST.
     ``endpoint``: base URL of the receiver; default ``OTEL_EXPORTER_OTLP_METRICS_ENDPOINT``, else
     ``OTEL_EXPORTER_OTLP_ENDPOINT``, else ``http://localhost:4318``. ``headers``: extra HTTP headers
     (e.g. ``{"Authorization": "Bearer ..."}``); default ``OTEL_EXPORTER_OTLP_HEADERS``.
@@ -513,7 +546,8 @@ def start_run(
         gpu_label=resolution.label,
         metadata={
             "model": model, "backend": backend, "optimizer": optimizer, "batch_size": batch_size,
-            "grad_accum": grad_accum, "seq_len": seq_len, "precision": precision, "seed": seed,
+            "grad_accum": grad_accum, "seq_len": seq_len, **precision_attributes(precision, precision_raw),
+            "seed": seed,
             "notes": notes,
         },
         total_steps=total_steps,
@@ -523,6 +557,93 @@ def start_run(
         export_timeout=export_timeout,
         finish_timeout=finish_timeout,
     )
+    run.set_parameters(parameters)
     log.info("gpu_energy_exporter.training: run %s rank %d/%d on GPUs %s (%s) reporting to %s",
              run.run_id, rank, world_size, resolution.label, resolution.source, run.endpoint)
     return run
+
+
+# -- precision and parameters -----------------------------------------------------------------------
+
+# What frameworks and people write for a compute precision, lower-cased, to the name the peak-FLOP/s
+# table uses. Lightning: "bf16-mixed", "bf16-true", "16-mixed", "16-true", "32-true", "64-true",
+# "transformer-engine" (FP8 through NVIDIA Transformer Engine); Accelerate: "bf16", "fp16", "fp8", "no";
+# torch dtypes: "torch.bfloat16"...
+_PRECISION_ALIASES: dict[str, str] = {
+    **dict.fromkeys(("bf16", "bf16-mixed", "bf16-true", "bfloat16", "torch.bfloat16", "amp_bf16"), "bf16"),
+    **dict.fromkeys(("fp16", "16", "16-mixed", "16-true", "float16", "half", "torch.float16", "torch.half",
+                     "f16", "amp", "amp_fp16"), "fp16"),
+    **dict.fromkeys(("fp8", "float8", "fp8-mixed", "transformer-engine", "torch.float8_e4m3fn",
+                     "torch.float8_e5m2", "e4m3", "e5m2"), "fp8"),
+    **dict.fromkeys(("tf32", "tensorfloat32", "tensorfloat-32"), "tf32"),
+    **dict.fromkeys(("fp32", "32", "32-true", "float32", "float", "torch.float32", "torch.float", "f32",
+                     "full", "no"), "fp32"),
+}
+
+
+def normalize_precision(value: Any) -> str | None:
+    """The run's compute precision as one of ``instruments.PRECISIONS`` (``bf16``, ``fp16``, ``fp8``,
+    ``tf32``, ``fp32``), or None when ``value`` names none of them (fp64, int8 or 4-bit weights, a typo):
+    a label the MFU rule cannot match is better absent than guessed."""
+    if value is None:
+        return None
+    text = str(value).strip().lower()
+    return _PRECISION_ALIASES.get(text) or _PRECISION_ALIASES.get(text.replace("_", "-"))
+
+
+def precision_attributes(value: Any, raw: Any = None) -> dict[str, Any]:
+    """``precision`` (``value`` normalised) and ``precision_raw`` (``raw``, else ``value`` as given, only
+    when it differs from the normalised name) for the run's metadata; empty when ``value`` is None."""
+    if value is None:
+        return {}
+    norm = normalize_precision(value)
+    text = str(value if raw is None else raw).strip()
+    out: dict[str, Any] = {"precision": norm}
+    if text and text.lower() != norm:
+        out["precision_raw"] = text
+    return out
+
+
+def fp32_matmul_precision(device: Any = None) -> str:
+    """``tf32`` where float32 matrix multiplications run on TF32 tensor cores (a CUDA device with
+    ``torch.backends.cuda.matmul.allow_tf32``, which ``torch.set_float32_matmul_precision("high")`` and
+    the Trainer's ``tf32=True`` set), else ``fp32``. Never imports torch: without it loaded, ``fp32``."""
+    torch = sys.modules.get("torch")
+    if torch is None or device is None:
+        return "fp32"
+    try:
+        on_cuda = str(getattr(device, "type", device)).startswith("cuda")
+        return "tf32" if on_cuda and bool(torch.backends.cuda.matmul.allow_tf32) else "fp32"
+    except Exception:  # noqa: BLE001 - an old or stripped-down torch
+        return "fp32"
+
+
+def count_parameters(model: Any) -> int | None:
+    """Parameters of a torch module (every parameter, trainable or not, shared ones once), or None.
+
+    A Hugging Face model's own ``num_parameters()`` is used when it has one: it counts 4-bit quantised
+    weights (bitsandbytes packs two in a byte) as the parameters they stand for. DeepSpeed ZeRO-3 keeps
+    each parameter's full size in ``ds_numel``. Other sharding (FSDP, tensor parallelism) leaves only this
+    rank's shard in ``parameters()``: pass the whole model's count to ``start_run(parameters=)`` instead.
+    """
+    if model is None:
+        return None
+    try:
+        num_parameters = getattr(model, "num_parameters", None)
+        if callable(num_parameters) and not any(hasattr(p, "ds_numel") for p in model.parameters()):
+            return _parameter_count(num_parameters())
+        return _parameter_count(sum(int(getattr(p, "ds_numel", 0) or p.numel()) for p in model.parameters()))
+    except Exception:  # noqa: BLE001 - an odd model must not stop the run from being reported
+        log.debug("cannot count the parameters of %r", type(model), exc_info=True)
+        return None
+
+
+def _parameter_count(value: Any) -> int | None:
+    if value is None:
+        return None
+    try:
+        count = int(value)
+    except (TypeError, ValueError):
+        log.warning("gpu_energy_exporter.training: ignoring parameters=%r (a whole number expected)", value)
+        return None
+    return count if count > 0 else None
