@@ -1003,8 +1003,22 @@ class RunLedger:
     # ------------------------------------------------------------------------------------------------
     # figures
 
-    def _summary(self, run: _Run) -> dict[str, Any]:
-        acc = run.acc
+    def _live_summary(self, run: _Run) -> dict[str, Any]:
+        """An active run's figures cut at its last point: counters are only known as of the last export,
+        so counting energy up to the latest snapshot would charge the tokens of the last export interval
+        for energy they have not been reported against yet (J/token too high by up to one interval)."""
+        cut = run.last_point_t
+        if run.e is None and run.s < cut < run.acc.t:
+            candidates = [c for c in (*run.checkpoints, run.alive_checkpoint) if c.t <= cut]
+            if candidates:
+                acc = max(candidates, key=lambda c: c.t).copy()
+                self._replay(run, acc, max(acc.t, run.s), cut, live=False)
+                acc.t = cut
+                return self._summary(run, acc)
+        return self._summary(run)
+
+    def _summary(self, run: _Run, acc: _Acc | None = None) -> dict[str, Any]:
+        acc = run.acc if acc is None else acc
         end = acc.t if run.e is None else run.e
         duration = max(0.0, end - run.s)
         notes = list(run.notes)
@@ -1209,7 +1223,7 @@ class RunLedger:
         """Active and recently finished runs (summaries, oldest first); active ones are figured now."""
         with self._lock:
             out = [dict(r.summary) for r in self._closed if r.summary is not None]
-            out.extend(self._summary(r) for r in self._active.values())
+            out.extend(self._live_summary(r) for r in self._active.values())
         out.sort(key=lambda s: s["start_time"] or "")
         return out
 
@@ -1222,7 +1236,7 @@ class RunLedger:
                 if not closed:
                     return None
                 run = closed[-1]
-            summary = dict(run.summary) if run.summary is not None else self._summary(run)
+            summary = dict(run.summary) if run.summary is not None else self._live_summary(run)
             return {"schema": SUMMARY_SCHEMA, "start_unix": run.s, "end_unix": run.e,
                     "configured_warmup_s": self.warmup_s, **summary, **self._details(run)}
 
@@ -1262,7 +1276,7 @@ class RunLedger:
                 if r.summary is not None:
                     by_id[r.run_id] = (r, r.summary)
             for r in self._active.values():
-                by_id[r.run_id] = (r, self._summary(r))
+                by_id[r.run_id] = (r, self._live_summary(r))
             counters = {run_id: self._counter_values(r, s) for run_id, (r, s) in by_id.items()}
             finished = dict(self._finished_counts)
             rejected, errors = self._rejected, self._write_errors

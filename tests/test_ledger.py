@@ -655,9 +655,9 @@ def served(text: str, name: str, run_id: str) -> float:
 
 
 def test_run_counters_never_decrease_when_a_stale_run_is_cut_back_to_its_last_point() -> None:
-    # While nobody knows the run is dead its energy keeps growing; closing it as stale replays the
-    # snapshots only up to its last point, so the summary's energy drops. A counter that dropped would be
-    # read by Prometheus as a reset, i.e. the whole run's energy again as one increase.
+    # Live figures are cut at the run's last point (counters are only known as of the last export), so a
+    # run that died stops growing at once; closing it as stale then changes nothing. A counter that
+    # dropped would be read by Prometheus as a reset, i.e. the whole run's energy again as one increase.
     clock = Clock()
     trace = constant(500.0)
     ledger = RunLedger(None, warmup_s=0.0, stale_after_s=60.0, clock=clock)
@@ -671,17 +671,32 @@ def test_run_counters_never_decrease_when_a_stale_run_is_cut_back_to_its_last_po
     h.run_until(T0 + 95, until_crash)
     text = exposition(ledger)
     live = served(text, "gpuenergy_run_energy_joules_total", "crash")
-    assert live == pytest.approx(500.0 * 94.5, rel=1e-6)  # still counted up to the last snapshot
-    assert served(text, "gpuenergy_run_active_seconds_total", "crash") == pytest.approx(94.5)
+    assert live == pytest.approx(500.0 * 38, rel=1e-6)  # up to the last point, not the last snapshot
+    assert served(text, "gpuenergy_run_active_seconds_total", "crash") == pytest.approx(38.0)
+    assert summary_of(ledger, "crash")["status"] == "running"
     h.run_until(T0 + 105, until_crash)
     assert summary_of(ledger, "crash")["status"] == "stale"
     text = exposition(ledger)
     assert summary_of(ledger, "crash")["energy_j"] == pytest.approx(500.0 * 38, rel=1e-6)
-    assert served(text, "gpuenergy_run_energy_joules_total", "crash") == live
+    assert served(text, "gpuenergy_run_energy_joules_total", "crash") == pytest.approx(live)
     assert served(text, "gpuenergy_run_tokens_total", "crash") == pytest.approx(200.0 * 38)
-    # The run is 38 s long now, but active seconds served 94.5 already: they hold, never drop.
     assert summary_of(ledger, "crash")["duration_s"] == pytest.approx(38.0)
-    assert served(text, "gpuenergy_run_active_seconds_total", "crash") == pytest.approx(94.5)
+    assert served(text, "gpuenergy_run_active_seconds_total", "crash") == pytest.approx(38.0)
+
+
+def test_live_figures_are_cut_at_the_last_point() -> None:
+    # Tokens are only known as of the last export: a live J/token counting energy up to the latest
+    # snapshot would charge the last export interval's energy to tokens not reported yet.
+    clock = Clock()
+    ledger = RunLedger(None, warmup_s=0.0, stale_after_s=300.0, clock=clock)
+    h = Harness(ledger, clock, {UUID_A: constant(400.0)})
+    pushes = trainer(h, "live", T0 + 0.5, T0 + 1000, rate=100.0, every=10.0)
+    h.run_until(T0 + 59, pushes)  # last export at T0 + 50.5, snapshots up to T0 + 59
+    s = summary_of(ledger, "live")
+    assert s["status"] == "running"
+    assert s["duration_s"] == pytest.approx(50.0)
+    assert s["j_per_token"] == pytest.approx(400.0 / 100.0, rel=1e-6)
+    assert s["tokens_per_s"] == pytest.approx(100.0, rel=1e-6)
 
 
 def test_throughput_counters_start_with_the_run_and_active_seconds_stop_at_its_end() -> None:
