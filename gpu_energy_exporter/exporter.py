@@ -120,7 +120,7 @@ class Exporter:
             CachedSource(sc.snapshot_families, version=sc.snapshot_version),
             CachedSource(sc.age_families),
             CachedSource(self.process_collector.collect),
-            CachedSource(self.store.collect, version=self._store_version),
+            CachedSource(self.store.collect, version=self._store_version, encoder=self.store.render),
             CachedSource(self.ledger.collect, version=self.ledger.version),
         ])
         token = load_bearer_token(config.otlp_bearer_token_file) if config.otlp_bearer_token_file else None

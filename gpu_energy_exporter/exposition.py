@@ -119,16 +119,23 @@ class CachedSource:
 
     collect: Callable[[], Iterable[Metric]]
     version: Callable[[], object] | None = None  # None: encoded on every scrape (small, dynamic)
+    #: the source's own encoder (OpenMetrics without ``# EOF``), e.g. one that re-encodes only what changed
+    encoder: Callable[[bool], bytes] | None = None
     _cache: dict[bool, tuple[object, bytes]] = field(default_factory=dict)
+
+    def _encode(self, openmetrics_format: bool) -> bytes:
+        if self.encoder is not None:
+            return self.encoder(openmetrics_format)
+        return encode(self.collect(), openmetrics_format)
 
     def render(self, openmetrics_format: bool) -> bytes:
         if self.version is None:
-            return encode(self.collect(), openmetrics_format)
+            return self._encode(openmetrics_format)
         version = self.version()
         hit = self._cache.get(openmetrics_format)
         if hit is not None and hit[0] == version:
             return hit[1]
-        body = encode(self.collect(), openmetrics_format)
+        body = self._encode(openmetrics_format)
         # Racing scrapes may both encode; either result is correct for this version.
         self._cache[openmetrics_format] = (version, body)
         return body

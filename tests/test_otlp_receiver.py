@@ -684,3 +684,43 @@ def test_concurrent_pushes_and_scrapes(env: Env) -> None:
     assert not errors
     for rank in range(4):
         assert env.value("training_tokens_total", {"run_id": "conc", "rank": str(rank)}) == 20
+
+
+def test_incremental_render_equals_full_encoding_after_changes(env: Env) -> None:
+    """``TrainingStore.render`` (the scrape fast path: only changed series are encoded again) must give
+    exactly what prometheus_client's encoders give for ``collect()``, in both formats, before and after
+    a change, a new series, a histogram and an expiry."""
+    from prometheus_client.openmetrics.exposition import generate_latest as om_latest
+
+    def full(openmetrics: bool) -> bytes:
+        reg = CollectorRegistry()
+        reg.register(env.store)
+        if openmetrics:
+            body = om_latest(reg)
+            return body[: -len(b"# EOF\n")]
+        return generate_latest(reg)
+
+    def check() -> None:
+        for om in (False, True):
+            assert env.store.render(om) == full(om)
+
+    mp, reader = env.provider()
+    meter = mp.get_meter("t")
+    tokens = meter.create_counter("training.tokens", unit="{token}")
+    loss = meter.create_gauge("training.loss")
+    duration = meter.create_histogram("training.step.duration", unit="s",
+                                      explicit_bucket_boundaries_advisory=[0.1, 1.0])
+    tokens.add(5, ATTRS)
+    loss.set(2.5, ATTRS)
+    assert reader.force_flush()
+    check()
+    tokens.add(7, ATTRS)  # a changed series must be re-encoded, not served stale
+    tokens.add(3, {**ATTRS, "rank": "1"})  # a new series
+    duration.record(0.5, ATTRS)
+    assert reader.force_flush()
+    check()
+    line = b'training_tokens_total{gpu_uuid="GPU-aaaa,GPU-bbbb",rank="0",run_id="run-1"} 12.0'
+    assert line in env.store.render(False)
+    env.clock.now += 10_000  # every series expires
+    check()
+    assert b"training_tokens_total{" not in env.store.render(False)
