@@ -96,6 +96,7 @@ HELPER_INSTRUMENTS = [
     ("training.run.gpu.info", "", "gauge", "training_run_gpu_info"),
     ("training.run.total_steps", "", "gauge", "training_run_total_steps"),
     ("training.run.finished", "", "gauge", "training_run_finished"),
+    ("training.model.parameters", "{parameter}", "gauge", "training_model_parameters"),
 ]
 
 
