@@ -1,0 +1,646 @@
+"""Shared machinery of the benchmarks: the machine, result tables, the exporter as a child process, the
+fake GPUs, OTLP requests shaped like the training helper's, a keep-alive HTTP client and /proc readings.
+
+Every benchmark module has ``TITLE`` and ``run(ctx) -> list[Table]``; ``python -m bench`` runs them all
+and ``python -m bench.<module>`` runs one (``main_for``). Figures are printed, never asserted: a slow
+machine gives slow figures, not a failure. Everything listens and connects on 127.0.0.1 only, and every
+process started here is stopped by the ``with`` block that started it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import http.client
+import math
+import os
+import platform
+import re
+import shlex
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import traceback
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+from urllib.parse import urlsplit
+
+ROOT = Path(__file__).resolve().parent.parent
+TESTS = ROOT / "tests"
+if str(TESTS) not in sys.path:
+    sys.path.insert(0, str(TESTS))
+
+import fakenvml  # noqa: E402  (tests/fakenvml: the fake libnvidia-ml.so.1 and its scenarios)
+
+#: Where peers' virtual environments live (git-ignored; created on demand by ``bench.peer_envs``).
+PEER_VENVS = ROOT / ".bench-venvs"
+
+
+# ----------------------------------------------------------------------------------------------------
+# the run context
+
+
+@dataclass
+class Context:
+    """What every benchmark gets: the mode, a scratch directory and the fake NVML library."""
+
+    quick: bool
+    workdir: Path
+    soak_s: float
+    peers: bool
+    command: str
+    soak_stale_after: str = "60s"
+    _lib: Path | None = None
+
+    @property
+    def lib(self) -> Path:
+        """The fake libnvidia-ml.so.1, compiled on first use (cached by source hash)."""
+        if self._lib is None:
+            self._lib = fakenvml.build_library(self.workdir / "fakenvml")
+        return self._lib
+
+    def path(self, name: str) -> Path:
+        return self.workdir / name
+
+    def pick(self, quick: Any, full: Any) -> Any:
+        return quick if self.quick else full
+
+
+# ----------------------------------------------------------------------------------------------------
+# the machine
+
+
+def machine() -> dict[str, str]:
+    model = platform.processor() or "unknown CPU"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    try:
+        usable = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        usable = os.cpu_count() or 0
+    mem = ""
+    try:
+        m = re.search(r"MemTotal:\s+(\d+) kB", Path("/proc/meminfo").read_text())
+        if m:
+            mem = f"{int(m.group(1)) / 1024 / 1024:.0f} GiB"
+    except OSError:
+        pass
+    load = " ".join(f"{x:.2f}" for x in os.getloadavg())
+    return {
+        "cpu": model,
+        "cores": f"{usable} usable of {os.cpu_count()}",
+        "memory": mem,
+        "python": platform.python_version(),
+        "kernel": platform.release(),
+        "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "load": load,
+    }
+
+
+def machine_line() -> str:
+    m = machine()
+    return (f"machine: {m['cpu']}, {m['cores']} cores, {m['memory']} RAM, Python {m['python']}, "
+            f"Linux {m['kernel']}, {m['date']}, load average {m['load']}")
+
+
+# ----------------------------------------------------------------------------------------------------
+# tables
+
+
+class Table:
+    """A titled table of figures, printed as Markdown (so it can be pasted into docs/benchmarks.md)."""
+
+    def __init__(self, title: str, columns: Sequence[str], notes: Iterable[str] = ()) -> None:
+        self.title = title
+        self.columns = list(columns)
+        self.rows: list[list[str]] = []
+        self.notes = list(notes)
+
+    def add(self, *cells: object) -> None:
+        if len(cells) != len(self.columns):
+            raise ValueError(f"{self.title}: {len(cells)} cells for {len(self.columns)} columns")
+        self.rows.append([c if isinstance(c, str) else fmt(c) for c in cells])
+
+    def note(self, text: str) -> None:
+        self.notes.append(text)
+
+    def render(self) -> str:
+        widths = [len(c) for c in self.columns]
+        for row in self.rows:
+            widths = [max(w, len(c)) for w, c in zip(widths, row, strict=True)]
+        # a column is right-aligned when every cell in it reads as a number
+        right = [i > 0 and bool(self.rows) and all(_numeric(r[i]) or r[i] == "n/a" for r in self.rows)
+                 for i in range(len(self.columns))]
+
+        def line(cells: Sequence[str]) -> str:
+            out = [c.rjust(w) if r else c.ljust(w) for c, w, r in zip(cells, widths, right, strict=True)]
+            return "| " + " | ".join(out) + " |"
+
+        rule = "|" + "|".join("-" * (w + 1) + (":" if r else "-") for w, r in zip(widths, right, strict=True)) + "|"
+        parts = [f"### {self.title}", "", line(self.columns), rule]
+        parts += [line(r) for r in self.rows]
+        if self.notes:
+            parts.append("")
+            parts += [f"- {n}" for n in self.notes]
+        return "\n".join(parts) + "\n"
+
+
+def _numeric(cell: str) -> bool:
+    return bool(re.match(r"^[-+~<>]?\s?\d", cell))
+
+
+def fmt(x: object, digits: int = 3) -> str:
+    """A number with about ``digits`` significant digits (no scientific notation for everyday sizes)."""
+    if x is None:
+        return "n/a"
+    if isinstance(x, bool) or not isinstance(x, (int, float)):
+        return str(x)
+    if isinstance(x, int):
+        return f"{x:,}"
+    if math.isnan(x) or math.isinf(x):
+        return str(x)
+    if x == 0:
+        return "0"
+    mag = math.floor(math.log10(abs(x)))
+    decimals = max(0, digits - 1 - mag)
+    return f"{x:,.{decimals}f}"
+
+
+def pct(x: float | None, digits: int = 2, signed: bool = False) -> str:
+    if x is None or math.isnan(x):
+        return "n/a"
+    return f"{x * 100:+.{digits}f}%" if signed else f"{x * 100:.{digits}f}%"
+
+
+# ----------------------------------------------------------------------------------------------------
+# statistics
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """Linear-interpolated percentile, q in [0, 100]."""
+    if not values:
+        return float("nan")
+    s = sorted(values)
+    if len(s) == 1:
+        return s[0]
+    pos = (len(s) - 1) * q / 100.0
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
+
+
+def median(values: Sequence[float]) -> float:
+    return percentile(values, 50)
+
+
+def ms(seconds: float) -> float:
+    return seconds * 1000.0
+
+
+# ----------------------------------------------------------------------------------------------------
+# /proc readings (our own processes and the ones we started)
+
+_CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_seconds(pid: int) -> float:
+    """utime + stime of a process (all its threads), from /proc/<pid>/stat."""
+    raw = Path(f"/proc/{pid}/stat").read_text()
+    fields = raw[raw.rindex(")") + 2:].split()
+    # fields[0] is field 3 (state); utime and stime are fields 14 and 15
+    return (int(fields[11]) + int(fields[12])) / _CLK_TCK
+
+
+def rss_bytes(pid: int) -> int:
+    m = re.search(r"VmRSS:\s+(\d+) kB", Path(f"/proc/{pid}/status").read_text())
+    return int(m.group(1)) * 1024 if m else 0
+
+
+def thread_count(pid: int) -> int:
+    m = re.search(r"Threads:\s+(\d+)", Path(f"/proc/{pid}/status").read_text())
+    return int(m.group(1)) if m else 0
+
+
+class CPUWindow:
+    """CPU share of one process over a wall-clock window: ``with CPUWindow(pid) as w: ...; w.percent``."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.percent = float("nan")
+        self.cpu_s = 0.0
+        self.wall_s = 0.0
+
+    def __enter__(self) -> CPUWindow:
+        self._c0, self._t0 = cpu_seconds(self.pid), time.monotonic()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.cpu_s = cpu_seconds(self.pid) - self._c0
+        self.wall_s = time.monotonic() - self._t0
+        self.percent = 100.0 * self.cpu_s / self.wall_s if self.wall_s > 0 else float("nan")
+
+
+# ----------------------------------------------------------------------------------------------------
+# child processes
+
+
+class Child:
+    """A child process whose output is drained by a thread (kept: the last lines), stopped by SIGTERM."""
+
+    def __init__(self, cmd: Sequence[str], env: Mapping[str, str] | None = None, cwd: Path | None = None,
+                 name: str = "", on_line: Callable[[str], None] | None = None) -> None:
+        full_env = dict(os.environ)
+        full_env.pop("FAKE_NVML_SCENARIO", None)
+        full_env.update(env or {})
+        full_env["PYTHONUNBUFFERED"] = "1"
+        self.name = name or Path(cmd[0]).name
+        self.cmd = list(cmd)
+        self.lines: list[str] = []
+        self._on_line = on_line
+        self.proc = subprocess.Popen(self.cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                     env=full_env, cwd=cwd or ROOT, start_new_session=True)
+        self._reader = threading.Thread(target=self._read, daemon=True, name=f"read-{self.name}")
+        self._reader.start()
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            line = line.rstrip("\n")
+            self.lines.append(line)
+            if len(self.lines) > 400:
+                del self.lines[:200]
+            if self._on_line is not None:
+                self._on_line(line)
+
+    def log(self, last: int = 40) -> str:
+        return "\n".join(self.lines[-last:])
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def stop(self, timeout: float = 10.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._reader.join(5)
+        if self.proc.stdout is not None:
+            self.proc.stdout.close()
+        return int(self.proc.returncode)
+
+    def __enter__(self) -> Child:
+        return self
+
+    def __exit__(self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None) -> None:
+        self.stop()
+
+
+_LISTEN_RE = re.compile(r"(gpu-energy-exporter|otlp) listening on (https?://[^ \"]+)")
+
+
+class Exporter(Child):
+    """``python -m gpu_energy_exporter`` on ports 0, optionally on the fake NVML library with a scenario."""
+
+    def __init__(self, ctx: Context, args: Sequence[str] = (), scenario: Path | None = None,
+                 env: Mapping[str, str] | None = None) -> None:
+        self.urls: dict[str, str] = {}
+        self._ready = threading.Event()
+        cmd = [sys.executable, "-m", "gpu_energy_exporter", "--web.listen-address=127.0.0.1:0",
+               "--otlp.listen-address=127.0.0.1:0"]
+        full_env = dict(env or {})
+        if scenario is not None:
+            cmd += ["--nvml.library", str(ctx.lib)]
+            full_env[fakenvml.SCENARIO_ENV] = str(scenario)
+        cmd += list(args)
+        super().__init__(cmd, env=full_env, name="gpu-energy-exporter", on_line=self._line)
+
+    def _line(self, line: str) -> None:
+        m = _LISTEN_RE.search(line)
+        if m:
+            self.urls[m.group(1)] = m.group(2)
+            if len(self.urls) == 2:
+                self._ready.set()
+
+    def wait_ready(self, timeout: float = 60.0) -> Exporter:
+        deadline = time.monotonic() + timeout
+        while not self._ready.wait(0.1):
+            if not self.alive() or time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError("the exporter did not start:\n" + self.log())
+        return self
+
+    @property
+    def metrics_url(self) -> str:
+        return self.urls["gpu-energy-exporter"] + "/metrics"
+
+    @property
+    def otlp_url(self) -> str:
+        return self.urls["otlp"] + "/v1/metrics"
+
+    def __enter__(self) -> Exporter:
+        return self.wait_ready()
+
+
+# ----------------------------------------------------------------------------------------------------
+# HTTP with keep-alive, timed
+
+
+class HTTPClient:
+    """One persistent HTTP/1.1 connection (as Prometheus keeps one per target)."""
+
+    def __init__(self, url: str, timeout: float = 30.0) -> None:
+        parts = urlsplit(url)
+        self.host = parts.hostname or "127.0.0.1"
+        self.port = parts.port or 80
+        self.path = parts.path or "/"
+        self.timeout = timeout
+        self._conn: http.client.HTTPConnection | None = None
+
+    def _connection(self) -> http.client.HTTPConnection:
+        if self._conn is None:
+            self._conn = http.client.HTTPConnection(self.host, self.port, timeout=self.timeout)
+        return self._conn
+
+    def request(self, method: str = "GET", path: str | None = None, body: bytes | None = None,
+                headers: Mapping[str, str] | None = None) -> tuple[int, bytes, float]:
+        """(status, body, seconds from sending the request to the last byte of the answer)."""
+        for attempt in (0, 1):
+            conn = self._connection()
+            try:
+                t0 = time.perf_counter()
+                conn.request(method, path or self.path, body=body, headers=dict(headers or {}))
+                resp = conn.getresponse()
+                data = resp.read()
+                elapsed = time.perf_counter() - t0
+                if resp.getheader("Connection", "").lower() == "close":
+                    self.close()
+                return resp.status, data, elapsed
+            except (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError):
+                self.close()  # the server closed an idle keep-alive connection: reconnect once
+                if attempt:
+                    raise
+        raise AssertionError("unreachable")
+
+    def get(self, path: str | None = None, headers: Mapping[str, str] | None = None) -> tuple[int, bytes, float]:
+        return self.request("GET", path, headers=headers)
+
+    def close(self) -> None:
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
+
+
+def sample_total(text: str, name: str) -> float:
+    """The sum of every sample of ``name`` (whatever its labels) in exposition text."""
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name) and len(line) > len(name) and line[len(name)] in "{ ":
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def sample_values(text: str, name: str) -> dict[str, float]:
+    """``{gpu label or '': value}`` for every sample of ``name`` in exposition text."""
+    out: dict[str, float] = {}
+    prefix = name
+    for line in text.splitlines():
+        if not line.startswith(prefix) or (len(line) > len(prefix) and line[len(prefix)] not in "{ "):
+            continue
+        m = re.match(r"^[^{ ]+(?:\{(.*)\})? (\S+)", line)
+        if not m:
+            continue
+        g = re.search(r'gpu="([^"]*)"', m.group(1) or "")
+        out[g.group(1) if g else ""] = float(m.group(2))
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------
+# fake GPUs
+
+
+def write_scenario(path: Path, gpus: Sequence[fakenvml.GPU], *, epoch: float | None = None,
+                   driver: fakenvml.Driver | None = None) -> fakenvml.Scenario:
+    sc = fakenvml.Scenario(epoch=time.time() if epoch is None else epoch, driver=driver or fakenvml.Driver(),
+                           gpus=list(gpus))
+    sc.write(path)
+    return sc
+
+
+def h100s(n: int, power: fakenvml.PowerTrace | None = None) -> list[fakenvml.GPU]:
+    trace = power or fakenvml.Square(120.0, 650.0, 0.06, 0.65)
+    return [fakenvml.h100(i, power=trace, util_gpu_pct=87, memory_used_bytes=60 << 30) for i in range(n)]
+
+
+# ----------------------------------------------------------------------------------------------------
+# OTLP requests shaped like the training helper's (gpu_energy_exporter/training/run.py)
+
+#: Series one helper rank pushes: 4 counters, 7 gauges, the run's GPU info and the step-duration histogram.
+SERIES_PER_RANK = 13
+
+
+class Trainer:
+    """One rank of a training run, pushing cumulative totals as the helper does (protobuf bodies)."""
+
+    def __init__(self, run_id: str, rank: int, gpu_uuid: str = "GPU-bench", n_series: int = SERIES_PER_RANK,
+                 start_ns: int | None = None) -> None:
+        from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue
+
+        self.run_id, self.rank, self.gpu_uuid = run_id, rank, gpu_uuid
+        self.n_series = max(1, min(n_series, SERIES_PER_RANK))
+        self.start_ns = start_ns if start_ns is not None else time.time_ns()
+        self.step = 0
+        self._kv = KeyValue
+        self._av = AnyValue
+        self._attrs = [KeyValue(key="run_id", value=AnyValue(string_value=run_id)),
+                       KeyValue(key="rank", value=AnyValue(int_value=rank)),
+                       KeyValue(key="gpu_uuid", value=AnyValue(string_value=gpu_uuid))]
+
+    def request(self, steps: int = 10, now_ns: int | None = None) -> tuple[bytes, int]:
+        """Advance ``steps`` training steps and return (body, data points) of one export."""
+        from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import ExportMetricsServiceRequest
+        from opentelemetry.proto.metrics.v1 import metrics_pb2 as pb
+
+        kv, av = self._kv, self._av
+        self.step += steps
+        s = self.step
+        t = now_ns if now_ns is not None else time.time_ns()
+        req = ExportMetricsServiceRequest()
+        rm = req.resource_metrics.add()
+        rm.resource.attributes.extend([
+            kv(key="service.name", value=av(string_value="gpu-energy-training")),
+            kv(key="service.instance.id", value=av(string_value=f"{self.run_id}/{self.rank}")),
+        ])
+        sm = rm.scope_metrics.add()
+        sm.scope.name = "gpu_energy_exporter.training"
+        made = 0
+
+        def counter(name: str, unit: str, value: float) -> None:
+            m = sm.metrics.add(name=name, unit=unit)
+            m.sum.is_monotonic = True
+            m.sum.aggregation_temporality = pb.AGGREGATION_TEMPORALITY_CUMULATIVE
+            dp = m.sum.data_points.add(start_time_unix_nano=self.start_ns, time_unix_nano=t, as_double=value)
+            dp.attributes.extend(self._attrs)
+
+        def gauge(name: str, value: float, extra: Sequence[tuple[str, str]] = ()) -> None:
+            m = sm.metrics.add(name=name)
+            dp = m.gauge.data_points.add(time_unix_nano=t, as_double=value)
+            dp.attributes.extend(self._attrs)
+            dp.attributes.extend(kv(key=k, value=av(string_value=v)) for k, v in extra)
+
+        builders: list[Callable[[], None]] = [
+            lambda: counter("training.tokens", "{token}", 4096.0 * s),
+            lambda: counter("training.samples", "{sample}", 8.0 * s),
+            lambda: counter("training.steps", "{step}", float(s)),
+            lambda: counter("training.flops", "{flop}", 3.1e14 * s),
+            lambda: gauge("training.loss", 2.0 + 1.0 / (1 + s)),
+            lambda: gauge("training.learning_rate", 3e-4),
+            lambda: gauge("training.epoch", s / 1000.0),
+            lambda: gauge("training.validation.loss", 2.1 + 1.0 / (1 + s)),
+            lambda: gauge("training.run.total_steps", 10000.0),
+            lambda: gauge("training.run.finished", 0.0),
+            lambda: gauge("training.run.info", 1.0, (("model", "llama-3-8b"), ("backend", "unsloth"),
+                                                     ("batch_size", "8"), ("seq_len", "2048"))),
+            lambda: gauge("training.run.gpu.info", 1.0),
+            self._histogram_builder(sm, t, s),
+        ]
+        for build in builders[: self.n_series]:
+            build()
+            made += 1
+        return req.SerializeToString(), made
+
+    def _histogram_builder(self, sm: Any, t: int, s: int) -> Callable[[], None]:
+        from opentelemetry.proto.metrics.v1 import metrics_pb2 as pb
+
+        def build() -> None:
+            bounds = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 25.0,
+                      60.0, 120.0, 300.0]
+            counts = [0] * (len(bounds) + 1)
+            counts[7] = s  # every step took 0.1-0.25 s
+            m = sm.metrics.add(name="training.step.duration", unit="s")
+            m.histogram.aggregation_temporality = pb.AGGREGATION_TEMPORALITY_CUMULATIVE
+            dp = m.histogram.data_points.add(start_time_unix_nano=self.start_ns, time_unix_nano=t, count=s,
+                                             sum=0.17 * s, bucket_counts=counts, explicit_bounds=bounds)
+            dp.attributes.extend(self._attrs)
+
+        return build
+
+
+def trainers_for(n_series: int, prefix: str = "run", ranks_per_run: int = 8) -> list[Trainer]:
+    """Enough helper-like ranks to hold ``n_series`` training series (13 per rank, 8 ranks per run)."""
+    out: list[Trainer] = []
+    left = n_series
+    i = 0
+    while left > 0:
+        n = min(left, SERIES_PER_RANK)
+        out.append(Trainer(f"{prefix}-{i // ranks_per_run}", i % ranks_per_run,
+                           gpu_uuid=fakenvml.gpu_uuid("NVIDIA H100 80GB HBM3", i % ranks_per_run), n_series=n))
+        left -= n
+        i += 1
+    return out
+
+
+PROTOBUF_HEADERS = {"Content-Type": "application/x-protobuf"}
+
+
+def push(client: HTTPClient, trainer: Trainer, steps: int = 10) -> tuple[int, int, float]:
+    """Push one export of ``trainer``; (status, points, seconds)."""
+    body, points = trainer.request(steps)
+    status, _, elapsed = client.request("POST", None, body, PROTOBUF_HEADERS)
+    return status, points, elapsed
+
+
+# ----------------------------------------------------------------------------------------------------
+# running benchmarks
+
+
+def new_parser(prog: str) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=prog, description="gpu-energy-exporter benchmarks (see docs/benchmarks.md)")
+    p.add_argument("--quick", action="store_true", help="smoke run: tiny durations, figures not meaningful")
+    p.add_argument("--soak-seconds", type=float, default=None,
+                   help="length of the memory soak (default: 300 s; --quick: 6 s)")
+    p.add_argument("--soak-stale-after", default=None, metavar="DURATION",
+                   help="--runs.stale-after of the soak's exporter (default 60s; --quick: 3s; the exporter's "
+                        "own default is 5m, which makes the ledger hold every churned run for 5 minutes)")
+    p.add_argument("--no-peers", dest="peers", action="store_false", default=None,
+                   help="skip the peers (Zeus, CodeCarbon, nvitop-exporter); --quick skips them anyway")
+    p.add_argument("--peers", dest="peers", action="store_true",
+                   help="run the peers even with --quick (installs them into .bench-venvs/ first)")
+    p.add_argument("--workdir", type=Path, default=None, help="scratch directory (default: a temporary one)")
+    return p
+
+
+def make_context(args: argparse.Namespace, command: str, workdir: Path) -> Context:
+    soak = args.soak_seconds if args.soak_seconds is not None else (6.0 if args.quick else 300.0)
+    peers = args.peers if args.peers is not None else not args.quick
+    stale = args.soak_stale_after or ("3s" if args.quick else "60s")
+    return Context(quick=args.quick, workdir=workdir, soak_s=soak, peers=peers, command=command,
+                   soak_stale_after=stale)
+
+
+def command_string(module: str, argv: Sequence[str]) -> str:
+    return shlex.join(["python", "-m", module, *argv])
+
+
+def run_benchmark(module: Any, ctx: Context, out: Callable[[str], None] = print) -> bool:
+    """Run one benchmark module and print its header and tables. Returns False when it failed."""
+    out(f"## {module.TITLE}\n")
+    out(f"command: `{ctx.command}`  ")
+    out(machine_line() + "\n")
+    started = time.monotonic()
+    try:
+        tables = module.run(ctx)
+    except Exception:  # noqa: BLE001 - one broken benchmark must not hide the others' figures
+        out("FAILED:\n```\n" + traceback.format_exc() + "```\n")
+        return False
+    for table in tables:
+        out(table.render())
+    load = " ".join(f"{x:.2f}" for x in os.getloadavg())
+    out(f"({module.__name__.rsplit('.', 1)[-1]} took {time.monotonic() - started:.0f} s; load average at the end "
+        f"{load})\n")
+    return True
+
+
+def main_for(module_name: str, argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``python -m bench.<module>``: run that benchmark alone."""
+    import importlib
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = new_parser(f"python -m {module_name}").parse_args(argv)
+    module = importlib.import_module(module_name)
+    with tempfile.TemporaryDirectory(prefix="gee-bench-") as tmp:
+        workdir = args.workdir or Path(tmp)
+        workdir.mkdir(parents=True, exist_ok=True)
+        ctx = make_context(args, command_string(module_name, argv), workdir)
+        return 0 if run_benchmark(module, ctx) else 1
+
+
+def every(interval: float, stop: threading.Event, fn: Callable[[], None]) -> None:
+    """Call ``fn`` on a fixed schedule until ``stop`` is set (missed ticks are skipped, not bunched)."""
+    next_t = time.monotonic()
+    while not stop.is_set():
+        fn()
+        next_t += interval
+        delay = next_t - time.monotonic()
+        if delay < 0:
+            next_t = time.monotonic()
+            delay = 0.0
+        if stop.wait(delay):
+            break

@@ -1,0 +1,235 @@
+"""OTLP receiver: data points per second on one core, and memory under series churn.
+
+Three measurements:
+
+- In process, one thread: ``ExportHandler.handle_export`` (decode, translate, store) on protobuf bodies
+  shaped like the training helper's exports, for 1, 10 and 80 ranks per request (one rank's own export;
+  a Collector batching ranks), plus gzip and OTLP JSON variants. CPU time of the thread
+  (``time.thread_time``) is the denominator, so the figure is "per core" whatever else the machine does.
+- Over HTTP: the exporter as its own process, this process pushing on one keep-alive connection;
+  points per second of the exporter's CPU time (its request thread runs under the GIL: one core).
+- Memory under churn: a store driven by a simulated clock through hours of runs starting and ending
+  (series expire through the TTL), and a runaway trainer inventing a new series with every point (the
+  series limit rejects them). Memory is what ``tracemalloc`` sees allocated by the process.
+
+Never asserts a figure; only talks to the exporter it started on 127.0.0.1.
+"""
+
+from __future__ import annotations
+
+import gzip
+import logging
+import sys
+import time
+import tracemalloc
+
+from bench import harness
+from bench.harness import Context, CPUWindow, Exporter, HTTPClient, Table, fmt
+
+TITLE = "OTLP receiver throughput and memory (design target: >= 20,000 data points/s on one core, bounded memory)"
+
+RANKS = 80  # 1,040 series: about the 1,000 of the latency benchmark
+
+
+def _rounds(n_rounds: int, prefix: str) -> list[list[tuple[bytes, int]]]:
+    """``n_rounds`` successive exports of every rank: rounds[k][rank] = (body, points)."""
+    trainers = [harness.Trainer(f"{prefix}-{i // 8}", i % 8) for i in range(RANKS)]
+    return [[t.request() for t in trainers] for _ in range(n_rounds)]
+
+
+def _batched(rounds: list[list[tuple[bytes, int]]], per_request: int) -> list[tuple[bytes, int]]:
+    # Concatenated protobuf messages parse as one message with the repeated fields appended: exactly the
+    # request a Collector would send with those ranks' resource metrics batched.
+    out = []
+    for r in rounds:
+        for i in range(0, len(r), per_request):
+            part = r[i:i + per_request]
+            out.append((b"".join(b for b, _ in part), sum(n for _, n in part)))
+    return out
+
+
+def _to_json(body: bytes) -> bytes:
+    from google.protobuf import json_format
+    from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import ExportMetricsServiceRequest
+
+    req = ExportMetricsServiceRequest()
+    req.ParseFromString(body)
+    return json_format.MessageToJson(req, indent=None).encode()
+
+
+def _in_process(requests: list[tuple[bytes, int]], headers: dict[str, str],
+                seconds: float) -> tuple[float, float, float]:
+    """(points per CPU second, requests per CPU second, µs per point); fresh store per pass."""
+    from gpu_energy_exporter.otlp.receiver import ExportHandler
+    from gpu_energy_exporter.otlp.store import TrainingStore
+
+    cpu = 0.0
+    points = 0
+    reqs = 0
+    while cpu < seconds:
+        handler = ExportHandler(TrainingStore(max_series=10**6, max_series_per_run=10**6))
+        c0 = time.thread_time()
+        for body, n in requests:
+            status, _, _ = handler.handle_export(headers, body)
+            if status != 200:
+                raise RuntimeError(f"export answered {status}")
+            points += n
+            reqs += 1
+        cpu += time.thread_time() - c0
+    return points / cpu, reqs / cpu, cpu / points * 1e6
+
+
+def run(ctx: Context) -> list[Table]:
+    seconds = ctx.pick(0.15, 3.0)
+    n_rounds = ctx.pick(3, 20)
+    rounds = _rounds(n_rounds, "tp")
+    pb = dict(harness.PROTOBUF_HEADERS)
+    inproc = Table(
+        "In process, one thread: decode + translate + store (1,040 series of 80 helper-like ranks)",
+        ["request", "points/request", "points per CPU-second", "requests per CPU-second", "µs per point"],
+        [f"Each pass sends {n_rounds} successive exports of every rank into a fresh store (so 1 in "
+         f"{n_rounds} points creates its series); at least {seconds:g} s of thread CPU time per row."],
+    )
+    for per, label in ((1, "protobuf, 1 rank (the helper's own export)"), (10, "protobuf, 10 ranks"),
+                       (80, "protobuf, 80 ranks (a Collector's batch)")):
+        reqs = _batched(rounds, per)
+        pps, rps, us = _in_process(reqs, pb, seconds)
+        inproc.add(label, reqs[0][1], fmt(pps), fmt(rps), fmt(us))
+    gz = [(gzip.compress(b, 6), n) for b, n in _batched(rounds, 10)]
+    pps, rps, us = _in_process(gz, {**pb, "Content-Encoding": "gzip"}, seconds)
+    inproc.add("protobuf + gzip, 10 ranks", gz[0][1], fmt(pps), fmt(rps), fmt(us))
+    js = [(_to_json(b), n) for b, n in _batched(rounds, 1)]
+    pps, rps, us = _in_process(js, {"Content-Type": "application/json"}, seconds)
+    inproc.add("OTLP JSON, 1 rank", js[0][1], fmt(pps), fmt(rps), fmt(us))
+    return [inproc, _over_http(ctx), *_churn(ctx)]
+
+
+def _over_http(ctx: Context) -> Table:
+    duration = ctx.pick(0.5, 8.0)
+    n_rounds = ctx.pick(6, 120)
+    table = Table(
+        "Over HTTP: the exporter process receiving on one keep-alive connection",
+        ["request", "points pushed", "wall s", "points/s (wall)", "exporter CPU %", "points per exporter CPU-second"],
+        ["The client runs in another process and pre-builds its bodies; the exporter runs its normal sampler "
+         "(no GPUs: NVML unavailable) beside the receiver."],
+    )
+    with Exporter(ctx) as exp:
+        for per in (1, 10):
+            bodies = _batched(_rounds(n_rounds, f"http{per}"), per)
+            client = HTTPClient(exp.otlp_url)
+            client.request("POST", None, bodies[0][0], harness.PROTOBUF_HEADERS)
+            points = 0
+            t_end = time.monotonic() + duration
+            with CPUWindow(exp.pid) as w:
+                for body, n in bodies[1:]:
+                    status, _, _ = client.request("POST", None, body, harness.PROTOBUF_HEADERS)
+                    if status != 200:
+                        raise RuntimeError(f"push answered {status}")
+                    points += n
+                    if time.monotonic() > t_end:
+                        break
+            client.close()
+            table.add(f"protobuf, {per} rank(s) per request", points, fmt(w.wall_s), fmt(points / w.wall_s),
+                      fmt(w.percent), fmt(points / w.cpu_s if w.cpu_s else float("nan")))
+    return table
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 1_000_000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _churn(ctx: Context) -> list[Table]:
+    from gpu_energy_exporter.otlp.receiver import ExportHandler
+    from gpu_energy_exporter.otlp.store import TrainingStore
+
+    minutes = ctx.pick(12, 90)
+    clock = _Clock()
+    store = TrainingStore(series_ttl=600.0, clock=clock)
+    handler = ExportHandler(store)
+    pb = harness.PROTOBUF_HEADERS
+    churn = Table(
+        f"Memory under churn: {minutes} simulated minutes of runs starting and ending (TTL 10 min)",
+        ["simulated minute", "series held", "series expired (total)", "traced MB"],
+        ["Every simulated minute 2 runs of 8 ranks (13 series each) start; a run lasts 5 min and each of "
+         "its ranks exports once a minute; --otlp.series-ttl=10m (the default) drops finished runs' series. "
+         "tracemalloc's current size of the whole process (store included)."],
+    )
+    tracemalloc.start()
+    try:
+        runs: list[tuple[int, list[harness.Trainer]]] = []
+        base = tracemalloc.get_traced_memory()[0]
+        for minute in range(minutes + 1):
+            clock.now += 60.0
+            runs = [(start, ts) for start, ts in runs if minute - start < 5]
+            for j in range(2):
+                runs.append((minute, [harness.Trainer(f"m{minute}-{j}", r, start_ns=int(clock.now * 1e9))
+                                      for r in range(8)]))
+            for _, ranks in runs:
+                for t in ranks:
+                    body, _ = t.request(now_ns=int(clock.now * 1e9))
+                    handler.handle_export(pb, body)
+            store.expire()
+            if minute % max(1, minutes // 10) == 0:
+                mem = (tracemalloc.get_traced_memory()[0] - base) / 1e6
+                churn.add(minute, store.series_count(), _expired(store), fmt(mem))
+        del runs
+        runaway = _runaway(ctx)
+    finally:
+        tracemalloc.stop()
+    return [churn, runaway]
+
+
+def _expired(store: object) -> int:
+    for fam in store.collect():  # type: ignore[attr-defined]
+        if fam.name == "gpuenergy_otlp_series_expired":
+            return int(fam.samples[0].value)
+    return -1
+
+
+def _runaway(ctx: Context) -> Table:
+    """One trainer inventing a series per point, far past --otlp.max-series (default 20,000)."""
+    from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import ExportMetricsServiceRequest
+    from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue
+
+    from gpu_energy_exporter.otlp.receiver import ExportHandler
+    from gpu_energy_exporter.otlp.store import TrainingStore
+
+    max_series = ctx.pick(2000, 20000)
+    total = max_series * 2
+    table = Table(
+        f"A runaway trainer: one new series per point, {total:,} points, --otlp.max-series={max_series:,}",
+        ["points sent", "series held", "points rejected", "traced MB"],
+        ["Points carry a fresh `step` label each (a classic cardinality bug); the store keeps at most "
+         "--otlp.max-series series and rejects the rest with reason series_limit / run_series_limit."],
+    )
+    base = tracemalloc.get_traced_memory()[0]
+    # The store warns once a minute about rejected points; this run rejects on purpose.
+    logging.getLogger("gpu_energy_exporter.otlp").setLevel(logging.ERROR)
+    store = TrainingStore(max_series=max_series, max_series_per_run=max_series)
+    handler = ExportHandler(store)
+    now = time.time_ns()
+    sent = rejected = 0
+    per_request = 500
+    for start in range(0, total, per_request):
+        req = ExportMetricsServiceRequest()
+        m = req.resource_metrics.add().scope_metrics.add().metrics.add(name="training.loss")
+        for i in range(start, start + per_request):
+            dp = m.gauge.data_points.add(time_unix_nano=now, as_double=1.0)
+            dp.attributes.extend([KeyValue(key="run_id", value=AnyValue(string_value="runaway")),
+                                  KeyValue(key="step", value=AnyValue(int_value=i))])
+        status, _, _ = handler.handle_export(harness.PROTOBUF_HEADERS, req.SerializeToString())
+        sent += per_request
+        if sent in (total // 4, total // 2, total):
+            rejected = sum(int(s.value) for fam in store.collect() if fam.name == "gpuenergy_otlp_points_rejected"
+                           for s in fam.samples)
+            table.add(sent, store.series_count(), rejected,
+                      fmt((tracemalloc.get_traced_memory()[0] - base) / 1e6))
+    return table
+
+
+if __name__ == "__main__":
+    sys.exit(harness.main_for("bench.otlp_throughput"))

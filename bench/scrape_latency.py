@@ -1,0 +1,229 @@
+"""/metrics latency with 1, 8 and 16 fake GPUs and 0, 100 and 1,000 training series, with the exposition
+cache hit and missed, under a realistic push load, and while NVML is artificially slow or hung.
+
+The exporter runs as its own process on the fake NVML library; this process is the client, with one
+keep-alive connection as Prometheus keeps one per target, and times each request from sending it to the
+last byte of the answer. Training series are pushed over OTLP/HTTP in protobuf shaped like the training
+helper's exports (13 series per rank).
+
+What "hit" and "miss" mean: ``/metrics`` is served from per-source caches (``exposition.CachedExposition``):
+the GPU snapshot is re-encoded once per sample (1 s), the training series whenever a push arrived since
+the previous scrape. Any trainer pushing between two scrapes makes the next scrape a miss, so with
+Prometheus scraping every 15 s and trainers exporting every 10 s, *every* scrape is a miss: the miss
+figure is the realistic one, the hit figure the best case.
+
+This module never asserts a timing and only talks to the exporter it started on 127.0.0.1.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+from bench import harness
+from bench.harness import Context, Exporter, HTTPClient, Table, Trainer, fakenvml, fmt, median, ms, percentile
+
+TITLE = "/metrics latency (design target: 8 GPUs + 1,000 training series, median < 5 ms, p99 < 20 ms)"
+
+OPENMETRICS = {"Accept": "application/openmetrics-text; version=1.0.0; charset=utf-8"}
+GZIP = {"Accept-Encoding": "gzip"}
+
+
+class Fleet:
+    """The simulated ranks pushed so far, grown to a series count."""
+
+    def __init__(self, client: HTTPClient) -> None:
+        self.client = client
+        self.ranks: dict[tuple[str, int], Trainer] = {}
+
+    def grow(self, n_series: int) -> None:
+        for t in harness.trainers_for(n_series):
+            key = (t.run_id, t.rank)
+            if key in self.ranks:
+                self.ranks[key].n_series = t.n_series
+                t = self.ranks[key]
+            else:
+                self.ranks[key] = t
+            status, _, _ = harness.push(self.client, t)
+            if status != 200:
+                raise RuntimeError(f"push of {key} answered {status}")
+
+    def touch(self) -> None:
+        """One rank's export (or, with no ranks, an empty request): the store changes, the cache misses."""
+        if self.ranks:
+            harness.push(self.client, next(iter(self.ranks.values())), steps=1)
+        else:
+            self.client.request("POST", None, b"", harness.PROTOBUF_HEADERS)
+
+
+def scrape_series(client: HTTPClient, n: int, headers: dict[str, str] | None = None,
+                  before: object = None, gap: float = 0.002) -> tuple[list[float], int]:
+    """Time ``n`` scrapes; ``before()`` runs (untimed) before each. Returns (seconds, body bytes)."""
+    status, body, _ = client.get(headers=headers)
+    if status != 200:
+        raise RuntimeError(f"/metrics answered {status}")
+    times = []
+    for _ in range(n):
+        if callable(before):
+            before()
+        status, body, elapsed = client.get(headers=headers)
+        if status != 200:
+            raise RuntimeError(f"/metrics answered {status}")
+        times.append(elapsed)
+        time.sleep(gap)
+    return times, len(body)
+
+
+def _row(table: Table, label: list[object], hit: list[float], miss: list[float] | None, size: int) -> None:
+    cells: list[object] = [*label, f"{size / 1024:.0f}", fmt(ms(median(hit))), fmt(ms(percentile(hit, 99)))]
+    if miss:
+        cells += [fmt(ms(median(miss))), fmt(ms(percentile(miss, 99))), fmt(ms(median(miss) - median(hit)))]
+    else:
+        cells += ["n/a", "n/a", "n/a"]
+    table.add(*cells)
+
+
+def run(ctx: Context) -> list[Table]:
+    gpu_counts = ctx.pick((8,), (1, 8, 16))
+    series_counts = ctx.pick((0, 1000), (0, 100, 1000))
+    n = ctx.pick(20, 300)
+    main = Table(
+        "/metrics latency in ms by GPUs and training series (text format, no gzip)",
+        ["GPUs", "training series", "body KiB", "hit median", "hit p99", "miss median", "miss p99",
+         "miss cost (median)"],
+        [f"{n} scrapes per cell, one keep-alive connection, 2 ms between scrapes. hit: nothing pushed since "
+         "the previous scrape; miss: one rank's export (13 points) pushed, untimed, before every scrape.",
+         "With 0 series the miss is an empty push (only the receiver's self-metrics change)."],
+    )
+    formats = Table(
+        "Formats at 8 GPUs + 1,000 series (ms)",
+        ["format", "body KiB", "hit median", "hit p99", "miss median", "miss p99", "miss cost (median)"],
+    )
+    slow = Table(
+        "8 GPUs + 1,000 series while NVML is slow or hung (text, ms)",
+        ["NVML", "sample age at end (s)", "body KiB", "hit median", "hit p99", "miss median", "miss p99",
+         "miss cost (median)"],
+        ["Slow: every NVML call sleeps 20 ms (a sample of 8 GPUs then takes seconds instead of ~15 ms). "
+         "Hung: nvmlDeviceGetTotalEnergyConsumption sleeps 30 s. The delays are switched on after start-up "
+         "by rewriting the scenario; scrapes keep serving the last snapshot (the sample age grows)."],
+    )
+    load = Table(
+        "8 GPUs + 1,000 series under push load (text, ms)",
+        ["scrapes", "count", "median", "p99", "max"],
+    )
+    target_cells: dict[str, float] = {}
+
+    for g in gpu_counts:
+        path = ctx.path(f"latency-{g}gpu.ini")
+        sc = harness.write_scenario(path, harness.h100s(g))
+        with Exporter(ctx, scenario=path) as exp:
+            scrape = HTTPClient(exp.metrics_url)
+            fleet = Fleet(HTTPClient(exp.otlp_url))
+            for s in series_counts:
+                fleet.grow(s)
+                hit, size = scrape_series(scrape, n)
+                miss, _ = scrape_series(scrape, n, before=fleet.touch)
+                _row(main, [g, s], hit, miss, size)
+                if g == 8 and s == max(series_counts):
+                    target_cells.update(hit_median=median(hit), hit_p99=percentile(hit, 99),
+                                        miss_median=median(miss), miss_p99=percentile(miss, 99))
+                    _row(formats, ["Prometheus text 0.0.4"], hit, miss, size)
+                    for label, headers in (("OpenMetrics 1.0", OPENMETRICS), ("text + gzip", GZIP)):
+                        h, size2 = scrape_series(scrape, n, headers)
+                        m, _ = scrape_series(scrape, n, headers, before=fleet.touch)
+                        _row(formats, [label], h, m, size2)
+            if g == 8:
+                loaded = _under_load(ctx, exp, scrape, load, max(series_counts))
+                if "after_median" in loaded:
+                    target_cells.update(load_median=loaded["after_median"], load_p99=loaded["after_p99"])
+                _slow_nvml(ctx, sc, path, scrape, fleet, slow, n)
+            scrape.close()
+            fleet.client.close()
+
+    verdict = Table("Against the target (8 GPUs + 1,000 series)", ["figure", "measured", "target", "verdict"])
+    for key, label, target in (
+        ("hit_median", "median, cache hit", 5.0), ("hit_p99", "p99, cache hit", 20.0),
+        ("miss_median", "median, cache miss", 5.0), ("miss_p99", "p99, cache miss", 20.0),
+        ("load_median", "median, under push load, after a push", 5.0),
+        ("load_p99", "p99, under push load, after a push", 20.0),
+    ):
+        if key not in target_cells:
+            continue
+        v = ms(target_cells[key])
+        verdict.add(label, f"{v:.2f} ms", f"< {target:g} ms",
+                    "met" if v < target else f"missed by {v - target:.2f} ms ({v / target:.1f}x)")
+    return [main, formats, load, slow, verdict]
+
+
+def _under_load(ctx: Context, exp: Exporter, scrape: HTTPClient, table: Table, n_series: int) -> dict[str, float]:
+    """Scrapes every 100 ms while the ranks holding ``n_series`` push every 1-10 s (their real rate)."""
+    duration = ctx.pick(3.0, 40.0)
+    pusher = harness.Child([sys.executable, "-m", "bench.pusher", exp.otlp_url, "--series", str(n_series),
+                            "--min-interval", "1", "--max-interval", "10", "--duration", str(duration + 2),
+                            "--prefix", "run"],
+                           name="pusher")
+    with pusher:
+        time.sleep(ctx.pick(0.5, 1.0))
+        times: list[tuple[float, bool]] = []
+        last_requests = None
+        end = time.monotonic() + duration
+        while time.monotonic() < end:
+            status, body, elapsed = scrape.get()
+            if status != 200:
+                raise RuntimeError(f"/metrics answered {status}")
+            total = harness.sample_total(body.decode(), "gpuenergy_otlp_requests_total")
+            times.append((elapsed, last_requests is not None and total != last_requests))
+            last_requests = total
+            time.sleep(0.1)
+        pusher.stop()
+    summary: dict[str, float] = {}
+    for line in pusher.lines:
+        if line.startswith("{") and '"done"' in line:
+            summary = json.loads(line)
+    allt = [t for t, _ in times[1:]]
+    after = [t for t, pushed in times[1:] if pushed]
+    quiet = [t for t, pushed in times[1:] if not pushed]
+    if after:
+        summary["after_median"], summary["after_p99"] = median(after), percentile(after, 99)
+    for label, values in (("all", allt), ("after a push (= every scrape at a 1 s+ interval)", after),
+                          ("no push since the previous scrape", quiet)):
+        if values:
+            table.add(label, len(values), fmt(ms(median(values))), fmt(ms(percentile(values, 99))),
+                      fmt(ms(max(values))))
+    ranks = -(-n_series // harness.SERIES_PER_RANK)
+    table.note(f"{ranks} simulated ranks each pushing every U(1, 10) s (the helper exports every 10 s by "
+               f"default), from a separate process: {summary.get('pushes', '?')} pushes in {duration:.0f} s. "
+               "Scrapes every 100 ms so there are enough of them for a p99; 'after a push' is what a "
+               "Prometheus scraping every 1 s or more sees on every scrape.")
+    return summary
+
+
+def _slow_nvml(ctx: Context, sc: fakenvml.Scenario, path: Path, scrape: HTTPClient, fleet: Fleet,
+               table: Table, n: int) -> None:
+    cases = [
+        ("normal", fakenvml.Driver()),
+        ("slow: 20 ms per call", fakenvml.Driver(delay_ms=20)),
+    ]
+    if not ctx.quick:  # a hung call also makes the exporter's shutdown wait for its sampler (3 s)
+        cases.append(("hung: energy call 30 s",
+                      fakenvml.Driver(function_delay_ms={"nvmlDeviceGetTotalEnergyConsumption": 30000})))
+    try:
+        for label, driver in cases:
+            sc.driver = driver
+            sc.write(path)
+            time.sleep(ctx.pick(1.0, 3.0))
+            hit, size = scrape_series(scrape, n)
+            miss, _ = scrape_series(scrape, n, before=fleet.touch)
+            _, body, _ = scrape.get()
+            ages = harness.sample_values(body.decode(), "gpuenergy_gpu_last_sample_age_seconds")
+            age = max(ages.values()) if ages else float("nan")
+            _row(table, [label, f"{age:.1f}"], hit, miss, size)
+    finally:
+        sc.driver = fakenvml.Driver()
+        sc.write(path)
+
+
+if __name__ == "__main__":
+    sys.exit(harness.main_for("bench.scrape_latency"))
