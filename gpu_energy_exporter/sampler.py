@@ -154,7 +154,10 @@ class Sampler:
             log.info("collector %s recovered", name)
         self._last_errors[name] = err
 
-    def _run(self) -> None:
+    def _run(self, first: threading.Event | None = None) -> None:
+        self.sample_once()
+        if first is not None:
+            first.set()
         next_tick = time.monotonic() + self._interval
         while not self._stop.wait(max(0.0, next_tick - time.monotonic())):
             self.sample_once()
@@ -162,11 +165,19 @@ class Sampler:
             if next_tick < time.monotonic():  # fell behind (slow driver): skip missed ticks, no burst
                 next_tick = time.monotonic() + self._interval
 
-    def start(self) -> None:
-        """Take the first snapshot synchronously (so /metrics is never empty), then run in a thread."""
-        self.sample_once()
-        self._thread = threading.Thread(target=self._run, name="sampler", daemon=True)
+    def start(self, first_sample_timeout: float = 5.0) -> bool:
+        """Run in a thread, taking the first snapshot at once. Waits up to ``first_sample_timeout`` for it
+        (so a scrape right after start-up is not empty) but never longer: a driver that hangs at start-up
+        must not keep the HTTP port closed (liveness probes would kill the exporter in a loop). Returns
+        whether the first snapshot was published in time."""
+        first = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(first,), name="sampler", daemon=True)
         self._thread.start()
+        if not first.wait(first_sample_timeout):
+            log.warning("the first sample is taking more than %gs (slow or hung GPU driver?); serving "
+                        "anyway, /-/ready answers 503 until it completes", first_sample_timeout)
+            return False
+        return True
 
     def stop(self, timeout: float = 3.0) -> None:
         self._stop.set()

@@ -153,3 +153,21 @@ def test_port_in_use_is_one_clear_error(start_exporter: type[ExporterProcess]) -
                               "--otlp.listen-address=127.0.0.1:0"], capture_output=True, text=True, timeout=60)
     assert out.returncode != 0
     assert f"127.0.0.1:{port}" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_a_driver_hanging_at_start_up_does_not_keep_the_port_closed(
+    start_exporter: type[ExporterProcess], fake_nvml_lib: Path, tmp_path: Path
+) -> None:
+    # nvmlInit itself hangs for a minute: the exporter must still bind its port, answer liveness and say it
+    # is not ready, instead of never binding it (a liveness probe would restart it forever).
+    env = _scenario(tmp_path, Scenario(epoch=time.time(), driver=Driver(function_delay_ms={"nvmlInitWithFlags": 60000}),
+                                       gpus=[h100(0)]))
+    start = time.monotonic()
+    exp = start_exporter([f"--nvml.library={fake_nvml_lib}", *FAST], env).wait_ready(timeout=30)
+    assert time.monotonic() - start < 25
+    assert exp.get("/-/healthy")[0] == 200
+    status, body, _ = exp.get("/-/ready")
+    assert status == 503
+    text = exp.metrics()
+    assert "gpuenergy_gpu_up" not in text
+    assert "first sample is taking more than" in exp.log()

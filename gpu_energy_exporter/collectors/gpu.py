@@ -281,7 +281,8 @@ class GPUCollector(Collector):
         self._next_retry = 0.0
         self._states: tuple[GPUState, ...] = ()
         self._static: list[Metric] = []
-        self._connect()
+        # NVML is opened by the first update(), on the sampler thread: nvmlInit can hang on a sick driver,
+        # and construction runs before the HTTP port is bound.
 
     # ------------------------------------------------------------------------------------------------
 
