@@ -16,17 +16,22 @@ class MonotonicCounter:
 
     The exposed value is ``base + raw``: it starts at the raw value (energy since the driver loaded, as
     NVML reports it) and, when raw drops, ``base`` absorbs the last raw value so the exposed counter keeps
-    rising from where it was. Energy between the last sample before the reset and the reset itself is
-    lost (no reading covers it); ``resets`` counts these events so they are visible.
+    rising from where it was. Energy between the last sample before the reset and the reset itself is not
+    covered by any reading: the caller may pass an estimate for the interval (``gap_estimate``), which is
+    credited when larger than what the new counter shows; ``resets`` counts these events.
     """
 
     base: float = 0.0
     last_raw: float | None = None
     resets: int = 0
 
-    def update(self, raw: float) -> float:
+    def update(self, raw: float, gap_estimate: float | None = None) -> float:
+        """``gap_estimate``: energy over the whole interval since the previous reading, estimated some
+        other way (average power x time). On a reset the counter only covers the time since the reset, so
+        the larger of the two is credited for the interval: the loss becomes an estimate, not a gap."""
         if self.last_raw is not None and raw < self.last_raw:
-            self.base += self.last_raw
+            credited = max(raw, gap_estimate) if gap_estimate is not None else raw
+            self.base += self.last_raw + (credited - raw)
             self.resets += 1
         self.last_raw = raw
         return self.base + raw

@@ -627,6 +627,7 @@ class RunLedger:
         *,
         timeline_points: int = 2000,
         keep_finished_s: float = 900.0,
+        max_finished_runs: int = 100,
         max_active_runs: int = 256,
         late_window_s: float = 120.0,
     ) -> None:
@@ -639,6 +640,9 @@ class RunLedger:
         self._clock = clock
         self._timeline_points = timeline_points
         self._keep_finished_s = keep_finished_s
+        # Bounds memory under heavy run churn (each closed run keeps its timeline for report/top);
+        # the CSV and JSON files keep every run.
+        self._max_finished = max_finished_runs
         self._max_active = max_active_runs
         self._late_window_s = late_window_s
         # Snapshots are kept long enough to replay a stale run from its last point.
@@ -972,6 +976,7 @@ class RunLedger:
 
     def _expire(self, now: float) -> None:
         kept = [r for r in self._closed if r.closed_at is not None and now - r.closed_at <= self._keep_finished_s]
+        kept = kept[-self._max_finished:]
         if len(kept) != len(self._closed):
             self._closed = kept
             self._version += 1

@@ -37,3 +37,14 @@ def test_trapezoid_ignores_out_of_order_and_bridges_gaps() -> None:
     integ.add(3.5, 300.0)  # 3 s gap: held at the last level (100 W), counted
     assert integ.energy_j == pytest.approx(350.0)
     assert integ.gaps == 1
+
+
+def test_a_reset_credits_the_power_estimate_for_the_uncovered_part_of_the_interval() -> None:
+    c = MonotonicCounter()
+    c.update(1000.0)
+    # reset 6 s into a 10 s interval at 100 W: the counter shows 400 J, the interval really used 1000 J
+    assert c.update(400.0, gap_estimate=1000.0) == pytest.approx(2000.0)
+    assert c.update(500.0, gap_estimate=100.0) == pytest.approx(2100.0)  # no reset: estimate unused
+    # an estimate below what the counter shows is ignored
+    assert c.update(50.0, gap_estimate=10.0) == pytest.approx(2150.0)
+    assert c.resets == 2

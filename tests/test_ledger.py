@@ -853,3 +853,18 @@ def test_close_finishes_a_finishing_run_as_finished() -> None:
     assert s["status"] == "finished" and s["duration_s"] == pytest.approx(9.5)
     assert s["energy_j"] == pytest.approx(900.0)
     assert "energy counted to the last snapshot" in s["ledger_notes"]
+
+
+def test_finished_runs_kept_in_memory_are_bounded_by_count(tmp_path: Path) -> None:
+    clock = Clock()
+    ledger = RunLedger(str(tmp_path / "runs.csv"), warmup_s=0.0, stale_after_s=300.0, clock=clock,
+                       max_finished_runs=3)
+    h = Harness(ledger, clock, {UUID_A: constant(100.0)})
+    for k in range(6):
+        start = T0 + 10 * k + 0.5
+        pushes = trainer(h, f"r{k}", start, start + 5, rate=10.0)
+        h.run_until(start + 6, pushes)
+    kept = [s["run_id"] for s in ledger.runs()]
+    assert kept == ["r3", "r4", "r5"]  # the three most recent, in memory
+    with (tmp_path / "runs.csv").open() as f:
+        assert sum(1 for _ in f) == 1 + 6  # every run is still in the CSV

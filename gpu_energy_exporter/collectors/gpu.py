@@ -204,6 +204,17 @@ class _Track:
     error: str = ""
 
 
+def _gap_estimate(previous: GPUReading | None, r: GPUReading) -> float | None:
+    """Energy since the previous reading from the driver's averaged power (used only if the counter was
+    reset in between: the counter then misses the part before the reset)."""
+    if previous is None:
+        return None
+    power = r.power_average_mw if r.power_average_mw is not None else r.power_instant_mw
+    if power is None:
+        return None
+    return power / 1000.0 * max(0.0, r.timestamp - previous.timestamp)
+
+
 class PowerSampler:
     """Fast sampler integrating instant power for GPUs without an energy counter (pre-Volta).
 
@@ -383,9 +394,10 @@ class GPUCollector(Collector):
                 continue
             if not t.up and t.error:
                 log.info("GPU %d (%s) answers again", g.index, g.uuid)
+            previous = t.reading
             t.up, t.error, t.reading, t.last_good = True, "", r, r.timestamp
             add(fams[GPU_UP.name], labels, 1.0)
-            self._emit(fams, t, r, labels)
+            self._emit(fams, t, r, labels, previous)
             states.append(self._state(t))
         self._states = tuple(states)
         return [available, *self._static, *[f for f in fams.values() if f.samples]]
@@ -408,13 +420,14 @@ class GPUCollector(Collector):
             return self._idle_flag, "flag"
         return t.idle.value, "learned"
 
-    def _emit(self, fams: dict[str, Metric], t: _Track, r: GPUReading, labels: list[str]) -> None:
+    def _emit(self, fams: dict[str, Metric], t: _Track, r: GPUReading, labels: list[str],
+              previous: GPUReading | None) -> None:
         def put(spec: MetricSpec, value: float | None, scale: float = 1.0) -> None:
             if value is not None:
                 add(fams[spec.name], labels, value * scale)
 
         if r.energy_mj is not None and t.integrator is None:
-            t.counter.update(r.energy_mj / 1000.0)
+            t.counter.update(r.energy_mj / 1000.0, _gap_estimate(previous, r))
         put(ENERGY, self._energy(t))
         if t.integrator is None:
             put(ENERGY_RESETS, float(t.counter.resets))
