@@ -81,11 +81,13 @@ def define(
     return spec
 
 
-def add(family: Metric, labels: Sequence[str], value: float | dict[str, str]) -> None:
-    """Add one sample to a family built by ``MetricSpec.family``."""
+def add(family: Metric, labels: Sequence[str], value: float | dict[str, str], *,
+        timestamp: float | None = None) -> None:
+    """Add one sample to a family built by ``MetricSpec.family``. ``timestamp`` (unix seconds) is exposed
+    with the sample: only for values whose measurement time matters to ``rate()`` (energy counters)."""
     if isinstance(family, InfoMetricFamily):
         assert isinstance(value, dict)
         family.add_metric(list(labels), value)
     else:
         assert not isinstance(value, dict)
-        family.add_metric(list(labels), float(value))  # type: ignore[attr-defined]
+        family.add_metric(list(labels), float(value), timestamp=timestamp)  # type: ignore[attr-defined]

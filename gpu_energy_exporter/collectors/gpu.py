@@ -428,7 +428,13 @@ class GPUCollector(Collector):
 
         if r.energy_mj is not None and t.integrator is None:
             t.counter.update(r.energy_mj / 1000.0, _gap_estimate(previous, r))
-        put(ENERGY, self._energy(t))
+        energy = self._energy(t)
+        if energy is not None:
+            # Exposed with the time it was read, not the scrape's: rate() over a few seconds is then exact
+            # (a value up to one interval old, stamped with the scrape time, skews short windows by tens
+            # of percent on bursty loads).
+            when = r.timestamp if t.integrator is None else (t.integrator.last_t or r.timestamp)
+            add(fams[ENERGY.name], labels, energy, timestamp=when)
         if t.integrator is None:
             put(ENERGY_RESETS, float(t.counter.resets))
         put(POWER, r.power_instant_mw, 1e-3)
