@@ -159,6 +159,9 @@ class Exporter:
     def ready(self) -> tuple[bool, str]:
         if self.sampler.snapshot is None:
             return False, "no sample taken yet"
+        waiting = self.sampler.waiting_for()
+        if waiting:
+            return False, "waiting for the first update of collector(s) " + ", ".join(waiting)
         return True, "ready"
 
     def start(self) -> None:

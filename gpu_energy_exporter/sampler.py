@@ -70,6 +70,59 @@ class Snapshot:
     extras: dict[str, object] = field(default_factory=dict)
 
 
+_STILL_RUNNING = "update still running (slow or hung driver?); serving its last result"
+
+
+@dataclass(frozen=True)
+class _Outcome:
+    families: list[Metric]
+    ok: bool
+    error: str
+    duration_s: float
+
+
+class _Runner:
+    """Runs one collector's ``update`` on a thread of its own, one call at a time."""
+
+    def __init__(self, collector: Collector) -> None:
+        self._c = collector
+        self._thread: threading.Thread | None = None
+        self._done = threading.Event()
+        self._started = 0.0
+        self.latest: _Outcome | None = None  # the last finished update
+
+    def busy(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def running_for(self) -> float:
+        return time.perf_counter() - self._started if self.busy() else 0.0
+
+    def start(self) -> None:
+        """Start an update unless one is still running."""
+        if self.busy():
+            return
+        self._done.clear()
+        self._started = time.perf_counter()
+        self._thread = threading.Thread(target=self._update, name=f"collector-{self._c.name}", daemon=True)
+        self._thread.start()
+
+    def wait(self, timeout: float) -> _Outcome | None:
+        self._done.wait(timeout)
+        return self.latest
+
+    def _update(self) -> None:
+        start = time.perf_counter()
+        try:
+            out = _Outcome(list(self._c.update()), True, "", 0.0)
+        except NoData as exc:
+            log.debug("collector %s: no data: %s", self._c.name, exc)
+            out = _Outcome(list(exc.families), False, "", 0.0)
+        except Exception as exc:  # noqa: BLE001 - one collector must never take the others down
+            out = _Outcome([], False, f"{type(exc).__name__}: {exc}", 0.0)
+        self.latest = _Outcome(out.families, out.ok, out.error, time.perf_counter() - start)
+        self._done.set()
+
+
 class Sampler:
     """Runs collectors on a fixed period in one daemon thread and publishes snapshots."""
 
@@ -80,6 +133,7 @@ class Sampler:
         *,
         gpu_states: Callable[[], tuple[GPUState, ...]] | None = None,
         clock: Callable[[], float] = time.time,
+        wait_budget: float | None = None,
     ) -> None:
         self._collectors = list(collectors)
         self._interval = interval
@@ -91,6 +145,9 @@ class Sampler:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._last_errors: dict[str, str] = {}
+        self._runners = {c.name: _Runner(c) for c in self._collectors}
+        #: how long one sample waits for its collectors (a slower one delivers at a later sample)
+        self._wait_budget = max(0.5, min(interval, 5.0)) if wait_budget is None else wait_budget
 
     @property
     def snapshot(self) -> Snapshot | None:
@@ -100,25 +157,35 @@ class Sampler:
     def interval(self) -> float:
         return self._interval
 
+    def waiting_for(self) -> list[str]:
+        """Collectors that have not finished a single update yet (e.g. NVML hanging at start-up)."""
+        return [name for name, r in self._runners.items() if r.latest is None]
+
     def add_listener(self, fn: Callable[[Snapshot], None]) -> None:
         """Call ``fn(snapshot)`` on the sampler thread after each publish (must be quick)."""
         self._listeners.append(fn)
 
     def sample_once(self) -> Snapshot:
+        """Run every collector (each on its own thread, in parallel) and publish one snapshot.
+
+        Waits for the collectors at most ``wait_budget`` seconds. A collector still busy then (a slow or
+        hung driver) is reported as failed with its last families kept, and its result is used when it
+        arrives: one stuck collector never holds up the others."""
+        deadline = time.monotonic() + self._wait_budget
+        for c in self._collectors:
+            self._runners[c.name].start()
         families: list[Metric] = []
         results: list[CollectorResult] = []
         for c in self._collectors:
-            start = time.perf_counter()
-            try:
-                families.extend(c.update())
-                ok, err = True, ""
-            except NoData as exc:
-                families.extend(exc.families)
-                ok, err = False, ""
-                log.debug("collector %s: no data: %s", c.name, exc)
-            except Exception as exc:  # noqa: BLE001 - one collector must never take the others down
-                ok, err = False, f"{type(exc).__name__}: {exc}"
-            duration = time.perf_counter() - start
+            runner = self._runners[c.name]
+            out = runner.wait(max(0.0, deadline - time.monotonic()))
+            if out is None:  # never finished an update yet
+                ok, err, duration, fams = False, _STILL_RUNNING, runner.running_for(), []
+            elif runner.busy():
+                ok, err, duration, fams = False, _STILL_RUNNING, runner.running_for(), out.families
+            else:
+                ok, err, duration, fams = out.ok, out.error, out.duration_s, out.families
+            families.extend(fams)
             self._log_transition(c.name, err)
             results.append(CollectorResult(c.name, ok, duration, err))
         success, dur = COLLECTOR_SUCCESS.family(), COLLECTOR_DURATION.family()
@@ -189,6 +256,9 @@ class Sampler:
                             "collectors", timeout)
                 return
         for c in self._collectors:
+            if self._runners[c.name].busy():
+                log.warning("collector %s is still in an update (slow or hung driver?); not closing it", c.name)
+                continue
             try:
                 c.close()
             except Exception:  # noqa: BLE001

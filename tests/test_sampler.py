@@ -84,3 +84,47 @@ def test_snapshots_are_published_by_the_thread_and_listeners_called() -> None:
         sampler.stop()
     assert seen[:4] == [1, 2, 3, 4]
     assert c.closed
+
+
+class _Gate(Collector):
+    """Blocks in update() until released: a hung driver."""
+
+    name = "gate"
+
+    def __init__(self) -> None:
+        self.release = __import__("threading").Event()
+        self.calls = 0
+
+    def update(self) -> list[Metric]:
+        self.calls += 1
+        if self.calls > 1:
+            self.release.wait(30)
+        fam = GaugeMetricFamily("test_gate", "test")
+        fam.add_metric([], float(self.calls))
+        return [fam]
+
+
+def test_a_hung_collector_does_not_hold_up_the_others() -> None:
+    gate, ok = _Gate(), _Fixed("ok", 1.0)
+    sampler = Sampler([gate, ok], interval=1.0, wait_budget=0.2)
+    first = sampler.sample_once()
+    assert _values(first, "test_gate") == {(): 1.0}
+    ok.value = 2.0
+    import time
+
+    start = time.monotonic()
+    second = sampler.sample_once()  # the gate's second update hangs
+    assert time.monotonic() - start < 2.0
+    assert _values(second, "test_ok") == {(): 2.0}  # the others are fresh
+    assert _values(second, "test_gate") == {(): 1.0}  # the hung one serves its last result...
+    assert _values(second, "gpuenergy_collector_success")[("gate",)] == 0.0  # ...and says it failed
+    third = sampler.sample_once()  # still hung: no second concurrent call is started
+    assert gate.calls == 2 and _values(third, "test_gate") == {(): 1.0}
+    gate.release.set()
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        snap = sampler.sample_once()
+        if _values(snap, "gpuenergy_collector_success")[("gate",)] == 1.0:
+            break
+    assert _values(snap, "test_gate")[()] >= 2.0  # the late result is used once it arrives
+    sampler.stop()
