@@ -172,8 +172,16 @@ class Sampler:
         hung driver) is reported as failed with its last families kept, and its result is used when it
         arrives: one stuck collector never holds up the others."""
         deadline = time.monotonic() + self._wait_budget
-        for c in self._collectors:
+        names = {c.name for c in self._collectors}
+        first = [c for c in self._collectors if not set(c.depends_on) & names]
+        for c in first:
             self._runners[c.name].start()
+        for c in first:
+            self._runners[c.name].wait(max(0.0, deadline - time.monotonic()))
+        # Dependents (they read the state of the collectors above) start once those finished or timed out.
+        for c in self._collectors:
+            if c not in first:
+                self._runners[c.name].start()
         families: list[Metric] = []
         results: list[CollectorResult] = []
         for c in self._collectors:

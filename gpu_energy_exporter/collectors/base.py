@@ -40,6 +40,8 @@ class Collector(abc.ABC):
     """One concern's metrics. Subclasses set ``name`` (the ``--collector.<name>`` flag)."""
 
     name: str = ""
+    #: collectors whose update must finish before this one's starts (it reads their state)
+    depends_on: tuple[str, ...] = ()
 
     @abc.abstractmethod
     def update(self) -> list[Metric]:

@@ -90,6 +90,7 @@ class KubernetesCollector(Collector):
     """Per-pod and per-container GPU energy, and the GPU -> pod info series."""
 
     name = "kubernetes"
+    depends_on = ("gpu",)  # integrates the energy the gpu collector just read
 
     def __init__(
         self,
