@@ -82,33 +82,44 @@ class _Outcome:
 
 
 class _Runner:
-    """Runs one collector's ``update`` on a thread of its own, one call at a time."""
+    """Runs one collector's ``update`` on a long-lived thread of its own, one call at a time."""
 
     def __init__(self, collector: Collector) -> None:
         self._c = collector
-        self._thread: threading.Thread | None = None
+        self._go = threading.Event()
         self._done = threading.Event()
+        self._busy = False
         self._started = 0.0
+        self._thread: threading.Thread | None = None
         self.latest: _Outcome | None = None  # the last finished update
 
     def busy(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
+        return self._busy
 
     def running_for(self) -> float:
-        return time.perf_counter() - self._started if self.busy() else 0.0
+        return time.perf_counter() - self._started if self._busy else 0.0
 
     def start(self) -> None:
         """Start an update unless one is still running."""
-        if self.busy():
+        if self._busy:
             return
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name=f"collector-{self._c.name}", daemon=True)
+            self._thread.start()
+        self._busy = True
         self._done.clear()
         self._started = time.perf_counter()
-        self._thread = threading.Thread(target=self._update, name=f"collector-{self._c.name}", daemon=True)
-        self._thread.start()
+        self._go.set()
 
     def wait(self, timeout: float) -> _Outcome | None:
         self._done.wait(timeout)
         return self.latest
+
+    def _loop(self) -> None:
+        while True:
+            self._go.wait()
+            self._go.clear()
+            self._update()
 
     def _update(self) -> None:
         start = time.perf_counter()
@@ -120,6 +131,7 @@ class _Runner:
         except Exception as exc:  # noqa: BLE001 - one collector must never take the others down
             out = _Outcome([], False, f"{type(exc).__name__}: {exc}", 0.0)
         self.latest = _Outcome(out.families, out.ok, out.error, time.perf_counter() - start)
+        self._busy = False
         self._done.set()
 
 
