@@ -9,23 +9,13 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 from urllib.parse import parse_qs
-
-from prometheus_client.core import Metric
 
 from gpu_energy_exporter import __version__
 from gpu_energy_exporter.sampler import Sampler
 from gpu_energy_exporter.web import HTTPError, Request, Response
-
-
-def _first(families: Iterable[Metric], name: str) -> float | None:
-    for fam in families:
-        for s in fam.samples:
-            if s.name == name:
-                return float(s.value)
-    return None
 
 
 def status_document(
@@ -38,7 +28,10 @@ def status_document(
     clock: Callable[[], float] = time.time,
 ) -> dict[str, Any]:
     snap = sampler.snapshot
-    families = snap.families if snap else ()
+
+    def host(name: str) -> float | None:
+        return snap.value(name) if snap else None
+
     gpus = []
     for g in snap.gpus if snap else ():
         r = g.reading
@@ -65,10 +58,10 @@ def status_document(
         "nvml": {"available": not reason, "reason": reason},
         "gpus": gpus,
         "host": {
-            "cpu_utilization": _first(families, "gpuenergy_host_cpu_utilization_ratio"),
-            "memory_total_bytes": _first(families, "gpuenergy_host_memory_total_bytes"),
-            "memory_available_bytes": _first(families, "gpuenergy_host_memory_available_bytes"),
-            "memory_critical_bytes": _first(families, "gpuenergy_host_memory_critical_bytes"),
+            "cpu_utilization": host("gpuenergy_host_cpu_utilization_ratio"),
+            "memory_total_bytes": host("gpuenergy_host_memory_total_bytes"),
+            "memory_available_bytes": host("gpuenergy_host_memory_available_bytes"),
+            "memory_critical_bytes": host("gpuenergy_host_memory_critical_bytes"),
         },
         "carbon": {"intensity_g_per_kwh": intensity, "pue": pue, "source": carbon_source},
     }

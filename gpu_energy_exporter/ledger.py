@@ -431,16 +431,6 @@ def _gpu_frame(g: GPUState) -> _GPUFrame:
 _HOST_AVAILABLE = "gpuenergy_host_memory_available_bytes"
 
 
-def _host_available(snap: Snapshot) -> float | None:
-    extra = snap.extras.get("host_memory_available_bytes") if snap.extras else None
-    if isinstance(extra, (int, float)):
-        return float(extra)
-    for fam in snap.families:
-        if fam.name == _HOST_AVAILABLE and fam.samples:
-            return float(fam.samples[0].value)
-    return None
-
-
 # ----------------------------------------------------------------------------------------------------
 # per-run state
 
@@ -806,7 +796,7 @@ class RunLedger:
             gpus[key] = _gpu_frame(g)
             for m in g.identity.mig_devices:
                 mig[_uuid_key(m.uuid)] = key
-        frame = _Frame(snapshot.timestamp, gpus, mig, intensity, pue, _host_available(snapshot))
+        frame = _Frame(snapshot.timestamp, gpus, mig, intensity, pue, snapshot.value(_HOST_AVAILABLE))
         done: list[_Run] = []
         with self._lock:
             if self._history and frame.t <= self._history[-1].t:

@@ -12,7 +12,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from prometheus_client.core import Metric
 
@@ -67,7 +67,14 @@ class Snapshot:
     families: tuple[Metric, ...]
     results: tuple[CollectorResult, ...]
     gpus: tuple[GPUState, ...] = ()
-    extras: dict[str, object] = field(default_factory=dict)
+
+    def value(self, name: str) -> float | None:
+        """The first sample called ``name`` in this snapshot (for unlabelled series such as host memory)."""
+        for fam in self.families:
+            for sample in fam.samples:
+                if sample.name == name:
+                    return float(sample.value)
+        return None
 
 
 _STILL_RUNNING = "update still running (slow or hung driver?); serving its last result"
@@ -164,10 +171,6 @@ class Sampler:
     @property
     def snapshot(self) -> Snapshot | None:
         return self._snapshot
-
-    @property
-    def interval(self) -> float:
-        return self._interval
 
     def waiting_for(self) -> list[str]:
         """Collectors that have not finished a single update yet (e.g. NVML hanging at start-up)."""
