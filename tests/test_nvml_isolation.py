@@ -184,3 +184,17 @@ def test_processes_are_read_only_when_something_uses_them(
     assert (calls("nvmlDeviceGetProcessUtilization") > 0) is utilization
     assert (r.value("gpuenergy_gpu_compute_processes", **L(gpus[0])) is not None) is lists
     assert r.value("gpuenergy_gpu_up", **L(gpus[0])) == 1.0
+
+
+def test_a_gpu_that_cannot_be_opened_is_left_out_and_the_others_are_served(
+    rig: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    gpus = [h100(0), h100(1, handle_error=4)]  # NVML_ERROR_NO_PERMISSION for GPU 1's handle
+    r = rig(gpus)
+    with caplog.at_level(logging.WARNING, logger="gpu_energy_exporter"):
+        r.sample(2)
+    assert r.value("gpuenergy_collector_success", collector="gpu") == 1.0
+    assert r.value("gpuenergy_gpu_up", **L(gpus[0])) == 1.0
+    assert r.value("gpuenergy_gpu_up", **L(gpus[1])) is None
+    left_out = [rec.getMessage() for rec in caplog.records if "GPU 1" in rec.getMessage()]
+    assert len(left_out) == 1 and "left out" in left_out[0], left_out
