@@ -9,6 +9,12 @@ NVML being unavailable (no driver, no library) is reported once in the log and c
 ``gpuenergy_nvml_available{reason} 0``; the collector retries NVML periodically so a driver that loads
 after the exporter is picked up. A lost GPU shows as ``gpuenergy_gpu_up 0`` and loses only its own
 series. Conversions to base units (mJ -> J, mW -> W, MHz -> Hz, % -> ratio) happen here and only here.
+
+Failures are isolated at the finest grain: a reading the backend cannot get is left out (and counted in
+``gpuenergy_nvml_field_errors_total``), and anything one GPU's sample raises marks that GPU alone
+(``gpuenergy_gpu_up 0``, its energy counter held at the last value); the other GPUs are served as usual.
+The running processes are read only when something uses them: the ``processes`` collector, the learned idle
+baseline (no ``--gpu.idle-power``) and, with SM utilisation per process, SM-weighted pod attribution.
 """
 
 from __future__ import annotations
@@ -136,7 +142,18 @@ PROCESS_MEMORY = _gpu(
     "GPU memory used by each compute process (opt-in: --collector.processes; pid label is high-cardinality).",
     ("pid",), unit="bytes",
 )
-COMPUTE_PROCESSES = _gpu("compute_processes", "gauge", "Number of compute processes on the GPU.")
+COMPUTE_PROCESSES = _gpu(
+    "compute_processes", "gauge",
+    "Number of compute processes on the GPU (read while the idle baseline is learned, or with "
+    "--collector.processes).",
+)
+FIELD_ERRORS = define(
+    "nvml", "field_errors_total", "counter",
+    "NVML readings that could not be had, per GPU, field and reason. not_supported and function_not_found "
+    "(the GPU or driver lacks it, after falling back to older function versions) are asked once, so count 1; "
+    "nvml_error and exception are retried every sample. The other readings go on either way.",
+    _G + ("field", "reason"), collector="gpu",
+)
 IDLE_POWER = _gpu(
     "idle_power_watts", "gauge",
     "Idle power baseline: learned (20th percentile of power while no compute process ran) or from "
@@ -235,8 +252,8 @@ class PowerSampler:
         for t in self._tracks:
             try:
                 mw = self._backend.read_power_mw(t.identity)
-            except GPULost:
-                continue  # the main sampler reports it
+            except Exception:  # noqa: BLE001 - GPULost or worse: the main sampler reports it
+                continue
             if mw is not None and t.integrator is not None:
                 t.integrator.add(self._clock(), mw / 1000.0)
 
@@ -271,6 +288,7 @@ class GPUCollector(Collector):
         backend_factory: Callable[[], GPUBackend],
         *,
         processes: bool = False,
+        process_utilization: bool = False,
         gpm: bool = True,
         power_interval: float = 0.1,
         idle_power_w: float | None = None,
@@ -279,6 +297,10 @@ class GPUCollector(Collector):
     ) -> None:
         self._factory = backend_factory
         self._processes = processes
+        self._process_utilization = process_utilization
+        # The process list feeds the per-process series, the idle baseline (power while no process runs)
+        # and pod attribution; nothing else needs the driver to walk its process table every sample.
+        self._read_processes = processes or process_utilization or idle_power_w is None
         self._gpm = gpm
         self._power_interval = power_interval
         self._idle_flag = idle_power_w
@@ -380,11 +402,18 @@ class GPUCollector(Collector):
             g = t.identity
             labels = [str(g.index), g.uuid]
             try:
-                r = backend.read(g, processes=True, gpm=self._gpm)
-            except GPULost as exc:
+                r = backend.read(g, processes=self._read_processes, process_utilization=self._process_utilization,
+                                 gpm=self._gpm)
+            except Exception as exc:  # noqa: BLE001 - one GPU never takes the others down
+                message = str(exc) if isinstance(exc, GPULost) else (
+                    f"GPU {g.index} ({g.uuid}) could not be sampled ({type(exc).__name__}: {exc}); it shows as "
+                    "gpuenergy_gpu_up 0 with its energy held until it answers, the other GPUs are served"
+                )
                 if t.up or not t.error:
-                    log.error("%s", exc)
-                t.up, t.error = False, str(exc)
+                    log.error("%s", message)
+                    if not isinstance(exc, GPULost):
+                        log.debug("GPU %d sample failure", g.index, exc_info=True)
+                t.up, t.error = False, message
                 add(fams[GPU_UP.name], labels, 0.0)
                 # Keep exposing the energy counter at its last value: a vanished series would make
                 # increase() over the outage window undefined, a flat one is the truth we know.
@@ -400,7 +429,18 @@ class GPUCollector(Collector):
             self._emit(fams, t, r, labels, previous)
             states.append(self._state(t))
         self._states = tuple(states)
-        return [available, *self._static, *[f for f in fams.values() if f.samples]]
+        errors = self._field_errors(backend)
+        return [available, *self._static, *[f for f in fams.values() if f.samples], *errors]
+
+    def _field_errors(self, backend: GPUBackend) -> list[Metric]:
+        counts = backend.field_errors()
+        if not counts:
+            return []
+        uuids = {t.identity.index: t.identity.uuid for t in self._tracks}
+        fam = FIELD_ERRORS.family()
+        for (index, what, reason), n in sorted(counts.items()):
+            add(fam, [str(index), uuids.get(index, ""), what, reason], float(n))
+        return [fam]
 
     def _energy(self, t: _Track) -> float | None:
         if t.integrator is not None:

@@ -5,8 +5,10 @@ implementation (``devices.nvml``) is the only module that imports ``pynvml``; ``
 the ``demo`` sub-command. Units are in the field names (``_mj``, ``_mw``, ``_bytes``, ``_mhz``) exactly as
 the vendor reports them; conversion to base units (J, W) happens once, in the collectors.
 
-A field of ``None`` means "not available on this GPU/driver" (not supported, missing function): no
-series is emitted for it. ``GPULost`` means the whole GPU is gone.
+A field of ``None`` means "not available on this GPU/driver" (not supported, missing function) or "could
+not be read this time": no series is emitted for it, and the backend counts why (``field_errors``).
+``GPULost`` means the whole GPU is gone; any other exception out of ``read`` is a bug or a sick GPU, and the
+collector treats it like a lost GPU for that sample, for that GPU alone.
 """
 
 from __future__ import annotations
@@ -91,13 +93,20 @@ class GPUBackend(abc.ABC):
         """Every GPU, discovered once at start-up."""
 
     @abc.abstractmethod
-    def read(self, gpu: GPUIdentity, *, processes: bool = False, gpm: bool = False) -> GPUReading:
+    def read(self, gpu: GPUIdentity, *, processes: bool = False, process_utilization: bool = False,
+             gpm: bool = False) -> GPUReading:
         """A full sample of one GPU. Raises ``GPULost`` when the GPU is gone; fields that cannot be read
-        are None."""
+        are None. The running processes are read only when asked for (``processes``: the list;
+        ``process_utilization``: the list with each process's SM utilisation), else ``processes`` is None."""
 
     @abc.abstractmethod
     def read_power_mw(self, gpu: GPUIdentity) -> float | None:
         """The cheapest instant power reading (for the fast integrating sampler), or None."""
+
+    def field_errors(self) -> dict[tuple[int, str, str], int]:
+        """Readings lost so far: ``(gpu index, field, reason) -> count``. Backends that cannot lose a single
+        reading return nothing."""
+        return {}
 
     def close(self) -> None:  # noqa: B027 - optional
         """Release the library."""

@@ -1,9 +1,15 @@
 """The NVML device backend: the only module in the package that imports ``pynvml``.
 
-NVML errors are translated here, once, into the project's exceptions (``NVMLUnavailable``, ``GPULost``,
-``NotSupported``) with messages that say what to do. "Not supported" and "function not found" (an older
-driver) are cached per GPU and field, logged once at debug level, and the field is reported as ``None``
-from then on, so an unsupported reading costs one failed call in the whole life of the process.
+Every NVML call is isolated: whatever one call raises (an ``NVMLError``, pynvml's
+``NVMLLibraryMismatchError`` when an unversioned wrapper needs a symbol this driver lacks, an
+``AttributeError`` because the installed pynvml has no such wrapper, or anything else) loses that one
+reading and nothing more. Each failure is counted per GPU, field and reason (``field_errors()``, exposed as
+``gpuenergy_nvml_field_errors_total``) and logged once per GPU and field. Calls that NVML versions
+(``..._v3``, ``..._v2``, unversioned) fall back to the older variant when the newer one is missing, so a
+driver older than pynvml (R470 lacks ``nvmlDeviceGetComputeRunningProcesses_v3``) keeps every reading it can
+give. "Not supported" and "function not found" after the last variant are cached per GPU and field: an
+unavailable reading costs one failed call in the whole life of the process. Only a lost GPU
+(``GPU_IS_LOST`` and friends) is raised, as ``GPULost``; the collector then marks that GPU alone.
 
 This module must never be called from the scrape path: NVML calls can block for a long time on a sick
 driver. The sampler thread calls it; ``/metrics`` reads the snapshot.
@@ -42,10 +48,9 @@ _ARCHITECTURES = {
     9: "hopper", 10: "blackwell", 13: "rubin",
 }
 
-# Errors meaning "this reading does not exist here": not an error, no data.
+# Errors meaning "this reading does not exist here": no data, asked once.
 _NO_DATA = {
     pynvml.NVML_ERROR_NOT_SUPPORTED,
-    pynvml.NVML_ERROR_FUNCTION_NOT_FOUND,
     pynvml.NVML_ERROR_NO_DATA,
     pynvml.NVML_ERROR_NOT_READY,
     pynvml.NVML_ERROR_ARGUMENT_VERSION_MISMATCH,
@@ -57,6 +62,19 @@ _LOST = {
     pynvml.NVML_ERROR_RESET_REQUIRED,
     pynvml.NVML_ERROR_GPU_NOT_FOUND,
 }
+
+#: ``reason`` label values of ``field_errors()`` (the ``gpuenergy_nvml_field_errors_total`` counter).
+#: not_supported and function_not_found are asked once; nvml_error and exception are retried every sample.
+REASON_NOT_SUPPORTED = "not_supported"  # NOT_SUPPORTED, NO_DATA, NOT_READY, ... from the driver
+REASON_FUNCTION_NOT_FOUND = "function_not_found"  # symbol missing in the library, or wrapper missing in pynvml
+REASON_NVML_ERROR = "nvml_error"  # any other NVML return code (timeout, unknown, ...)
+REASON_EXCEPTION = "exception"  # anything else a call raised
+FIELD_ERROR_REASONS = (REASON_NOT_SUPPORTED, REASON_FUNCTION_NOT_FOUND, REASON_NVML_ERROR, REASON_EXCEPTION)
+_ASKED_ONCE = {REASON_NOT_SUPPORTED, REASON_FUNCTION_NOT_FOUND}
+
+#: One way to make a call: the pynvml function (or its name, looked up at call time so that a pynvml
+#: without it is "function not found", not a crash) followed by its arguments.
+Variant = tuple[Any, ...]
 
 #: nvmlDeviceGetFieldValues ids we read in one call per sample.
 _FI_POWER_INSTANT = pynvml.NVML_FI_DEV_POWER_INSTANT
@@ -130,7 +148,7 @@ class NVMLBackend(GPUBackend):
 
     def __init__(self, library_path: str | None = None, clock: Callable[[], float] = time.time) -> None:
         self._clock = clock
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # guards the error counts (sampler and power-sampler threads)
         load_library(library_path)
         try:
             pynvml.nvmlInit()
@@ -141,45 +159,120 @@ class NVMLBackend(GPUBackend):
         self._closed = False
         self._handles: dict[int, Any] = {}
         self._unsupported: set[tuple[int, str]] = set()
+        self._variant: dict[tuple[int, str], int] = {}
+        self._errors: dict[tuple[int, str, str], int] = {}
+        self._logged: set[tuple[int, str]] = set()
         self._gpm_supported: dict[int, bool] = {}
         self._gpm_prev: dict[int, tuple[float, Any]] = {}
         self._process_util_ts: dict[int, int] = {}
-        self._driver = self._call_global(pynvml.nvmlSystemGetDriverVersion, "")
-        self._nvml_version = self._call_global(pynvml.nvmlSystemGetNVMLVersion, "")
-        cuda = self._call_global(pynvml.nvmlSystemGetCudaDriverVersion_v2, 0)
+        self._driver = self._call_global("", "nvmlSystemGetDriverVersion")
+        self._nvml_version = self._call_global("", "nvmlSystemGetNVMLVersion")
+        cuda = self._call_global(0, "nvmlSystemGetCudaDriverVersion_v2", "nvmlSystemGetCudaDriverVersion")
         self._cuda_version = f"{int(cuda) // 1000}.{int(cuda) % 1000 // 10}" if cuda else ""
 
     # ------------------------------------------------------------------------------------------------
     # error translation
 
     @staticmethod
-    def _call_global(fn: Callable[[], Any], default: Any) -> Any:
-        try:
-            value = fn()
-        except pynvml.NVMLError:
-            return default
-        return _decode(value) if isinstance(value, bytes | str) else value
+    def _call_global(default: Any, *names: str) -> Any:
+        """A driver-wide getter, trying ``names`` in turn; ``default`` when none answers."""
+        for name in names:
+            fn = getattr(pynvml, name, None)
+            if fn is None:
+                continue
+            try:
+                value = fn()
+            except Exception as exc:  # noqa: BLE001 - a version string is never worth failing for
+                log.debug("%s failed: %s: %s", name, type(exc).__name__, exc)
+                continue
+            return _decode(value) if isinstance(value, bytes | str) else value
+        return default
 
-    def _field(self, index: int, what: str, fn: Callable[..., T], *args: Any) -> T | None:
-        """Call one NVML getter for GPU ``index``; None when not available, GPULost when the GPU is gone."""
-        if (index, what) in self._unsupported:
-            return None
-        try:
-            return fn(*args)
-        except pynvml.NVMLError as exc:
+    def field_errors(self) -> dict[tuple[int, str, str], int]:
+        """Failed readings so far: ``(gpu index, field, reason) -> count`` (a copy)."""
+        with self._lock:
+            return dict(self._errors)
+
+    def _classify(self, index: int, what: str, exc: BaseException) -> str:
+        """The reason label for ``exc``; raises ``GPULost`` when it says the GPU is gone."""
+        if isinstance(exc, pynvml.NVMLLibraryMismatchError):
+            return REASON_FUNCTION_NOT_FOUND
+        if isinstance(exc, pynvml.NVMLError):
             code = getattr(exc, "value", None)
             if code in _LOST:
                 raise GPULost(
                     f"GPU {index} is lost ({exc}) while reading {what}: check `nvidia-smi` and the kernel log "
                     "(Xid errors); the GPU may need a reset or the node a reboot"
                 ) from None
+            if code == pynvml.NVML_ERROR_FUNCTION_NOT_FOUND:
+                return REASON_FUNCTION_NOT_FOUND
             if code in _NO_DATA:
-                self._unsupported.add((index, what))
-                log.debug("GPU %d: %s not available (%s); not asking again", index, what, exc)
-                return None
-            # Anything else (timeout, unknown) is transient for this field: no data this sample.
-            log.debug("GPU %d: reading %s failed: %s", index, what, exc)
+                return REASON_NOT_SUPPORTED
+            return REASON_NVML_ERROR
+        return REASON_EXCEPTION
+
+    def _lose(self, index: int, what: str, reason: str, detail: str) -> None:
+        """Count and log (once per GPU and field) a reading that could not be had."""
+        key = (index, what)
+        with self._lock:
+            self._errors[(index, what, reason)] = self._errors.get((index, what, reason), 0) + 1
+        if reason in _ASKED_ONCE:
+            self._unsupported.add(key)
+            log.debug("GPU %d: %s not available (%s); not asking again", index, what, detail)
+            return
+        if key in self._logged:
+            log.debug("GPU %d: reading %s failed again: %s", index, what, detail)
+            return
+        self._logged.add(key)
+        log.warning(
+            "GPU %d: reading %s failed (%s); this reading is left out while it fails, every other reading "
+            "goes on (counted in gpuenergy_nvml_field_errors_total; if it persists, check `nvidia-smi -q` "
+            "and the kernel log)", index, what, detail,
+        )
+
+    def _get(self, index: int, what: str, *variants: Variant) -> Any:
+        """Read one field of GPU ``index``: the first variant that answers (newest first), else None.
+
+        A variant whose function is missing (``function_not_found``) or that does not support the reading is
+        skipped for the next one; the variant that answered is remembered. Any other failure loses this
+        field for this sample only. Raises only ``GPULost``.
+        """
+        key = (index, what)
+        if key in self._unsupported:
             return None
+        reason, detail = REASON_EXCEPTION, "no variant"
+        start = self._variant.get(key, 0)
+        for k in range(start, len(variants)):
+            fn, *args = variants[k]
+            name = fn if isinstance(fn, str) else getattr(fn, "__name__", repr(fn))
+            if isinstance(fn, str):
+                fn = getattr(pynvml, fn, None)
+            if fn is None:
+                reason, detail = REASON_FUNCTION_NOT_FOUND, f"the installed pynvml has no {name}"
+            else:
+                try:
+                    value = fn(*args)
+                except Exception as exc:  # noqa: BLE001 - one call never takes more than its own reading
+                    reason = self._classify(index, what, exc)
+                    detail = f"{name}: {type(exc).__name__}: {exc}"
+                else:
+                    if self._variant.get(key) != k:
+                        self._variant[key] = k
+                        if k:
+                            log.debug("GPU %d: %s read with %s (the newer variants are missing)", index, what,
+                                      name)
+                    return value
+            if reason not in _ASKED_ONCE:
+                break  # a real failure: the older variant would not fix it
+            if k + 1 < len(variants):
+                log.debug("GPU %d: %s: %s; trying the next variant", index, what, detail)
+        self._lose(index, what, reason, detail)
+        return None
+
+    def _field(self, index: int, what: str, fn: Callable[..., T] | str, *args: Any) -> T | None:
+        """One NVML getter for GPU ``index`` (no fallback); None when it cannot be read."""
+        value: T | None = self._get(index, what, (fn, *args))
+        return value
 
     def _handle(self, index: int) -> Any:
         handle = self._handles.get(index)
@@ -216,17 +309,20 @@ class NVMLBackend(GPUBackend):
                 found.append(self._identify(index))
             except GPULost as exc:
                 log.warning("%s; it is left out until the exporter restarts", exc)
+            except Exception as exc:  # noqa: BLE001 - one GPU never hides the others
+                log.warning("GPU %d cannot be identified (%s: %s); it is left out until the exporter restarts, "
+                            "the other GPUs are served", index, type(exc).__name__, exc)
         return found
 
     def _identify(self, index: int) -> GPUIdentity:
         h = self._handle(index)
-        uuid = _decode(self._field(index, "uuid", pynvml.nvmlDeviceGetUUID, h) or f"unknown-{index}")
-        name = _decode(self._field(index, "name", pynvml.nvmlDeviceGetName, h) or "unknown")
-        pci = self._field(index, "pci", pynvml.nvmlDeviceGetPciInfo, h)
+        uuid = _decode(self._field(index, "uuid", "nvmlDeviceGetUUID", h) or f"unknown-{index}")
+        name = _decode(self._field(index, "name", "nvmlDeviceGetName", h) or "unknown")
+        pci = self._field(index, "pci", "nvmlDeviceGetPciInfo", h)
         pci_bus_id = _decode(pci.busId) if pci is not None else ""
-        arch_code = self._field(index, "architecture", pynvml.nvmlDeviceGetArchitecture, h)
+        arch_code = self._field(index, "architecture", "nvmlDeviceGetArchitecture", h)
         arch = _ARCHITECTURES.get(arch_code, "unknown") if arch_code is not None else "unknown"
-        cc = self._field(index, "compute_capability", pynvml.nvmlDeviceGetCudaComputeCapability, h)
+        cc = self._field(index, "compute_capability", "nvmlDeviceGetCudaComputeCapability", h)
         compute_capability = f"{cc[0]}.{cc[1]}" if cc else ""
         energy_method = self._energy_method(index, h)
         # nvmlDeviceGetPowerUsage is a 1 s average on Ampere and newer, except GA100 (A100, A30).
@@ -241,26 +337,32 @@ class NVMLBackend(GPUBackend):
         )
 
     def _energy_method(self, index: int, h: Any) -> str:
-        if self._field(index, "energy", pynvml.nvmlDeviceGetTotalEnergyConsumption, h) is not None:
+        if self._field(index, "energy", "nvmlDeviceGetTotalEnergyConsumption", h) is not None:
             return ENERGY_METHOD_COUNTER
         if self._instant_field(index, h) is not None:
             return ENERGY_METHOD_INTEGRATED_INSTANT
-        if self._field(index, "power_usage", pynvml.nvmlDeviceGetPowerUsage, h) is not None:
+        if self._field(index, "power_usage", "nvmlDeviceGetPowerUsage", h) is not None:
             return ENERGY_METHOD_INTEGRATED_USAGE
         return ENERGY_METHOD_NONE
 
     def _mig(self, index: int, h: Any, uuid: str) -> tuple[bool, tuple[MIGDevice, ...]]:
-        mode = self._field(index, "mig_mode", pynvml.nvmlDeviceGetMigMode, h)
+        mode = self._field(index, "mig_mode", "nvmlDeviceGetMigMode", h)
         if not mode or mode[0] != pynvml.NVML_DEVICE_MIG_ENABLE:
             return False, ()
         devices = []
-        count = self._field(index, "mig_count", pynvml.nvmlDeviceGetMaxMigDeviceCount, h) or 0
+        count = self._field(index, "mig_count", "nvmlDeviceGetMaxMigDeviceCount", h) or 0
         for mig_index in range(count):
             try:
                 mh = pynvml.nvmlDeviceGetMigDeviceHandleByIndex(h, mig_index)
                 mig_uuid = _decode(pynvml.nvmlDeviceGetUUID(mh))
-            except pynvml.NVMLError:
-                continue  # empty MIG slot (NOT_FOUND)
+            except pynvml.NVMLError as exc:
+                if getattr(exc, "value", None) == pynvml.NVML_ERROR_NOT_FOUND:
+                    continue  # an empty MIG slot
+                self._lose(index, "mig_device", self._classify(index, "mig_device", exc), str(exc))
+                continue
+            except Exception as exc:  # noqa: BLE001
+                self._lose(index, "mig_device", REASON_EXCEPTION, f"{type(exc).__name__}: {exc}")
+                continue
             devices.append(MIGDevice(uuid=mig_uuid, parent_uuid=uuid, index=mig_index))
         return True, tuple(devices)
 
@@ -269,8 +371,7 @@ class NVMLBackend(GPUBackend):
 
     def _field_values(self, index: int, h: Any, ids: list[Any]) -> list[float | None]:
         """Read several field values in one call; per-field failures are None."""
-        key = "field_values"
-        values = self._field(index, key, pynvml.nvmlDeviceGetFieldValues, h, ids)
+        values = self._field(index, "field_values", "nvmlDeviceGetFieldValues", h, ids)
         if values is None:
             return [None] * len(ids)
         out: list[float | None] = []
@@ -295,15 +396,16 @@ class NVMLBackend(GPUBackend):
         h = self._handle(gpu.index)
         if gpu.energy_method == ENERGY_METHOD_INTEGRATED_INSTANT:
             return self._instant_field(gpu.index, h)
-        value = self._field(gpu.index, "power_usage", pynvml.nvmlDeviceGetPowerUsage, h)
+        value = self._field(gpu.index, "power_usage", "nvmlDeviceGetPowerUsage", h)
         return float(value) if value is not None else None
 
-    def read(self, gpu: GPUIdentity, *, processes: bool = False, gpm: bool = False) -> GPUReading:
+    def read(self, gpu: GPUIdentity, *, processes: bool = False, process_utilization: bool = False,
+             gpm: bool = False) -> GPUReading:
         i = gpu.index
         h = self._handle(i)
         now = self._clock()
-        energy = self._field(i, "energy", pynvml.nvmlDeviceGetTotalEnergyConsumption, h)
-        usage = self._field(i, "power_usage", pynvml.nvmlDeviceGetPowerUsage, h)
+        energy = self._field(i, "energy", "nvmlDeviceGetTotalEnergyConsumption", h)
+        usage = self._field(i, "power_usage", "nvmlDeviceGetPowerUsage", h)
         want = [(_FI_POWER_INSTANT, _SCOPE_GPU), (_FI_POWER_AVERAGE, _SCOPE_GPU), (_FI_MEMORY_TEMP, 0),
                 (_FI_POWER_INSTANT, _SCOPE_MODULE)]
         instant, average, mem_temp, module = self._field_values(i, h, want)
@@ -312,21 +414,19 @@ class NVMLBackend(GPUBackend):
                 average = average if average is not None else float(usage)
             else:
                 instant = instant if instant is not None else float(usage)
-        limit = self._field(i, "power_limit", pynvml.nvmlDeviceGetEnforcedPowerLimit, h)
-        mem = self._field(i, "memory_v2", pynvml.nvmlDeviceGetMemoryInfo, h, pynvml.nvmlMemory_v2)
+        limit = self._field(i, "power_limit", "nvmlDeviceGetEnforcedPowerLimit", h)
+        # v2 reports reserved memory apart (R510+); v1 counts it as used.
+        mem = self._get(i, "memory", ("nvmlDeviceGetMemoryInfo", h, pynvml.nvmlMemory_v2),
+                        ("nvmlDeviceGetMemoryInfo", h))
         reserved = getattr(mem, "reserved", None) if mem is not None else None
-        if mem is None:
-            mem = self._field(i, "memory", pynvml.nvmlDeviceGetMemoryInfo, h)
-        util = self._field(i, "utilization", pynvml.nvmlDeviceGetUtilizationRates, h)
-        temp = self._field(i, "temperature", pynvml.nvmlDeviceGetTemperature, h, pynvml.NVML_TEMPERATURE_GPU)
-        sm_clock = self._field(i, "clock_sm", pynvml.nvmlDeviceGetClockInfo, h, pynvml.NVML_CLOCK_SM)
-        mem_clock = self._field(i, "clock_mem", pynvml.nvmlDeviceGetClockInfo, h, pynvml.NVML_CLOCK_MEM)
-        reasons = self._field(i, "clocks_event_reasons", pynvml.nvmlDeviceGetCurrentClocksEventReasons, h)
-        if reasons is None:
-            reasons = self._field(
-                i, "clocks_throttle_reasons", pynvml.nvmlDeviceGetCurrentClocksThrottleReasons, h
-            )
-        procs = self._processes(i, h) if processes else None
+        util = self._field(i, "utilization", "nvmlDeviceGetUtilizationRates", h)
+        temp = self._field(i, "temperature", "nvmlDeviceGetTemperature", h, pynvml.NVML_TEMPERATURE_GPU)
+        sm_clock = self._field(i, "clock_sm", "nvmlDeviceGetClockInfo", h, pynvml.NVML_CLOCK_SM)
+        mem_clock = self._field(i, "clock_mem", "nvmlDeviceGetClockInfo", h, pynvml.NVML_CLOCK_MEM)
+        # "Clocks event reasons" is the R535+ name of the throttle reasons.
+        reasons = self._get(i, "clocks_event_reasons", ("nvmlDeviceGetCurrentClocksEventReasons", h),
+                            ("nvmlDeviceGetCurrentClocksThrottleReasons", h))
+        procs = self._processes(i, h, process_utilization) if processes or process_utilization else None
         gpm_values = self._gpm(i, h) if gpm else {}
         # Module scope equal to GPU scope means the board has no separate module sensor.
         if module is not None and instant is not None and module <= instant:
@@ -352,15 +452,18 @@ class NVMLBackend(GPUBackend):
             gpm=gpm_values,
         )
 
-    def _processes(self, i: int, h: Any) -> tuple[GPUProcess, ...] | None:
-        procs = self._field(i, "processes", pynvml.nvmlDeviceGetComputeRunningProcesses, h)
+    def _processes(self, i: int, h: Any, utilization: bool) -> tuple[GPUProcess, ...] | None:
+        # pynvml's unversioned wrapper calls _v3 (R510+) and raises NVMLLibraryMismatchError without it.
+        procs = self._get(i, "processes", ("nvmlDeviceGetComputeRunningProcesses", h),
+                          ("nvmlDeviceGetComputeRunningProcesses_v3", h),
+                          ("nvmlDeviceGetComputeRunningProcesses_v2", h))
         if procs is None:
             return None
         sm: dict[int, float] = {}
-        last_seen = self._process_util_ts.get(i, 0)
-        samples = self._field(i, "process_utilization", _process_utilization, h, last_seen)
-        if samples:
-            for s in samples:
+        if utilization and procs:
+            last_seen = self._process_util_ts.get(i, 0)
+            samples = self._field(i, "process_utilization", _process_utilization, h, last_seen)
+            for s in samples or ():
                 sm[int(s.pid)] = float(s.smUtil)
                 self._process_util_ts[i] = max(self._process_util_ts.get(i, 0), int(s.timeStamp))
         return tuple(
@@ -375,27 +478,27 @@ class NVMLBackend(GPUBackend):
     def _gpm(self, i: int, h: Any) -> dict[str, float]:
         supported = self._gpm_supported.get(i)
         if supported is None:
-            support = self._field(i, "gpm_support", pynvml.nvmlGpmQueryDeviceSupport, h)
+            support = self._field(i, "gpm_support", "nvmlGpmQueryDeviceSupport", h)
             supported = bool(support is not None and support.isSupportedDevice)
             self._gpm_supported[i] = supported
             if not supported:
-                log.debug("GPU %d: GPM not supported (pre-Hopper GPU or vGPU); no GPM metrics", i)
+                log.debug("GPU %d: GPM not supported (pre-Hopper GPU, older driver or vGPU); no GPM metrics", i)
         if not supported:
             return {}
         now = time.monotonic()
         prev = self._gpm_prev.get(i)
         if prev is not None and now - prev[0] < GPM_MIN_INTERVAL_S:
             return {}
-        sample = self._field(i, "gpm_alloc", pynvml.nvmlGpmSampleAlloc)
+        sample = self._field(i, "gpm_sample_alloc", "nvmlGpmSampleAlloc")
         if sample is None:
             return {}
         try:
-            pynvml.nvmlGpmSampleGet(h, sample)
-        except pynvml.NVMLError as exc:
-            pynvml.nvmlGpmSampleFree(sample)
-            if getattr(exc, "value", None) in _LOST:
-                raise GPULost(f"GPU {i} is lost (GPM sample)") from None
-            log.debug("GPU %d: GPM sample failed: %s", i, exc)
+            got = self._field(i, "gpm_sample", "nvmlGpmSampleGet", h, sample)
+        except GPULost:
+            self._free_gpm(i, sample)
+            raise
+        if got is None:
+            self._free_gpm(i, sample)
             return {}
         self._gpm_prev[i] = (now, sample)
         if prev is None:
@@ -409,30 +512,32 @@ class NVMLBackend(GPUBackend):
             req.sample2 = sample
             for n, metric_id in enumerate(GPM_METRICS.values()):
                 req.metrics[n].metricId = metric_id
-            result = pynvml.nvmlGpmMetricsGet(req)
-            for n, name in enumerate(GPM_METRICS):
-                m = result.metrics[n]
-                if m.nvmlReturn == pynvml.NVML_SUCCESS:
-                    out[name] = float(m.value)
-        except pynvml.NVMLError as exc:
-            log.debug("GPU %d: GPM metrics failed: %s", i, exc)
+            result = self._field(i, "gpm_metrics", "nvmlGpmMetricsGet", req)
+            if result is not None:
+                for n, name in enumerate(GPM_METRICS):
+                    m = result.metrics[n]
+                    if m.nvmlReturn == pynvml.NVML_SUCCESS:
+                        out[name] = float(m.value)
         finally:
-            pynvml.nvmlGpmSampleFree(prev[1])
+            self._free_gpm(i, prev[1])
         return out
+
+    def _free_gpm(self, i: int, sample: Any) -> None:
+        try:
+            pynvml.nvmlGpmSampleFree(sample)
+        except Exception as exc:  # noqa: BLE001 - a leak of one buffer is not worth a GPU
+            log.debug("GPU %d: nvmlGpmSampleFree failed: %s", i, exc)
 
     def close(self) -> None:
         if self._closed:
             return
         self._closed = True
-        for _, sample in self._gpm_prev.values():
-            try:
-                pynvml.nvmlGpmSampleFree(sample)
-            except pynvml.NVMLError:
-                pass
+        for i, (_, sample) in self._gpm_prev.items():
+            self._free_gpm(i, sample)
         self._gpm_prev.clear()
         try:
             pynvml.nvmlShutdown()
-        except pynvml.NVMLError as exc:
+        except Exception as exc:  # noqa: BLE001
             log.debug("nvmlShutdown: %s", exc)
 
 

@@ -88,7 +88,8 @@ class SimulatedBackend(GPUBackend):
     def read_power_mw(self, gpu: GPUIdentity) -> float | None:
         return self._gpus[gpu.index].power_at(self._clock()) * 1000.0
 
-    def read(self, gpu: GPUIdentity, *, processes: bool = False, gpm: bool = False) -> GPUReading:
+    def read(self, gpu: GPUIdentity, *, processes: bool = False, process_utilization: bool = False,
+             gpm: bool = False) -> GPUReading:
         now = self._clock()
         with self._lock:
             g = self._gpus[gpu.index]
@@ -99,7 +100,11 @@ class SimulatedBackend(GPUBackend):
             energy_mj = int(g.energy_j * 1000)
             pid = g.pid
         used = int(g.memory_total * (0.05 + 0.8 * load))
-        procs = (GPUProcess(pid=pid, used_memory_bytes=used, sm_util_pct=95.0 * load),) if pid else ()
+        sm = 95.0 * load if process_utilization else None
+        procs: tuple[GPUProcess, ...] | None = (
+            ((GPUProcess(pid=pid, used_memory_bytes=used, sm_util_pct=sm),) if pid else ())
+            if processes or process_utilization else None
+        )
         return GPUReading(
             timestamp=now, energy_mj=energy_mj, power_instant_mw=power * 1000, power_average_mw=avg * 1000,
             power_limit_mw=g.limit_w * 1000, memory_used_bytes=used, memory_total_bytes=g.memory_total,

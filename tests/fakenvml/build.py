@@ -2,7 +2,9 @@
 
 ``omit`` builds a library that lacks some NVML symbols altogether, the way an old driver lacks functions that
 newer pynvml knows about: pynvml then raises ``NVMLError_FunctionNotFound`` when it looks the symbol up.
-Builds are cached by a hash of the source, the omitted names and the compiler command. This module must never
+``extra`` adds symbols the exporter does not know, the way a newer driver exports functions that no pynvml
+release wraps yet: each is a stub returning ``NVML_ERROR_NOT_SUPPORTED``. Builds are cached by a hash of the
+source, the omitted and extra names and the compiler command. This module must never
 touch anything outside ``out_dir`` and never fall back to a prebuilt or system NVML.
 """
 
@@ -45,20 +47,26 @@ def exported_functions(source: str | None = None) -> set[str]:
     return set(re.findall(r"^EXPORT\s[^(]*?\b(\w+)\(", text, flags=re.MULTILINE))
 
 
-def build_library(out_dir: Path, omit: Iterable[str] = ()) -> Path:
+def build_library(out_dir: Path, omit: Iterable[str] = (), extra: Iterable[str] = ()) -> Path:
     """Build ``out_dir/libnvidia-ml.so.1`` (cached) and return its path.
 
     ``omit``: NVML function names to leave out of the library's dynamic symbol table.
+    ``extra``: further function names to export (stubs answering ``NVML_ERROR_NOT_SUPPORTED``).
     """
     out_dir = Path(out_dir)
     omitted = sorted(set(omit))
+    added = sorted(set(extra))
     source = SOURCE.read_text()
-    unknown = set(omitted) - exported_functions(source)
+    exported = exported_functions(source)
+    unknown = set(omitted) - exported
     if unknown:
         raise ValueError(f"cannot omit {sorted(unknown)}: fakenvml.c does not export them")
+    bad = [n for n in added if n in exported or not re.fullmatch(r"nvml[A-Za-z0-9_]+", n)]
+    if bad:
+        raise ValueError(f"cannot add {bad}: extra symbols must be new nvml* C identifiers")
     cc = _compiler()
     digest = hashlib.sha256(
-        "\0".join([source, ",".join(omitted), " ".join(cc + _CFLAGS)]).encode()
+        "\0".join([source, ",".join(omitted), ",".join(added), " ".join(cc + _CFLAGS)]).encode()
     ).hexdigest()
     target = out_dir / LIBRARY_NAME
     stamp = out_dir / _STAMP
@@ -68,6 +76,12 @@ def build_library(out_dir: Path, omit: Iterable[str] = ()) -> Path:
     with tempfile.TemporaryDirectory(dir=out_dir, prefix=".build-") as tmp:
         tmp_lib = Path(tmp) / LIBRARY_NAME
         cmd = [*cc, *_CFLAGS, "-o", str(tmp_lib), str(SOURCE)]
+        if added:
+            stubs = Path(tmp) / "extra.c"
+            # 3 = NVML_ERROR_NOT_SUPPORTED; never called by the exporter, only present.
+            stubs.write_text("".join(f"__attribute__((visibility(\"default\"))) int {n}(void) {{ return 3; }}\n"
+                                     for n in added))
+            cmd.append(str(stubs))
         if omitted:
             # Exact names in "local" win over the "global" wildcard (GNU ld and lld alike).
             script = Path(tmp) / "omit.map"

@@ -253,6 +253,8 @@ struct gpu_cfg {
     char missing[LIST_LEN], not_supported[LIST_LEN], fields_not_supported[LIST_LEN];
     int ndelays;
     struct delay delays[MAX_DELAYS];
+    int nerrors;
+    struct delay errors[MAX_DELAYS]; /* error.<function> = nvmlReturn_t (the "ms" holds the code) */
     struct trace power;
     int power_usage_average;
     int field_instant, field_average;
@@ -764,6 +766,7 @@ static int gpu_key(struct gpu_cfg *c, const char *key, const char *v) {
     if (!strcmp(key, "fields_not_supported"))
         return snprintf(c->fields_not_supported, LIST_LEN, "%s", v) >= LIST_LEN ? -1 : 0;
     if (!strncmp(key, "delay_ms.", 9)) return add_delay(c->delays, &c->ndelays, key + 9, v);
+    if (!strncmp(key, "error.", 6)) return add_delay(c->errors, &c->nerrors, key + 6, v);
     if (!strcmp(key, "power")) return parse_trace(v, &c->power);
     if (!strcmp(key, "power_usage")) {
         if (!strcmp(v, "average")) c->power_usage_average = 1;
@@ -1008,6 +1011,7 @@ static nvmlReturn_t enter(const char *fn, nvmlDevice_t h, int flags, struct gpu 
         else if (gpu_lost(g, now())) r = NVML_ERROR_GPU_IS_LOST;
         else if (list_has(g->c.missing, fn)) r = NVML_ERROR_FUNCTION_NOT_FOUND;
         else if (list_has(g->c.not_supported, fn)) r = NVML_ERROR_NOT_SUPPORTED;
+        else if (delay_for(g->c.errors, g->c.nerrors, fn) > 0) r = (nvmlReturn_t)delay_for(g->c.errors, g->c.nerrors, fn);
         else if (mig >= 0 && !(flags & F_ALLOW_MIG)) r = NVML_ERROR_NOT_SUPPORTED; /* no per-MIG readings */
         else if (mig >= 0 && (!g->c.mig_mode || mig >= g->c.nmig)) r = NVML_ERROR_INVALID_ARGUMENT;
     }

@@ -240,6 +240,7 @@ class GPU:
     not_supported: tuple[str, ...] = ()  # functions answering NOT_SUPPORTED on this GPU
     fields_not_supported: tuple[int, ...] = ()  # field ids answering NOT_SUPPORTED
     function_delay_ms: Mapping[str, float] = field(default_factory=dict)
+    function_error: Mapping[str, int] = field(default_factory=dict)  # function -> nvmlReturn_t it returns
     power: PowerTrace = Constant(100.0)
     power_usage: str = "average"  # nvmlDeviceGetPowerUsage: "average" (1 s) or "instant"
     power_instant_field: bool = True  # NVML_FI_DEV_POWER_INSTANT supported
@@ -347,6 +348,8 @@ class GPU:
             put("fields_not_supported", " ".join(str(f) for f in self.fields_not_supported))
         for fn, ms in sorted(self.function_delay_ms.items()):
             put(f"delay_ms.{fn}", _num(ms))
+        for fn, code in sorted(self.function_error.items()):
+            put(f"error.{fn}", code)
         put("power", self.power.spec())
         put("power_usage", self.power_usage)
         put("power_instant_field", _yes(self.power_instant_field))

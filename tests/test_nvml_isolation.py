@@ -1,0 +1,200 @@
+"""One failing NVML call loses one reading; one failing GPU loses one GPU; processes are read only when used.
+
+In-process, on the fake library (the production NVML code path). Faults come from the scenario
+(``missing``, ``error.<function>``) or, for "the installed pynvml lacks this wrapper", from removing the
+wrapper from the pynvml module for the test (monkeypatch restores it).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pynvml
+import pytest
+from fakenvml import Driver, Process, Scenario, h100, v100
+from prometheus_client import generate_latest
+
+from gpu_energy_exporter.collectors.gpu import GPUCollector
+from gpu_energy_exporter.devices.base import GPUIdentity, GPUReading
+from gpu_energy_exporter.devices.nvml import NVMLBackend
+from gpu_energy_exporter.exposition import SnapshotCollector, new_registry
+from gpu_energy_exporter.sampler import Sampler
+
+T0 = 1_750_000_000.0
+ERRORS = "gpuenergy_nvml_field_errors_total"
+
+
+class Rig:
+    def __init__(self, backend_factory: Any, **kw: Any) -> None:
+        self.collector = GPUCollector(backend_factory, retry_interval=0.0, **kw)
+        self.sampler = Sampler([self.collector], 1.0, gpu_states=self.collector.states)
+        self.registry = new_registry(SnapshotCollector(self.sampler))
+
+    def sample(self, n: int = 1) -> None:
+        for _ in range(n):
+            self.sampler.sample_once()
+
+    def value(self, name: str, **labels: str) -> float | None:
+        return self.registry.get_sample_value(name, labels)
+
+    def text(self) -> str:
+        return generate_latest(self.registry).decode()
+
+
+@pytest.fixture
+def rig(fake_nvml_lib: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
+    path = tmp_path / "scenario.ini"
+    monkeypatch.setenv("FAKE_NVML_SCENARIO", str(path))
+    made: list[Rig] = []
+
+    def make(gpus: list[Any], backend: type[NVMLBackend] = NVMLBackend, **kw: Any) -> Rig:
+        Scenario(epoch=T0, driver=Driver(frozen_time=T0 + 100), gpus=gpus).write(path)
+        r = Rig(lambda: backend(str(fake_nvml_lib)), **kw)
+        made.append(r)
+        return r
+
+    yield make
+    for r in made:
+        r.collector.close()
+
+
+def L(gpu: Any, **extra: str) -> dict[str, str]:
+    return {"gpu": str(gpu.index), "gpu_uuid": gpu.uuid, **extra}
+
+
+def test_one_gpu_without_the_v3_process_list_falls_back_to_v2_and_nothing_is_lost(rig: Any) -> None:
+    # pynvml's unversioned wrapper raises NVMLLibraryMismatchError (not an NVMLError) when _v3 is missing
+    gpus = [h100(0, processes=(Process(11, 1 << 30, 50),)),
+            v100(1, processes=(Process(22, 2 << 30, 10),), missing=("nvmlDeviceGetComputeRunningProcesses_v3",))]
+    r = rig(gpus, processes=True)
+    r.sample()
+    assert r.value("gpuenergy_collector_success", collector="gpu") == 1.0
+    for g in gpus:
+        assert r.value("gpuenergy_gpu_up", **L(g)) == 1.0
+        assert r.value("gpuenergy_gpu_energy_joules_total", **L(g)) is not None
+        assert r.value("gpuenergy_gpu_compute_processes", **L(g)) == 1.0
+    assert r.value("gpuenergy_gpu_process_memory_used_bytes", **L(gpus[1], pid="22")) == 2 << 30
+    assert 'field="processes"' not in r.text()  # the fallback answered: nothing was lost
+
+
+def test_a_failing_field_loses_that_field_only_is_counted_and_logged_once(
+    rig: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    gpus = [h100(0), h100(1, function_error={"nvmlDeviceGetTemperature": 999})]  # NVML_ERROR_UNKNOWN
+    r = rig(gpus)
+    with caplog.at_level(logging.WARNING, logger="gpu_energy_exporter"):
+        r.sample(3)
+    assert r.value("gpuenergy_gpu_temperature_celsius", **L(gpus[0])) == 34.0
+    assert r.value("gpuenergy_gpu_temperature_celsius", **L(gpus[1])) is None
+    assert r.value("gpuenergy_gpu_up", **L(gpus[1])) == 1.0
+    assert r.value("gpuenergy_gpu_power_watts", **L(gpus[1])) == 350.0
+    # a transient error is asked again every sample, and counted every time
+    assert r.value(ERRORS, **L(gpus[1], field="temperature", reason="nvml_error")) == 3.0
+    assert r.value(ERRORS, **L(gpus[0], field="temperature", reason="nvml_error")) is None
+    warnings = [rec.getMessage() for rec in caplog.records if "temperature" in rec.getMessage()]
+    assert len(warnings) == 1 and "GPU 1" in warnings[0], warnings
+
+
+def test_a_wrapper_missing_from_pynvml_falls_back_or_loses_only_its_field(
+    rig: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # An older pynvml: no "clocks event reasons" wrapper (the throttle-reasons one answers instead), and no
+    # wrapper at all for the enforced power limit.
+    monkeypatch.delattr(pynvml, "nvmlDeviceGetCurrentClocksEventReasons")
+    monkeypatch.delattr(pynvml, "nvmlDeviceGetEnforcedPowerLimit")
+    gpus = [h100(0, clocks_event_reasons=0x4)]
+    r = rig(gpus)
+    r.sample(2)
+    assert r.value("gpuenergy_collector_success", collector="gpu") == 1.0
+    assert r.value("gpuenergy_gpu_clock_event_active", **L(gpus[0], reason="sw_power_cap")) == 1.0
+    assert r.value("gpuenergy_gpu_power_limit_watts", **L(gpus[0])) is None
+    assert r.value("gpuenergy_gpu_energy_joules_total", **L(gpus[0])) == 35000.0
+    assert r.value(ERRORS, **L(gpus[0], field="power_limit", reason="function_not_found")) == 1.0  # asked once
+    assert r.value(ERRORS, **L(gpus[0], field="clocks_event_reasons", reason="function_not_found")) is None
+
+
+class _FailsOnGPU1(NVMLBackend):
+    """The real backend, except that sampling GPU 1 raises something that is not GPULost (a bug, a sick
+    driver binding) from the second sample on."""
+
+    calls = 0
+
+    def read(self, gpu: GPUIdentity, **kw: Any) -> GPUReading:
+        if gpu.index == 1:
+            type(self).calls += 1
+            if type(self).calls > 1:
+                raise RuntimeError("boom")
+        return super().read(gpu, **kw)
+
+
+def test_one_gpu_raising_anything_marks_that_gpu_only_and_holds_its_energy(
+    rig: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    gpus = [h100(0), h100(1, energy_offset_mj=5_000_000)]
+    r = rig(gpus, backend=_FailsOnGPU1)
+    r.sample()
+    held = r.value("gpuenergy_gpu_energy_joules_total", **L(gpus[1]))
+    assert held == 5000.0 + 35000.0
+    with caplog.at_level(logging.ERROR, logger="gpu_energy_exporter"):
+        r.sample(3)
+    assert r.value("gpuenergy_collector_success", collector="gpu") == 1.0
+    assert r.value("gpuenergy_gpu_up", **L(gpus[0])) == 1.0
+    assert r.value("gpuenergy_gpu_power_watts", **L(gpus[0])) == 350.0
+    assert r.value("gpuenergy_gpu_up", **L(gpus[1])) == 0.0
+    assert r.value("gpuenergy_gpu_energy_joules_total", **L(gpus[1])) == held
+    assert r.value("gpuenergy_gpu_power_watts", **L(gpus[1])) is None
+    errors = [rec.getMessage() for rec in caplog.records if "GPU 1" in rec.getMessage()]
+    assert len(errors) == 1 and "RuntimeError: boom" in errors[0], errors
+    assert all(rec.exc_info is None for rec in caplog.records)  # no traceback at the default level
+
+
+def _calls(lib: Path) -> Any:
+    c = ctypes.CDLL(str(lib))
+    c.fakeNvmlCallCount.restype = ctypes.c_ulonglong
+    c.fakeNvmlResetCallCounts()
+    return lambda fn: int(c.fakeNvmlCallCount(fn.encode()))
+
+
+@pytest.mark.parametrize(
+    ("kw", "lists", "utilization"),
+    [
+        ({"idle_power_w": 60.0}, False, False),  # nothing uses the processes
+        ({}, True, False),  # the learned idle baseline needs to know whether any process runs
+        ({"processes": True, "idle_power_w": 60.0}, True, False),  # --collector.processes
+        ({"process_utilization": True, "idle_power_w": 60.0}, True, True),  # SM-weighted pod attribution
+    ],
+)
+def test_processes_are_read_only_when_something_uses_them(
+    rig: Any, fake_nvml_lib: Path, kw: dict[str, Any], lists: bool, utilization: bool
+) -> None:
+    gpus = [h100(0, processes=(Process(11, 1 << 30, 50),))]
+    r = rig(gpus, **kw)
+    calls = _calls(fake_nvml_lib)
+    r.sample()
+    first = r.collector.states()[0].reading
+    assert first is not None and (first.processes is not None) is lists
+    if utilization:  # (later samples may find no utilisation sample newer than the last: the clock is frozen)
+        assert first.processes is not None and first.processes[0].sm_util_pct == 50.0
+    r.sample(2)
+    assert (calls("nvmlDeviceGetComputeRunningProcesses_v3") > 0) is lists
+    assert (calls("nvmlDeviceGetProcessUtilization") > 0) is utilization
+    assert (r.value("gpuenergy_gpu_compute_processes", **L(gpus[0])) is not None) is lists
+    assert r.value("gpuenergy_gpu_up", **L(gpus[0])) == 1.0
+
+
+def test_a_gpu_that_cannot_be_opened_is_left_out_and_the_others_are_served(
+    rig: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    gpus = [h100(0), h100(1, handle_error=4)]  # NVML_ERROR_NO_PERMISSION for GPU 1's handle
+    r = rig(gpus)
+    with caplog.at_level(logging.WARNING, logger="gpu_energy_exporter"):
+        r.sample(2)
+    assert r.value("gpuenergy_collector_success", collector="gpu") == 1.0
+    assert r.value("gpuenergy_gpu_up", **L(gpus[0])) == 1.0
+    assert r.value("gpuenergy_gpu_up", **L(gpus[1])) is None
+    left_out = [rec.getMessage() for rec in caplog.records if "GPU 1" in rec.getMessage()]
+    assert len(left_out) == 1 and "left out" in left_out[0], left_out
