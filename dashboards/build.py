@@ -227,25 +227,28 @@ FLEET_DASHBOARD = Dashboard(
         Row("Now", (
             Panel("stat", "GPU power now",
                   "Total power of the selected nodes' GPUs over the last 5 minutes, from the GPU energy "
-                  "counters (recording rule instance:gpuenergy_gpu_energy_joules:rate5m).",
-                  WATT, (Query(f"sum({sel('instance:gpuenergy_gpu_energy_joules:rate5m', FLEET)})"),),
+                  "counters (recording rule instance_gpu:gpuenergy_gpu_energy_joules:rate5m), each GPU "
+                  "counted once by its UUID even when two scrape targets serve it.",
+                  WATT, (Query("sum(max by (gpu_uuid) "
+                               f"({sel('instance_gpu:gpuenergy_gpu_energy_joules:rate5m', FLEET)}))"),),
                   width=4, height=4),
             Panel("stat", "GPU energy today",
                   "Energy used by the selected nodes' GPUs since midnight (dashboard time zone), from the "
-                  "energy counters.",
-                  KWH, (Query(f"sum(increase({sel('gpuenergy_gpu_energy_joules_total', FLEET)}[$__range]))"
-                              " / 3.6e6"),),
+                  "energy counters, each GPU counted once by its UUID.",
+                  KWH, (Query(f"sum(max by (gpu_uuid) (increase({sel('gpuenergy_gpu_energy_joules_total', FLEET)}"
+                              "[$__range]))) / 3.6e6"),),
                   width=4, height=4, time_from="now/d"),
             Panel("stat", "GPU CO2 today",
                   "CO2-equivalent of the GPU energy since midnight: the per-node CO2 rate (energy x PUE x "
-                  "grid intensity, recording rule instance:gpuenergy_gpu_co2_grams:rate5m) summed minute by "
-                  "minute, so a grid intensity that changes during the day is weighted correctly.",
-                  GRAM, (Query(f"sum(sum_over_time({sel('instance:gpuenergy_gpu_co2_grams:rate5m', FLEET)}"
-                               "[$__range:1m])) * 60"),),
+                  "grid intensity, recording rule instance_gpu:gpuenergy_gpu_co2_grams:rate5m, each GPU "
+                  "counted once by its UUID) summed minute by minute, so a grid intensity that changes "
+                  "during the day is weighted correctly.",
+                  GRAM, (Query("sum(sum_over_time(max by (gpu_uuid) "
+                               f"({sel('instance_gpu:gpuenergy_gpu_co2_grams:rate5m', FLEET)})[$__range:1m])) * 60"),),
                   width=4, height=4, time_from="now/d"),
             Panel("stat", "GPUs answering",
-                  "GPUs whose last NVML sample succeeded (gpuenergy_gpu_up 1).",
-                  COUNT, (Query(f"count({sel('gpuenergy_gpu_up', FLEET)} == 1) or vector(0)"),),
+                  "GPUs whose last NVML sample succeeded (gpuenergy_gpu_up 1), each counted once by its UUID.",
+                  COUNT, (Query(f"count(max by (gpu_uuid) ({sel('gpuenergy_gpu_up', FLEET)}) == 1) or vector(0)"),),
                   width=4, height=4),
             Panel("stat", "Exporters down",
                   "Exporter targets Prometheus failed to scrape at its last attempt (up 0). The list is in "
@@ -253,9 +256,11 @@ FLEET_DASHBOARD = Dashboard(
                   COUNT, (Query(f"count({sel('up', FLEET)} == 0) or vector(0)"),),
                   width=4, height=4, thresholds=((1, "red"),)),
             Panel("stat", "GPUs lost / NVML unavailable",
-                  "GPUs that stopped answering NVML (gpuenergy_gpu_up 0) and exporters that cannot use NVML "
-                  "at all (gpuenergy_nvml_available 0; see its reason label on the node dashboard).",
-                  COUNT, (Query(f"count({sel('gpuenergy_gpu_up', FLEET)} == 0) or vector(0)", "GPUs lost"),
+                  "GPUs that stopped answering NVML (gpuenergy_gpu_up 0, each GPU once by its UUID) and "
+                  "exporters that cannot use NVML at all (gpuenergy_nvml_available 0; see its reason label on "
+                  "the node dashboard).",
+                  COUNT, (Query(f"count(max by (gpu_uuid) ({sel('gpuenergy_gpu_up', FLEET)}) == 0) or vector(0)",
+                                "GPUs lost"),
                           Query(f"count({sel('gpuenergy_nvml_available', FLEET)} == 0) or vector(0)",
                                 "NVML unavailable")),
                   width=4, height=4, thresholds=((1, "red"),)),
