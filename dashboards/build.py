@@ -179,12 +179,13 @@ RUN_ENERGY_SO_FAR = (
     f"{ledger_sum(sel('gpuenergy_run_energy_joules_total', RUN))} and on (run_id) {RUN_LEDGER_COMPLETE}"
     f" or sum_over_time({sel('run_id:gpuenergy_gpu_energy_joules:rate5m', RUN)}[$__range:1m]) * 60"
 )
-# AEC, the run's average power over the part of the range it was active: the ledgers' energy increase over
-# their active-seconds increase (both start with the run: 420 kJ over a 600 s run is 700 W however the run
-# sits in the range), else the recorded power averaged over the range.
 _RUN_ENERGY_INCREASE = f"increase({sel('gpuenergy_run_energy_joules_total', RUN)}[$__range])"
 _RUN_FLOPS_INCREASE = f"increase({sel('gpuenergy_run_flops_total', RUN)}[$__range])"
 _RUN_ACTIVE_INCREASE = f"increase({sel('gpuenergy_run_active_seconds_total', RUN)}[$__range])"
+_RUN_TOKENS_INCREASE = f"increase({sel('gpuenergy_run_tokens_total', RUN)}[$__range])"
+# AEC, the run's average power over the part of the range it was active: the ledgers' energy increase over
+# their active-seconds increase (both start with the run: 420 kJ over a 600 s run is 700 W however the run
+# sits in the range), else the recorded power averaged over the range.
 RUN_AVERAGE_POWER = (
     f"{ledger_sum(_RUN_ENERGY_INCREASE)} / on (run_id) {ledger_active_seconds(_RUN_ACTIVE_INCREASE)}"
     f" and on (run_id) {RUN_LEDGER_COMPLETE}"
@@ -198,19 +199,24 @@ RUN_MFU_RANGE = (
     f" / on (run_id) max_over_time({sel('run_id:gpuenergy_gpu_peak_flops_per_second:sum', RUN)}[$__range])"
     f" or avg_over_time({sel('run_id:training_mfu:ratio_rate5m', RUN)}[$__range])"
 )
-# J/token over the dashboard range: the ledgers' counters where the run has them (energy and tokens
+# J/token over the dashboard range: the ledgers' counters where they cover the run (energy and tokens
 # counted over the same samples), else the recorded power and token rate averaged over the range. The
-# fallback is only for runs the ledgers do not know: a token rate younger than its 5-minute window reads
-# low, so the fallback overstates J/token for a run that started inside the range.
+# fallback is for runs the ledgers do not know or know only in part (a multi-node run whose ranks all push
+# to one exporter: that ledger has every rank's tokens but one node's energy). A token rate younger than
+# its 5-minute window reads low, so without a ledger the fallback overstates J/token for a run that
+# started inside the range.
 RUN_JOULES_PER_TOKEN_RANGE = (
-    f"sum by (run_id) (increase({sel('gpuenergy_run_energy_joules_total', RUN)}[$__range]))"
-    f" / (sum by (run_id) (increase({sel('gpuenergy_run_tokens_total', RUN)}[$__range])) > 0)"
+    f"{ledger_sum(_RUN_ENERGY_INCREASE)}"
+    f" / ({ledger_sum(_RUN_TOKENS_INCREASE)} > 0)"
+    f" and on (run_id) {RUN_LEDGER_COMPLETE}"
     f" or (avg_over_time({sel('run_id:gpuenergy_gpu_energy_joules:rate5m', RUN)}[$__range])"
     f" / (avg_over_time({sel('run_id:training_tokens:rate5m', RUN)}[$__range]) > 0)"
-    f" unless on (run_id) {sel('gpuenergy_run_energy_joules_total', RUN)})"
+    f" unless on (run_id) {RUN_LEDGER_COMPLETE})"
 )
+# CO2 so far: the ledgers' running total where they cover the run, else the recorded CO2 rate summed
+# minute by minute.
 RUN_CO2_SO_FAR = (
-    f"sum by (run_id) ({sel('gpuenergy_run_co2_grams', RUN)})"
+    f"{ledger_sum(sel('gpuenergy_run_co2_grams', RUN))} and on (run_id) {RUN_LEDGER_COMPLETE}"
     f" or sum_over_time({sel('run_id:gpuenergy_gpu_co2_grams:rate5m', RUN)}[$__range:1m]) * 60"
 )
 
@@ -487,10 +493,11 @@ TRAINING_DASHBOARD = Dashboard(
             Panel("stat", "Energy per token (range)",
                   "GPU joules per token over the part of the dashboard range in which the run was active: "
                   "the run ledgers' energy increase / token increase (both counters start with the run, so "
-                  "the figure is right for a run that started or ended inside the range). For runs without "
-                  "a ledger (training data through another OTLP path): mean run power / mean token rate, "
-                  "which overstates J/token when the run started less than 5 minutes before the range ends "
-                  "or inside it.",
+                  "the figure is right for a run that started or ended inside the range). Fallback, for "
+                  "runs no ledger covers completely (training data through another OTLP path, or a "
+                  "multi-node run whose ranks all push to one exporter, whose ledger has one node's "
+                  "energy): mean run power / mean token rate, which without a ledger overstates J/token "
+                  "when the run started less than 5 minutes before the range ends or inside it.",
                   JOULE, (Query(RUN_JOULES_PER_TOKEN_RANGE, "{{run_id}}"),),
                   width=6, height=5),
             Panel("stat", "Energy so far",
@@ -504,8 +511,9 @@ TRAINING_DASHBOARD = Dashboard(
                   width=6, height=5),
             Panel("stat", "CO2 so far",
                   "CO2-equivalent of the run's GPU energy: energy (kWh) x PUE x grid intensity, integrated "
-                  "as it happened (ledger, else the recorded CO2 rate summed minute by minute). GPU energy "
-                  "only: CPUs, memory, network and cooling beyond PUE are not included.",
+                  "as it happened: the run ledgers' running total (gpuenergy_run_co2_grams, summed over "
+                  "nodes) for runs they cover completely, else the recorded CO2 rate summed minute by "
+                  "minute. GPU energy only: CPUs, memory, network and cooling beyond PUE are not included.",
                   GRAM, (Query(RUN_CO2_SO_FAR, "{{run_id}}"),),
                   width=6, height=5),
             Panel("stat", "Projected energy at finish",
