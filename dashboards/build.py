@@ -156,25 +156,67 @@ RUN = 'run_id=~"$run_id"'
 ONE_RUN = 'run_id="$run_id"'  # inside a panel repeated per run
 GPU_LEGEND = "{{instance}} GPU {{gpu}}"
 
-# The run's energy so far: the exporter's run ledger where the run pushed to an exporter (exact, from
-# the counters), else the recorded power integrated minute by minute over the dashboard range.
+
+def ledger_sum(expr: str) -> str:
+    """A per-run ledger series summed over nodes: first over the series of one scrape target (an extra
+    label, such as the ledger's split of a shared GPU, adds up), then the max over the jobs that scrape
+    that target (counted once), then the sum over nodes."""
+    return f"sum by (run_id) (max by (run_id, instance) (sum by (run_id, instance, job) ({expr})))"
+
+
+def ledger_active_seconds(expr: str) -> str:
+    """Active seconds of the run (max over nodes: they are active at the same time); absent when 0."""
+    return f"(max by (run_id) ({expr}) > 0)"
+
+
+# Runs the ledgers covered completely at some point of the range (recording rule
+# run_id:gpuenergy_run_energy_joules:ledger_complete): their ledger figures are used; other runs get the
+# join-based fallback.
+RUN_LEDGER_COMPLETE = f"max_over_time({sel('run_id:gpuenergy_run_energy_joules:ledger_complete', RUN)}[$__range])"
+# The run's energy so far: the run ledgers' energy counters where they cover the run (exact, from the
+# counters), else the recorded power integrated minute by minute over the dashboard range.
 RUN_ENERGY_SO_FAR = (
-    f"sum by (run_id) ({sel('gpuenergy_run_energy_joules_total', RUN)})"
+    f"{ledger_sum(sel('gpuenergy_run_energy_joules_total', RUN))} and on (run_id) {RUN_LEDGER_COMPLETE}"
     f" or sum_over_time({sel('run_id:gpuenergy_gpu_energy_joules:rate5m', RUN)}[$__range:1m]) * 60"
 )
-# J/token over the dashboard range: the ledgers' counters where the run has them (energy and tokens
+_RUN_ENERGY_INCREASE = f"increase({sel('gpuenergy_run_energy_joules_total', RUN)}[$__range])"
+_RUN_FLOPS_INCREASE = f"increase({sel('gpuenergy_run_flops_total', RUN)}[$__range])"
+_RUN_ACTIVE_INCREASE = f"increase({sel('gpuenergy_run_active_seconds_total', RUN)}[$__range])"
+_RUN_TOKENS_INCREASE = f"increase({sel('gpuenergy_run_tokens_total', RUN)}[$__range])"
+# AEC, the run's average power over the part of the range it was active: the ledgers' energy increase over
+# their active-seconds increase (both start with the run: 420 kJ over a 600 s run is 700 W however the run
+# sits in the range), else the recorded power averaged over the range.
+RUN_AVERAGE_POWER = (
+    f"{ledger_sum(_RUN_ENERGY_INCREASE)} / on (run_id) {ledger_active_seconds(_RUN_ACTIVE_INCREASE)}"
+    f" and on (run_id) {RUN_LEDGER_COMPLETE}"
+    f" or avg_over_time({sel('run_id:gpuenergy_gpu_energy_joules:rate5m', RUN)}[$__range])"
+)
+# MFU over the range: the ledgers' FLOP increase over their active-seconds increase, against the peak (a
+# range holds many whole logging intervals, so FLOPs counted in lumps average out), else the 5-minute MFU
+# averaged over the range.
+RUN_MFU_RANGE = (
+    f"{ledger_sum(_RUN_FLOPS_INCREASE)} / on (run_id) {ledger_active_seconds(_RUN_ACTIVE_INCREASE)}"
+    f" / on (run_id) max_over_time({sel('run_id:gpuenergy_gpu_peak_flops_per_second:sum', RUN)}[$__range])"
+    f" or avg_over_time({sel('run_id:training_mfu:ratio_rate5m', RUN)}[$__range])"
+)
+# J/token over the dashboard range: the ledgers' counters where they cover the run (energy and tokens
 # counted over the same samples), else the recorded power and token rate averaged over the range. The
-# fallback is only for runs the ledgers do not know: a token rate younger than its 5-minute window reads
-# low, so the fallback overstates J/token for a run that started inside the range.
+# fallback is for runs the ledgers do not know or know only in part (a multi-node run whose ranks all push
+# to one exporter: that ledger has every rank's tokens but one node's energy). A token rate younger than
+# its 5-minute window reads low, so without a ledger the fallback overstates J/token for a run that
+# started inside the range.
 RUN_JOULES_PER_TOKEN_RANGE = (
-    f"sum by (run_id) (increase({sel('gpuenergy_run_energy_joules_total', RUN)}[$__range]))"
-    f" / (sum by (run_id) (increase({sel('gpuenergy_run_tokens_total', RUN)}[$__range])) > 0)"
+    f"{ledger_sum(_RUN_ENERGY_INCREASE)}"
+    f" / ({ledger_sum(_RUN_TOKENS_INCREASE)} > 0)"
+    f" and on (run_id) {RUN_LEDGER_COMPLETE}"
     f" or (avg_over_time({sel('run_id:gpuenergy_gpu_energy_joules:rate5m', RUN)}[$__range])"
     f" / (avg_over_time({sel('run_id:training_tokens:rate5m', RUN)}[$__range]) > 0)"
-    f" unless on (run_id) {sel('gpuenergy_run_energy_joules_total', RUN)})"
+    f" unless on (run_id) {RUN_LEDGER_COMPLETE})"
 )
+# CO2 so far: the ledgers' running total where they cover the run, else the recorded CO2 rate summed
+# minute by minute.
 RUN_CO2_SO_FAR = (
-    f"sum by (run_id) ({sel('gpuenergy_run_co2_grams', RUN)})"
+    f"{ledger_sum(sel('gpuenergy_run_co2_grams', RUN))} and on (run_id) {RUN_LEDGER_COMPLETE}"
     f" or sum_over_time({sel('run_id:gpuenergy_gpu_co2_grams:rate5m', RUN)}[$__range:1m]) * 60"
 )
 
@@ -191,25 +233,28 @@ FLEET_DASHBOARD = Dashboard(
         Row("Now", (
             Panel("stat", "GPU power now",
                   "Total power of the selected nodes' GPUs over the last 5 minutes, from the GPU energy "
-                  "counters (recording rule instance:gpuenergy_gpu_energy_joules:rate5m).",
-                  WATT, (Query(f"sum({sel('instance:gpuenergy_gpu_energy_joules:rate5m', FLEET)})"),),
+                  "counters (recording rule instance_gpu:gpuenergy_gpu_energy_joules:rate5m), each GPU "
+                  "counted once by its UUID even when two scrape targets serve it.",
+                  WATT, (Query("sum(max by (gpu_uuid) "
+                               f"({sel('instance_gpu:gpuenergy_gpu_energy_joules:rate5m', FLEET)}))"),),
                   width=4, height=4),
             Panel("stat", "GPU energy today",
                   "Energy used by the selected nodes' GPUs since midnight (dashboard time zone), from the "
-                  "energy counters.",
-                  KWH, (Query(f"sum(increase({sel('gpuenergy_gpu_energy_joules_total', FLEET)}[$__range]))"
-                              " / 3.6e6"),),
+                  "energy counters, each GPU counted once by its UUID.",
+                  KWH, (Query(f"sum(max by (gpu_uuid) (increase({sel('gpuenergy_gpu_energy_joules_total', FLEET)}"
+                              "[$__range]))) / 3.6e6"),),
                   width=4, height=4, time_from="now/d"),
             Panel("stat", "GPU CO2 today",
                   "CO2-equivalent of the GPU energy since midnight: the per-node CO2 rate (energy x PUE x "
-                  "grid intensity, recording rule instance:gpuenergy_gpu_co2_grams:rate5m) summed minute by "
-                  "minute, so a grid intensity that changes during the day is weighted correctly.",
-                  GRAM, (Query(f"sum(sum_over_time({sel('instance:gpuenergy_gpu_co2_grams:rate5m', FLEET)}"
-                               "[$__range:1m])) * 60"),),
+                  "grid intensity, recording rule instance_gpu:gpuenergy_gpu_co2_grams:rate5m, each GPU "
+                  "counted once by its UUID) summed minute by minute, so a grid intensity that changes "
+                  "during the day is weighted correctly.",
+                  GRAM, (Query("sum(sum_over_time(max by (gpu_uuid) "
+                               f"({sel('instance_gpu:gpuenergy_gpu_co2_grams:rate5m', FLEET)})[$__range:1m])) * 60"),),
                   width=4, height=4, time_from="now/d"),
             Panel("stat", "GPUs answering",
-                  "GPUs whose last NVML sample succeeded (gpuenergy_gpu_up 1).",
-                  COUNT, (Query(f"count({sel('gpuenergy_gpu_up', FLEET)} == 1) or vector(0)"),),
+                  "GPUs whose last NVML sample succeeded (gpuenergy_gpu_up 1), each counted once by its UUID.",
+                  COUNT, (Query(f"count(max by (gpu_uuid) ({sel('gpuenergy_gpu_up', FLEET)}) == 1) or vector(0)"),),
                   width=4, height=4),
             Panel("stat", "Exporters down",
                   "Exporter targets Prometheus failed to scrape at its last attempt (up 0). The list is in "
@@ -217,9 +262,11 @@ FLEET_DASHBOARD = Dashboard(
                   COUNT, (Query(f"count({sel('up', FLEET)} == 0) or vector(0)"),),
                   width=4, height=4, thresholds=((1, "red"),)),
             Panel("stat", "GPUs lost / NVML unavailable",
-                  "GPUs that stopped answering NVML (gpuenergy_gpu_up 0) and exporters that cannot use NVML "
-                  "at all (gpuenergy_nvml_available 0; see its reason label on the node dashboard).",
-                  COUNT, (Query(f"count({sel('gpuenergy_gpu_up', FLEET)} == 0) or vector(0)", "GPUs lost"),
+                  "GPUs that stopped answering NVML (gpuenergy_gpu_up 0, each GPU once by its UUID) and "
+                  "exporters that cannot use NVML at all (gpuenergy_nvml_available 0; see its reason label on "
+                  "the node dashboard).",
+                  COUNT, (Query(f"count(max by (gpu_uuid) ({sel('gpuenergy_gpu_up', FLEET)}) == 0) or vector(0)",
+                                "GPUs lost"),
                           Query(f"count({sel('gpuenergy_nvml_available', FLEET)} == 0) or vector(0)",
                                 "NVML unavailable")),
                   width=4, height=4, thresholds=((1, "red"),)),
@@ -254,9 +301,17 @@ FLEET_DASHBOARD = Dashboard(
                   width=8, height=10, minimum=0, maximum=1),
             Panel("bargauge", "Top runs by GPU energy (selected range)",
                   "The ten training runs whose GPUs used the most energy within the dashboard range: the "
-                  "recorded run power (run_id:gpuenergy_gpu_energy_joules:rate5m) summed minute by minute. "
-                  "Runs span nodes, so the node filter does not apply.",
-                  JOULE, (Query("topk(10, sum_over_time(run_id:gpuenergy_gpu_energy_joules:rate5m"
+                  "increase of the run ledgers' energy counters (gpuenergy_run_energy_joules_total, summed "
+                  "over nodes), which start with the run and split a GPU shared by several runs, so each "
+                  "joule is charged once and none from before the run. Fallback, for runs no ledger covers "
+                  "completely (training data through another OTLP path, or a multi-node run whose ranks "
+                  "all push to one exporter): the recorded run power (run_id:gpuenergy_gpu_energy_joules:"
+                  "rate5m) summed minute by minute, which lags the run's start by the 5-minute window and "
+                  "charges a shared GPU's whole energy to each run on it. Runs span nodes, so the node "
+                  "filter does not apply.",
+                  JOULE, (Query(f"topk(10, {ledger_sum('increase(gpuenergy_run_energy_joules_total[$__range])')}"
+                                " and on (run_id) max_over_time(run_id:gpuenergy_run_energy_joules:ledger_complete"
+                                "[$__range]) or sum_over_time(run_id:gpuenergy_gpu_energy_joules:rate5m"
                                 "[$__range:1m]) * 60)", "{{run_id}}"),),
                   width=8, height=10),
             Panel("bargauge", "Top namespaces by GPU energy (selected range)",
@@ -438,22 +493,27 @@ TRAINING_DASHBOARD = Dashboard(
             Panel("stat", "Energy per token (range)",
                   "GPU joules per token over the part of the dashboard range in which the run was active: "
                   "the run ledgers' energy increase / token increase (both counters start with the run, so "
-                  "the figure is right for a run that started or ended inside the range). For runs without "
-                  "a ledger (training data through another OTLP path): mean run power / mean token rate, "
-                  "which overstates J/token when the run started less than 5 minutes before the range ends "
-                  "or inside it.",
+                  "the figure is right for a run that started or ended inside the range). Fallback, for "
+                  "runs no ledger covers completely (training data through another OTLP path, or a "
+                  "multi-node run whose ranks all push to one exporter, whose ledger has one node's "
+                  "energy): mean run power / mean token rate, which without a ledger overstates J/token "
+                  "when the run started less than 5 minutes before the range ends or inside it.",
                   JOULE, (Query(RUN_JOULES_PER_TOKEN_RANGE, "{{run_id}}"),),
                   width=6, height=5),
             Panel("stat", "Energy so far",
-                  "Energy of the run's GPUs since it started: the exporter's run ledger (exact, from the "
-                  "counters) where the run pushed to an exporter, else the recorded run power summed minute "
-                  "by minute over the dashboard range (widen the range to cover the whole run).",
+                  "Energy of the run's GPUs since it started: the run ledgers' energy counters "
+                  "(gpuenergy_run_energy_joules_total, summed over nodes; exact, from the GPUs' energy "
+                  "counters). Fallback, for runs no ledger covers completely (training data through another "
+                  "OTLP path, or a multi-node run whose ranks all push to one exporter, whose ledger sees "
+                  "one node's GPUs): the recorded run power summed minute by minute over the dashboard range "
+                  "(widen the range to cover the whole run; it lags the run's start by the 5-minute window).",
                   JOULE, (Query(RUN_ENERGY_SO_FAR, "{{run_id}}"),),
                   width=6, height=5),
             Panel("stat", "CO2 so far",
                   "CO2-equivalent of the run's GPU energy: energy (kWh) x PUE x grid intensity, integrated "
-                  "as it happened (ledger, else the recorded CO2 rate summed minute by minute). GPU energy "
-                  "only: CPUs, memory, network and cooling beyond PUE are not included.",
+                  "as it happened: the run ledgers' running total (gpuenergy_run_co2_grams, summed over "
+                  "nodes) for runs they cover completely, else the recorded CO2 rate summed minute by "
+                  "minute. GPU energy only: CPUs, memory, network and cooling beyond PUE are not included.",
                   GRAM, (Query(RUN_CO2_SO_FAR, "{{run_id}}"),),
                   width=6, height=5),
             Panel("stat", "Projected energy at finish",
@@ -489,15 +549,23 @@ TRAINING_DASHBOARD = Dashboard(
                   JOULE, (Query(sel("run_id:training_energy_joules_per_step:ratio_rate5m", RUN), "{{run_id}}"),),
                   width=8),
             Panel("timeseries", "Power of the run (AEC)",
-                  "Power of all the run's GPUs together, from their energy counters (the EfficientLLM "
-                  "average energy consumption, AEC, is its mean; see below).",
+                  "Power of all the run's GPUs together while the run was active, over the last 5 minutes "
+                  "(recording rule run_id:gpuenergy_gpu_energy_joules:rate5m): the run ledgers' energy "
+                  "counters over their active seconds, right from the run's first minute and with a shared "
+                  "GPU split as the ledger splits it. Fallback, for runs no ledger covers completely: the "
+                  "power of the GPUs the run reports, which in the run's first 5 minutes mixes in what the "
+                  "GPUs drew before it started. The EfficientLLM average energy consumption (AEC) is its "
+                  "mean; see below.",
                   WATT, (Query(sel("run_id:gpuenergy_gpu_energy_joules:rate5m", RUN), "{{run_id}}"),),
                   width=8),
             Panel("timeseries", "Power of each of the run's GPUs",
-                  "Each GPU the run reported in training_run_gpu_info, with its node.",
+                  "Each GPU the run reported in training_run_gpu_info, with its node: the whole GPU's power "
+                  "from its energy counter over 5 minutes (a GPU shared with another run shows its whole "
+                  "power here). A GPU scraped under two targets is shown once (the target with the higher "
+                  "reading).",
                   WATT, (Query(f"{sel('run_id_gpu_uuid:training_run_gpu_info:active', RUN)}"
-                               " * on (gpu_uuid) group_left (instance, gpu)"
-                               " max by (instance, gpu, gpu_uuid) (instance_gpu:gpuenergy_gpu_energy_joules:rate5m)",
+                               " * on (gpu_uuid) group_left (instance, gpu) topk by (gpu_uuid) (1,"
+                               " max by (instance, gpu, gpu_uuid) (instance_gpu:gpuenergy_gpu_energy_joules:rate5m))",
                                "{{run_id}} {{instance}} GPU {{gpu}}"),),
                   width=8),
             Panel("timeseries", "Progress",
@@ -507,9 +575,12 @@ TRAINING_DASHBOARD = Dashboard(
                   width=8, minimum=0, maximum=1),
         )),
         Row("EfficientLLM metrics (means over the part of the range the run was active)", (
-            Panel("stat", "AMU: average memory use",
-                  "Average memory utilisation: VRAM in use per GPU of the run, averaged over time "
-                  "(framebuffer use, so other processes on the same GPU count).",
+            Panel("stat", "AMU: average VRAM per GPU",
+                  "Average memory utilisation: VRAM in use per GPU of the run (the mean over its GPUs, not "
+                  "the sum), averaged over time (framebuffer use, so other processes on the same GPU "
+                  "count). The run ledger's VRAM figures (vram_avg_bytes, vram_peak_bytes, "
+                  "gpuenergy_run_memory_peak_bytes) are sums over the run's GPUs: divide them by gpu_count "
+                  "to compare.",
                   BYTES, (Query(f"avg_over_time({sel('run_id:gpuenergy_gpu_memory_used_bytes:avg', RUN)}"
                                 "[$__range])", "{{run_id}}"),),
                   width=4, height=5),
@@ -523,18 +594,21 @@ TRAINING_DASHBOARD = Dashboard(
                                 "[$__range])", "{{run_id}} SM active")),
                   width=4, height=5, minimum=0, maximum=1),
             Panel("stat", "MFU",
-                  "Model FLOPs utilisation: the FLOPs the trainer counted per second of the run's activity "
+                  "Model FLOPs utilisation over the range: the FLOPs the trainer counted per second of the "
+                  "run's activity (the run ledgers' FLOP increase over their active-seconds increase) "
                   "against the dense peak of the run's GPUs at the run's precision (bf16, fp16, fp8 or tf32; "
-                  "none for fp32).",
-                  RATIO, (Query(f"avg_over_time({sel('run_id:training_mfu:ratio_rate5m', RUN)}[$__range])",
-                                "{{run_id}}"),),
+                  "none for fp32 and none on MIG slices). A range holds many logging intervals, so FLOPs "
+                  "counted in lumps (Hugging Face's Trainer adds them at logging steps) average out. "
+                  "Fallback, for runs without a ledger: the 5-minute MFU averaged over the range.",
+                  RATIO, (Query(RUN_MFU_RANGE, "{{run_id}}"),),
                   width=4, height=5, minimum=0, maximum=1),
             Panel("stat", "AL: average step latency",
-                  "Mean wall time of an optimizer step over every step every rank took in the range.",
+                  "Mean wall time of an optimizer step over every step every rank took in the range; no "
+                  "data (not NaN) for a run that took no step in the range.",
                   SECONDS, (Query(f"sum by (run_id) (increase({sel('training_step_duration_seconds_sum', RUN)}"
                                   "[$__range]))"
-                                  f" / sum by (run_id) (increase({sel('training_step_duration_seconds_count', RUN)}"
-                                  "[$__range]))", "{{run_id}}"),),
+                                  f" / (sum by (run_id) (increase({sel('training_step_duration_seconds_count', RUN)}"
+                                  "[$__range])) > 0)", "{{run_id}}"),),
                   width=3, height=5),
             Panel("stat", "TT: tokens / parameter / s",
                   "Token throughput per model parameter (pre-training figure of merit; needs the parameter "
@@ -549,18 +623,27 @@ TRAINING_DASHBOARD = Dashboard(
                                      "[$__range])", "{{run_id}}"),),
                   width=3, height=5),
             Panel("stat", "AEC: average power",
-                  "Average energy consumption: mean power of all the run's GPUs together.",
-                  WATT, (Query(f"avg_over_time({sel('run_id:gpuenergy_gpu_energy_joules:rate5m', RUN)}"
-                               "[$__range])", "{{run_id}}"),),
+                  "Average energy consumption: mean power of all the run's GPUs together while the run was "
+                  "active in the range, the run ledgers' energy increase over their active-seconds increase "
+                  "(a 10-minute run that used 420 kJ reads 420 kJ / 600 s = 700 W, as the ledger's "
+                  "avg_power_w). Fallback, for runs no ledger covers completely: the recorded run power "
+                  "averaged over the range, which reads low for a run that started inside it (the 5-minute "
+                  "window mixes in the GPUs' draw before the run).",
+                  WATT, (Query(RUN_AVERAGE_POWER, "{{run_id}}"),),
                   width=3, height=5),
         )),
         Row("Utilisation over time", (
             Panel("timeseries", "MFU",
                   "Model FLOPs utilisation over the last 5 minutes (recording rule "
                   "run_id:training_mfu:ratio_rate5m), from the run ledgers' FLOP and active-time counters: "
-                  "right from the run's first minute. Runs without a ledger read low in their first 5 "
-                  "minutes.",
-                  RATIO, (Query(sel("run_id:training_mfu:ratio_rate5m", RUN), "{{run_id}}"),),
+                  "right from the run's first minute (runs without a ledger read low in their first 5 "
+                  "minutes), and since the run started (run_id:training_mfu:ratio_since_start, ledger runs "
+                  "only). Hugging Face's Trainer adds its FLOPs only at logging steps: with a logging "
+                  "interval of minutes the 5-minute line swings between 0 and several times the truth, "
+                  "while the since-start line holds every logging interval but the last. No MFU for fp32 "
+                  "runs or on MIG slices (the peak is the whole GPU's).",
+                  RATIO, (Query(sel("run_id:training_mfu:ratio_rate5m", RUN), "{{run_id}} 5 min"),
+                          Query(sel("run_id:training_mfu:ratio_since_start", RUN), "{{run_id}} since start")),
                   width=8, minimum=0, maximum=1),
             Panel("timeseries", "PCU: time-active, SM and tensor activity",
                   "The run's GPUs averaged: NVML time-active utilisation, and GPM SM and tensor-core "
@@ -572,16 +655,19 @@ TRAINING_DASHBOARD = Dashboard(
                   ),
                   width=8, minimum=0, maximum=1),
             Panel("timeseries", "VRAM per GPU (AMU)",
-                  "VRAM in use per GPU of the run (mean over its GPUs).",
+                  "VRAM in use per GPU of the run: the mean over its GPUs, not the sum (the run ledger's "
+                  "VRAM figures are sums over the run's GPUs).",
                   BYTES, (Query(sel("run_id:gpuenergy_gpu_memory_used_bytes:avg", RUN), "{{run_id}}"),),
                   width=8),
             Panel("timeseries", "Step latency (AL)",
                   "Mean optimizer-step time over 5 minutes and the 95th percentile from the histogram "
-                  "buckets (interpolated within a bucket).",
+                  "buckets (interpolated within a bucket); no data (not NaN) while no step ends.",
                   SECONDS, (
                       Query(sel("run_id:training_step_duration_seconds:mean5m", RUN), "{{run_id}} mean"),
                       Query("histogram_quantile(0.95, sum by (run_id, le) "
-                            f"(rate({sel('training_step_duration_seconds_bucket', RUN)}[$__rate_interval])))",
+                            f"(rate({sel('training_step_duration_seconds_bucket', RUN)}[$__rate_interval]))"
+                            " and on (run_id) (sum by (run_id) "
+                            f"(rate({sel('training_step_duration_seconds_count', RUN)}[$__rate_interval])) > 0))",
                             "{{run_id}} p95"),
                   )),
             Panel("timeseries", "Throughput per parameter (TT, ST)",

@@ -79,7 +79,8 @@ def all_panel_exprs() -> dict[str, str]:
     out = {}
     for name, dash in ALL:
         for panel, target in targets(dash):
-            out[f"{name}: {panel['title']} [{target['refId']}]"] = test_expr(panel, target)
+            # The panel id too: two panels may share a title (the MFU stat and the MFU time series).
+            out[f"{name}: {panel['title']} (panel {panel['id']}) [{target['refId']}]"] = test_expr(panel, target)
     return out
 
 

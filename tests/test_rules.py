@@ -123,3 +123,61 @@ def test_every_rule_is_explained_next_to_it() -> None:
         for rule in promtool.rules([path]):
             if "record" in rule:
                 assert comments.get(rule["record"]), f"{path.name}: {rule['record']} has no comment above it"
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Mutation checks: a rule changed in a way that matters must make some promtool case fail. Each mutant is
+# one edit of dashboards/rules/recording.yaml: one `[5m]` window narrowed to `[4m]` (the inputs must change
+# slope inside some window, or every window reads the same rate), or one `unless on (run_id) <series>`
+# exclusion line dropped (the inputs must have a run that the exclusion removes).
+
+_EXCLUSION_LINE = re.compile(r"^[ \t]*unless on \(run_id\) [A-Za-z_:][A-Za-z0-9_:]*[ \t]*\n", re.MULTILINE)
+
+
+def _rule_mutants() -> list[tuple[str, str]]:
+    """(name, mutated recording.yaml text) for every mutation the promtool cases must catch."""
+    text = (promtool.ROOT / "rules" / "recording.yaml").read_text(encoding="utf-8")
+    mutants: list[tuple[str, str]] = []
+    for m in re.finditer(r"\[5m\]", text):
+        line = text.count("\n", 0, m.start()) + 1
+        if text.splitlines()[line - 1].lstrip().startswith("#"):
+            continue  # a comment: no promtool case can see it
+        mutants.append((f"line {line}: [5m] -> [4m]", text[: m.start()] + "[4m]" + text[m.end():]))
+    for m in _EXCLUSION_LINE.finditer(text):
+        line = text.count("\n", 0, m.start()) + 1
+        mutants.append((f"line {line}: dropped {m.group().strip()!r}", text[: m.start()] + text[m.end():]))
+    return mutants
+
+
+def test_rule_mutants_are_found() -> None:
+    # The generator finds what it claims to: every window and every exclusion line of the rule file.
+    text = (promtool.ROOT / "rules" / "recording.yaml").read_text(encoding="utf-8")
+    names = [name for name, _ in _rule_mutants()]
+    code = "\n".join(line for line in text.splitlines() if not line.lstrip().startswith("#"))
+    assert sum("[4m]" in n for n in names) == code.count("[5m]") > 0
+    assert sum("dropped" in n for n in names) == len(_EXCLUSION_LINE.findall(text)) > 0
+
+
+def test_every_rule_mutant_fails_a_promtool_case(promtool_binary: str, tmp_path: object) -> None:
+    from pathlib import Path
+
+    tmp = Path(str(tmp_path))
+    (tmp / "rules").mkdir()
+    (tmp / "tests").mkdir()
+    (tmp / "rules" / "alerts.yaml").write_text(
+        (promtool.ROOT / "rules" / "alerts.yaml").read_text(encoding="utf-8"), encoding="utf-8")
+    for path in promtool.TEST_FILES:
+        (tmp / "tests" / path.name).write_text(path.read_text(encoding="utf-8"), encoding="utf-8")
+    # The unmutated copy passes, so a failure below is the mutation's doing.
+    (tmp / "rules" / "recording.yaml").write_text(
+        (promtool.ROOT / "rules" / "recording.yaml").read_text(encoding="utf-8"), encoding="utf-8")
+    files = [p.name for p in promtool.TEST_FILES]
+    baseline = promtool.run("test", "rules", *files, cwd=tmp / "tests")
+    assert baseline.returncode == 0, baseline.stdout + baseline.stderr
+    survivors = []
+    for name, mutated in _rule_mutants():
+        (tmp / "rules" / "recording.yaml").write_text(mutated, encoding="utf-8")
+        result = promtool.run("test", "rules", *files, cwd=tmp / "tests")
+        if result.returncode == 0:
+            survivors.append(name)
+    assert not survivors, "rule mutations no promtool case catches:\n" + "\n".join(survivors)
