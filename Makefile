@@ -8,7 +8,7 @@ PY     := $(VENV)/bin/python
 ARGS   ?=
 PYTEST_ARGS ?=
 
-.PHONY: run test test-gpu bench docs lint dashboards clean
+.PHONY: run test test-gpu test-container bench docs lint dashboards clean
 
 $(VENV)/bin/python:
 	python3 -m venv $(VENV)
@@ -31,6 +31,10 @@ test: $(VENV)/.test-installed
 # On a machine with a real NVIDIA GPU and driver: the tests marked `gpu`.
 test-gpu: $(VENV)/.test-installed
 	$(PY) -m pytest -m gpu -p no:cacheprovider $(PYTEST_ARGS)
+
+# Build the Dockerfile with buildah on a Debian stand-in base image and run it (also part of `make test`).
+test-container: $(VENV)/.test-installed
+	$(PY) -m pytest -m container $(PYTEST_ARGS)
 
 bench: $(VENV)/.test-installed
 	$(PY) -m bench $(ARGS)

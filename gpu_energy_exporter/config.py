@@ -128,6 +128,15 @@ def _text(raw: str) -> str:
     return raw
 
 
+def _url(raw: str) -> str:
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(raw.strip())
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError("must be an http:// or https:// URL, e.g. http://collector:4318/v1/metrics")
+    return raw.strip()
+
+
 # ----------------------------------------------------------------------------------------------------
 # the flag table
 
@@ -185,6 +194,20 @@ FLAGS: tuple[Flag, ...] = (
     Flag("otlp.bearer-token-file", _existing_file, None,
          "If set, OTLP pushes must carry 'Authorization: Bearer <token>' with the token in this file.",
          "FILE"),
+    Flag("otlp.push-endpoint", _url, None,
+         "Also push this node's readings over OTLP/HTTP to this URL (e.g. http://collector:4318/v1/metrics), "
+         "named after the OpenTelemetry hardware semantic conventions. Off when unset.", "URL"),
+    Flag("otlp.push-interval", parse_duration, "10s", "How often readings are pushed to --otlp.push-endpoint.",
+         "DURATION"),
+    Flag("otlp.push-headers-file", _existing_file, None,
+         "File of HTTP headers sent with every push, one 'Name: value' per line (e.g. an API key).", "FILE"),
+    Flag("otlp.push-ca-file", _existing_file, None,
+         "CA certificate(s) that verify an https:// --otlp.push-endpoint (default: the system's).", "FILE"),
+    Flag("otlp.push-cert-file", _existing_file, None, "Client certificate for mutual TLS with the push endpoint.",
+         "FILE"),
+    Flag("otlp.push-key-file", _existing_file, None, "Private key of --otlp.push-cert-file.", "FILE"),
+    Flag("otlp.push-insecure-skip-verify", parse_bool, "false",
+         "Do not verify the push endpoint's TLS certificate (testing only).", "BOOL"),
     Flag("collector.interval", parse_duration, "1s",
          "How often GPUs and the host are sampled (the snapshot /metrics serves).", "DURATION"),
     Flag("collector.power-interval", parse_duration, "100ms",
@@ -247,6 +270,13 @@ class Config:
     otlp_max_series: int = 20000
     otlp_max_series_per_run: int = 2000
     otlp_bearer_token_file: str | None = None
+    otlp_push_endpoint: str | None = None
+    otlp_push_interval: float = 10.0
+    otlp_push_headers_file: str | None = None
+    otlp_push_ca_file: str | None = None
+    otlp_push_cert_file: str | None = None
+    otlp_push_key_file: str | None = None
+    otlp_push_insecure_skip_verify: bool = False
     collector_interval: float = 1.0
     collector_power_interval: float = 0.1
     nvml_library: str | None = None
@@ -350,6 +380,10 @@ def _check(cfg: Config) -> None:
         raise ConfigError("--web.telemetry-path must start with '/'")
     if cfg.carbon_pue < 1.0:
         raise ConfigError(f"--carbon.pue must be at least 1.0 (facility/IT energy), got {cfg.carbon_pue:g}")
+    if cfg.otlp_push_endpoint is not None and cfg.otlp_push_interval < 1.0:
+        raise ConfigError(f"--otlp.push-interval must be at least 1s, got {cfg.otlp_push_interval:g}s")
+    if (cfg.otlp_push_cert_file is None) != (cfg.otlp_push_key_file is None):
+        raise ConfigError("--otlp.push-cert-file and --otlp.push-key-file go together: set both or neither")
     if cfg.web_listen_address[1] != 0 and cfg.web_listen_address == cfg.otlp_listen_address:
         raise ConfigError("--web.listen-address and --otlp.listen-address must differ")
 

@@ -25,6 +25,7 @@ METRIC_MODULES = (
     "gpu_energy_exporter.collectors.kubernetes",
     "gpu_energy_exporter.otlp.store",
     "gpu_energy_exporter.ledger",
+    "gpu_energy_exporter.otlp.push",
 )
 
 _COLLECTOR_TITLES = {
@@ -35,6 +36,7 @@ _COLLECTOR_TITLES = {
     "carbon": "Carbon and efficiency inputs (collector `carbon`)",
     "kubernetes": "Kubernetes pod attribution (collector `kubernetes`)",
     "otlp": "OTLP receiver self-metrics",
+    "otlp_push": "OTLP push self-metrics (`--otlp.push-endpoint`)",
     "ledger": "Training runs, from the run ledger",
 }
 
@@ -94,7 +96,62 @@ def metrics_markdown() -> str:
         out.append(f"| `{prom}` | `{inst.name}` | {inst.kind} | `{inst.unit or '–'}` | "
                    f"{_escape(inst.description)} |")
     out.append("")
+    out += push_mapping_markdown()
     return "\n".join(out)
+
+
+def push_mapping_markdown() -> list[str]:
+    """The --otlp.push-endpoint table: each /metrics series, the OTLP metric pushed for it, and the name
+    Prometheus 3's OTLP receiver gives that metric under its default translation."""
+    from gpu_energy_exporter.otlp.push import (
+        _NOT_PUSHED,
+        CONVENTIONS,
+        MEMORY_FRACTION,
+        PUSHED_COLLECTORS,
+        RAPL_HW_TYPES,
+        own_name,
+    )
+    from gpu_energy_exporter.otlp.translate import metric_name
+
+    out = [
+        "## Pushed over OTLP (`--otlp.push-endpoint`)",
+        "",
+        "With `--otlp.push-endpoint` the exporter also pushes every series below (from the same snapshot that",
+        "`/metrics` serves) to an OTLP/HTTP endpoint. Where the OpenTelemetry hardware semantic conventions",
+        "define a metric it is used, with `hw.type`, `hw.id` (the GPU UUID), `hw.name` (`gpu<index>`),",
+        "`hw.vendor`, `hw.model` and `hw.driver_version`; other series keep this project's name, split as",
+        "`gpuenergy.<subsystem>.<name>` with the unit in the OTLP unit field and the same labels as attributes,",
+        "so Prometheus' translation gives back the `/metrics` name. Info series travel as attributes;",
+        "per-process series are not pushed. The last column is what Prometheus 3's OTLP receiver (default",
+        "`UnderscoreEscapingWithSuffixes`) stores: the name to query.",
+        "",
+        "| /metrics series | OTLP metric | kind | unit | name in Prometheus 3 via OTLP |",
+        "|---|---|---|---|---|",
+    ]
+    kinds = {"counter": "monotonic sum", "updown": "non-monotonic sum", "gauge": "gauge"}
+
+    def prom3(name: str, unit: str, kind: str) -> str:
+        return metric_name(name, unit, "updown" if kind == "updown" else kind)  # type: ignore[arg-type]
+
+    for spec in sorted(CATALOGUE.values(), key=lambda s: s.name):
+        if spec.kind == "info" or spec.name in _NOT_PUSHED or spec.collector not in PUSHED_COLLECTORS:
+            continue
+        conv = CONVENTIONS.get(spec.name)
+        if conv is not None:
+            name, unit, kind = conv.name, conv.unit, conv.kind
+            note = " (`hw.state` ok/failed)" if name == "hw.status" else ""
+            note += " (`hw.type=temperature`, `hw.parent` = GPU)" if name == "hw.temperature" else ""
+        else:
+            (name, unit), kind, note = own_name(spec), ("counter" if spec.kind == "counter" else "gauge"), ""
+            if spec.name == "gpuenergy_rapl_energy_joules_total":
+                types = ", ".join(f"{scope} → `hw.type={t}`" for scope, t in RAPL_HW_TYPES.items())
+                note = f"; zones of scope {types} as `hw.energy` instead"
+        out.append(f"| `{spec.name}` | `{name}`{note} | {kinds[kind]} | `{unit or '–'}` | "
+                   f"`{prom3(name, unit, kind)}` |")
+    m = MEMORY_FRACTION
+    out.append(f"| (used ÷ total memory) | `{m.name}` | gauge | `{m.unit}` | `{prom3(m.name, m.unit, m.kind)}` |")
+    out.append("")
+    return out
 
 
 def configuration_markdown() -> str:

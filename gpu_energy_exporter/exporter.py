@@ -26,6 +26,7 @@ from gpu_energy_exporter.devices.base import GPUBackend, GPUIdentity
 from gpu_energy_exporter.errors import ConfigError, ExporterError
 from gpu_energy_exporter.exposition import CachedExposition, CachedSource, SnapshotCollector, new_registry
 from gpu_energy_exporter.ledger import RunLedger
+from gpu_energy_exporter.otlp.push import OTLPPusher, PushSettings, load_headers_file
 from gpu_energy_exporter.otlp.receiver import OTLPReceiver, load_bearer_token
 from gpu_energy_exporter.otlp.store import TrainingStore
 from gpu_energy_exporter.sampler import Sampler
@@ -134,6 +135,17 @@ class Exporter:
         )
         self.routes.update(api_routes(self.status, self.ledger.runs, self.ledger.run))
         self.web: HTTPServer | None = None
+        self.pusher: OTLPPusher | None = None
+        if config.otlp_push_endpoint:
+            headers = load_headers_file(config.otlp_push_headers_file) if config.otlp_push_headers_file else {}
+            self.pusher = OTLPPusher(PushSettings(
+                config.otlp_push_endpoint, interval_s=config.otlp_push_interval, headers=headers,
+                ca_file=config.otlp_push_ca_file, cert_file=config.otlp_push_cert_file,
+                key_file=config.otlp_push_key_file, insecure_skip_verify=config.otlp_push_insecure_skip_verify,
+                timeout_s=min(10.0, config.otlp_push_interval),
+            ), lambda: self.sampler.snapshot)
+            self.exposition.sources.append(CachedSource(self.pusher.collect, version=self.pusher.version))
+            self.snapshot_collector.add_live_source(self.pusher.collect)
 
     def carbon_now(self) -> tuple[float, float]:
         """(grid intensity g/kWh, PUE) in force now."""
@@ -171,9 +183,14 @@ class Exporter:
                               name="gpu-energy-exporter")
         self.web.start()
         self.otlp.start()
+        if self.pusher is not None:
+            self.pusher.start()
+            log.info("pushing readings every %gs to %s", self.config.otlp_push_interval, self.config.otlp_push_endpoint)
         self._started = True
 
     def stop(self) -> None:
+        if self.pusher is not None:
+            self.pusher.close()
         if self.web is not None:
             self.web.shutdown()
         if self._started:

@@ -1,0 +1,476 @@
+"""Push the node's own readings over OTLP/HTTP (``--otlp.push-endpoint``), named after the OpenTelemetry
+hardware semantic conventions where one exists.
+
+The pusher reads only the snapshot the sampler has published (never NVML, never a lock held by the
+scrape path), on a thread of its own, and hands the points to the OpenTelemetry SDK's OTLP/HTTP exporter
+(protobuf, gzip). Every point carries the time of the reading it comes from and cumulative temporality,
+so a push that fails loses nothing: the next one carries the same totals. Failed pushes are retried with
+exponential back-off; neither sampling nor scraping ever waits for a push.
+
+Conventions (semantic-conventions, ``model/hardware``): ``hw.energy`` (J, counter), ``hw.power`` (W,
+gauge), ``hw.gpu.utilization`` (1), ``hw.gpu.memory.usage`` / ``.limit`` / ``.utilization``,
+``hw.temperature`` (Cel, ``hw.type=temperature`` with the GPU as ``hw.parent``) and ``hw.status``, with
+``hw.type``, ``hw.id`` (the GPU UUID), ``hw.name``, ``hw.vendor``, ``hw.model`` and ``hw.driver_version``.
+Readings without a convention keep this project's names: ``gpuenergy.<subsystem>.<name>`` with the unit
+in the OTLP unit field, which Prometheus' OTLP translation turns back into the exact series name that
+``/metrics`` serves (``gpuenergy.gpu.power_average`` + ``W`` -> ``gpuenergy_gpu_power_average_watts``).
+
+``snapshot_points`` is pure (snapshot in, points out) so the mapping is tested on plain values; the
+``OTLPPusher`` thread and the SDK exporter are the I/O around it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from prometheus_client.core import Metric
+
+from gpu_energy_exporter import __version__
+from gpu_energy_exporter.errors import ConfigError
+from gpu_energy_exporter.metrics import CATALOGUE, NAMESPACE, MetricSpec, add, define
+
+log = logging.getLogger(__name__)
+
+SCOPE_NAME = "gpu_energy_exporter"
+GPU_VENDOR = "NVIDIA"
+
+PUSH_POINTS = define(
+    "otlp", "push_points_total", "counter",
+    "Data points pushed to --otlp.push-endpoint and accepted by it.", collector="otlp_push",
+)
+PUSH_FAILURES = define(
+    "otlp", "push_failures_total", "counter",
+    "Pushes to --otlp.push-endpoint that failed (retried with back-off; cumulative values lose nothing).",
+    collector="otlp_push",
+)
+PUSH_LAST_SUCCESS = define(
+    "otlp", "push_last_success_timestamp_seconds", "gauge",
+    "Unix time of the last push that --otlp.push-endpoint accepted (0 before the first).",
+    collector="otlp_push", unit="seconds",
+)
+
+PointKind = Literal["counter", "updown", "gauge"]
+
+#: Prometheus unit words (MetricSpec.unit) -> UCUM units used by OpenTelemetry.
+_UCUM = {
+    "seconds": "s", "bytes": "By", "watts": "W", "joules": "J", "celsius": "Cel", "hertz": "Hz",
+    "ratio": "1", "grams": "g",
+}
+
+#: Collectors whose series the snapshot holds (and so are pushed); training and ledger series are not
+#: the node's readings and are not re-pushed.
+PUSHED_COLLECTORS = frozenset({"exporter", "gpu", "host", "rapl", "carbon", "kubernetes"})
+#: Families never pushed: info series (their labels become attributes), and the per-process series
+#: (pid cardinality belongs on a scrape, not in a push pipeline).
+_NOT_PUSHED = {
+    "gpuenergy_gpu_info", "gpuenergy_nvml_info", "gpuenergy_carbon_info", "gpuenergy_build_info",
+    "gpuenergy_gpu_process_memory_used_bytes",
+}
+
+
+@dataclass(frozen=True)
+class OTLPPoint:
+    """One data point to push, in OpenTelemetry terms."""
+
+    name: str
+    unit: str
+    kind: PointKind
+    description: str
+    attributes: tuple[tuple[str, str], ...]
+    value: float
+    time_s: float
+
+
+@dataclass(frozen=True)
+class _Convention:
+    name: str
+    unit: str
+    kind: PointKind
+
+
+#: Prometheus family (as /metrics serves it) -> the hardware semantic convention it maps onto.
+CONVENTIONS: dict[str, _Convention] = {
+    "gpuenergy_gpu_energy_joules_total": _Convention("hw.energy", "J", "counter"),
+    "gpuenergy_gpu_power_watts": _Convention("hw.power", "W", "gauge"),
+    "gpuenergy_gpu_utilization_ratio": _Convention("hw.gpu.utilization", "1", "gauge"),
+    "gpuenergy_gpu_memory_used_bytes": _Convention("hw.gpu.memory.usage", "By", "updown"),
+    "gpuenergy_gpu_memory_total_bytes": _Convention("hw.gpu.memory.limit", "By", "updown"),
+    "gpuenergy_gpu_temperature_celsius": _Convention("hw.temperature", "Cel", "gauge"),
+    "gpuenergy_gpu_memory_temperature_celsius": _Convention("hw.temperature", "Cel", "gauge"),
+    "gpuenergy_gpu_up": _Convention("hw.status", "1", "updown"),
+}
+#: Derived from used / total: the convention's "fraction of GPU memory used". (NVML's own "memory
+#: utilisation" is the memory controller's busy time and keeps this project's name.)
+MEMORY_FRACTION = _Convention("hw.gpu.memory.utilization", "1", "gauge")
+#: RAPL zones whose scope does not overlap another's: CPU packages and DRAM (docs/measurement.md).
+RAPL_HW_TYPES = {"package": "cpu", "dram": "memory"}
+
+
+def own_name(spec: MetricSpec) -> tuple[str, str]:
+    """(OTel name, UCUM unit) for a series without a convention, chosen so that Prometheus' OTLP
+    translation gives back ``spec.name``."""
+    base = spec.name
+    if spec.kind == "counter":
+        base = base.removesuffix("_total")
+    unit = ""
+    # The unit travels in the unit field only where the name carries it, so the translation (which
+    # appends the unit word) gives back exactly the same name; "_ratio" is added to gauges of unit "1".
+    for word in (spec.unit, "ratio"):
+        if word in _UCUM and base.endswith("_" + word) and (word != "ratio" or spec.kind == "gauge"):
+            base = base.removesuffix("_" + word)
+            unit = _UCUM.get(word, "")
+            break
+    rest = base.removeprefix(NAMESPACE + "_")
+    subsystem, _, name = rest.partition("_")
+    return (f"{NAMESPACE}.{subsystem}.{name}" if name else f"{NAMESPACE}.{subsystem}"), unit
+
+
+@dataclass
+class _GPUAttrs:
+    index: str
+    uuid: str
+    model: str = ""
+    driver: str = ""
+
+    def hw(self, hw_type: str = "gpu") -> list[tuple[str, str]]:
+        out = [("hw.type", hw_type), ("hw.id", self.uuid), ("hw.name", f"gpu{self.index}"),
+               ("hw.vendor", GPU_VENDOR)]
+        if self.model:
+            out.append(("hw.model", self.model))
+        if self.driver:
+            out.append(("hw.driver_version", self.driver))
+        return out
+
+
+def _gpu_attrs(families: Iterable[Metric]) -> dict[str, _GPUAttrs]:
+    out: dict[str, _GPUAttrs] = {}
+    for fam in families:
+        if fam.name != "gpuenergy_gpu":  # the info family's base name
+            continue
+        for s in fam.samples:
+            uuid = s.labels.get("gpu_uuid", "")
+            out[uuid] = _GPUAttrs(s.labels.get("gpu", ""), uuid, s.labels.get("model", ""),
+                                  s.labels.get("driver_version", ""))
+    return out
+
+
+def _spec_for(sample_name: str) -> MetricSpec | None:
+    return CATALOGUE.get(sample_name)
+
+
+def snapshot_points(
+    families: Iterable[Metric], *, taken_at: float, gpu_times: Mapping[str, float] | None = None
+) -> list[OTLPPoint]:
+    """The OTLP points for one snapshot's families.
+
+    ``taken_at`` is the snapshot's time; ``gpu_times`` maps a GPU UUID to the time of that GPU's reading
+    (which is what per-GPU points are stamped with). Pure: no clock, no I/O.
+    """
+    fams = list(families)
+    gpus = _gpu_attrs(fams)
+    gpu_times = gpu_times or {}
+    points: list[OTLPPoint] = []
+    used: dict[str, float] = {}
+    total: dict[str, float] = {}
+    for fam in fams:
+        for s in fam.samples:
+            if s.name.endswith("_created"):
+                continue
+            spec = _spec_for(s.name)
+            if spec is None or spec.name in _NOT_PUSHED or spec.collector not in PUSHED_COLLECTORS:
+                continue
+            uuid = s.labels.get("gpu_uuid")
+            t = gpu_times.get(uuid, taken_at) if uuid else taken_at
+            gpu = gpus.get(uuid) if uuid else None
+            if gpu is None and uuid is not None:
+                gpu = _GPUAttrs(s.labels.get("gpu", ""), uuid)
+            value = float(s.value)
+            if spec.name == "gpuenergy_gpu_memory_used_bytes" and uuid:
+                used[uuid] = value
+            if spec.name == "gpuenergy_gpu_memory_total_bytes" and uuid:
+                total[uuid] = value
+            points.extend(_map(spec, dict(s.labels), value, t, gpu))
+    for uuid, u in used.items():
+        if total.get(uuid):
+            gpu = gpus.get(uuid) or _GPUAttrs("", uuid)
+            points.append(OTLPPoint(MEMORY_FRACTION.name, MEMORY_FRACTION.unit, "gauge",
+                                    "Fraction of GPU memory used.", tuple(gpu.hw()), u / total[uuid],
+                                    gpu_times.get(uuid, taken_at)))
+    return points
+
+
+def _map(spec: MetricSpec, labels: dict[str, str], value: float, t: float,
+         gpu: _GPUAttrs | None) -> list[OTLPPoint]:
+    conv = CONVENTIONS.get(spec.name)
+    if conv is not None and gpu is not None:
+        if spec.name == "gpuenergy_gpu_up":
+            attrs = [("hw.type", "gpu"), ("hw.id", gpu.uuid), ("hw.name", f"gpu{gpu.index}")]
+            return [
+                OTLPPoint(conv.name, conv.unit, conv.kind, "Operational status of the GPU.",
+                          tuple(attrs + [("hw.state", "ok")]), 1.0 if value == 1 else 0.0, t),
+                OTLPPoint(conv.name, conv.unit, conv.kind, "Operational status of the GPU.",
+                          tuple(attrs + [("hw.state", "failed")]), 0.0 if value == 1 else 1.0, t),
+            ]
+        if conv.name == "hw.temperature":
+            sensor = "memory" if "memory" in spec.name else "gpu"
+            attrs = [("hw.type", "temperature"), ("hw.id", f"{gpu.uuid}:{sensor}"),
+                     ("hw.name", f"gpu{gpu.index} {sensor}"), ("hw.parent", gpu.uuid)]
+            return [OTLPPoint(conv.name, conv.unit, conv.kind, spec.help, tuple(attrs), value, t)]
+        attrs = gpu.hw()
+        if conv.name == "hw.gpu.utilization":
+            attrs.append(("hw.gpu.task", "general"))
+        return [OTLPPoint(conv.name, conv.unit, conv.kind, spec.help, tuple(attrs), value, t)]
+    if spec.name == "gpuenergy_rapl_energy_joules_total" and labels.get("scope") in RAPL_HW_TYPES:
+        attrs = [("hw.type", RAPL_HW_TYPES[labels["scope"]]), ("hw.id", "rapl:" + labels.get("zone", "")),
+                 ("hw.name", labels.get("domain", ""))]
+        return [OTLPPoint("hw.energy", "J", "counter", spec.help, tuple(attrs), value, t)]
+    name, unit = own_name(spec)
+    kind: PointKind = "counter" if spec.kind == "counter" else "gauge"
+    return [OTLPPoint(name, unit, kind, spec.help, tuple(sorted(labels.items())), value, t)]
+
+
+# ---------------------------------------------------------------------------------------------------
+# the SDK side: OTLPPoint -> opentelemetry.sdk.metrics.export data -> OTLPMetricExporter
+
+
+def resource_attributes(environ: Mapping[str, str]) -> dict[str, str]:
+    """host.name, service.*, and the Kubernetes node/pod when the DaemonSet's downward API sets them."""
+    attrs = {
+        "service.name": "gpu-energy-exporter",
+        "service.version": __version__,
+        "host.name": socket.gethostname(),
+    }
+    for key, env in (("k8s.node.name", "NODE_NAME"), ("k8s.pod.name", "POD_NAME"),
+                     ("k8s.namespace.name", "POD_NAMESPACE")):
+        if environ.get(env):
+            attrs[key] = environ[env]
+    return attrs
+
+
+@dataclass
+class _StartTimes:
+    """Start time of each cumulative series: when it was first pushed, moved forward when the value
+    drops (a counter reset, which OTLP signals with a new start time)."""
+
+    starts: dict[tuple[str, tuple[tuple[str, str], ...]], tuple[int, float]] = field(default_factory=dict)
+
+    def start_ns(self, p: OTLPPoint) -> int:
+        key = (p.name, p.attributes)
+        now_ns = int(p.time_s * 1e9)
+        known = self.starts.get(key)
+        if known is None or (p.kind == "counter" and p.value < known[1]):
+            start = now_ns if known is None else now_ns - 1
+            self.starts[key] = (start, p.value)
+            return start
+        self.starts[key] = (known[0], p.value)
+        return known[0]
+
+    def keep_only(self, live: set[tuple[str, tuple[tuple[str, str], ...]]]) -> None:
+        for key in [k for k in self.starts if k not in live]:
+            del self.starts[key]
+
+
+def build_metrics_data(points: list[OTLPPoint], resource: Mapping[str, str], starts: _StartTimes) -> Any:
+    """SDK ``MetricsData`` for ``points`` (cumulative temporality; counters monotonic)."""
+    from opentelemetry.sdk.metrics.export import (
+        AggregationTemporality,
+        Gauge,
+        MetricsData,
+        NumberDataPoint,
+        ResourceMetrics,
+        ScopeMetrics,
+        Sum,
+    )
+    from opentelemetry.sdk.metrics.export import Metric as OTelMetric
+    from opentelemetry.sdk.resources import Resource
+    from opentelemetry.sdk.util.instrumentation import InstrumentationScope
+
+    grouped: dict[tuple[str, str, str], tuple[str, list[Any]]] = {}
+    live = set()
+    for p in points:
+        t_ns = int(p.time_s * 1e9)
+        start = starts.start_ns(p) if p.kind != "gauge" else 0
+        live.add((p.name, p.attributes))
+        dp = NumberDataPoint(attributes=dict(p.attributes), start_time_unix_nano=start, time_unix_nano=t_ns,
+                             value=p.value)
+        grouped.setdefault((p.name, p.unit, p.kind), (p.description, []))[1].append(dp)
+    starts.keep_only(live)
+    metrics = []
+    for (name, unit, kind), (description, dps) in grouped.items():
+        data: Any
+        if kind == "gauge":
+            data = Gauge(data_points=dps)
+        else:
+            data = Sum(data_points=dps, aggregation_temporality=AggregationTemporality.CUMULATIVE,
+                       is_monotonic=kind == "counter")
+        metrics.append(OTelMetric(name=name, description=description, unit=unit, data=data))
+    scope = InstrumentationScope(SCOPE_NAME, __version__)
+    return MetricsData(resource_metrics=[ResourceMetrics(
+        resource=Resource.create(dict(resource)), schema_url="",
+        scope_metrics=[ScopeMetrics(scope=scope, metrics=metrics, schema_url="")],
+    )])
+
+
+def load_headers_file(path: str) -> dict[str, str]:
+    """``Name: value`` per line (blank lines and ``#`` comments skipped): secrets stay out of argv."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            lines = f.read().splitlines()
+    except OSError as exc:
+        raise ConfigError(f"cannot read --otlp.push-headers-file {path!r}: {exc.strerror or exc}") from None
+    headers: dict[str, str] = {}
+    for n, line in enumerate(lines, 1):
+        text = line.strip()
+        if not text or text.startswith("#"):
+            continue
+        name, sep, value = text.partition(":")
+        if not sep or not name.strip() or any(c.isspace() for c in name.strip()):
+            raise ConfigError(f"--otlp.push-headers-file {path!r} line {n}: expected 'Name: value'")
+        headers[name.strip()] = value.strip()
+    return headers
+
+
+@dataclass(frozen=True)
+class PushSettings:
+    endpoint: str
+    interval_s: float = 10.0
+    headers: Mapping[str, str] = field(default_factory=dict)
+    ca_file: str | None = None
+    cert_file: str | None = None
+    key_file: str | None = None
+    insecure_skip_verify: bool = False
+    timeout_s: float = 10.0
+
+
+def new_sdk_exporter(settings: PushSettings) -> Any:
+    """The OpenTelemetry SDK's OTLP/HTTP metric exporter (protobuf, gzip) for ``settings``."""
+    try:
+        import requests
+        from opentelemetry.exporter.otlp.proto.http import Compression
+        from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter
+    except ImportError as exc:  # pragma: no cover - the base install has them
+        raise ConfigError(
+            f"--otlp.push-endpoint needs the OpenTelemetry SDK and OTLP exporter ({exc.name} is missing): "
+            "pip install opentelemetry-sdk opentelemetry-exporter-otlp-proto-http"
+        ) from None
+    session = requests.Session()
+    if settings.insecure_skip_verify:
+        session.verify = False
+    return OTLPMetricExporter(
+        endpoint=settings.endpoint,
+        certificate_file=None if settings.insecure_skip_verify else settings.ca_file,
+        client_certificate_file=settings.cert_file, client_key_file=settings.key_file,
+        headers=dict(settings.headers), timeout=settings.timeout_s, compression=Compression.Gzip,
+        session=session,
+    )
+
+
+SnapshotSource = Callable[[], Any]  # -> Snapshot | None
+
+
+class OTLPPusher:
+    """Pushes the latest snapshot every ``interval_s`` on a daemon thread; ``close()`` stops it."""
+
+    MAX_BACKOFF_S = 300.0
+
+    def __init__(self, settings: PushSettings, snapshot: SnapshotSource, *, exporter: Any = None,
+                 environ: Mapping[str, str] | None = None, clock: Callable[[], float] = time.time) -> None:
+        self.settings = settings
+        self._snapshot = snapshot
+        self._exporter = exporter if exporter is not None else new_sdk_exporter(settings)
+        self._resource = resource_attributes(os.environ if environ is None else environ)
+        self._starts = _StartTimes()
+        self._clock = clock
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.points_pushed = 0
+        self.failures = 0
+        self.consecutive_failures = 0
+        self.last_success = 0.0
+        self._version = 0
+        self._warned = False
+
+    def version(self) -> int:
+        return self._version
+
+    def start(self) -> OTLPPusher:
+        self._thread = threading.Thread(target=self._loop, name="otlp-push", daemon=True)
+        self._thread.start()
+        return self
+
+    def push_once(self) -> bool:
+        """Push the latest snapshot now; True when the endpoint accepted it (or there was nothing yet)."""
+        snap = self._snapshot()
+        if snap is None:
+            return True
+        gpu_times = {g.identity.uuid: g.reading.timestamp for g in snap.gpus if g.reading is not None}
+        points = snapshot_points(snap.families, taken_at=snap.timestamp, gpu_times=gpu_times)
+        data = build_metrics_data(points, self._resource, self._starts)
+        try:
+            result = self._exporter.export(data, timeout_millis=self.settings.timeout_s * 1000)
+            ok = getattr(result, "name", str(result)) == "SUCCESS"
+        except Exception as exc:  # noqa: BLE001 - a push must never take the exporter down
+            log.debug("OTLP push raised", exc_info=True)
+            ok, why = False, f"{type(exc).__name__}: {exc}"
+        else:
+            why = "the endpoint refused or did not answer (see the OpenTelemetry exporter's log line)"
+        if ok:
+            self.points_pushed += len(points)
+            self.last_success = self._clock()
+            if self.consecutive_failures:
+                log.info("OTLP push to %s works again", self.settings.endpoint)
+            self.consecutive_failures = 0
+            self._warned = False
+        else:
+            self.failures += 1
+            self.consecutive_failures += 1
+            if not self._warned:
+                log.warning("OTLP push to %s failed: %s; retrying with back-off (check --otlp.push-endpoint, "
+                            "its TLS and headers flags, and that the endpoint is up)", self.settings.endpoint, why)
+                self._warned = True
+        self._version += 1
+        return ok
+
+    def next_delay(self) -> float:
+        """The interval after a success; after n failures in a row, interval x 2^n up to 5 minutes (or the
+        interval, if longer)."""
+        interval = self.settings.interval_s
+        if not self.consecutive_failures:
+            return interval
+        return min(interval * 2 ** min(self.consecutive_failures, 10), max(interval, self.MAX_BACKOFF_S))
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.next_delay()):
+            self.push_once()
+
+    def close(self, timeout: float = 5.0) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+        try:
+            self._exporter.shutdown()
+        except Exception:  # noqa: BLE001
+            log.debug("OTLP push exporter shutdown failed", exc_info=True)
+
+    def collect(self) -> list[Metric]:
+        """Self-metrics for /metrics."""
+        out = []
+        for spec, value in ((PUSH_POINTS, self.points_pushed), (PUSH_FAILURES, self.failures),
+                            (PUSH_LAST_SUCCESS, self.last_success)):
+            fam = spec.family()
+            add(fam, [], float(value))
+            out.append(fam)
+        return out
+
+
+__all__ = [
+    "CONVENTIONS", "OTLPPoint", "OTLPPusher", "PushSettings", "build_metrics_data", "load_headers_file",
+    "own_name", "resource_attributes", "snapshot_points",
+]
