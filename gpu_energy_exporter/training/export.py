@@ -181,7 +181,8 @@ def describe_failure(endpoint: str, response: requests.Response | None, error: B
         if code in (401, 403):
             token = ("the bearer token this process sent was refused" if sent_authorization
                      else "the exporter requires a bearer token and this process sent none")
-            return (f"it answered HTTP {code} {response.reason}{said}: {token}. Set OTEL_EXPORTER_OTLP_HEADERS=\"Authorization=Bearer <token>\" (or "
+            return (f"it answered HTTP {code} {response.reason}{said}: {token}. Set "
+                    "OTEL_EXPORTER_OTLP_HEADERS=\"Authorization=Bearer <token>\" (or "
                     "headers={\"Authorization\": \"Bearer <token>\"}) with the token in the exporter's "
                     "--otlp.bearer-token-file.")
         if code == 404:
