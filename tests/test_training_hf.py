@@ -143,12 +143,12 @@ class StepProbe:
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         assert self.energy.run is not None
         self.flops.append(float(self.energy.run.flops))
-        self.global_steps.append(self.energy.run.global_step)
+        self.global_steps.append(getattr(self.energy.run, "global_step", -1))
 
 
 def test_flops_rise_with_every_step_not_at_logging_steps(tmp_path: Path) -> None:
     with receiver() as (endpoint, store):
-        callback = EnergyCallback(endpoint=endpoint, export_interval=30, flops="total")
+        callback = EnergyCallback(endpoint=endpoint, export_interval=30)
         # One log at the very end: the Trainer's total_flos moves only then.
         trainer = trainer_for(callback, tmp_path, TokenDataset(16, CONFIG), logging_steps=100,
                               gradient_accumulation_steps=1)
@@ -161,11 +161,11 @@ def test_flops_rise_with_every_step_not_at_logging_steps(tmp_path: Path) -> None
         # The counter rises by one step's FLOPs at every step; with total_flos it stayed 0 until the end.
         increments = [b - a for a, b in zip([0.0, *probe.flops], probe.flops, strict=False)]
         assert increments == [pytest.approx(per_step)] * 8
-        # flops="total" is the Trainer's own convention: the totals agree exactly.
+        # Everything trains, so 4N + 2N_trainable = 6N, the Trainer's own count: the totals agree.
         assert total(store, "training_flops_total") == pytest.approx(trainer.state.total_flos)
         assert total(store, "training_flops_total") == pytest.approx(8 * per_step)
         (info,) = series(store, "training_run_info")
-        assert dict(info)["flops"] == "total"
+        assert dict(info)["flops"] == "trainable"
 
 
 class LoRA(torch.nn.Module):
@@ -220,14 +220,20 @@ def test_lora_flops_count_trainable_weight_gradients_and_tokens_exclude_padding(
         assert (dict(info)["padding"], dict(info)["flops"]) == ("excluded", "trainable")
 
 
-def test_padding_included_counts_every_position(tmp_path: Path) -> None:
+def test_padding_included_and_total_flops_are_options(tmp_path: Path) -> None:
+    from transformers import Trainer
+
     with receiver() as (endpoint, store):
-        callback = EnergyCallback(endpoint=endpoint, export_interval=30, padding="included")
-        trainer = trainer_for(callback, tmp_path, PaddedDataset(10, CONFIG))
+        callback = EnergyCallback(endpoint=endpoint, export_interval=30, padding="included", flops="total")
+        args = trainer_for(callback, tmp_path, PaddedDataset(10, CONFIG)).args
+        trainer = Trainer(model=lora_gpt2(), args=args, train_dataset=PaddedDataset(10, CONFIG),
+                          eval_dataset=TokenDataset(4, CONFIG, seed=1), callbacks=[callback])
         trainer.train()
         assert total(store, "training_tokens_total") == 20 * CONFIG.seq_len
+        # flops="total" is the Trainer's convention (6N, frozen weights too): the totals agree.
+        assert total(store, "training_flops_total") == pytest.approx(trainer.state.total_flos)
         (info,) = series(store, "training_run_info")
-        assert dict(info)["padding"] == "included"
+        assert (dict(info)["padding"], dict(info)["flops"]) == ("included", "total")
     with pytest.raises(ValueError, match="padding must be"):
         EnergyCallback(padding="some")
     with pytest.raises(ValueError, match="flops must be"):
