@@ -132,7 +132,8 @@ class EnergyCallback(TrainerCallback):
     passed to ``start_run`` (``endpoint``, ``export_interval``, ``gpu_uuids``, ``headers``...).
     ``padding``: ``"excluded"`` (default: non-padding tokens, from the attention mask) or ``"included"``;
     ``flops``: ``"trainable"`` (default: ``4 N + 2 N_trainable`` per token, right for LoRA and for full
-    training) or ``"total"`` (``6 N``, as the Trainer's ``total_flos``). ``count_batch`` replaces the
+    training) or ``"total"`` (``6 N``, as the Trainer's ``total_flos``); ``flops_per_token`` replaces the
+    figure counted from the model (give it where the model is sharded, FSDP). ``count_batch`` replaces the
     shape-based ``(samples, token positions)`` counter for unusual inputs.
     ``run`` is the current ``TrainingRun`` (None outside ``train()``).
     """
@@ -153,6 +154,7 @@ class EnergyCallback(TrainerCallback):
         parameters: int | None = None,
         padding: str | None = None,
         flops: str = FLOPS_TRAINABLE,
+        flops_per_token: float | None = None,
         endpoint: str | None = None,
         export_interval: float | None = None,
         gpu_uuids: Sequence[str] | None = None,
@@ -163,6 +165,7 @@ class EnergyCallback(TrainerCallback):
             raise ValueError(f"padding must be {PADDING_EXCLUDED!r} or {PADDING_INCLUDED!r}, got {padding!r}")
         self.padding = padding
         self.flops = check_flops_mode(flops)
+        self.flops_per_token = flops_per_token
         self.run_id = run_id
         self.metadata: dict[str, Any] = {
             "model": model, "backend": backend, "optimizer": optimizer, "batch_size": batch_size,
@@ -198,7 +201,7 @@ class EnergyCallback(TrainerCallback):
         # State is restored from the checkpoint before on_train_begin: on a resume these are its totals.
         self._tokens_seen = int(getattr(state, "num_input_tokens_seen", 0) or 0)
         self._flos_seen = float(getattr(state, "total_flos", 0.0) or 0.0)
-        per_token = flops_per_token(model, self.flops)
+        per_token = self.flops_per_token or flops_per_token(model, self.flops)
         self._flops_from_trainer = not per_token
         metadata = {**self._from_args(args, model), **{k: v for k, v in self.metadata.items() if v is not None}}
         parameters = self.parameters if self.parameters is not None else count_parameters(model)
@@ -206,7 +209,8 @@ class EnergyCallback(TrainerCallback):
             self.run = start_run(
                 self.run_id, **metadata, total_steps=int(state.max_steps) if state.max_steps else None,
                 start_step=int(getattr(state, "global_step", 0) or 0), padding=padding,
-                flops=None if self._flops_from_trainer else self.flops, parameters=parameters,
+                flops=None if self._flops_from_trainer or self.flops_per_token else self.flops,
+                parameters=parameters,
                 device=getattr(args, "device", None), rank=self._rank, world_size=self._world_size,
                 **{k: v for k, v in self.run_kwargs.items() if v is not None},
             )
