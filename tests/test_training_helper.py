@@ -660,3 +660,19 @@ def test_cpu_only_machine_through_real_pynvml_reports_none(tmp_path: Path) -> No
         return
     assert "LABEL none" in proc.stdout, proc.stdout
     assert "cannot tell which GPUs" not in proc.stderr, proc.stderr
+
+
+def test_token_counts_of_any_kind_never_raise_into_the_loop() -> None:
+    import torch
+
+    from gpu_energy_exporter.training.batch import add_count
+
+    assert int(add_count(0, torch.tensor(3))) == 3 and int(add_count(torch.tensor(3), 4)) == 7
+    assert add_count(5, None) == 5 and add_count(0, None) == 0 and add_count(2, "x") == 2
+    run = start_run(endpoint=f"http://127.0.0.1:{closed_port()}", export_interval=3600, finish_timeout=0.2,
+                    gpu_uuids=[GPU_A])
+    for tokens in (None, "x", torch.tensor(5), 2, torch.tensor(1.0)):
+        run.step(tokens=tokens)  # type: ignore[arg-type]
+    run.add(tokens=None)  # type: ignore[arg-type]
+    assert run.tokens == 8 and run.steps == 5
+    run.finish()

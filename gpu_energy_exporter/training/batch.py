@@ -21,8 +21,11 @@ on purpose: it is the usual dtype of raw images. This module never imports torch
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping, Sequence
 from typing import Any
+
+log = logging.getLogger("gpu_energy_exporter.training")
 
 _TOKEN_DTYPES = ("int32", "int64")
 
@@ -84,6 +87,37 @@ def count_tokens(batch: Any, padding: bool = False, input_key: str = "input_ids"
         return tokens
     mask = attention_mask(batch, main_tensor(batch, input_key))
     return tokens if mask is None else non_padding_tokens(mask)
+
+
+def number(value: Any) -> int | float:
+    """A plain int or float from a number, a 0-d tensor or a numpy scalar (reading a device tensor
+    synchronises with its device)."""
+    if value.__class__ in (int, float):
+        return value
+    if hasattr(value, "detach"):
+        value = value.detach()
+    item = getattr(value, "item", None)
+    out = item() if callable(item) else value
+    return out if isinstance(out, (int, float)) else float(out)
+
+
+def add_count(total: Any, value: Any) -> Any:
+    """``total + value`` for ints and 0-d tensors, on the device when a tensor is involved (no
+    synchronisation). Two tensors on different GPUs (``nn.DataParallel`` replicas) cannot be added there:
+    then both are read, a synchronisation on that rare path only. Never raises: a value that is no count
+    (None, a string) is ignored."""
+    if value.__class__ is int and not value:
+        return total
+    if total.__class__ is int and not total and (value.__class__ in (int, float) or _is_tensor(value)):
+        return value
+    try:
+        return total + value
+    except Exception:  # noqa: BLE001 - devices that do not match, or not a count at all
+        try:
+            return number(total) + number(value)
+        except Exception:  # noqa: BLE001
+            log.debug("ignoring a token count of type %s", type(value).__name__, exc_info=True)
+            return total
 
 
 def count_batch(batch: Any, input_key: str = "input_ids") -> tuple[int, int]:

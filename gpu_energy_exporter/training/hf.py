@@ -62,7 +62,13 @@ except ImportError as exc:  # pragma: no cover - depends on the installed extras
         "pip install gpu-energy-exporter[hf]"
     ) from exc
 
-from gpu_energy_exporter.training.batch import attention_mask, count_batch, main_tensor, non_padding_tokens
+from gpu_energy_exporter.training.batch import (
+    add_count,
+    attention_mask,
+    count_batch,
+    main_tensor,
+    non_padding_tokens,
+)
 from gpu_energy_exporter.training.flops import check_flops_mode, flops_per_token
 from gpu_energy_exporter.training.instruments import FLOPS_TRAINABLE, PADDING_EXCLUDED, PADDING_INCLUDED
 from gpu_energy_exporter.training.run import TrainingRun, count_parameters, fp32_matmul_precision, start_run
@@ -113,7 +119,7 @@ class _BatchCounter:
             return None
         with self._lock:
             self.samples += samples
-            self.tokens = self.tokens + tokens if self.tokens.__class__ is not int or self.tokens else tokens
+            self.tokens = add_count(self.tokens, tokens)
             self.flops += flops
         return None
 

@@ -58,7 +58,13 @@ except ImportError:
             "pip install gpu-energy-exporter[lightning]"
         ) from exc
 
-from gpu_energy_exporter.training.batch import attention_mask, count_batch, main_tensor, non_padding_tokens
+from gpu_energy_exporter.training.batch import (
+    add_count,
+    attention_mask,
+    count_batch,
+    main_tensor,
+    non_padding_tokens,
+)
 from gpu_energy_exporter.training.distributed import new_run_id
 from gpu_energy_exporter.training.flops import check_flops_mode
 from gpu_energy_exporter.training.flops import flops_per_token as model_flops_per_token
@@ -201,8 +207,7 @@ class EnergyCallback(Callback):
             samples, positions, tokens = 0, 0, 0
         self._pending_samples += samples
         self._pending_positions += positions
-        pending = self._pending_tokens
-        self._pending_tokens = pending + tokens if pending.__class__ is not int or pending else tokens
+        self._pending_tokens = add_count(self._pending_tokens, tokens)
         global_step = int(trainer.global_step)
         if global_step == self._last_global_step:
             return  # a gradient-accumulation micro-batch: its work goes with the coming step

@@ -57,6 +57,7 @@ except ImportError as exc:  # pragma: no cover - depends on the installed extras
 
 from gpu_energy_exporter import __version__
 from gpu_energy_exporter.training import instruments as I  # noqa: N812 - a namespace of constants
+from gpu_energy_exporter.training.batch import add_count, number
 from gpu_energy_exporter.training.distributed import rank_and_world_size, shared_run_id
 from gpu_energy_exporter.training.export import GuardedExporter, ObservedSession
 from gpu_energy_exporter.training.gpus import resolve_gpus
@@ -259,7 +260,10 @@ class TrainingRun:
         self._steps += 1
         self._global_step = self._global_step + 1 if global_step is None else global_step
         if tokens.__class__ is not int or tokens:  # never bool() a tensor: that is a device sync
-            self._tokens += tokens
+            try:
+                self._tokens += tokens
+            except Exception:  # noqa: BLE001 - tensors on different devices; never raise into the loop
+                self._tokens = add_count(self._tokens, tokens)
         if samples:
             self._samples += samples
         if flops:
@@ -286,8 +290,7 @@ class TrainingRun:
         reports late): added to the totals, the step count is unchanged."""
         if self._finished:
             return
-        if tokens.__class__ is not int or tokens:
-            self._tokens += tokens
+        self._tokens = add_count(self._tokens, tokens)
         if samples:
             self._samples += samples
         if flops:
@@ -334,7 +337,7 @@ class TrainingRun:
     @property
     def tokens(self) -> int | float:
         """Tokens so far (reading a device-side total synchronises with the device)."""
-        return _number(self._tokens)
+        return number(self._tokens)
 
     @property
     def samples(self) -> int | float:
@@ -445,7 +448,7 @@ class TrainingRun:
             return ()
         if value.__class__ not in (int, float):
             try:
-                value = _number(value)  # a device tensor is synchronised here, in the export thread
+                value = number(value)  # a device tensor is synchronised here, in the export thread
             except Exception:  # noqa: BLE001 - a value we cannot read is skipped, never raised
                 log.debug("cannot convert %r to a number", type(value), exc_info=True)
                 return ()
@@ -525,17 +528,6 @@ class TrainingRun:
         data = Histogram(data_points=[point], aggregation_temporality=AggregationTemporality.CUMULATIVE)
         inst = I.STEP_DURATION
         return [Metric(name=inst.name, description=inst.description, unit=inst.unit, data=data)]
-
-
-def _number(value: Any) -> int | float:
-    """A plain int or float from a number, a 0-d tensor or a numpy scalar."""
-    if value.__class__ in (int, float):
-        return value
-    if hasattr(value, "detach"):
-        value = value.detach()
-    item = getattr(value, "item", None)
-    number = item() if callable(item) else value
-    return number if isinstance(number, (int, float)) else float(number)
 
 
 def start_run(
