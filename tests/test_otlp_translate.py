@@ -94,6 +94,7 @@ HELPER_INSTRUMENTS = [
     ("training.step.duration", "s", "histogram", "training_step_duration_seconds"),
     ("training.run.info", "", "gauge", "training_run_info"),
     ("training.run.gpu.info", "", "gauge", "training_run_gpu_info"),
+    ("training.global_step", "{step}", "gauge", "training_global_step"),
     ("training.run.total_steps", "", "gauge", "training_run_total_steps"),
     ("training.run.finished", "", "gauge", "training_run_finished"),
     ("training.model.parameters", "{parameter}", "gauge", "training_model_parameters"),

@@ -548,3 +548,131 @@ def test_real_gpu_device_resolves_to_its_nvml_uuid() -> None:
     assert out["device"] == out["current"] == out["visible"]
     assert out["device"][0] in out["nvml"]
 
+
+
+# ----------------------------------------------------------------------------------------------------
+# padding, FLOPs per token, resumed runs, CPU runs
+
+
+def test_count_tokens_excludes_padding_from_the_attention_mask() -> None:
+    import torch
+
+    from gpu_energy_exporter.training import count_tokens
+
+    ids = torch.zeros((4, 16), dtype=torch.int64)
+    mask = torch.ones((4, 16), dtype=torch.int64)
+    mask[:, 10:] = 0  # 6 padding positions per row
+    mask[0, 8:] = 0  # row 0 has 8
+    batch = {"input_ids": ids, "attention_mask": mask}
+    counted = count_tokens(batch)
+    # A 0-d tensor: attention_mask.sum() launched, not read back (no device synchronisation).
+    assert isinstance(counted, torch.Tensor) and counted.dim() == 0 and int(counted) == 4 * 16 - 3 * 6 - 8
+    assert count_tokens(batch, padding=True) == 64
+    assert count_tokens({"input_ids": ids}) == 64  # no mask: every position
+    assert int(count_tokens({"input_ids": ids, "attention_mask": mask.bool()})) == 38
+    assert int(count_tokens({"input_ids": ids, "attention_mask": mask.float()})) == 38
+    assert count_tokens({"input_ids": ids, "attention_mask": torch.ones((4, 1, 16, 16))}) == 64  # not per token
+    assert count_tokens(ids) == 64  # a bare tensor has no mask
+
+    # A plain loop passes the device-side counts to step(); the totals are read at export time.
+    with receiver() as (endpoint, store):
+        run = start_run("padded", endpoint=endpoint, export_interval=30, gpu_uuids=[GPU_A], padding="excluded")
+        for _ in range(5):
+            run.step(tokens=count_tokens(batch), samples=4)
+        run.add(tokens=count_tokens(batch))
+        assert run.tokens == 6 * 38
+        run.finish()
+        assert total(store, "training_tokens_total") == 6 * 38
+        (info,) = series(store, "training_run_info")
+        assert dict(info)["padding"] == "excluded"
+    with pytest.raises(ValueError, match="padding must be"):
+        start_run(padding="yes", endpoint=endpoint, gpu_uuids=[GPU_A])
+
+
+def test_flops_per_token_counts_weight_gradients_of_trainable_parameters_only() -> None:
+    import torch
+
+    from gpu_energy_exporter.training.flops import flops_per_token, parameter_counts
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Embedding(64, 8), torch.nn.Linear(8, 32), torch.nn.Linear(32, 64))
+    n = (8 * 32 + 32) + (32 * 64 + 64)  # the embedding is a lookup, not a matmul: left out
+    assert parameter_counts(model) == (n, n)
+    assert flops_per_token(model) == flops_per_token(model, "total") == 6 * n  # full training: 6N
+    for p in model.parameters():
+        p.requires_grad_(False)
+    adapter = torch.nn.Linear(8, 2, bias=False)
+    model.append(adapter)  # a trainable extra module: 16 parameters
+    assert parameter_counts(model) == (n + 16, 16)
+    assert flops_per_token(model) == 4 * (n + 16) + 2 * 16
+    assert flops_per_token(model, "total") == 6 * (n + 16)
+    with pytest.raises(ValueError, match="flops must be"):
+        flops_per_token(model, "some")
+    assert flops_per_token(object()) is None
+
+
+def test_a_resumed_run_reports_its_global_step() -> None:
+    with receiver() as (endpoint, store):
+        run = start_run("resumed", endpoint=endpoint, export_interval=30, gpu_uuids=[GPU_A], total_steps=10,
+                        start_step=5)
+        assert run.flush() is True
+        # Halfway at the start, not 0%.
+        assert total(store, "training_global_step") == 5 and total(store, "training_run_total_steps") == 10
+        run.step(tokens=1)
+        run.step(tokens=1)
+        assert run.global_step == 7 and run.steps == 2
+        run.step(tokens=1, global_step=9)  # a framework's own count wins
+        run.finish()
+        assert total(store, "training_global_step") == 9
+        assert total(store, "training_steps_total") == 3  # steps this process took
+
+
+def test_a_machine_without_an_nvidia_driver_runs_on_cpu_gpu_uuid_none() -> None:
+    from gpu_energy_exporter.training.gpus import NoNVIDIADriver
+
+    def no_driver() -> list[NVMLGPU]:
+        raise NoNVIDIADriver("no NVIDIA driver on this machine (NVML Shared Library Not Found)")
+
+    cpu = resolve_gpus(environ={}, nvml_reader=no_driver)
+    assert (cpu.uuids, cpu.label) == ((), "none")
+    # pynvml present, NVML failing otherwise: which GPUs is unknown.
+    assert resolve_gpus(environ={}, nvml_reader=no_nvml).label == "unknown"
+    # Indices need NVML to resolve: unknown too, even without a driver library.
+    assert resolve_gpus(environ={"CUDA_VISIBLE_DEVICES": "0"}, nvml_reader=no_driver).label == "unknown"
+
+
+def test_cpu_only_machine_through_real_pynvml_reports_none(tmp_path: Path) -> None:
+    # The real pynvml, with LD_LIBRARY_PATH at an empty folder: on a machine without the NVIDIA driver
+    # libnvidia-ml.so.1 is not found, as on a laptop or a CPU node. (A GPU machine finds the real one.)
+    import ctypes.util
+
+    proc = run_child("""
+    import logging, sys
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s %(message)s")
+    from gpu_energy_exporter.training import start_run
+    from training_models import closed_port
+    run = start_run(endpoint=f"http://127.0.0.1:{closed_port()}", export_interval=3600, finish_timeout=0.2)
+    print("LABEL", run._attrs["gpu_uuid"])
+    """, LD_LIBRARY_PATH=str(tmp_path))
+    assert proc.returncode == 0, proc.stderr
+    if ctypes.util.find_library("nvidia-ml"):
+        assert "LABEL GPU-" in proc.stdout, proc.stdout  # a GPU machine: its GPUs
+        return
+    assert "LABEL none" in proc.stdout, proc.stdout
+    assert "cannot tell which GPUs" not in proc.stderr, proc.stderr
+
+
+def test_token_counts_of_any_kind_never_raise_into_the_loop() -> None:
+    import torch
+
+    from gpu_energy_exporter.training.batch import add_count
+
+    assert int(add_count(0, torch.tensor(3))) == 3 and int(add_count(torch.tensor(3), 4)) == 7
+    assert add_count(5, None) == 5 and add_count(0, None) == 0 and add_count(2, "x") == 2
+    run = start_run(endpoint=f"http://127.0.0.1:{closed_port()}", export_interval=3600, finish_timeout=0.2,
+                    gpu_uuids=[GPU_A])
+    for tokens in (None, "x", torch.tensor(5), 2, torch.tensor(1.0)):
+        run.step(tokens=tokens)  # type: ignore[arg-type]
+    run.add(tokens=None)  # type: ignore[arg-type]
+    assert run.tokens == 8 and run.steps == 5
+    run.finish()

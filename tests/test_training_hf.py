@@ -25,11 +25,12 @@ CONFIG = TinyLMConfig(vocab_size=64, seq_len=16)
 def trainer_for(callback: EnergyCallback, tmp_path: Path, train: Any, **args: Any) -> Any:
     from transformers import Trainer, TrainingArguments
 
-    arguments = TrainingArguments(
-        output_dir=str(tmp_path), per_device_train_batch_size=4, per_device_eval_batch_size=4,
-        gradient_accumulation_steps=2, num_train_epochs=2, logging_steps=1, eval_strategy="epoch",
-        save_strategy="no", report_to=[], use_cpu=True, disable_tqdm=True, seed=3, **args,
-    )
+    settings: dict[str, Any] = {
+        "output_dir": str(tmp_path), "per_device_train_batch_size": 4, "per_device_eval_batch_size": 4,
+        "gradient_accumulation_steps": 2, "num_train_epochs": 2, "logging_steps": 1, "eval_strategy": "epoch",
+        "save_strategy": "no", "report_to": [], "use_cpu": True, "disable_tqdm": True, "seed": 3,
+    }
+    arguments = TrainingArguments(**{**settings, **args})
     return Trainer(model=tiny_gpt2(CONFIG), args=arguments, train_dataset=train,
                    eval_dataset=TokenDataset(4, CONFIG, seed=1), callbacks=[callback])
 
@@ -112,3 +113,168 @@ def test_missing_transformers_says_what_to_install() -> None:
                           check=False)
     assert "IMPORT-ERROR" in proc.stdout, proc.stderr
     assert "pip install gpu-energy-exporter[hf]" in proc.stdout
+
+
+# ----------------------------------------------------------------------------------------------------
+# FLOPs step by step, trainable-parameter FLOPs, padding, resume
+
+
+def non_embedding_parameters(model: Any) -> tuple[int, int]:
+    """(N, N_trainable) by hand: every parameter but the token and position embeddings (GPT-2's output
+    head is tied to the token embedding, so it goes with it)."""
+    skip = {"transformer.wte.weight", "transformer.wpe.weight"}
+    params = [(n, p) for n, p in model.named_parameters() if n not in skip]
+    return sum(p.numel() for _, p in params), sum(p.numel() for _, p in params if p.requires_grad)
+
+
+class StepProbe:
+    """A second callback, after EnergyCallback: the run's totals right after each optimizer step."""
+
+    def __init__(self, energy: EnergyCallback) -> None:
+        self.energy = energy
+        self.flops: list[float] = []
+        self.global_steps: list[int] = []
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("on_"):
+            return lambda *args, **kwargs: None
+        raise AttributeError(name)
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        assert self.energy.run is not None
+        self.flops.append(float(self.energy.run.flops))
+        self.global_steps.append(getattr(self.energy.run, "global_step", -1))
+
+
+def test_flops_rise_with_every_step_not_at_logging_steps(tmp_path: Path) -> None:
+    with receiver() as (endpoint, store):
+        callback = EnergyCallback(endpoint=endpoint, export_interval=30)
+        # One log at the very end: the Trainer's total_flos moves only then.
+        trainer = trainer_for(callback, tmp_path, TokenDataset(16, CONFIG), logging_steps=100,
+                              gradient_accumulation_steps=1)
+        probe = StepProbe(callback)
+        trainer.add_callback(probe)
+        n, _ = non_embedding_parameters(trainer.model)
+        trainer.train()
+        per_step = 4 * CONFIG.seq_len * 6 * n  # 4 samples x 16 positions x 6N
+        assert len(probe.flops) == 8
+        # The counter rises by one step's FLOPs at every step; with total_flos it stayed 0 until the end.
+        increments = [b - a for a, b in zip([0.0, *probe.flops], probe.flops, strict=False)]
+        assert increments == [pytest.approx(per_step)] * 8
+        # Everything trains, so 4N + 2N_trainable = 6N, the Trainer's own count: the totals agree.
+        assert total(store, "training_flops_total") == pytest.approx(trainer.state.total_flos)
+        assert total(store, "training_flops_total") == pytest.approx(8 * per_step)
+        (info,) = series(store, "training_run_info")
+        assert dict(info)["flops"] == "trainable"
+
+
+class LoRA(torch.nn.Module):
+    """A low-rank adapter around a frozen GPT-2 ``Conv1D`` (weight shaped (in, out)), as LoRA does."""
+
+    def __init__(self, base: Any, rank: int = 2) -> None:
+        super().__init__()
+        self.base = base
+        d_in, d_out = base.weight.shape
+        self.a = torch.nn.Linear(d_in, rank, bias=False)
+        self.b = torch.nn.Linear(rank, d_out, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.base(x) + self.b(self.a(x))
+
+
+def lora_gpt2() -> Any:
+    model = tiny_gpt2(CONFIG)
+    for p in model.parameters():
+        p.requires_grad_(False)
+    block = model.transformer.h[0]
+    block.attn.c_attn = LoRA(block.attn.c_attn)
+    block.mlp.c_fc = LoRA(block.mlp.c_fc)
+    return model
+
+
+def test_lora_flops_count_trainable_weight_gradients_and_tokens_exclude_padding(tmp_path: Path) -> None:
+    from transformers import Trainer, TrainingArguments
+
+    with receiver() as (endpoint, store):
+        callback = EnergyCallback(endpoint=endpoint, export_interval=30)  # defaults: trainable, excluded
+        arguments = TrainingArguments(
+            output_dir=str(tmp_path), per_device_train_batch_size=4, gradient_accumulation_steps=2,
+            num_train_epochs=2, logging_steps=1, save_strategy="no", report_to=[], use_cpu=True,
+            disable_tqdm=True, seed=3,
+        )
+        model = lora_gpt2()
+        trainer = Trainer(model=model, args=arguments, train_dataset=PaddedDataset(10, CONFIG), callbacks=[callback])
+        trainer.train()
+        n, trainable = non_embedding_parameters(model)
+        assert 0 < trainable < n / 10  # a LoRA-like run: a small adapter on a frozen base
+
+        positions = 20 * CONFIG.seq_len  # 10 samples x 2 epochs; padding is computed, so FLOPs count it
+        assert total(store, "training_flops_total") == pytest.approx(positions * (4 * n + 2 * trainable))
+        # What the Trainer's total_flos says (6N per position): about 1.5x the FLOPs executed.
+        assert trainer.state.total_flos == pytest.approx(positions * 6 * n)
+        assert trainer.state.total_flos / total(store, "training_flops_total") > 1.4
+        # Tokens: the 12 non-padding positions of each 16 (the attention mask), not 16.
+        assert total(store, "training_tokens_total") == 20 * 12
+        assert total(store, "training_samples_total") == 20
+        (info,) = series(store, "training_run_info")
+        assert (dict(info)["padding"], dict(info)["flops"]) == ("excluded", "trainable")
+
+
+def test_padding_included_and_total_flops_are_options(tmp_path: Path) -> None:
+    from transformers import Trainer
+
+    with receiver() as (endpoint, store):
+        callback = EnergyCallback(endpoint=endpoint, export_interval=30, padding="included", flops="total")
+        args = trainer_for(callback, tmp_path, PaddedDataset(10, CONFIG)).args
+        trainer = Trainer(model=lora_gpt2(), args=args, train_dataset=PaddedDataset(10, CONFIG),
+                          eval_dataset=TokenDataset(4, CONFIG, seed=1), callbacks=[callback])
+        trainer.train()
+        assert total(store, "training_tokens_total") == 20 * CONFIG.seq_len
+        # flops="total" is the Trainer's convention (6N, frozen weights too): the totals agree.
+        assert total(store, "training_flops_total") == pytest.approx(trainer.state.total_flos)
+        (info,) = series(store, "training_run_info")
+        assert (dict(info)["padding"], dict(info)["flops"]) == ("included", "total")
+    with pytest.raises(ValueError, match="padding must be"):
+        EnergyCallback(padding="some")
+    with pytest.raises(ValueError, match="flops must be"):
+        EnergyCallback(flops="all")
+
+
+def test_progress_after_resume_comes_from_the_global_step(tmp_path: Path) -> None:
+    from transformers import Trainer, TrainingArguments
+
+    def arguments(**extra: Any) -> Any:
+        return TrainingArguments(
+            output_dir=str(tmp_path), per_device_train_batch_size=4, gradient_accumulation_steps=1,
+            max_steps=4, logging_steps=1, report_to=[], use_cpu=True, disable_tqdm=True, seed=3, **extra)
+
+    train = TokenDataset(16, CONFIG)
+    first = Trainer(model=tiny_gpt2(CONFIG), args=arguments(save_strategy="steps", save_steps=2),
+                    train_dataset=train)
+    first.train()
+    checkpoint = tmp_path / "checkpoint-2"
+    assert checkpoint.is_dir()
+
+    with receiver() as (endpoint, store):
+        callback = EnergyCallback("resumed", endpoint=endpoint, export_interval=30)
+        resumed = Trainer(model=tiny_gpt2(CONFIG), args=arguments(save_strategy="no"), train_dataset=train,
+                          callbacks=[callback])
+        probe = StepProbe(callback)
+        resumed.add_callback(probe)
+        pushed: list[tuple[float, float]] = []
+
+        class PushAfterFirstStep(StepProbe):
+            def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+                if not pushed and self.energy.run is not None and self.energy.run.flush():
+                    pushed.append((total(store, "training_global_step"), total(store, "training_run_total_steps")))
+
+        resumed.add_callback(PushAfterFirstStep(callback))
+        resumed.train(resume_from_checkpoint=str(checkpoint))
+
+        # Halfway when resumed: the first step after the resume is step 3 of 4 (75%), not step 1 of 4.
+        assert probe.global_steps == [3, 4]
+        assert pushed == [(3, 4)]
+        assert total(store, "training_global_step") == 4 and total(store, "training_run_total_steps") == 4
+        # This process took two steps: the per-process counter (rates, J/step) is unchanged.
+        assert total(store, "training_steps_total") == 2
+        assert total(store, "training_samples_total") == 8

@@ -137,3 +137,26 @@ def test_tiny_lm_on_a_real_gpu_is_labelled_with_that_gpu() -> None:
         assert label_values(store, "training_run_gpu_info", "gpu_uuid") == {gpu}
         assert 0 < total(store, "training_loss") < 10
 
+
+
+@pytest.mark.gpu
+def test_counting_non_padding_tokens_on_a_gpu_never_synchronises() -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("needs PyTorch with CUDA and a visible GPU")
+    from gpu_energy_exporter.training import count_tokens
+
+    device = torch.device("cuda:0")
+    ids = synthetic_tokens(16, CONFIG).to(device)
+    mask = torch.ones_like(ids)
+    mask[:, -5:] = 0
+    with receiver() as (endpoint, store):
+        run = start_run(endpoint=endpoint, export_interval=3600, device=device, padding="excluded")
+        # torch raises on any operation that synchronises the host with the device.
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            for batch, batch_mask in zip(ids.split(4), mask.split(4), strict=True):
+                run.step(tokens=count_tokens({"input_ids": batch, "attention_mask": batch_mask}), samples=4)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        run.finish()
+        assert total(store, "training_tokens_total") == 16 * (CONFIG.seq_len - 5)

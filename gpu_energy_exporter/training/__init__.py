@@ -2,12 +2,15 @@
 
 A plain loop::
 
-    from gpu_energy_exporter.training import start_run
+    from gpu_energy_exporter.training import count_tokens, start_run
 
     with start_run(model="llama-3-8b", backend="unsloth", batch_size=8, seq_len=2048) as run:
         for batch in loader:
             loss = train_step(batch)
-            run.step(tokens=batch["input_ids"].numel(), samples=len(batch["input_ids"]), loss=loss)
+            run.step(tokens=count_tokens(batch), samples=len(batch["input_ids"]), loss=loss)
+
+``count_tokens`` counts the non-padding tokens (the attention mask) without a device synchronisation;
+``flops_per_token(model)`` gives the model FLOPs per token position for ``step(flops=...)``.
 
 Hugging Face ``Trainer``: ``callbacks=[gpu_energy_exporter.training.hf.EnergyCallback()]``; Lightning:
 ``callbacks=[gpu_energy_exporter.training.lightning.EnergyCallback()]`` (both optional extras, imported
@@ -27,7 +30,8 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from gpu_energy_exporter.training.batch import count_batch
+    from gpu_energy_exporter.training.batch import count_batch, count_tokens
+    from gpu_energy_exporter.training.flops import flops_per_token
     from gpu_energy_exporter.training.gpus import GPUResolution, resolve_gpus
     from gpu_energy_exporter.training.instruments import GPU_NONE, GPU_UNKNOWN
     from gpu_energy_exporter.training.run import DEFAULT_ENDPOINT, TrainingRun, resolve_endpoint, start_run
@@ -41,6 +45,8 @@ _EXPORTS = {
     "GPUResolution": "gpus",
     "TrainingRun": "run",
     "count_batch": "batch",
+    "count_tokens": "batch",
+    "flops_per_token": "flops",
     "resolve_endpoint": "run",
     "resolve_gpus": "gpus",
     "start_run": "run",
@@ -53,6 +59,8 @@ __all__ = [
     "GPUResolution",
     "TrainingRun",
     "count_batch",
+    "count_tokens",
+    "flops_per_token",
     "resolve_endpoint",
     "resolve_gpus",
     "start_run",

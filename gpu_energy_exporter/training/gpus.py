@@ -13,7 +13,12 @@ Resolution, first answer wins:
    ``device_map="auto"``).
 5. torch's current device, when CUDA is already initialised.
 6. Every GPU NVML can see (one warning if there are several: pass ``gpu_uuids`` or set
-   ``CUDA_VISIBLE_DEVICES`` to be exact).
+   ``CUDA_VISIBLE_DEVICES`` to be exact). A machine without an NVIDIA driver (NVML's library absent or
+   the driver not loaded) has none: a CPU run, ``gpu_uuid="none"``.
+
+``gpu_uuid="none"`` means the process uses no GPU (a CPU device, every GPU hidden, no NVIDIA driver);
+``"unknown"`` means it may use GPUs but which could not be found out (no ``pynvml``, NVML failing on a
+machine that has a driver, indices or prefixes that need NVML to resolve).
 
 ``CUDA_VISIBLE_DEVICES`` follows CUDA's own parsing (as torch re-implements it): the first entry decides
 the form (indices, ``GPU-`` UUIDs or ``MIG-`` UUIDs); UUIDs may be unique prefixes; parsing stops at the
@@ -79,6 +84,11 @@ class NVMLMissing(Exception):
     """NVML cannot be used in this process (no pynvml, no driver library, init failed)."""
 
 
+class NoNVIDIADriver(NVMLMissing):
+    """This machine has no NVIDIA driver (its NVML library is absent or not loaded): a process here
+    cannot be using an NVIDIA GPU."""
+
+
 @dataclass(frozen=True)
 class GPUResolution:
     """The answer: ``uuids`` (parent GPU UUIDs, in the process's device order) and where it came from."""
@@ -106,6 +116,9 @@ def read_nvml_gpus() -> list[NVMLGPU]:
     try:
         pynvml.nvmlInit()
     except pynvml.NVMLError as exc:
+        no_driver = (pynvml.NVML_ERROR_LIBRARY_NOT_FOUND, pynvml.NVML_ERROR_DRIVER_NOT_LOADED)
+        if getattr(exc, "value", None) in no_driver:
+            raise NoNVIDIADriver(f"no NVIDIA driver on this machine ({exc})") from None
         raise NVMLMissing(f"NVML did not initialise ({exc})") from None
     try:
         gpus = []
@@ -340,7 +353,7 @@ def resolve_gpus(
         if resolved:
             return GPUResolution(resolved, "torch-current-device")
 
-    gpus = _nvml(nvml_reader)
+    gpus = _nvml(nvml_reader, no_driver_means_no_gpu=True)
     if gpus is None:
         return GPUResolution((), "unknown")
     if not gpus:
@@ -400,10 +413,16 @@ def _parents(uuids: Sequence[str], nvml_reader: NVMLReader) -> list[str]:
     return out
 
 
-def _nvml(nvml_reader: NVMLReader) -> Sequence[NVMLGPU] | None:
+def _nvml(nvml_reader: NVMLReader, no_driver_means_no_gpu: bool = False) -> Sequence[NVMLGPU] | None:
+    """The GPUs NVML lists, or None (with one warning per process) when NVML cannot be used. With
+    ``no_driver_means_no_gpu``, a machine without an NVIDIA driver has no GPUs (``[]``, no warning): a run
+    that named no GPU there is a CPU run, ``gpu_uuid="none"``, as the docs say."""
     try:
         return nvml_reader()
     except NVMLMissing as exc:
+        if no_driver_means_no_gpu and isinstance(exc, NoNVIDIADriver):
+            log.debug("no GPUs: %s", exc)
+            return []
         _warn_once(
             "nvml",
             "gpu_energy_exporter.training: cannot tell which GPUs this process uses: %s. Training "

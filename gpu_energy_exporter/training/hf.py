@@ -6,19 +6,30 @@
 What is reported, and from where (each rank runs its own callback and reports its own share):
 
 - steps: ``on_step_end`` (one per optimizer step, all gradient-accumulation micro-batches included);
-  ``total_steps`` from ``state.max_steps``; the step duration from ``on_step_begin`` to ``on_step_end``.
+  the step duration from ``on_step_begin`` to ``on_step_end``. Progress: ``training.global_step`` is
+  ``state.global_step`` and ``total_steps`` is ``state.max_steps``, both counted from the start of
+  training, so a run resumed from a checkpoint (``resume_from_checkpoint``) shows its true progress and
+  the energy still to spend is projected from the steps really left.
 - samples: counted on this rank from the training micro-batches themselves, through a forward pre-hook
   on the model (callbacks never see the batch); shapes only, no device synchronisation.
-- tokens: if the Trainer counts them (``include_num_input_tokens_seen`` not ``"no"``), from
-  ``state.num_input_tokens_seen``, which the Trainer **gathers over all processes**: it is already a
-  global count, so each rank reports an even integer share of each increase (rank r gets
-  ``d // W`` plus one of the ``d % W`` remainder tokens when ``r < d % W``). The shares add up exactly to
-  the Trainer's count, so ``sum by (run_id)`` is right, while the per-rank split is even rather than
-  measured. Otherwise the forward pre-hook counts the token-id elements of this rank's micro-batches
-  (padding included), which is exact per rank.
-- FLOPs: ``state.total_flos`` deltas. The Trainer sums its per-process counts over all processes before
-  storing them (``store_flos``, at logging and saving steps), so FLOPs too are a global count: each rank
-  reports ``delta / W``. They arrive in lumps at logging steps.
+- tokens, ``padding="excluded"`` (the default): the pre-hook counts the non-padding positions of each
+  micro-batch's ``attention_mask`` (``attention_mask.sum()`` kept on the device, read at export time: no
+  synchronisation per step); a batch without a mask counts every position. ``padding="included"``: every
+  position of the token ids. If the Trainer counts tokens itself (``include_num_input_tokens_seen``
+  ``"non_padding"`` or ``"all"``) and ``padding`` is not set to the other convention, its count is used
+  instead: ``state.num_input_tokens_seen`` is **gathered over all processes**, a global count, so each
+  rank reports an even integer share of each increase (rank r gets ``d // W`` plus one of the ``d % W``
+  remainder tokens when ``r < d % W``); the shares add up exactly to the Trainer's count, so
+  ``sum by (run_id)`` is right, while the per-rank split is even rather than measured.
+- FLOPs: counted per micro-batch by the pre-hook, so the counter rises with every step (a rate over any
+  window of a few steps is right): every position of the token ids (padding is computed too) times the
+  model FLOPs per token (``flops.py``): ``flops="trainable"`` (default) ``4 N + 2 N_trainable``,
+  ``flops="total"`` ``6 N``, exactly what the Trainer's ``total_flos`` counts (``N``: non-embedding
+  parameters, counted at ``on_train_begin``). The Trainer's own ``total_flos`` is only updated at logging
+  and saving steps (``store_flos``), so a rate of it alternates between 0 and several times the truth; it
+  is used only for a model whose parameters cannot be read (then as deltas, ``delta / W`` per rank,
+  since the Trainer sums it over processes).
+- ``padding`` and ``flops`` label ``training.run.info`` with the conventions used.
 - loss and learning rate: ``on_log`` (every ``logging_steps``); the learning rate also from the
   scheduler at every step. Validation loss: ``on_evaluate`` (``eval_loss``). Epochs: ``state.epoch``.
 - metadata: model name, optimizer, per-device batch size, gradient accumulation, precision and seed from
@@ -51,7 +62,15 @@ except ImportError as exc:  # pragma: no cover - depends on the installed extras
         "pip install gpu-energy-exporter[hf]"
     ) from exc
 
-from gpu_energy_exporter.training.batch import count_batch
+from gpu_energy_exporter.training.batch import (
+    add_count,
+    attention_mask,
+    count_batch,
+    main_tensor,
+    non_padding_tokens,
+)
+from gpu_energy_exporter.training.flops import check_flops_mode, flops_per_token
+from gpu_energy_exporter.training.instruments import FLOPS_TRAINABLE, PADDING_EXCLUDED, PADDING_INCLUDED
 from gpu_energy_exporter.training.run import TrainingRun, count_parameters, fp32_matmul_precision, start_run
 
 log = logging.getLogger("gpu_energy_exporter.training")
@@ -66,15 +85,21 @@ def even_share(delta: int, rank: int, world_size: int) -> int:
 
 
 class _BatchCounter:
-    """Forward pre-hook counting this rank's training micro-batches (samples, tokens) from shapes.
+    """Forward pre-hook counting this rank's training micro-batches: samples and token positions from
+    shapes, non-padding tokens from the attention mask (a device tensor, no synchronisation), FLOPs from
+    the positions.
 
     Thread-safe because ``nn.DataParallel`` runs replicas' forwards in threads."""
 
-    def __init__(self, input_key: str, count: Callable[[Any, str], tuple[int, int]]) -> None:
+    def __init__(self, input_key: str, count: Callable[[Any, str], tuple[int, int]], *,
+                 exclude_padding: bool = False, flops_per_token: float | None = None) -> None:
         self.input_key = input_key
         self.count = count
+        self.exclude_padding = exclude_padding
+        self.flops_per_token = flops_per_token
         self.samples = 0
-        self.tokens = 0
+        self.tokens: Any = 0
+        self.flops = 0.0
         self._lock = threading.Lock()
 
     def __call__(self, module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
@@ -82,19 +107,27 @@ class _BatchCounter:
             return None  # evaluation and prediction forwards are not training work
         try:
             batch: Any = kwargs if self.input_key in kwargs or not args else args[0]
-            samples, tokens = self.count(batch, self.input_key)
+            samples, positions = self.count(batch, self.input_key)
+            tokens: Any = positions
+            if self.exclude_padding and positions:
+                mask = attention_mask(batch, main_tensor(batch, self.input_key))
+                if mask is not None:
+                    tokens = non_padding_tokens(mask)
+            flops = positions * self.flops_per_token if self.flops_per_token else 0.0
         except Exception:  # noqa: BLE001 - counting must never break a forward
             log.debug("cannot count this batch", exc_info=True)
             return None
         with self._lock:
             self.samples += samples
-            self.tokens += tokens
+            self.tokens = add_count(self.tokens, tokens)
+            self.flops += flops
         return None
 
-    def take(self) -> tuple[int, int]:
+    def take(self) -> tuple[int, Any, float]:
         with self._lock:
-            out = (self.samples, self.tokens)
+            out = (self.samples, self.tokens, self.flops)
             self.samples = self.tokens = 0
+            self.flops = 0.0
         return out
 
 
@@ -103,7 +136,11 @@ class EnergyCallback(TrainerCallback):
 
     Metadata keywords override what is read from the ``TrainingArguments``; the other keywords are
     passed to ``start_run`` (``endpoint``, ``export_interval``, ``gpu_uuids``, ``headers``...).
-    ``count_batch`` replaces the shape-based ``(samples, tokens)`` counter for unusual inputs.
+    ``padding``: ``"excluded"`` (default: non-padding tokens, from the attention mask) or ``"included"``;
+    ``flops``: ``"trainable"`` (default: ``4 N + 2 N_trainable`` per token, right for LoRA and for full
+    training) or ``"total"`` (``6 N``, as the Trainer's ``total_flos``); ``flops_per_token`` replaces the
+    figure counted from the model (give it where the model is sharded, FSDP). ``count_batch`` replaces the
+    shape-based ``(samples, token positions)`` counter for unusual inputs.
     ``run`` is the current ``TrainingRun`` (None outside ``train()``).
     """
 
@@ -121,12 +158,20 @@ class EnergyCallback(TrainerCallback):
         seed: int | None = None,
         notes: str | None = None,
         parameters: int | None = None,
+        padding: str | None = None,
+        flops: str = FLOPS_TRAINABLE,
+        flops_per_token: float | None = None,
         endpoint: str | None = None,
         export_interval: float | None = None,
         gpu_uuids: Sequence[str] | None = None,
         count_batch: Callable[[Any, str], tuple[int, int]] = count_batch,
         **run_kwargs: Any,
     ) -> None:
+        if padding not in (None, PADDING_EXCLUDED, PADDING_INCLUDED):
+            raise ValueError(f"padding must be {PADDING_EXCLUDED!r} or {PADDING_INCLUDED!r}, got {padding!r}")
+        self.padding = padding
+        self.flops = check_flops_mode(flops)
+        self.flops_per_token = flops_per_token
         self.run_id = run_id
         self.metadata: dict[str, Any] = {
             "model": model, "backend": backend, "optimizer": optimizer, "batch_size": batch_size,
@@ -147,6 +192,7 @@ class EnergyCallback(TrainerCallback):
         self._rank = 0
         self._world_size = 1
         self._trainer_counts_tokens = False
+        self._flops_from_trainer = False
 
     # -- lifecycle ----------------------------------------------------------------------------------
 
@@ -155,14 +201,21 @@ class EnergyCallback(TrainerCallback):
         self._rank = int(getattr(args, "process_index", 0))
         self._world_size = max(int(getattr(args, "world_size", 1)), 1)
         counting = getattr(args, "include_num_input_tokens_seen", "no")
-        self._trainer_counts_tokens = counting not in ("no", False, None)
+        trainer_padding = PADDING_EXCLUDED if counting == "non_padding" else PADDING_INCLUDED
+        self._trainer_counts_tokens = counting not in ("no", False, None) and self.padding in (None, trainer_padding)
+        padding = trainer_padding if self._trainer_counts_tokens else (self.padding or PADDING_EXCLUDED)
+        # State is restored from the checkpoint before on_train_begin: on a resume these are its totals.
         self._tokens_seen = int(getattr(state, "num_input_tokens_seen", 0) or 0)
         self._flos_seen = float(getattr(state, "total_flos", 0.0) or 0.0)
+        per_token = self.flops_per_token or flops_per_token(model, self.flops)
+        self._flops_from_trainer = not per_token
         metadata = {**self._from_args(args, model), **{k: v for k, v in self.metadata.items() if v is not None}}
         parameters = self.parameters if self.parameters is not None else count_parameters(model)
         try:
             self.run = start_run(
                 self.run_id, **metadata, total_steps=int(state.max_steps) if state.max_steps else None,
+                start_step=int(getattr(state, "global_step", 0) or 0), padding=padding,
+                flops=None if self._flops_from_trainer or self.flops_per_token else self.flops,
                 parameters=parameters,
                 device=getattr(args, "device", None), rank=self._rank, world_size=self._world_size,
                 **{k: v for k, v in self.run_kwargs.items() if v is not None},
@@ -173,13 +226,15 @@ class EnergyCallback(TrainerCallback):
             self.run = None
             return
         if model is not None and hasattr(model, "register_forward_pre_hook"):
-            self._counter = _BatchCounter(getattr(model, "main_input_name", "input_ids"), self._count_batch)
+            self._counter = _BatchCounter(getattr(model, "main_input_name", "input_ids"), self._count_batch,
+                                          exclude_padding=padding == PADDING_EXCLUDED,
+                                          flops_per_token=per_token)
             self._hook = model.register_forward_pre_hook(self._counter, with_kwargs=True)
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         run = self.run
         if run is not None:
-            # store_flos ran just before on_train_end; pending micro-batches (none normally) go with it.
+            # Pending micro-batches (none normally) go with the final totals.
             self._report(state, count_step=False)
         self._close()
 
@@ -211,16 +266,19 @@ class EnergyCallback(TrainerCallback):
     def _report(self, state: Any, *, count_step: bool, lr: Any = None) -> None:
         run = self.run
         assert run is not None
-        samples, tokens = self._counter.take() if self._counter is not None else (0, 0)
+        samples, tokens, flops = self._counter.take() if self._counter is not None else (0, 0, 0.0)
         if self._trainer_counts_tokens:
             seen = int(getattr(state, "num_input_tokens_seen", 0) or 0)
             tokens = even_share(max(seen - self._tokens_seen, 0), self._rank, self._world_size)
             self._tokens_seen = seen
-        flops = self._take_flops(state)
+        if self._flops_from_trainer:
+            flops = self._take_flops(state)
         if count_step:
             started, self._step_started = self._step_started, None
             duration = time.perf_counter() - started if started is not None else None
-            run.step(tokens=tokens, samples=samples, flops=flops, lr=lr, duration_s=duration)
+            global_step = getattr(state, "global_step", None)
+            run.step(tokens=tokens, samples=samples, flops=flops, lr=lr, duration_s=duration,
+                     global_step=int(global_step) if global_step is not None else None)
             if state.epoch is not None:
                 run.epoch(state.epoch)
         else:
@@ -242,8 +300,9 @@ class EnergyCallback(TrainerCallback):
         run.log(loss=logs.get("loss"), lr=logs.get("learning_rate"))
         if logs.get("eval_loss") is not None:
             run.evaluate(logs["eval_loss"])
-        # store_flos runs right before a log: report the FLOPs now rather than a step later.
-        run.add(flops=self._take_flops(state))
+        if self._flops_from_trainer:
+            # store_flos runs right before a log: report the FLOPs now rather than a step later.
+            run.add(flops=self._take_flops(state))
 
     def on_evaluate(self, args: Any, state: Any, control: Any, metrics: Mapping[str, Any] | None = None,
                     **kwargs: Any) -> None:

@@ -32,6 +32,17 @@ RUN_INFO_ATTRIBUTES: tuple[str, ...] = (
     "seed", "notes", "world_size",
 )
 
+#: Attributes of ``training.run.info`` saying how tokens and FLOPs were counted (absent when the caller did
+#: not say). ``padding``: ``excluded`` (tokens are the attention mask's non-padding positions) or
+#: ``included`` (every position of the token-id tensor, padding too). ``flops``: ``trainable``
+#: (``4 * N + 2 * N_trainable`` per token: a frozen base's weight gradients are not computed) or ``total``
+#: (``6 * N``, what Hugging Face's ``total_flos`` counts); see docs/training.md.
+COUNTING_ATTRIBUTES: tuple[str, ...] = ("padding", "flops")
+PADDING_EXCLUDED = "excluded"
+PADDING_INCLUDED = "included"
+FLOPS_TRAINABLE = "trainable"
+FLOPS_TOTAL = "total"
+
 #: Values of the ``precision`` attribute: the compute precision of the run's matrix multiplications, as
 #: the exporter's peak-FLOP/s table names them (``gpuenergy_gpu_peak_flops_per_second{precision}``, which
 #: has no fp32 row: an fp32 run gets no MFU rather than a wrong one). What the framework or the caller
@@ -53,14 +64,16 @@ class Instrument:
 
 
 TOKENS = Instrument("training.tokens", "counter", "{token}",
-                    "Tokens processed by this rank (each token counted once across ranks).")
+                    "Tokens processed by this rank (each token counted once across ranks; padding "
+                    "excluded or included as the run's padding attribute says).")
 SAMPLES = Instrument("training.samples", "counter", "{sample}",
                      "Samples (sequences) processed by this rank.")
 STEPS = Instrument("training.steps", "counter", "{step}",
                    "Optimizer steps taken by this rank (in data parallelism every rank takes every step: "
                    "aggregate over ranks with max, not sum).")
 FLOPS = Instrument("training.flops", "counter", "{flop}",
-                   "Floating-point operations done by this rank, as counted by the trainer.")
+                   "Model FLOPs of this rank's training steps, forward and backward, counted step by step "
+                   "(the run's flops attribute says whether frozen weights' gradients are counted).")
 LOSS = Instrument("training.loss", "gauge", "", "Latest training loss.")
 VALIDATION_LOSS = Instrument("training.validation.loss", "gauge", "", "Latest validation loss.")
 LEARNING_RATE = Instrument("training.learning_rate", "gauge", "", "Latest learning rate.")
@@ -70,8 +83,12 @@ RUN_INFO = Instrument("training.run.info", "gauge", "",
                       "Always 1; the run's metadata (model, backend, optimizer, ...) as attributes.")
 RUN_GPU_INFO = Instrument("training.run.gpu.info", "gauge", "",
                           "Always 1; one point per GPU this rank uses, with that GPU's gpu_uuid.")
+GLOBAL_STEP = Instrument("training.global_step", "gauge", "{step}",
+                         "The trainer's optimizer step counted from the start of training, steps taken before a "
+                         "resume included (progress is this over training.run.total_steps).")
 RUN_TOTAL_STEPS = Instrument("training.run.total_steps", "gauge", "",
-                             "Optimizer steps the run is planned to take, when known.")
+                             "Optimizer steps the whole training is planned to take (the trainer's max steps, "
+                             "steps before a resume included), when known.")
 RUN_FINISHED = Instrument("training.run.finished", "gauge", "", "0 while the run is going, 1 after it finished.")
 MODEL_PARAMETERS = Instrument("training.model.parameters", "gauge", "{parameter}",
                               "Parameters of the whole model being trained (trainable or not; the same value on "
@@ -79,7 +96,7 @@ MODEL_PARAMETERS = Instrument("training.model.parameters", "gauge", "{parameter}
 
 ALL: tuple[Instrument, ...] = (
     TOKENS, SAMPLES, STEPS, FLOPS, LOSS, VALIDATION_LOSS, LEARNING_RATE, EPOCH, STEP_DURATION, RUN_INFO,
-    RUN_GPU_INFO, RUN_TOTAL_STEPS, RUN_FINISHED, MODEL_PARAMETERS,
+    RUN_GPU_INFO, GLOBAL_STEP, RUN_TOTAL_STEPS, RUN_FINISHED, MODEL_PARAMETERS,
 )
 
 #: Explicit bucket bounds of ``training.step.duration``, in seconds: from a millisecond (tiny models) to

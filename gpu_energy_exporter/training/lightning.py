@@ -7,14 +7,21 @@ Works with ``lightning.pytorch`` (Lightning 2.x) or the older ``pytorch_lightnin
 installed. What is reported, and from where (each rank reports its own work: Lightning hands every rank
 its own batches, so nothing here is a global count):
 
-- samples and tokens: from each training batch this rank sees (``on_train_batch_end``), by shape
-  (``count_batch``: the ``input_ids`` entry of a dict batch, else the first tensor; token ids are 2-D
-  int32/int64 tensors); pass ``count_batch=`` for other layouts.
+- samples and token positions: from each training batch this rank sees (``on_train_batch_end``), by
+  shape (``count_batch``: the ``input_ids`` entry of a dict batch, else the first tensor; token ids are
+  2-D int32/int64 tensors); pass ``count_batch=`` for other layouts.
+- tokens, ``padding="excluded"`` (default): the non-padding positions of the batch's
+  ``attention_mask`` (kept on the device, read at export time), every position when the batch has no
+  mask; ``padding="included"``: every position.
 - steps: optimizer steps, i.e. increases of ``trainer.global_step`` (micro-batches of a gradient
-  accumulation are added to the step that consumes them); ``total_steps`` from ``trainer.max_steps`` or
-  ``trainer.estimated_stepping_batches``; step duration from the first micro-batch start to the step.
-- FLOPs: Lightning has no FLOP counter; give ``flops_per_token`` (``6 * parameters`` for a dense
-  transformer's forward and backward) and FLOPs are ``tokens * flops_per_token``.
+  accumulation are added to the step that consumes them); step duration from the first micro-batch
+  start to the step. Progress: ``training.global_step`` is ``trainer.global_step`` and ``total_steps``
+  ``trainer.max_steps`` or ``trainer.estimated_stepping_batches``, both counted from the start of
+  training, so a run resumed from a checkpoint (``fit(ckpt_path=...)``) shows its true progress.
+- FLOPs: Lightning has no FLOP counter: FLOPs are token positions (padding included: it is computed)
+  times the model FLOPs per token, ``flops_per_token`` if given, else counted from the LightningModule at
+  ``on_train_start`` (``flops.py``): ``flops="trainable"`` (default) ``4 N + 2 N_trainable``,
+  ``flops="total"`` ``6 N``.
 - loss: the ``loss`` the ``training_step`` returned for the step's last micro-batch (kept as a tensor,
   converted at export time, no synchronisation); learning rate: the first optimizer's first parameter
   group; validation loss: ``trainer.callback_metrics[val_loss_key]`` after validation; epochs completed
@@ -51,8 +58,17 @@ except ImportError:
             "pip install gpu-energy-exporter[lightning]"
         ) from exc
 
-from gpu_energy_exporter.training.batch import count_batch
+from gpu_energy_exporter.training.batch import (
+    add_count,
+    attention_mask,
+    count_batch,
+    main_tensor,
+    non_padding_tokens,
+)
 from gpu_energy_exporter.training.distributed import new_run_id
+from gpu_energy_exporter.training.flops import check_flops_mode
+from gpu_energy_exporter.training.flops import flops_per_token as model_flops_per_token
+from gpu_energy_exporter.training.instruments import FLOPS_TRAINABLE, PADDING_EXCLUDED, PADDING_INCLUDED
 from gpu_energy_exporter.training.run import (
     TrainingRun,
     count_parameters,
@@ -89,6 +105,8 @@ class EnergyCallback(Callback):
         export_interval: float | None = None,
         gpu_uuids: Sequence[str] | None = None,
         flops_per_token: float | None = None,
+        flops: str = FLOPS_TRAINABLE,
+        padding: str = PADDING_EXCLUDED,
         val_loss_key: str = "val_loss",
         input_key: str = "input_ids",
         count_batch: Callable[[Any, str], tuple[int, int]] = count_batch,
@@ -104,14 +122,20 @@ class EnergyCallback(Callback):
             "endpoint": endpoint, "export_interval": export_interval, "gpu_uuids": gpu_uuids, **run_kwargs,
         }
         self.parameters = parameters
+        if padding not in (PADDING_EXCLUDED, PADDING_INCLUDED):
+            raise ValueError(f"padding must be {PADDING_EXCLUDED!r} or {PADDING_INCLUDED!r}, got {padding!r}")
         self.flops_per_token = flops_per_token
+        self.flops = check_flops_mode(flops)
+        self.padding = padding
+        self._flops_per_token: float | None = flops_per_token
         self.val_loss_key = val_loss_key
         self.input_key = input_key
         self._count_batch = count_batch
         self.run: TrainingRun | None = None
         self._last_global_step = 0
         self._pending_samples = 0
-        self._pending_tokens = 0
+        self._pending_tokens: Any = 0
+        self._pending_positions = 0
         self._step_started: float | None = None
 
     # -- lifecycle ----------------------------------------------------------------------------------
@@ -127,8 +151,13 @@ class EnergyCallback(Callback):
             if self.metadata.get("precision") is not None:
                 metadata.pop("precision_raw", None)  # the caller's precision replaces the framework's
             parameters = self.parameters if self.parameters is not None else count_parameters(pl_module)
+            self._flops_per_token = self.flops_per_token
+            if self._flops_per_token is None:
+                self._flops_per_token = model_flops_per_token(pl_module, self.flops)
             self.run = start_run(
                 run_id, **metadata, total_steps=self._total_steps(trainer), parameters=parameters,
+                start_step=int(trainer.global_step), padding=self.padding,
+                flops=self.flops if self.flops_per_token is None and self._flops_per_token else None,
                 device=pl_module.device,
                 rank=int(trainer.global_rank), world_size=int(trainer.world_size),
                 **{k: v for k, v in self.run_kwargs.items() if v is not None},
@@ -138,7 +167,7 @@ class EnergyCallback(Callback):
                         "without reporting", exc_info=True)
             self.run = None
         self._last_global_step = int(trainer.global_step)
-        self._pending_samples = self._pending_tokens = 0
+        self._pending_samples = self._pending_tokens = self._pending_positions = 0
         self._step_started = None
 
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
@@ -152,8 +181,8 @@ class EnergyCallback(Callback):
         if run is None:
             return
         run.add(tokens=self._pending_tokens, samples=self._pending_samples,
-                flops=self._flops(self._pending_tokens))
-        self._pending_samples = self._pending_tokens = 0
+                flops=self._flops(self._pending_positions))
+        self._pending_samples = self._pending_tokens = self._pending_positions = 0
         run.finish()
 
     # -- per batch ----------------------------------------------------------------------------------
@@ -167,12 +196,18 @@ class EnergyCallback(Callback):
         if run is None:
             return
         try:
-            samples, tokens = self._count_batch(batch, self.input_key)
+            samples, positions = self._count_batch(batch, self.input_key)
+            tokens: Any = positions
+            if self.padding == PADDING_EXCLUDED and positions:
+                mask = attention_mask(batch, main_tensor(batch, self.input_key))
+                if mask is not None:
+                    tokens = non_padding_tokens(mask)
         except Exception:  # noqa: BLE001 - counting must never break training
             log.debug("cannot count this batch", exc_info=True)
-            samples, tokens = 0, 0
+            samples, positions, tokens = 0, 0, 0
         self._pending_samples += samples
-        self._pending_tokens += tokens
+        self._pending_positions += positions
+        self._pending_tokens = add_count(self._pending_tokens, tokens)
         global_step = int(trainer.global_step)
         if global_step == self._last_global_step:
             return  # a gradient-accumulation micro-batch: its work goes with the coming step
@@ -180,16 +215,17 @@ class EnergyCallback(Callback):
         self._last_global_step = global_step
         started, self._step_started = self._step_started, None
         duration = time.perf_counter() - started if started is not None else None
-        tokens, samples = self._pending_tokens, self._pending_samples
-        self._pending_samples = self._pending_tokens = 0
-        run.step(tokens=tokens, samples=samples, flops=self._flops(tokens),
-                 loss=_loss(outputs, trainer, pl_module), lr=_learning_rate(trainer), duration_s=duration)
+        tokens, samples, positions = self._pending_tokens, self._pending_samples, self._pending_positions
+        self._pending_samples = self._pending_tokens = self._pending_positions = 0
+        run.step(tokens=tokens, samples=samples, flops=self._flops(positions),
+                 loss=_loss(outputs, trainer, pl_module), lr=_learning_rate(trainer), duration_s=duration,
+                 global_step=global_step - steps + 1)
         if steps > 1:  # manual optimisation with several optimizer steps per batch
-            for _ in range(steps - 1):
-                run.step(duration_s=0.0)
+            for i in range(steps - 1):
+                run.step(duration_s=0.0, global_step=global_step - steps + 2 + i)
 
-    def _flops(self, tokens: int) -> float:
-        return tokens * self.flops_per_token if self.flops_per_token and tokens else 0.0
+    def _flops(self, positions: int) -> float:
+        return positions * self._flops_per_token if self._flops_per_token and positions else 0.0
 
     # -- epochs and validation ----------------------------------------------------------------------
 

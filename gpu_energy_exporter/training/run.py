@@ -57,8 +57,9 @@ except ImportError as exc:  # pragma: no cover - depends on the installed extras
 
 from gpu_energy_exporter import __version__
 from gpu_energy_exporter.training import instruments as I  # noqa: N812 - a namespace of constants
+from gpu_energy_exporter.training.batch import add_count, number
 from gpu_energy_exporter.training.distributed import rank_and_world_size, shared_run_id
-from gpu_energy_exporter.training.export import GuardedExporter
+from gpu_energy_exporter.training.export import GuardedExporter, ObservedSession
 from gpu_energy_exporter.training.gpus import resolve_gpus
 
 log = logging.getLogger("gpu_energy_exporter.training")
@@ -130,6 +131,7 @@ class TrainingRun:
         gpu_label: str,
         metadata: Mapping[str, Any],
         total_steps: int | None,
+        start_step: int = 0,
         endpoint: str,
         headers: Mapping[str, str] | None,
         export_interval: float,
@@ -159,6 +161,7 @@ class TrainingRun:
         self._val_loss: Any = None
         self._epoch: Any = None
         self._total_steps = total_steps
+        self._global_step = int(start_step)
         self._parameters: int | None = None
         self._finished = False
         self._last_step_at: float | None = None
@@ -182,10 +185,12 @@ class TrainingRun:
         })
         self._scope = InstrumentationScope(I.SCOPE_NAME, __version__)
         self._export_timeout = export_timeout
+        session = ObservedSession()
         inner = OTLPMetricExporter(endpoint=endpoint, headers=dict(headers) if headers else None,
-                                   timeout=export_timeout)
+                                   timeout=export_timeout, session=session)
         self._exporter = GuardedExporter(inner, endpoint=endpoint, resource=self._resource,
-                                         scope=self._scope, extra=self._extra_metrics)
+                                         scope=self._scope, extra=self._extra_metrics, session=session,
+                                         timeout=export_timeout)
         reader = PeriodicExportingMetricReader(
             self._exporter,
             export_interval_millis=export_interval * 1000.0,
@@ -204,6 +209,7 @@ class TrainingRun:
             I.EPOCH: self._observe_epoch,
             I.RUN_INFO: self._observe_info,
             I.RUN_GPU_INFO: self._observe_gpu_info,
+            I.GLOBAL_STEP: self._observe_global_step,
             I.RUN_TOTAL_STEPS: self._observe_total_steps,
             I.RUN_FINISHED: self._observe_finished,
             I.MODEL_PARAMETERS: self._observe_parameters,
@@ -222,19 +228,23 @@ class TrainingRun:
 
     def step(
         self,
-        tokens: int = 0,
+        tokens: Any = 0,
         samples: int = 0,
         loss: Any = None,
         lr: Any = None,
         flops: float = 0,
         duration_s: float | None = None,
+        global_step: int | None = None,
     ) -> None:
         """Record one optimizer step of this rank: the tokens and samples it processed (all micro-batches
         of the step), the FLOPs it did, and optionally the loss and learning rate.
 
-        ``loss`` / ``lr`` may be floats or 0-d tensors; a tensor is detached here and converted only at
-        export time, in the background, so passing one adds no device synchronisation to the step.
-        ``duration_s`` defaults to the time since the previous ``step()`` (the first step then has none).
+        ``tokens`` may be an int or a 0-d integer tensor (``count_tokens(batch)``, the non-padding count):
+        a tensor is summed on its device and read only at export time. ``loss`` / ``lr`` may be floats or
+        0-d tensors; a tensor is detached here and converted only at export time, in the background, so
+        passing one adds no device synchronisation to the step. ``duration_s`` defaults to the time since
+        the previous ``step()`` (the first step then has none). ``global_step``: the trainer's step count
+        after this step (progress and ETA), default one more than before (``start_run(start_step=)``).
         """
         if self._finished:
             return
@@ -248,8 +258,12 @@ class TrainingRun:
             self._last_step_at = now
             self._observe_duration(duration_s)
         self._steps += 1
-        if tokens:
-            self._tokens += tokens
+        self._global_step = self._global_step + 1 if global_step is None else global_step
+        if tokens.__class__ is not int or tokens:  # never bool() a tensor: that is a device sync
+            try:
+                self._tokens += tokens
+            except Exception:  # noqa: BLE001 - tensors on different devices; never raise into the loop
+                self._tokens = add_count(self._tokens, tokens)
         if samples:
             self._samples += samples
         if flops:
@@ -271,13 +285,12 @@ class TrainingRun:
         if seconds > self._duration_max:
             self._duration_max = seconds
 
-    def add(self, tokens: int = 0, samples: int = 0, flops: float = 0) -> None:
+    def add(self, tokens: Any = 0, samples: int = 0, flops: float = 0) -> None:
         """Count work that is not a whole step (a final partial gradient accumulation, FLOPs a trainer
         reports late): added to the totals, the step count is unchanged."""
         if self._finished:
             return
-        if tokens:
-            self._tokens += tokens
+        self._tokens = add_count(self._tokens, tokens)
         if samples:
             self._samples += samples
         if flops:
@@ -302,8 +315,13 @@ class TrainingRun:
         self._val_loss = val_loss
 
     def set_total_steps(self, total_steps: int | None) -> None:
-        """The number of optimizer steps the run plans to take (for progress and ETA panels)."""
+        """The number of optimizer steps the training plans to take in all, steps before a resume
+        included (progress is ``global_step / total_steps``)."""
         self._total_steps = total_steps
+
+    def set_global_step(self, global_step: int) -> None:
+        """The trainer's optimizer step count, steps before a resume included (``training.global_step``)."""
+        self._global_step = int(global_step)
 
     def set_parameters(self, parameters: int | None) -> None:
         """The whole model's parameter count (``training.model.parameters``, for TT and ST); pass the same
@@ -318,7 +336,8 @@ class TrainingRun:
 
     @property
     def tokens(self) -> int | float:
-        return self._tokens
+        """Tokens so far (reading a device-side total synchronises with the device)."""
+        return number(self._tokens)
 
     @property
     def samples(self) -> int | float:
@@ -327,6 +346,10 @@ class TrainingRun:
     @property
     def steps(self) -> int:
         return self._steps
+
+    @property
+    def global_step(self) -> int:
+        return self._global_step
 
     @property
     def flops(self) -> int | float:
@@ -345,6 +368,11 @@ class TrainingRun:
     def delivered_exports(self) -> int:
         """Exports the endpoint accepted."""
         return self._exporter.delivered
+
+    @property
+    def rejected_points(self) -> int:
+        """Data points the endpoint rejected from exports it otherwise accepted (OTLP partial success)."""
+        return self._exporter.rejected_points
 
     # -- ending -------------------------------------------------------------------------------------
 
@@ -390,7 +418,7 @@ class TrainingRun:
         log.info(
             "gpu_energy_exporter.training: run %s rank %d finished after %.1fs: %s steps, %s tokens, "
             "%s samples (%d exports delivered, %d dropped)", self.run_id, self.rank,
-            time.monotonic() - self._started, self._steps, self._tokens, self._samples,
+            time.monotonic() - self._started, self._steps, self.tokens, self._samples,
             self._exporter.delivered, self._exporter.dropped,
         )
 
@@ -415,8 +443,16 @@ class TrainingRun:
         # After a fork (DataLoader workers) the child's copy must stay silent.
         return os.getpid() == self._pid
 
-    def _counter(self, value: int | float) -> Iterable[Observation]:
-        return (Observation(value, self._attrs),) if self._alive() else ()
+    def _counter(self, value: Any) -> Iterable[Observation]:
+        if not self._alive():
+            return ()
+        if value.__class__ not in (int, float):
+            try:
+                value = number(value)  # a device tensor is synchronised here, in the export thread
+            except Exception:  # noqa: BLE001 - a value we cannot read is skipped, never raised
+                log.debug("cannot convert %r to a number", type(value), exc_info=True)
+                return ()
+        return (Observation(value, self._attrs),)
 
     def _gauge(self, value: Any) -> Iterable[Observation]:
         if value is None or not self._alive():
@@ -453,6 +489,9 @@ class TrainingRun:
 
     def _observe_epoch(self, options: CallbackOptions) -> Iterable[Observation]:
         return self._gauge(self._epoch)
+
+    def _observe_global_step(self, options: CallbackOptions) -> Iterable[Observation]:
+        return self._gauge(self._global_step)
 
     def _observe_total_steps(self, options: CallbackOptions) -> Iterable[Observation]:
         return self._gauge(self._total_steps)
@@ -504,7 +543,10 @@ def start_run(
     seed: int | None = None,
     notes: str | None = None,
     total_steps: int | None = None,
+    start_step: int = 0,
     parameters: int | None = None,
+    padding: str | None = None,
+    flops: str | None = None,
     precision_raw: str | None = None,
     endpoint: str | None = None,
     headers: Mapping[str, str] | None = None,
@@ -526,6 +568,12 @@ def start_run(
     ``normalize_precision``; what was given, or ``precision_raw`` (what a framework said, when ``precision``
     was derived from it), goes to the ``precision_raw`` attribute when it differs; an unknown value goes only
     there). ``parameters``: the whole model's parameter count (``count_parameters(model)``), for TT and ST.
+    ``total_steps``: the optimizer steps of the whole training; ``start_step``: the step a resumed run
+    starts from (``training.global_step`` counts on from there, so progress and the energy still to spend
+    are right after a resume). ``padding`` (``"excluded"`` or ``"included"``) and ``flops``
+    (``"trainable"`` or ``"total"``) say how your ``step()`` counts tokens and FLOPs (``count_tokens``,
+    ``flops_per_token``); they label ``training.run.info`` so figures are never compared across
+    conventions unawares.
     ``endpoint``: base URL of the receiver; default ``OTEL_EXPORTER_OTLP_METRICS_ENDPOINT``, else
     ``OTEL_EXPORTER_OTLP_ENDPOINT``, else ``http://localhost:4318``. ``headers``: extra HTTP headers
     (e.g. ``{"Authorization": "Bearer ..."}``); default ``OTEL_EXPORTER_OTLP_HEADERS``.
@@ -534,6 +582,10 @@ def start_run(
     what ``torch.distributed`` or ``RANK`` / ``WORLD_SIZE`` say.
     """
     env = os.environ if environ is None else environ
+    if padding is not None and padding not in (I.PADDING_EXCLUDED, I.PADDING_INCLUDED):
+        raise ValueError(f"padding must be {I.PADDING_EXCLUDED!r} or {I.PADDING_INCLUDED!r}, got {padding!r}")
+    if flops is not None and flops not in (I.FLOPS_TRAINABLE, I.FLOPS_TOTAL):
+        raise ValueError(f"flops must be {I.FLOPS_TRAINABLE!r} or {I.FLOPS_TOTAL!r}, got {flops!r}")
     detected_rank, detected_world = rank_and_world_size(env)
     rank = detected_rank if rank is None else int(rank)
     world_size = detected_world if world_size is None else int(world_size)
@@ -549,8 +601,11 @@ def start_run(
             "grad_accum": grad_accum, "seq_len": seq_len, **precision_attributes(precision, precision_raw),
             "seed": seed,
             "notes": notes,
+            "padding": padding,
+            "flops": flops,
         },
         total_steps=total_steps,
+        start_step=int(start_step or 0),
         endpoint=resolve_endpoint(endpoint, env),
         headers=headers,
         export_interval=_export_interval(export_interval, env),
