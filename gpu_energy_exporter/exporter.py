@@ -125,7 +125,8 @@ class Exporter:
         ])
         token = load_bearer_token(config.otlp_bearer_token_file) if config.otlp_bearer_token_file else None
         self.otlp = OTLPReceiver(
-            config.otlp_listen_address, self.store, max_body_bytes=config.otlp_max_body_bytes, bearer_token=token
+            config.otlp_listen_address, self.store, max_body_bytes=config.otlp_max_body_bytes, bearer_token=token,
+            max_connections=config.web_max_connections, request_timeout=config.web_request_timeout,
         )
         self.routes = exporter_routes(
             self.registry, telemetry_path=config.web_telemetry_path, ready=self.ready,
@@ -168,7 +169,8 @@ class Exporter:
         """Take the first sample, then bind and serve. Raises ConfigError when a port cannot be bound."""
         self.sampler.start()
         self.web = HTTPServer(self.config.web_listen_address, self.routes, web_config=self.web_config,
-                              name="gpu-energy-exporter")
+                              name="gpu-energy-exporter", max_connections=self.config.web_max_connections,
+                              request_timeout=self.config.web_request_timeout)
         self.web.start()
         self.otlp.start()
         self._started = True
