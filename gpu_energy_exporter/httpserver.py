@@ -64,6 +64,8 @@ DEFAULT_HEAD_TIMEOUT = 10.0
 DEFAULT_IDLE_TIMEOUT = 60.0
 DEFAULT_MAX_BODY_BYTES = 64 * 1024
 DEFAULT_WORKERS = 4
+_AUTH_WORKERS = 2
+_AUTH_QUEUE = 8  # requests waiting for a bcrypt check; beyond it, 429 at once
 
 _MAX_REQUEST_LINE = 8192
 _MAX_HEAD = 32 * 1024
@@ -216,7 +218,7 @@ class _Conn:
     __slots__ = (
         "sock", "addr", "state", "buf", "since", "deadline", "request_deadline", "out", "close_after",
         "method", "target", "version", "headers", "keep_alive", "length", "chunked", "chunk_state",
-        "chunk_left", "trailer_bytes", "body", "reserved", "events", "refused_length", "drained",
+        "chunk_left", "trailer_bytes", "body", "reserved", "events", "refused_length", "drained", "auth_job",
     )
 
     def __init__(self, sock: socket.socket, addr: tuple[Any, ...], now: float) -> None:
@@ -232,6 +234,7 @@ class _Conn:
         self.events = 0
         self.reserved = 0
         self.drained = 0
+        self.auth_job = False
         self._reset()
 
     def _reset(self) -> None:
@@ -309,6 +312,10 @@ class HTTPServer:
         self._thread: threading.Thread | None = None
         self._workers: list[threading.Thread] = []
         self._jobs: queue.SimpleQueue[tuple[_Conn, Request] | None] = queue.SimpleQueue()
+        # Requests whose credentials need a bcrypt check wait here, for their own two workers, so that a
+        # flood of password guesses never delays a request that needs none (cached or no credentials).
+        self._auth_jobs: queue.SimpleQueue[tuple[_Conn, Request] | None] = queue.SimpleQueue()
+        self._auth_pending = 0
         self._done: collections.deque[tuple[_Conn, bytes, bool]] = collections.deque()
         self._refused_logged = False
         self._listener = _bind(address)  # first: a bind error leaves nothing open behind
@@ -350,9 +357,16 @@ class HTTPServer:
             self._sel.register(self._listener, selectors.EVENT_READ, None)
             self._sel.register(self._wake_r, selectors.EVENT_READ, None)
             for i in range(self._n_workers):
-                t = threading.Thread(target=self._work, name=f"{self.name}-worker-{i}", daemon=True)
+                t = threading.Thread(target=self._work, args=(self._jobs,), name=f"{self.name}-worker-{i}",
+                                     daemon=True)
                 t.start()
                 self._workers.append(t)
+            if self._web_config.auth_enabled:
+                for i in range(_AUTH_WORKERS):
+                    t = threading.Thread(target=self._work, args=(self._auth_jobs,),
+                                         name=f"{self.name}-auth-{i}", daemon=True)
+                    t.start()
+                    self._workers.append(t)
             self._thread = threading.Thread(target=self._loop, name=f"{self.name}-http", daemon=True)
             self._thread.start()
         wc = self._web_config
@@ -378,6 +392,7 @@ class HTTPServer:
         thread.join(timeout + 2.0)
         for _ in self._workers:
             self._jobs.put(None)
+            self._auth_jobs.put(None)
         stuck = time.monotonic() + 1.0
         for t in self._workers:
             t.join(max(0.0, stuck - time.monotonic()))
@@ -656,6 +671,9 @@ class HTTPServer:
                 first = conn.buf.find(b"\n", 0, _MAX_REQUEST_LINE + 2)
                 if first < 0 and len(conn.buf) > _MAX_REQUEST_LINE:
                     raise _ClientFault(414, "request line too long", "too_large")
+                if first >= 0 and conn.buf[:first].rstrip(b"\r").count(b" ") == 1:
+                    # HTTP/0.9 has no headers to wait for: refuse now rather than at the deadline.
+                    raise _ClientFault(400, "HTTP/0.9 requests are not supported (send HTTP/1.1)", "bad_request")
                 if len(conn.buf) > _MAX_HEAD:
                     raise _ClientFault(431, "request header fields too large", "too_large")
                 return
@@ -823,9 +841,23 @@ class HTTPServer:
         req = Request(conn.method.upper(), target, query.partition("#")[0], conn.headers, conn.addr,
                       bytes(conn.body), refused_length=conn.refused_length, limit=self.max_body_bytes)
         conn.body = bytearray()
+        wc = self._web_config
+        conn.auth_job = wc.auth_enabled and wc.cached_basic_auth(req.headers.get("Authorization")) is None
+        if conn.auth_job:
+            if self._auth_pending >= _AUTH_QUEUE:
+                self.stats["auth_busy"] += 1
+                conn.auth_job = False
+                data = self._serialise(Response.text(429, "Too many password checks in progress, retry later\n",
+                                                     {"Retry-After": "1"}), close=not conn.keep_alive,
+                                       head=req.method == "HEAD")
+                self._release(conn)
+                conn.state = _WORK
+                self._start_write(conn, data, not conn.keep_alive)
+                return
+            self._auth_pending += 1
         conn.state = _WORK
         self._want(conn, 0)
-        self._jobs.put((conn, req))
+        (self._auth_jobs if conn.auth_job else self._jobs).put((conn, req))
 
     def _fault(self, conn: _Conn, fault: _ClientFault) -> None:
         if conn.state in (_CLOSED, _WORK):
@@ -885,6 +917,9 @@ class HTTPServer:
     def _drain_done(self) -> None:
         while self._done:
             conn, data, close = self._done.popleft()
+            if conn.auth_job:
+                conn.auth_job = False
+                self._auth_pending -= 1
             if conn.state == _CLOSED:
                 continue
             self._release(conn)
@@ -892,9 +927,9 @@ class HTTPServer:
 
     # -- the workers
 
-    def _work(self) -> None:
+    def _work(self, jobs: queue.SimpleQueue[tuple[_Conn, Request] | None]) -> None:
         while True:
-            job = self._jobs.get()
+            job = jobs.get()
             if job is None:
                 return
             conn, req = job

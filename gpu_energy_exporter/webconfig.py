@@ -304,6 +304,22 @@ class WebConfig:
             st.context, st.signature, st.failed_signature = ctx, signature, None
             return ctx
 
+    def cached_basic_auth(self, authorization: str | None) -> bool | None:
+        """The answer ``check_basic_auth`` would give when it needs no bcrypt check (no users, a malformed
+        header, cached credentials), else None. Cheap: the server uses it to keep checks that need bcrypt
+        apart from everything else."""
+        if not self.basic_auth_users:
+            return True
+        creds = parse_basic_authorization(authorization)
+        if creds is None:
+            return False
+        with self._state.lock:
+            return self._state.auth_cache.get(self._cache_key(*creds))
+
+    def _cache_key(self, user: str, password: bytes) -> bytes:
+        u = user.encode()
+        return hmac.new(self._state.secret, b"%d:%s%s" % (len(u), u, password), hashlib.sha256).digest()
+
     def check_basic_auth(self, authorization: str | None) -> bool:
         """True when no users are configured, or ``authorization`` (the raw ``Authorization`` header)
         carries the right password for a configured user.
@@ -325,7 +341,7 @@ class WebConfig:
         user, password = creds
         st = self._state
         hashed = self.basic_auth_users.get(user)
-        key = hmac.new(st.secret, b"%d:%s%s" % (len(user.encode()), user.encode(), password), hashlib.sha256).digest()
+        key = self._cache_key(user, password)
         with st.lock:
             cached = st.auth_cache.get(key)
             if cached is not None:
