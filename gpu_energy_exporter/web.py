@@ -1,16 +1,17 @@
-"""The HTTP layer: one small threaded server class, used for ``/metrics`` and reused by the OTLP receiver.
+"""The HTTP layer's public face: the server (``httpserver``) re-exported, and the exporter's own endpoints.
 
 Interface for other modules (the OTLP receiver runs its own instance on its own port)::
 
     from gpu_energy_exporter.web import HTTPError, HTTPServer, Request, Response
 
     def receive(req: Request) -> Response:
-        body = req.read_body(max_bytes=8 << 20)   # Content-Length or chunked, gzip decoded; limits
+        body = req.read_body(max_bytes=8 << 20)   # already received in full; gzip decoded; limits
         ...                                        # raise HTTPError(413/400/415) by themselves
         return Response(200, payload, {"Content-Type": "application/x-protobuf"})
 
-    server = HTTPServer(("localhost", 4318), {("POST", "/v1/metrics"): receive}, name="otlp")
-    server.start()              # accepts on a daemon thread; returns self
+    server = HTTPServer(("localhost", 4318), {("POST", "/v1/metrics"): receive}, name="otlp",
+                        max_body_bytes=8 << 20)  # bodies larger than this never reach memory
+    server.start()              # a selector thread and a small worker pool (daemon threads); returns self
     server.server_address       # (host, port) actually bound; port 0 gives an ephemeral port
     server.url                  # "http://127.0.0.1:4318", for logs and tests
     server.shutdown()           # stop accepting, let in-flight requests finish, close idle keep-alive
@@ -21,22 +22,24 @@ Interface for other modules (the OTLP receiver runs its own instance on its own 
   other path 404.
 - A handler takes a ``Request`` and returns a ``Response`` (status, body bytes, headers; the server adds
   ``Content-Length``). It may raise ``HTTPError(status, message)`` for a plain-text error; any other
-  exception becomes a bare 500 and is logged here with its traceback: a client never sees a traceback.
-- ``web_config`` (``webconfig.WebConfig``) adds TLS (handshake on the connection's own thread, so a slow
-  client cannot stall accepting), the ``rate_limit`` token bucket (429), basic auth (401 with
-  ``WWW-Authenticate``) and the configured extra headers, on every path, health endpoints included, as
-  exporter-toolkit does. Order: rate limit, then auth, then routing (no path discovery without auth).
+  exception becomes a bare 500 and is logged with its traceback: a client never sees a traceback.
+- Limits (connections per port, deadlines per request, strict parsing, bounded memory) and why the server
+  is a selector thread plus a worker pool: ``httpserver``'s docstring and docs/configuration.md.
+- ``web_config`` (``webconfig.WebConfig``) adds TLS (non-blocking handshake on the selector thread, under
+  the head deadline), the ``rate_limit`` token bucket (429), basic auth (401 with ``WWW-Authenticate``;
+  429 when too many bcrypt checks wait) and the configured extra headers, on every path, health endpoints
+  included, as exporter-toolkit does. Order: rate limit, then auth, then routing (no path discovery
+  without auth).
 - Listen addresses: ``("", port)`` is every interface (IPv6 dual-stack where the host has IPv6, else
   IPv4); ``"0.0.0.0"``, ``"::"``, ``"[::1]"``, ``"127.0.0.1"`` and host names work as expected. A bind
   failure raises ``ConfigError`` naming the address.
-- Access logs go to this module's logger at debug level.
 
 ``exporter_routes`` / ``new_exporter_server`` build the exporter's own endpoints: the telemetry path
-(Prometheus text 0.0.4 or OpenMetrics by ``Accept``, gzip by ``Accept-Encoding``, ``name[]`` filtering),
-``/`` (landing page), ``/-/healthy`` and ``/-/ready``.
+(Prometheus text 0.0.4 or OpenMetrics by ``Accept``, gzip by ``Accept-Encoding``, ``name[]`` filtering cut
+from the same bytes as the unfiltered body), ``/`` (landing page), ``/-/healthy`` and ``/-/ready``.
 
-This module never samples anything: the metrics handler only serialises a registry whose collectors
-read an in-memory snapshot, so a slow or hung GPU driver cannot make a scrape slow.
+This module never samples anything: the metrics handler only serves bytes rendered from an in-memory
+snapshot, so a slow or hung GPU driver cannot make a scrape slow.
 """
 
 from __future__ import annotations
