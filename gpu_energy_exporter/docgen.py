@@ -25,6 +25,7 @@ METRIC_MODULES = (
     "gpu_energy_exporter.collectors.kubernetes",
     "gpu_energy_exporter.otlp.store",
     "gpu_energy_exporter.ledger",
+    "gpu_energy_exporter.httpserver",
 )
 
 _COLLECTOR_TITLES = {

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 from prometheus_client import ProcessCollector
+from prometheus_client.core import Metric
 
 from gpu_energy_exporter.api import api_routes, status_document
 from gpu_energy_exporter.carbon import resolve_intensity
@@ -122,6 +123,7 @@ class Exporter:
             CachedSource(self.process_collector.collect),
             CachedSource(self.store.collect, version=self._store_version, encoder=self.store.render),
             CachedSource(self.ledger.collect, version=self.ledger.version),
+            CachedSource(self._http_families),
         ])
         token = load_bearer_token(config.otlp_bearer_token_file) if config.otlp_bearer_token_file else None
         self.otlp = OTLPReceiver(
@@ -150,6 +152,18 @@ class Exporter:
             carbon=self.carbon_now, carbon_source=self.intensity.source,
             backend_kind=lambda: backend.kind if backend else "", clock=self._clock,
         )
+
+    def _http_families(self) -> list[Metric]:
+        """Both ports' HTTP self-metrics, one family each (series labelled by server)."""
+        servers = [s for s in (self.web, self.otlp.http_server) if s is not None]
+        if not servers:
+            return []
+        families = [s.collect() for s in servers]
+        merged = families[0]
+        for other in families[1:]:
+            for fam, more in zip(merged, other, strict=True):
+                fam.samples.extend(more.samples)
+        return merged
 
     def _store_version(self) -> int:
         self.store.expire()  # time-driven expiry bumps the version

@@ -48,6 +48,7 @@ from typing import Any
 
 from gpu_energy_exporter import __version__
 from gpu_energy_exporter.errors import ConfigError
+from gpu_energy_exporter.metrics import add, define
 from gpu_energy_exporter.webconfig import AuthBusy, WebConfig
 
 log = logging.getLogger(__name__)
@@ -66,6 +67,32 @@ DEFAULT_MAX_BODY_BYTES = 64 * 1024
 DEFAULT_WORKERS = 4
 _AUTH_WORKERS = 2
 _AUTH_QUEUE = 8  # requests waiting for a bcrypt check; beyond it, 429 at once
+#: Response bytes waiting for slow readers, per port; beyond it the writer stalled the longest is cut.
+_MAX_PENDING_OUT = 64 << 20
+
+#: What ``HTTPServer.stats`` counts, all present from the start.
+CONNECTION_EVENTS = ("evicted", "refused", "timeout", "write_timeout", "write_cut", "accept_failed")
+REQUEST_REJECTIONS = ("bad_request", "too_large", "busy", "auth_busy")
+
+HTTP_CONNECTIONS_CLOSED = define(
+    "http", "connections_closed_total", "counter",
+    "Connections the server closed to protect itself, by port (server) and reason: evicted (at "
+    "--web.max-connections, the oldest idle or slow one), refused (cap reached with every connection "
+    "busy), timeout (request not complete by its deadline, 408), write_timeout and write_cut (a client "
+    "not reading its response), accept_failed (out of file descriptors).",
+    ["server", "reason"], collector="exporter",
+)
+HTTP_REQUESTS_REJECTED = define(
+    "http", "requests_rejected_total", "counter",
+    "Requests refused before reaching a handler, by port (server) and reason: bad_request (400/501/505: "
+    "malformed framing), too_large (413/414/431), busy (503: too many bodies in flight), auth_busy "
+    "(429: too many password checks waiting).",
+    ["server", "reason"], collector="exporter",
+)
+HTTP_OPEN_CONNECTIONS = define(
+    "http", "open_connections", "gauge", "Connections open now, by port (server).", ["server"],
+    collector="exporter",
+)
 
 _MAX_REQUEST_LINE = 8192
 _MAX_HEAD = 32 * 1024
@@ -303,7 +330,9 @@ class HTTPServer:
         self._buffered = 0
         self._n_workers = workers
         #: counters since start, by event: "evicted", "refused", "timeout", "bad_request", ...
-        self.stats: collections.Counter[str] = collections.Counter()
+        self.stats: collections.Counter[str] = collections.Counter(
+            {k: 0 for k in (*CONNECTION_EVENTS, *REQUEST_REJECTIONS)})
+        self._out_pending = 0
         self._lock = threading.Lock()
         self._conns: dict[int, _Conn] = {}
         self._stopping = False
@@ -346,6 +375,18 @@ class HTTPServer:
 
     def open_connections(self) -> int:
         return len(self._conns)
+
+    def collect(self) -> list[Any]:
+        """This server's self-metrics (``HTTP_*`` families), for the exporter's /metrics."""
+        closed, rejected, open_ = (HTTP_CONNECTIONS_CLOSED.family(), HTTP_REQUESTS_REJECTED.family(),
+                                   HTTP_OPEN_CONNECTIONS.family())
+        stats = dict(self.stats)
+        for reason in CONNECTION_EVENTS:
+            add(closed, [self.name, reason], float(stats.get(reason, 0)))
+        for reason in REQUEST_REJECTIONS:
+            add(rejected, [self.name, reason], float(stats.get(reason, 0)))
+        add(open_, [self.name], float(len(self._conns)))
+        return [closed, rejected, open_]
 
     def start(self) -> HTTPServer:
         """Serve on daemon threads (one selector thread, ``workers`` handler threads). Returns self."""
@@ -554,6 +595,8 @@ class HTTPServer:
             conn.events = 0
         self._conns.pop(conn.sock.fileno(), None)
         self._release(conn)
+        self._out_pending -= len(conn.out)
+        conn.out = memoryview(b"")
         conn.state = _CLOSED
         try:
             conn.sock.close()
@@ -871,9 +914,13 @@ class HTTPServer:
         self._start_write(conn, data, close=True)
 
     def _start_write(self, conn: _Conn, data: bytes, close: bool) -> None:
+        self._out_pending += len(data)
+        if self._out_pending > _MAX_PENDING_OUT:
+            self._cut_stalled_writers(conn)
         conn.out = memoryview(data)
         conn.close_after = close
         conn.state = _WRITE
+        conn.since = time.monotonic()
         conn.deadline = time.monotonic() + self.request_timeout
         self._want(conn, selectors.EVENT_WRITE)
         self._flush(conn)
@@ -890,6 +937,7 @@ class HTTPServer:
                 self._close(conn)
                 return
             conn.out = conn.out[n:]
+            self._out_pending -= n
         if conn.close_after or self._stopping:
             if isinstance(sock, ssl.SSLSocket) or self._stopping:
                 self._close(conn)
@@ -913,6 +961,17 @@ class HTTPServer:
         self._want(conn, selectors.EVENT_READ)
         if conn.buf or (isinstance(sock, ssl.SSLSocket) and sock.pending()):
             self._on_event(conn, selectors.EVENT_READ)  # a pipelined request, already received
+
+    def _cut_stalled_writers(self, keep: _Conn) -> None:
+        """Too many response bytes wait for clients that do not read: close the writers that started
+        the longest ago until under the cap (a scraper reading its answer finishes in milliseconds)."""
+        writers = sorted((c for c in self._conns.values() if c.state == _WRITE and c is not keep),
+                         key=lambda c: c.since)
+        for c in writers:
+            if self._out_pending <= _MAX_PENDING_OUT:
+                break
+            self.stats["write_cut"] += 1
+            self._close(c)
 
     def _drain_done(self) -> None:
         while self._done:

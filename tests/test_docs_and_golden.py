@@ -62,7 +62,8 @@ def _served(config: Config, backend: Callable[[], NVMLBackend], now: float) -> t
 
 
 # Families of the exporter itself whose values depend on the machine or that the GPU golden is not about.
-_NOT_IN_GOLDEN = ("gpuenergy_process_", "gpuenergy_ledger_", "gpuenergy_run", "gpuenergy_otlp_", "gpuenergy_training_")
+_NOT_IN_GOLDEN = ("gpuenergy_process_", "gpuenergy_ledger_", "gpuenergy_http_", "gpuenergy_run", "gpuenergy_otlp_",
+                  "gpuenergy_training_")
 
 
 def test_golden_gpu_exposition(fake_nvml_lib: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import bcrypt
 import pytest
-from conftest import ExporterProcess
+from conftest import ExporterProcess, sample_value
 
 BASE = ["--no-collector.gpu", "--no-collector.rapl", "--web.request-timeout=2s"]
 
@@ -156,6 +156,10 @@ def test_slow_and_idle_connection_floods_do_not_stop_scrapes(
     assert all(ok for ok, _ in results), results
     assert max(d for _, d in results) < 2.0, results
     assert threads < 40, threads  # no thread per connection
+    text = exp.metrics()
+    for server in ("gpu-energy-exporter", "otlp"):
+        assert (sample_value(text, "gpuenergy_http_connections_closed_total", server=server, reason="evicted")
+                or 0) >= 200, server
     assert "Traceback" not in exp.log()
 
 
@@ -227,6 +231,8 @@ def test_short_body_is_answered_quickly(start_exporter: type[ExporterProcess]) -
     reply = _exchange(otlp, head + b"0123456789", timeout=6)  # the client just stops
     assert reply.startswith(b"HTTP/1.1 408 "), reply[:300]
     assert time.monotonic() - start < 4
+    assert sample_value(exp.metrics(), "gpuenergy_http_connections_closed_total", server="otlp",
+                        reason="timeout") == 1
     assert "Traceback" not in exp.log()
 
 

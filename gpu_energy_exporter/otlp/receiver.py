@@ -385,6 +385,11 @@ class OTLPReceiver:
         return _web_response(self.handler.handle_export(headers, body))
 
     @property
+    def http_server(self) -> HTTPServer | None:
+        """The running ``web.HTTPServer`` (its self-metrics), or None when not started."""
+        return self._server
+
+    @property
     def server_address(self) -> tuple[str, int]:
         """The bound (host, port); the real port when started on port 0."""
         if self._server is None:
