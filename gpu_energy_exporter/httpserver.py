@@ -13,9 +13,10 @@ thread, and must never stop ``/metrics`` or the health endpoints from being answ
   included (``request_timeout``), counted from its first byte, not per ``recv``. Past it the client gets
   408 and the connection is closed. A keep-alive connection may stay idle for ``idle_timeout``.
 - At most ``max_connections`` connections are open per port. When a new one arrives at the cap, the
-  connection idle the longest is closed to make room, else the one whose request has been arriving the
-  longest (slowloris first); connections whose request is being handled or answered are never cut.
-  So a flood of slow or idle connections cannot lock a scraper out: its fresh connection evicts the oldest.
+  connection that has been idle, or sending its request, the longest is closed to make room (oldest
+  first, so the connection just accepted goes last); failing that, the one whose response has waited
+  longest (over a second) for its client to read it. Requests being handled are never cut. So a flood of
+  slow, idle or non-reading connections cannot lock a scraper out: its fresh connection evicts the oldest.
 - Bodies are buffered up to ``max_body_bytes`` per request and ``max_buffered_bytes`` for the port as a
   whole (503 when that budget is spent), so memory stays bounded whatever clients send.
 - Parsing is strict: ``HTTP/1.0`` and ``HTTP/1.1`` only (HTTP/0.9 gets 400), one ``Content-Length`` of
@@ -69,6 +70,9 @@ _AUTH_WORKERS = 2
 _AUTH_QUEUE = 8  # requests waiting for a bcrypt check; beyond it, 429 at once
 #: Response bytes waiting for slow readers, per port; beyond it the writer stalled the longest is cut.
 _MAX_PENDING_OUT = 64 << 20
+#: At the connection cap with nothing idle or slow to close, a response still unwritten after this long
+#: is cut to make room.
+_STALLED_WRITE_S = 1.0
 
 #: What ``HTTPServer.stats`` counts, all present from the start.
 CONNECTION_EVENTS = ("evicted", "refused", "timeout", "write_timeout", "write_cut", "accept_failed")
@@ -534,9 +538,14 @@ class HTTPServer:
         Oldest first, whatever it is doing, so the connection just accepted (a scraper's, say) is the last
         to go; connections whose request is being handled or answered are never cut."""
         victim: _Conn | None = None
+        writer: _Conn | None = None
         for c in self._conns.values():
             if c.state in (_IDLE, _HEAD, _BODY, _HANDSHAKE, _DRAIN) and (victim is None or c.since < victim.since):
                 victim = c
+            elif c.state == _WRITE and (writer is None or c.since < writer.since):
+                writer = c
+        if victim is None and writer is not None and time.monotonic() - writer.since > _STALLED_WRITE_S:
+            victim = writer  # every other slot is busy: a client not reading its answer goes first
         if victim is None:
             return False
         if not self.stats["evicted"]:
