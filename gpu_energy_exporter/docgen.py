@@ -118,9 +118,11 @@ def _http_limits() -> list[str]:
         "past either the client gets 408 and the connection is closed. A keep-alive connection may stay idle "
         f"{h.DEFAULT_IDLE_TIMEOUT:g}s; a response must be written within `--web.request-timeout`.",
         "- **Connections**: at most `--web.max-connections` per port. At the cap a new connection closes the "
-        "connection that has been idle, or sending its request, the longest (oldest first); connections whose "
-        "request is being handled or answered are never cut. A scraper's fresh connection is the newest, so a "
-        "flood of slow or idle connections cannot lock it out.",
+        "connection that has been idle, or sending its request, the longest (oldest first); failing that, the "
+        "one whose answer has waited longest (over a second) for its client to read it. Requests being handled "
+        "are never cut. A scraper's fresh connection is the newest, so a flood of slow, idle or non-reading "
+        "connections cannot lock it out. Answers waiting for slow readers are capped at "
+        f"{h._MAX_PENDING_OUT >> 20} MiB per port (the longest-waiting is cut beyond).",
         f"- **Memory**: request heads up to {h._MAX_HEAD // 1024} KiB (431 beyond; request line "
         f"{h._MAX_REQUEST_LINE // 1024} KiB, 414), bodies up to {h.DEFAULT_MAX_BODY_BYTES // 1024} KiB on the "
         "metrics port and `--otlp.max-body-bytes` on the OTLP port (413), and four bodies' worth in flight "
