@@ -154,7 +154,7 @@ def test_slow_and_idle_connection_floods_do_not_stop_scrapes(
         threads = _threads(exp)
     assert len(results) >= 5
     assert all(ok for ok, _ in results), results
-    assert max(d for _, d in results) < 2.0, results
+    assert max(d for _, d in results) < 2.5, results
     assert threads < 40, threads  # no thread per connection
     text = exp.metrics()
     for server in ("gpu-energy-exporter", "otlp"):
