@@ -122,7 +122,9 @@ def _http_limits() -> list[str]:
         "one whose answer has waited longest (over a second) for its client to read it. Requests being handled "
         "are never cut. A scraper's fresh connection is the newest, so a flood of slow, idle or non-reading "
         "connections cannot lock it out. Answers waiting for slow readers are capped at "
-        f"{h._MAX_PENDING_OUT >> 20} MiB per port (the longest-waiting is cut beyond).",
+        f"{h._MAX_PENDING_OUT >> 20} MiB per port (the longest-waiting is cut beyond). The exporter raises its "
+        "open-files soft limit to the hard one at start-up (as Go programs do) and lowers the cap, with a "
+        "warning, where a third of that limit would not hold it.",
         f"- **Memory**: request heads up to {h._MAX_HEAD // 1024} KiB (431 beyond; request line "
         f"{h._MAX_REQUEST_LINE // 1024} KiB, 414), bodies up to {h.DEFAULT_MAX_BODY_BYTES // 1024} KiB on the "
         "metrics port and `--otlp.max-body-bytes` on the OTLP port (413), and four bodies' worth in flight "

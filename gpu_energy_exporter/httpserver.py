@@ -36,6 +36,7 @@ import ipaddress
 import logging
 import queue
 import re
+import resource
 import selectors
 import socket
 import ssl
@@ -311,6 +312,11 @@ class HTTPServer:
         if request_timeout <= 0:
             raise ConfigError(f"{name}: the request timeout must be positive")
         self.name = name
+        fd_cap = _connection_cap()
+        if max_connections > fd_cap:
+            log.warning("%s: the open-files limit allows about %d connections per port, not %d; using %d "
+                        "(raise 'ulimit -n' to allow more)", name, fd_cap, max_connections, fd_cap)
+            max_connections = fd_cap
         self._routes: dict[tuple[str, str], Handler] = {(m.upper(), p): h for (m, p), h in routes.items()}
         methods: dict[str, set[str]] = {}
         for m, p in self._routes:
@@ -337,6 +343,8 @@ class HTTPServer:
         self.stats: collections.Counter[str] = collections.Counter(
             {k: 0 for k in (*CONNECTION_EVENTS, *REQUEST_REJECTIONS)})
         self._out_pending = 0
+        self._accept_paused_until = 0.0
+        self._accept_failed_logged = -1e9
         self._lock = threading.Lock()
         self._conns: dict[int, _Conn] = {}
         self._stopping = False
@@ -515,8 +523,16 @@ class HTTPServer:
                 return
             except OSError as exc:
                 if exc.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
+                    # Out of descriptors: free one (oldest idle or slow connection) for the next try, and
+                    # stop watching the listener for a moment rather than spin on it.
                     self.stats["accept_failed"] += 1
-                    log.warning("%s: cannot accept a connection: %s", self.name, exc.strerror)
+                    if time.monotonic() - self._accept_failed_logged > 60:
+                        log.warning("%s: cannot accept connections: %s (raise the open-files limit or lower "
+                                    "--web.max-connections)", self.name, exc.strerror)
+                        self._accept_failed_logged = time.monotonic()
+                    self._evict()
+                    self._sel.unregister(self._listener)
+                    self._accept_paused_until = time.monotonic() + 0.1
                     return
                 continue  # ECONNABORTED and the like: the client gave up
             if self._stopping:
@@ -536,7 +552,8 @@ class HTTPServer:
         """Close the connection that has been idle, or sending its request, the longest.
 
         Oldest first, whatever it is doing, so the connection just accepted (a scraper's, say) is the last
-        to go; connections whose request is being handled or answered are never cut."""
+        to go. Failing that, the answer that has waited longest (over ``_STALLED_WRITE_S``) for its client
+        to read it. Requests being handled are never cut."""
         victim: _Conn | None = None
         writer: _Conn | None = None
         for c in self._conns.values():
@@ -618,6 +635,9 @@ class HTTPServer:
 
     def _expire(self) -> None:
         now = time.monotonic()
+        if self._accept_paused_until and now >= self._accept_paused_until and not self._stopping:
+            self._accept_paused_until = 0.0
+            self._sel.register(self._listener, selectors.EVENT_READ, None)
         for c in list(self._conns.values()):
             if c.state in (_WORK, _CLOSED) or now < c.deadline:
                 continue
@@ -1090,6 +1110,26 @@ class _TokenBucket:
 
 # ----------------------------------------------------------------------------------------------------
 # binding
+
+
+def _connection_cap() -> int:
+    """Connections one port may hold within the open-files limit: the soft limit is raised to the hard one
+    first (as Go's runtime does), then a third of it is left to each of the two ports, the rest to the
+    process (NVML, files, the kubelet socket)."""
+    try:
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        if soft != resource.RLIM_INFINITY and (hard == resource.RLIM_INFINITY or soft < hard):
+            target = hard if hard != resource.RLIM_INFINITY else max(soft, 65536)
+            try:
+                resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+                soft = target
+            except (ValueError, OSError):
+                pass
+    except (ValueError, OSError):
+        return 1 << 20
+    if soft == resource.RLIM_INFINITY:
+        return 1 << 20
+    return max(8, (soft - 64) // 3)
 
 
 def _bind(address: tuple[str, int]) -> socket.socket:
