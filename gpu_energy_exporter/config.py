@@ -180,6 +180,12 @@ FLAGS: tuple[Flag, ...] = (
     Flag("web.config.file", _existing_file, None,
          "Web configuration file (Prometheus exporter-toolkit format) enabling TLS and/or basic auth.",
          "FILE"),
+    Flag("web.max-connections", _positive_int, "256",
+         "Most connections open at once on each port (metrics and OTLP). At the cap, a new connection "
+         "closes the one idle, or sending its request, the longest.", "N"),
+    Flag("web.request-timeout", parse_duration, "30s",
+         "Time a client has to send a whole request, head and body, on either port (the head alone: "
+         "10s at most). Past it the client gets 408 and the connection is closed.", "DURATION"),
     Flag("otlp.listen-address", parse_listen_address, f"localhost:{DEFAULT_OTLP_PORT}",
          "Address of the OTLP/HTTP receiver (POST /v1/metrics). Set to 0.0.0.0:4318 in deployments "
          "where trainers run in other containers.", "HOST:PORT"),
@@ -264,6 +270,8 @@ class Config:
     web_listen_address: tuple[str, int] = ("", DEFAULT_METRICS_PORT)
     web_telemetry_path: str = "/metrics"
     web_config_file: str | None = None
+    web_max_connections: int = 256
+    web_request_timeout: float = 30.0
     otlp_listen_address: tuple[str, int] = ("localhost", DEFAULT_OTLP_PORT)
     otlp_max_body_bytes: int = 8 * 1024 * 1024
     otlp_series_ttl: float = 600.0

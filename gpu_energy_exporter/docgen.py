@@ -26,6 +26,7 @@ METRIC_MODULES = (
     "gpu_energy_exporter.otlp.store",
     "gpu_energy_exporter.ledger",
     "gpu_energy_exporter.otlp.push",
+    "gpu_energy_exporter.httpserver",
 )
 
 _COLLECTOR_TITLES = {
@@ -154,6 +155,52 @@ def push_mapping_markdown() -> list[str]:
     return out
 
 
+def _http_limits() -> list[str]:
+    from gpu_energy_exporter import httpserver as h
+    from gpu_energy_exporter import webconfig as w
+
+    return [
+        "## HTTP servers: limits and why",
+        "",
+        "Both ports (metrics and OTLP) run the same small server (`gpu_energy_exporter/httpserver.py`). One",
+        "selector thread per port accepts connections, performs TLS handshakes, reads requests and writes",
+        f"responses without blocking; a fixed pool of {h.DEFAULT_WORKERS} worker threads per port runs the",
+        "handlers, and only a complete request reaches it. So a client that trickles its request, sends",
+        "nothing, or does not read its response costs a buffer and a file descriptor, never a thread, and",
+        "cannot keep `/metrics`, the health endpoints or the OTLP receiver from answering (a thread per",
+        "connection, as before, let 512 slow connections take every port down).",
+        "",
+        f"- **Deadlines** count from a request's first byte, not per read: the head within "
+        f"{h.DEFAULT_HEAD_TIMEOUT:g}s, the whole request (body included) within `--web.request-timeout`; "
+        "past either the client gets 408 and the connection is closed. A keep-alive connection may stay idle "
+        f"{h.DEFAULT_IDLE_TIMEOUT:g}s; a response must be written within `--web.request-timeout`.",
+        "- **Connections**: at most `--web.max-connections` per port. At the cap a new connection closes the "
+        "connection that has been idle, or sending its request, the longest (oldest first); failing that, the "
+        "one whose answer has waited longest (over a second) for its client to read it. Requests being handled "
+        "are never cut. A scraper's fresh connection is the newest, so a flood of slow, idle or non-reading "
+        "connections cannot lock it out. Answers waiting for slow readers are capped at "
+        f"{h._MAX_PENDING_OUT >> 20} MiB per port (the longest-waiting is cut beyond). The exporter raises its "
+        "open-files soft limit to the hard one at start-up (as Go programs do) and lowers the cap, with a "
+        "warning, where a third of that limit would not hold it.",
+        f"- **Memory**: request heads up to {h._MAX_HEAD // 1024} KiB (431 beyond; request line "
+        f"{h._MAX_REQUEST_LINE // 1024} KiB, 414), bodies up to {h.DEFAULT_MAX_BODY_BYTES // 1024} KiB on the "
+        "metrics port and `--otlp.max-body-bytes` on the OTLP port (413), and four bodies' worth in flight "
+        "per port (503 beyond).",
+        "- **Strict parsing**: HTTP/1.0 and 1.1 only (HTTP/0.9 gets 400, others 505); one `Content-Length` "
+        "of ASCII digits; `Transfer-Encoding: chunked` only, never with `Content-Length`; chunk sizes in hex "
+        f"(no sign), chunk lines up to {h._MAX_CHUNK_LINE} bytes, trailers up to {h._MAX_TRAILERS // 1024} "
+        "KiB; no header line folding. Client faults are answered with 4xx and logged at debug level, "
+        "without a traceback.",
+        f"- **Basic auth** (`--web.config.file`): results are cached (up to {w._AUTH_CACHE_MAX} credentials, "
+        "keyed by an HMAC, never the password), as exporter-toolkit does. Checks that need bcrypt run on "
+        f"{h._AUTH_WORKERS} threads of their own with at most {h._AUTH_QUEUE} waiting; beyond that the "
+        "client gets 429 with `Retry-After: 1` at once. A password-guessing flood therefore costs at most "
+        "two cores and never delays a scraper whose credentials are cached.",
+        "",
+        "Measured with `bench/http_abuse.py`: see [benchmarks.md](benchmarks.md).",
+    ]
+
+
 def configuration_markdown() -> str:
     from gpu_energy_exporter import carbon
 
@@ -187,6 +234,7 @@ def configuration_markdown() -> str:
     ]
     for c in COLLECTORS:
         out.append(f"| `{c.name}` | {'enabled' if c.default else 'disabled'} | `{c.env}` | {_escape(c.help)} |")
+    out += ["", *_http_limits()]
     out += [
         "",
         "## Sub-commands",

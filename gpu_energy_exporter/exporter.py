@@ -13,6 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 from prometheus_client import ProcessCollector
+from prometheus_client.core import Metric
 
 from gpu_energy_exporter.api import api_routes, status_document
 from gpu_energy_exporter.carbon import resolve_intensity
@@ -123,10 +124,12 @@ class Exporter:
             CachedSource(self.process_collector.collect),
             CachedSource(self.store.collect, version=self._store_version, encoder=self.store.render),
             CachedSource(self.ledger.collect, version=self.ledger.version),
+            CachedSource(self._http_families),
         ])
         token = load_bearer_token(config.otlp_bearer_token_file) if config.otlp_bearer_token_file else None
         self.otlp = OTLPReceiver(
-            config.otlp_listen_address, self.store, max_body_bytes=config.otlp_max_body_bytes, bearer_token=token
+            config.otlp_listen_address, self.store, max_body_bytes=config.otlp_max_body_bytes, bearer_token=token,
+            max_connections=config.web_max_connections, request_timeout=config.web_request_timeout,
         )
         self.routes = exporter_routes(
             self.registry, telemetry_path=config.web_telemetry_path, ready=self.ready,
@@ -162,6 +165,18 @@ class Exporter:
             backend_kind=lambda: backend.kind if backend else "", clock=self._clock,
         )
 
+    def _http_families(self) -> list[Metric]:
+        """Both ports' HTTP self-metrics, one family each (series labelled by server)."""
+        servers = [s for s in (self.web, self.otlp.http_server) if s is not None]
+        if not servers:
+            return []
+        families = [s.collect() for s in servers]
+        merged = families[0]
+        for other in families[1:]:
+            for fam, more in zip(merged, other, strict=True):
+                fam.samples.extend(more.samples)
+        return merged
+
     def _store_version(self) -> int:
         self.store.expire()  # time-driven expiry bumps the version
         return self.store.version
@@ -180,7 +195,8 @@ class Exporter:
         """Take the first sample, then bind and serve. Raises ConfigError when a port cannot be bound."""
         self.sampler.start()
         self.web = HTTPServer(self.config.web_listen_address, self.routes, web_config=self.web_config,
-                              name="gpu-energy-exporter")
+                              name="gpu-energy-exporter", max_connections=self.config.web_max_connections,
+                              request_timeout=self.config.web_request_timeout)
         self.web.start()
         self.otlp.start()
         if self.pusher is not None:

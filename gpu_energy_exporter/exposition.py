@@ -7,8 +7,9 @@ sampler: a slow or hung driver cannot make a scrape slow.
 
 ``CachedExposition`` is the fast path used by the HTTP handler: each source (the snapshot, the training
 store, ...) is encoded once per version and per format, so a scrape between two changes is a
-concatenation of cached bytes plus the few values computed at scrape time. ``SnapshotCollector`` yields
-the same families for prometheus_client's registry (``name[]`` filtering, tests, the golden file).
+concatenation of cached bytes plus the few values computed at scrape time. ``name[]`` filtering cuts the
+same bytes (``select_samples``): there is one exposition path, and the golden file is rendered through
+it. ``SnapshotCollector`` yields the same families for prometheus_client's registry (tests, tools).
 """
 
 from __future__ import annotations
@@ -147,7 +148,11 @@ class CachedExposition:
     def __init__(self, sources: Iterable[CachedSource]) -> None:
         self.sources = list(sources)
 
-    def render(self, accept: str) -> tuple[bytes, str]:
+    def render(self, accept: str, names: frozenset[str] | None = None) -> tuple[bytes, str]:
+        """The body served for ``accept``; with ``names`` (``?name[]=``), only those samples.
+
+        This is the one exposition path: unfiltered and filtered scrapes are cut from the same cached
+        bytes, so a filter sees exactly the series an unfiltered scrape serves."""
         _, content_type = prom_exposition.choose_encoder(accept)
         om = content_type.startswith("application/openmetrics-text")
         parts = []
@@ -156,6 +161,40 @@ class CachedExposition:
                 parts.append(source.render(om))
             except Exception:  # noqa: BLE001 - a broken source must not fail the scrape
                 log.exception("metrics source %r failed", source.collect)
+        body = b"".join(parts)
+        if names is not None:
+            body = select_samples(body, names)
         if om:
-            parts.append(_OM_EOF)
-        return b"".join(parts), content_type
+            body += _OM_EOF
+        return body, content_type
+
+
+def select_samples(body: bytes, names: frozenset[str]) -> bytes:
+    """The exposition ``body`` (text 0.0.4 or OpenMetrics) cut down to the samples named in ``names``.
+
+    Sample names, as prometheus_client's ``name[]`` filter has them (``x_total``, ``x_bucket``, ...);
+    each kept sample keeps its family's ``# HELP``/``# TYPE``/``# UNIT`` lines, and a family with no
+    kept sample disappears. ``# EOF`` is kept.
+    """
+    wanted = {n.encode("utf-8") for n in names}
+    out: list[bytes] = []
+    header: list[bytes] = []
+    family = b""
+    header_out = False
+    for line in body.splitlines(keepends=True):
+        if line.startswith(b"#"):
+            parts = line.split(b" ", 3)
+            if len(parts) >= 3 and parts[1] in (b"HELP", b"TYPE", b"UNIT"):
+                if parts[2] != family:
+                    family, header, header_out = parts[2], [], False
+                header.append(line)
+            elif line.rstrip() == b"# EOF":
+                out.append(line)
+            continue
+        name = line.split(b"{", 1)[0].split(b" ", 1)[0]
+        if name in wanted:
+            if not header_out:
+                out.extend(header)
+                header_out = True
+            out.append(line)
+    return b"".join(out)

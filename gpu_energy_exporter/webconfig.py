@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import collections
 import hashlib
 import hmac
 import ipaddress
@@ -121,6 +122,10 @@ _RATE_KEYS = ("interval", "burst")
 # $2a$ (Go), $2b$ (OpenBSD, Python) and $2y$ (htpasswd) are the same algorithm for valid UTF-8.
 _BCRYPT_RE = re.compile(r"^\$2[aby]\$(\d\d)\$[./A-Za-z0-9]{53}$")
 _AUTH_CACHE_MAX = 1024
+# Two checks at a time: a guessing flood costs at most two cores' worth of bcrypt, and a new scraper's
+# first check usually gets a slot within the short wait below.
+_BCRYPT_SLOTS = 2
+_BCRYPT_WAIT_S = 0.1
 
 
 @dataclass(frozen=True)
@@ -299,15 +304,34 @@ class WebConfig:
             st.context, st.signature, st.failed_signature = ctx, signature, None
             return ctx
 
+    def cached_basic_auth(self, authorization: str | None) -> bool | None:
+        """The answer ``check_basic_auth`` would give when it needs no bcrypt check (no users, a malformed
+        header, cached credentials), else None. Cheap: the server uses it to keep checks that need bcrypt
+        apart from everything else."""
+        if not self.basic_auth_users:
+            return True
+        creds = parse_basic_authorization(authorization)
+        if creds is None:
+            return False
+        with self._state.lock:
+            return self._state.auth_cache.get(self._cache_key(*creds))
+
+    def _cache_key(self, user: str, password: bytes) -> bytes:
+        u = user.encode()
+        return hmac.new(self._state.secret, b"%d:%s%s" % (len(u), u, password), hashlib.sha256).digest()
+
     def check_basic_auth(self, authorization: str | None) -> bool:
         """True when no users are configured, or ``authorization`` (the raw ``Authorization`` header)
         carries the right password for a configured user.
 
-        Successful checks are cached under an HMAC of (user, password) with a per-process key, so a
-        scraper pays the bcrypt cost once, not per scrape, and no plaintext is kept. Failures are not
-        cached (no memory growth under guessing) and run one at a time, so a password-guessing client
-        costs at most one core. An unknown user is checked against a dummy hash of the same cost, so
-        timing does not reveal which user names exist.
+        Results, good and bad, are cached under an HMAC of (user, password) with a per-process key (as
+        exporter-toolkit does), so a scraper pays the bcrypt cost once, a client repeating a wrong password
+        pays it once, and no plaintext is kept; the cache is bounded (least recently used goes first).
+        At most ``_BCRYPT_SLOTS`` bcrypt checks run at a time; a check that finds them all busy waits
+        ``_BCRYPT_WAIT_S`` at most, then raises ``AuthBusy`` (the server answers 429), so a flood of
+        guesses can neither queue threads nor delay a scraper whose credentials are cached. An unknown
+        user is checked against a dummy hash of the same cost, so timing does not reveal which user names
+        exist.
         """
         if not self.basic_auth_users:
             return True
@@ -317,32 +341,40 @@ class WebConfig:
         user, password = creds
         st = self._state
         hashed = self.basic_auth_users.get(user)
-        key = hmac.new(st.secret, b"%d:%s%s" % (len(user.encode()), user.encode(), password), hashlib.sha256).digest()
-        if hashed is not None:
-            with st.lock:
-                if key in st.auth_cache:
-                    return True
-        with st.bcrypt_lock:
+        key = self._cache_key(user, password)
+        with st.lock:
+            cached = st.auth_cache.get(key)
+            if cached is not None:
+                st.auth_cache.move_to_end(key)
+                return cached
+        if not st.bcrypt_slots.acquire(timeout=_BCRYPT_WAIT_S):
+            raise AuthBusy("too many password checks in progress")
+        try:
             target = hashed if hashed is not None else self._dummy_hash()
             try:
                 ok = bcrypt.checkpw(password, target.encode("ascii"))
             except ValueError:  # bcrypt >= 5 refuses passwords over 72 bytes
                 ok = False
-        if not ok or hashed is None:
-            return False
+        finally:
+            st.bcrypt_slots.release()
+        ok = ok and hashed is not None
         with st.lock:
-            if len(st.auth_cache) >= _AUTH_CACHE_MAX:
-                st.auth_cache.clear()
-            st.auth_cache.add(key)
-        return True
+            st.auth_cache[key] = ok
+            while len(st.auth_cache) > _AUTH_CACHE_MAX:
+                st.auth_cache.popitem(last=False)
+        return ok
 
     def _dummy_hash(self) -> str:
-        # Called with bcrypt_lock held.
         st = self._state
-        if st.dummy_hash is None:
-            cost = max(int(_BCRYPT_RE.match(h).group(1)) for h in self.basic_auth_users.values())  # type: ignore[union-attr]
-            st.dummy_hash = bcrypt.hashpw(secrets.token_bytes(16), bcrypt.gensalt(rounds=cost)).decode()
-        return st.dummy_hash
+        with st.lock:
+            if st.dummy_hash is None:
+                cost = max(int(_BCRYPT_RE.match(h).group(1)) for h in self.basic_auth_users.values())  # type: ignore[union-attr]
+                st.dummy_hash = bcrypt.hashpw(secrets.token_bytes(16), bcrypt.gensalt(rounds=cost)).decode()
+            return st.dummy_hash
+
+
+class AuthBusy(Exception):
+    """Every bcrypt slot stayed busy: answer 429 rather than queue the check."""
 
 
 class _State:
@@ -350,12 +382,12 @@ class _State:
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
-        self.bcrypt_lock = threading.Lock()
+        self.bcrypt_slots = threading.BoundedSemaphore(_BCRYPT_SLOTS)
         self.context: ssl.SSLContext | None = None
         self.signature: tuple[Any, ...] | None = None
         self.failed_signature: tuple[Any, ...] | None = None
         self.secret = secrets.token_bytes(32)
-        self.auth_cache: set[bytes] = set()
+        self.auth_cache: collections.OrderedDict[bytes, bool] = collections.OrderedDict()
         self.dummy_hash: str | None = None
 
 

@@ -3,18 +3,18 @@
 from __future__ import annotations
 
 import os
+import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 from fakenvml import Constant, Driver, Process, Scenario, Square, a100, grace_hopper, h100, pascal_no_counter
-from prometheus_client import generate_latest
 
 from gpu_energy_exporter import docgen
-from gpu_energy_exporter.collectors.gpu import GPUCollector
+from gpu_energy_exporter.config import Config
 from gpu_energy_exporter.devices.nvml import NVMLBackend
-from gpu_energy_exporter.exposition import SnapshotCollector, new_registry
+from gpu_energy_exporter.exporter import Exporter
 from gpu_energy_exporter.metrics import CATALOGUE
-from gpu_energy_exporter.sampler import Sampler
 
 GOLDEN = Path(__file__).parent / "golden" / "gpu-exposition.prom"
 
@@ -36,6 +36,36 @@ def test_catalogue_covers_every_module_and_names_follow_conventions() -> None:
         assert "_count" not in spec.name.removesuffix("_total")[-6:], spec.name
 
 
+def _served(config: Config, backend: Callable[[], NVMLBackend], now: float) -> tuple[str, str]:
+    """/metrics and /metrics?name[]=gpuenergy_gpu_energy_joules_total as the running exporter serves
+    them: its HTTP server, its cached exposition. Process and ledger self-metrics are left out."""
+    exporter = Exporter(config, backend_factory=backend, clock=lambda: now)
+    exporter.start()
+    try:
+        assert exporter.web is not None
+        url = exporter.web.url + config.web_telemetry_path
+        with urllib.request.urlopen(url, timeout=10) as resp:
+            text = resp.read().decode()
+        with urllib.request.urlopen(url + "?name[]=gpuenergy_gpu_energy_joules_total", timeout=10) as resp:
+            filtered = resp.read().decode()
+    finally:
+        exporter.stop()
+    keep = []
+    family_ok = True
+    for line in text.splitlines(keepends=True):
+        name = line.split(" ")[2] if line.startswith("# ") else line.split("{")[0].split(" ")[0]
+        if line.startswith("# HELP "):
+            family_ok = not name.startswith(_NOT_IN_GOLDEN)
+        if family_ok:
+            keep.append(line)
+    return "".join(keep), filtered
+
+
+# Families of the exporter itself whose values depend on the machine or that the GPU golden is not about.
+_NOT_IN_GOLDEN = ("gpuenergy_process_", "gpuenergy_ledger_", "gpuenergy_http_", "gpuenergy_run", "gpuenergy_otlp_",
+                  "gpuenergy_training_")
+
+
 def test_golden_gpu_exposition(fake_nvml_lib: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The whole GPU exposition for a fixed scenario (frozen clock). Review diffs, then regenerate with
     UPDATE_GOLDEN=1."""
@@ -50,15 +80,10 @@ def test_golden_gpu_exposition(fake_nvml_lib: Path, tmp_path: Path, monkeypatch:
     path = tmp_path / "scenario.ini"
     Scenario(epoch=t0, driver=Driver(frozen_time=t0 + 100.0), gpus=gpus).write(path)
     monkeypatch.setenv("FAKE_NVML_SCENARIO", str(path))
-    collector = GPUCollector(lambda: NVMLBackend(str(fake_nvml_lib), clock=lambda: t0 + 100.0), processes=True,
-                             gpm=False,
-                             clock=lambda: t0 + 100.0)
-    try:
-        sampler = Sampler([collector], 1.0, gpu_states=collector.states, clock=lambda: t0 + 100.0)
-        sampler.sample_once()
-        text = generate_latest(new_registry(SnapshotCollector(sampler, clock=lambda: t0 + 100.0))).decode()
-    finally:
-        collector.close()
+    config = Config(web_listen_address=("127.0.0.1", 0), otlp_listen_address=("127.0.0.1", 0),
+                    collectors=frozenset({"gpu", "processes"}))
+    text, text_filtered = _served(config, lambda: NVMLBackend(str(fake_nvml_lib), clock=lambda: t0 + 100.0),
+                                  t0 + 100.0)
     # Values that depend on the machine, not on the scenario, are masked.
     lines = []
     for line in text.splitlines():
@@ -70,6 +95,12 @@ def test_golden_gpu_exposition(fake_nvml_lib: Path, tmp_path: Path, monkeypatch:
             line = line.split("} ", 1)[0] + "} <integrated: timing dependent>"
         lines.append(line)
     got = "\n".join(lines) + "\n"
+    # name[] is cut from those same served bytes: a filtered scrape is the golden's matching lines.
+    name = "gpuenergy_gpu_energy_joules_total"
+    want = [ln for ln in got.splitlines() if ln.split("{")[0].split(" ")[0] == name
+            or ln.startswith((f"# HELP {name} ", f"# TYPE {name} "))]
+    filtered = text_filtered.splitlines()
+    assert len(want) > 2 and [ln.split("} ")[0] for ln in filtered] == [ln.split("} ")[0] for ln in want]
     if os.environ.get("UPDATE_GOLDEN"):
         GOLDEN.write_text(got)
     assert GOLDEN.exists(), "no golden file yet: run with UPDATE_GOLDEN=1 and review it"

@@ -21,6 +21,7 @@ from gpu_energy_exporter.otlp.translate import (
     translate_request,
     unit_name,
 )
+from gpu_energy_exporter.training import instruments
 
 DELTA = pb.AGGREGATION_TEMPORALITY_DELTA
 CUMULATIVE = pb.AGGREGATION_TEMPORALITY_CUMULATIVE
@@ -107,7 +108,6 @@ def test_training_helper_instrument_names(name: str, unit: str, kind: str, want:
 
 
 def test_training_helper_table_translates_to_the_agreed_names() -> None:
-    instruments = pytest.importorskip("gpu_energy_exporter.training.instruments")
     agreed = {name: (unit, kind, want) for name, unit, kind, want in HELPER_INSTRUMENTS}
     assert {inst.name for inst in instruments.ALL} == set(agreed)
     for inst in instruments.ALL:

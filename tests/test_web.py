@@ -417,14 +417,19 @@ def test_post_body_errors(echo_server: HTTPServer, body: bytes, headers: dict[st
     assert r.headers["Content-Type"] == "text/plain; charset=utf-8"
 
 
-def test_unread_body_closes_the_connection(echo_server: HTTPServer) -> None:
+def test_body_the_handler_does_not_read_keeps_the_connection_usable(echo_server: HTTPServer) -> None:
+    # The server receives every body in full before routing, so the next request starts where it should.
     conn = http.client.HTTPConnection(*echo_server.server_address, timeout=10)
     try:
         conn.request("POST", "/elsewhere", body=b"unread body")
         r = conn.getresponse()
         r.read()
         assert r.status == 404
-        assert r.headers["Connection"] == "close"
+        first = conn.sock
+        conn.request("POST", "/echo", body=b"next")
+        r = conn.getresponse()
+        assert (r.status, r.read()) == (200, b"next")
+        assert conn.sock is first
     finally:
         conn.close()
 
@@ -710,3 +715,34 @@ def test_rate_limit(registry: CollectorRegistry, tmp_path: Path) -> None:
     cfg = write_config(tmp_path, "rate_limit:\n  interval: 1h\n  burst: 2\n")
     with serving(new_exporter_server(("127.0.0.1", 0), registry, web_config=cfg)) as s:
         assert [fetch(s, "/-/healthy").status for _ in range(3)] == [200, 200, 429]
+
+
+def test_clients_not_reading_their_answers_do_not_lock_others_out() -> None:
+    big = b"x" * (8 << 20)
+
+    def large(req: Request) -> Response:
+        return Response(200, big)
+
+    def small(req: Request) -> Response:
+        return Response.text(200, "small")
+
+    server = HTTPServer(("127.0.0.1", 0), {("GET", "/large"): large, ("GET", "/small"): small},
+                        max_connections=4, name="stall-test").start()
+    stalled = []
+    try:
+        for _ in range(4):
+            s = socket.socket()
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            s.connect(server.server_address)
+            s.sendall(b"GET /large HTTP/1.1\r\nHost: x\r\n\r\n")
+            stalled.append(s)
+        time.sleep(1.5)  # every slot now holds an answer its client does not read
+        start = time.monotonic()
+        r = fetch(server, "/small")
+        assert (r.status, r.body) == (200, b"small")
+        assert time.monotonic() - start < 2
+        assert server.stats["evicted"] >= 1
+    finally:
+        for s in stalled:
+            s.close()
+        server.shutdown()

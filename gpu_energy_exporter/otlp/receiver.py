@@ -39,6 +39,7 @@ from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import (
 )
 
 from gpu_energy_exporter.errors import ConfigError
+from gpu_energy_exporter.httpserver import DEFAULT_MAX_CONNECTIONS, DEFAULT_REQUEST_TIMEOUT
 from gpu_energy_exporter.otlp.store import TrainingStore
 from gpu_energy_exporter.otlp.translate import translate_request
 from gpu_energy_exporter.web import HTTPError, HTTPServer, Request
@@ -352,8 +353,12 @@ class OTLPReceiver:
         max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
         bearer_token: str | None = None,
         path: str = PATH,
+        max_connections: int = DEFAULT_MAX_CONNECTIONS,
+        request_timeout: float = DEFAULT_REQUEST_TIMEOUT,
     ) -> None:
         self.address = address
+        self.max_connections = max_connections
+        self.request_timeout = request_timeout
         self.path = path
         self.store = store
         self.handler = ExportHandler(store, max_body_bytes=max_body_bytes, bearer_token=bearer_token)
@@ -366,8 +371,8 @@ class OTLPReceiver:
         """The ``web.HTTPServer`` route handler for ``POST /v1/metrics``."""
         headers = dict(req.headers.items())
         declared = req.headers.get("Content-Length", "").strip()
-        # Auth, type and a declared size are checked before the body is read: an oversized or
-        # unauthenticated push costs no memory.
+        # The server refused a declared size over max_body_bytes before buffering anything, and holds a
+        # bounded total of bodies per port; auth and type are checked here before the body is parsed.
         early = self.handler.preflight(headers, int(declared) if declared.isdigit() else 0)
         if early is not None:
             return _web_response(early)
@@ -380,6 +385,11 @@ class OTLPReceiver:
         return _web_response(self.handler.handle_export(headers, body))
 
     @property
+    def http_server(self) -> HTTPServer | None:
+        """The running ``web.HTTPServer`` (its self-metrics), or None when not started."""
+        return self._server
+
+    @property
     def server_address(self) -> tuple[str, int]:
         """The bound (host, port); the real port when started on port 0."""
         if self._server is None:
@@ -389,7 +399,11 @@ class OTLPReceiver:
     def start(self) -> OTLPReceiver:
         if self._server is not None:
             raise RuntimeError("OTLPReceiver already started")
-        self._server = HTTPServer(self.address, {("POST", self.path): self.route}, name="otlp")
+        # The server buffers a whole body before the route runs (so a slow client never holds a worker):
+        # its limit is ours; gzip is inflated by the handler within the same limit.
+        self._server = HTTPServer(self.address, {("POST", self.path): self.route}, name="otlp",
+                                  max_body_bytes=self.handler.max_body_bytes,
+                                  max_connections=self.max_connections, request_timeout=self.request_timeout)
         self._server.start()
         return self
 
