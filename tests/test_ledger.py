@@ -393,6 +393,7 @@ def test_mig_instance_is_charged_its_parent_gpu_and_foreign_gpus_are_noted() -> 
     other_node = "GPU-cccccccc-0000-4000-8000-000000000003"
     ledger.on_snapshot(snapshot(T0, (gpu_state(UUID_A, T0, constant(100.0), mig=(mig,)),)))
     ledger.on_point(point("mig", "training_run_finished", 0, T0, gpu=f"{mig},{other_node}"))
+    ledger.on_point(point("mig", "training_tokens_total", 0, T0, gpu=mig))
     for i in range(1, 11):
         t = clock.t = T0 + i
         ledger.on_snapshot(snapshot(t, (gpu_state(UUID_A, t, constant(100.0), mig=(mig,)),)))
