@@ -48,6 +48,7 @@ from typing import IO, Any, Protocol
 from prometheus_client.core import Metric
 
 from gpu_energy_exporter import ledger_split, metrics
+from gpu_energy_exporter.gpu_specs import lookup_peak_flops
 from gpu_energy_exporter.ledger_split import Holding
 from gpu_energy_exporter.sampler import GPUState, Snapshot
 from gpu_energy_exporter.textfmt import json_safe
@@ -142,6 +143,14 @@ RUN_MEMORY_PEAK = metrics.define(
     "run", "memory_peak_bytes", "gauge",
     "Highest GPU memory used on any one of the run's GPUs at one snapshot (all processes on that GPU).",
     _RUN, collector=COLLECTOR, unit="bytes")
+RUN_PEAK_FLOPS = metrics.define(
+    "run", "peak_flops_per_second", "gauge",
+    "Dense peak FLOP/s of the run's GPUs on this node at the run's precision, a MIG instance counting its "
+    "share of the parent GPU: the denominator of the run's MFU.", _RUN, collector=COLLECTOR)
+RUN_MFU = metrics.define(
+    "run", "mfu_ratio", "gauge",
+    "Model FLOPs utilisation over the run's efficiency window: local FLOPs / window / peak FLOP/s.",
+    _RUN, collector=COLLECTOR)
 RUN_CO2 = metrics.define(
     "run", "co2_grams", "gauge",
     "CO2-equivalent of the run's GPU energy: kWh x PUE x grid intensity, integrated snapshot by snapshot.",
@@ -274,6 +283,11 @@ COLUMNS: tuple[Column, ...] = (
            "at that snapshot, so a changing intensity (`--carbon.intensity-file`) is honoured."),
     Column("carbon_intensity_g_per_kwh", "g CO2e/kWh", "Energy-weighted average grid intensity used."),
     Column("pue", "ratio", "Energy-weighted average PUE used (`--carbon.pue`)."),
+    Column("peak_flops_per_s", "FLOP/s", "Dense peak FLOP/s of the run's GPUs on this node at the run's "
+           "`precision` (bundled peak table), a MIG instance counting its share of the parent GPU (1 / the "
+           "number of instances on it: MIG profiles are unknown); empty when the precision or a GPU model is "
+           "not in the table."),
+    Column("mfu", "ratio", "`flops` in the efficiency window / `window_s` / `peak_flops_per_s`."),
     Column("best_loss", "", "Lowest `training_loss` pushed by the lowest rank that sent loss."),
     Column("best_loss_step", "steps", "`steps` when that loss was pushed (same export)."),
     Column("last_loss", "", "Last `training_loss`."),
@@ -712,6 +726,7 @@ class RunLedger:
         self._pending_dropped = 0
         # Who uses which GPU, by snapshot time (ledger_split.Holding), rebuilt when runs change.
         self._holders_gen = 0
+        self._peak_rows: dict[str, dict[str, float]] = {}  # GPU model -> precision -> peak FLOP/s
         self._holders_cache: dict[float, dict[str, list[Holding]]] = {}
         self._holders_cache_gen = -1
         # Energy of each GPU charged to no run, settled when its interval leaves the snapshot history
@@ -899,9 +914,9 @@ class RunLedger:
             self._version += 1
             prev = self._history[-1] if self._history else None
             self._history.append(frame)
-            for key, g in gpus.items():
+            for key, gf in gpus.items():
                 if key not in self._unattributed:
-                    self._unattributed[key] = (str(g.index), g.uuid, 0.0)
+                    self._unattributed[key] = (str(gf.index), gf.uuid, 0.0)
             while len(self._history) > 1 and self._history[0].t < frame.t - self._history_s:
                 self._settle(self._history[0], self._history[1])
                 self._history.popleft()
@@ -1258,6 +1273,8 @@ class RunLedger:
         window = duration - warmup
         tokens_all = run.counter("training_tokens_total")
         tokens = run.counter("training_tokens_total", local)
+        if tokens is None and tokens_all is not None:
+            tokens = 0.0  # every rank is remote
         tokens_remote = run.counter("training_tokens_total", lambda x: not local(x))
         samples = run.counter("training_samples_total", local)
         window_tokens = tokens - (tokens_w or 0.0) if tokens is not None else None
@@ -1323,6 +1340,10 @@ class RunLedger:
             if info is not None and info.name not in models:
                 models.append(info.name)
         meta = run.metadata
+        flops = run.counter("training_flops_total", local)
+        flops_w = run.counter_at_w("training_flops_total", local) if warmup_applied else 0.0
+        window_flops = flops - (flops_w or 0.0) if flops is not None else None
+        peak_flops = self._peak_flops(run, meta.get("precision") or "")
         total_mem = [run.gpu_info[k].memory_total for k in keys if k in run.gpu_info]
         summary_file = None
         if self.csv_path is not None:
@@ -1346,7 +1367,7 @@ class RunLedger:
             "token_coverage": ratio(tokens, tokens_all),
             "samples": samples,
             "steps": run.counter("training_steps_total"),
-            "flops": run.counter("training_flops_total", local),
+            "flops": flops,
             "window_tokens": window_tokens,
             "tokens_per_s": ratio(window_tokens, window),
             "samples_per_s": ratio(window_samples, window),
@@ -1364,6 +1385,8 @@ class RunLedger:
             "vram_avg_bytes": acc.vram_byte_s / acc.vram_s if acc.vram_s > 0 else None,
             "vram_total_bytes": float(max(m for m in total_mem if m is not None)) if any(
                 m is not None for m in total_mem) else None,
+            "peak_flops_per_s": peak_flops,
+            "mfu": ratio(ratio(window_flops, window), peak_flops),
             "co2_g": co2,
             "carbon_intensity_g_per_kwh": intensity,
             "pue": pue,
@@ -1381,6 +1404,36 @@ class RunLedger:
             "ledger_notes": "; ".join(notes),
         }
         return out
+
+    def _peak_flops(self, run: _Run, precision: str) -> float | None:
+        """Peak FLOP/s of the run's local GPUs at ``precision``; a MIG instance counts 1 / (instances on its
+        parent). None when any local GPU's model or the precision has no figure."""
+        frame = self._history[-1] if self._history else None
+        if frame is None or not precision:
+            return None
+        per_parent: dict[str, int] = {}
+        for parent in frame.mig_parent.values():
+            per_parent[parent] = per_parent.get(parent, 0) + 1
+        share: dict[str, float] = {}
+        for key in run.gpus:
+            parent = frame.mig_parent.get(key, key)
+            if parent not in frame.gpus:
+                continue
+            part = 1.0 / per_parent[parent] if parent != key else 1.0
+            share[parent] = min(1.0, share.get(parent, 0.0) + part)
+        if not share:
+            return None
+        total = 0.0
+        for parent, part in share.items():
+            name = frame.gpus[parent].name
+            if name not in self._peak_rows:
+                row = lookup_peak_flops(name)
+                self._peak_rows[name] = dict(row.flops) if row is not None else {}
+            value = self._peak_rows[name].get(precision)
+            if not value:
+                return None
+            total += value * part
+        return total
 
     def _local_check(self) -> Callable[[_SeriesState], bool]:
         """Whether a series comes from a rank whose GPUs this node measures: one of its ``gpu_uuid`` GPUs
@@ -1570,7 +1623,8 @@ class RunLedger:
         fams = {spec.name: spec.family() for spec in (
             RUN_ACTIVE, RUN_INFO, RUN_DURATION, RUN_ENERGY, RUN_DYNAMIC_ENERGY, RUN_TOKENS, RUN_STEPS,
             RUN_SAMPLES, RUN_FLOPS, RUN_ACTIVE_SECONDS, RUN_TOKENS_PER_SECOND, RUN_JOULES_PER_TOKEN,
-            RUN_AVERAGE_POWER, RUN_PEAK_POWER, RUN_MEMORY_PEAK, RUN_CO2, RUN_REMOTE_TOKENS, RUN_TOKEN_COVERAGE)}
+            RUN_AVERAGE_POWER, RUN_PEAK_POWER, RUN_MEMORY_PEAK, RUN_CO2, RUN_REMOTE_TOKENS, RUN_TOKEN_COVERAGE,
+            RUN_PEAK_FLOPS, RUN_MFU)}
         with self._lock:
             self._expire(self._clock())
             # A closed run and a resumed instance of it share the run id: show only the newest.
@@ -1598,7 +1652,8 @@ class RunLedger:
                               (RUN_TOKENS_PER_SECOND, "tokens_per_s"), (RUN_JOULES_PER_TOKEN, "j_per_token"),
                               (RUN_AVERAGE_POWER, "avg_power_w"), (RUN_PEAK_POWER, "peak_power_w"),
                               (RUN_MEMORY_PEAK, "vram_peak_bytes"), (RUN_CO2, "co2_g"),
-                              (RUN_TOKEN_COVERAGE, "token_coverage")):
+                              (RUN_TOKEN_COVERAGE, "token_coverage"), (RUN_PEAK_FLOPS, "peak_flops_per_s"),
+                              (RUN_MFU, "mfu")):
                 value = s.get(key)
                 if value is not None:
                     metrics.add(fams[spec.name], lab, value)
