@@ -12,8 +12,14 @@ How the figures are made (docs/ledger.md has the full list of columns):
 
 - Energy is the sum over the run's GPUs (the union of the ``gpu_uuid`` labels the run pushed, MIG
   instances mapped to their parent GPU) of the deltas of ``GPUState.energy_j`` between consecutive
-  snapshots. The first and last segment are cut at the run's start and end by linear interpolation of the
-  counter. Power is never integrated here.
+  snapshots, times the run's share of the GPU (``ledger_split``: exclusive, even between runs naming the
+  same GPU, MIG instances in use sharing their parent); what no run gets is the GPU's unattributed energy.
+  The first and last segment are cut at the run's start and end by linear interpolation of the counter.
+  Power is never integrated here.
+- Only ranks whose GPUs are in the snapshots (local ranks) count in the efficiency figures; tokens of
+  remote ranks are counted apart (``tokens_remote``).
+- A run id that has pushed no training progress (no counter point) is tentative: hidden, never charged or
+  written, evicted first when the ledger is full.
 - The run's end may be known only after later snapshots were taken (a late finish point, a stale run that
   ends at its last point), so the ledger keeps a short history of snapshots and per-run checkpoints of its
   accumulators and replays the history from the last checkpoint before the end.
@@ -24,7 +30,8 @@ How the figures are made (docs/ledger.md has the full list of columns):
   series between its points). A run shorter than the warm-up uses the whole run and says so.
 
 This module never calls NVML or reads hardware, never integrates power into energy, and never raises
-into the sampler or request threads: a failing write is logged and counted, the run stays in memory.
+into the sampler or request threads: a failing write is logged and counted, the run is kept and retried
+with back-off on the sampler thread, and once more at shutdown.
 """
 
 from __future__ import annotations

@@ -290,3 +290,16 @@ def test_no_gpu_on_this_node_means_no_energy_and_every_token_remote() -> None:
     assert s["tokens_local"] == 0.0 and s["tokens_remote"] == pytest.approx(50.0)
     assert s["token_coverage"] == pytest.approx(0.0)
     assert not math.isnan(s["tokens"])
+
+
+def test_exporter_reports_an_unwritable_runs_csv_at_start_up_once(
+    start_exporter, fake_nvml_lib: Path, tmp_path: Path  # type: ignore[no-untyped-def]
+) -> None:
+    blocker = tmp_path / "ledger"
+    blocker.write_text("a file where the ledger directory should be")
+    exp = start_exporter([f"--nvml.library={fake_nvml_lib}", f"--runs.csv={blocker / 'runs.csv'}"]).wait_ready()
+    exp.stop()
+    log = exp.log()
+    lines = [line for line in log.splitlines() if "--runs.csv" in line and "cannot write there" in line]
+    assert len(lines) == 1, log
+    assert "Not a directory" in lines[0] and "Traceback" not in log
