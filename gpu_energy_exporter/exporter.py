@@ -113,6 +113,9 @@ class Exporter:
             config.runs_csv, warmup_s=config.runs_warmup, stale_after_s=config.runs_stale_after,
             carbon=self.carbon_now, clock=self._clock,
         )
+        problem = self.ledger.check_writable()
+        if problem:
+            log.error("run ledger: %s", problem)
         self.sampler.add_listener(self.ledger.on_snapshot)
         self.store.add_listener(self.ledger.on_point)
         self.snapshot_collector.add_live_source(self.ledger.collect)

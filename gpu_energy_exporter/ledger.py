@@ -12,8 +12,14 @@ How the figures are made (docs/ledger.md has the full list of columns):
 
 - Energy is the sum over the run's GPUs (the union of the ``gpu_uuid`` labels the run pushed, MIG
   instances mapped to their parent GPU) of the deltas of ``GPUState.energy_j`` between consecutive
-  snapshots. The first and last segment are cut at the run's start and end by linear interpolation of the
-  counter. Power is never integrated here.
+  snapshots, times the run's share of the GPU (``ledger_split``: exclusive, even between runs naming the
+  same GPU, MIG instances in use sharing their parent); what no run gets is the GPU's unattributed energy.
+  The first and last segment are cut at the run's start and end by linear interpolation of the counter.
+  Power is never integrated here.
+- Only ranks whose GPUs are in the snapshots (local ranks) count in the efficiency figures; tokens of
+  remote ranks are counted apart (``tokens_remote``).
+- A run id that has pushed no training progress (no counter point) is tentative: hidden, never charged or
+  written, evicted first when the ledger is full.
 - The run's end may be known only after later snapshots were taken (a late finish point, a stale run that
   ends at its last point), so the ledger keeps a short history of snapshots and per-run checkpoints of its
   accumulators and replays the history from the last checkpoint before the end.
@@ -24,7 +30,8 @@ How the figures are made (docs/ledger.md has the full list of columns):
   series between its points). A run shorter than the warm-up uses the whole run and says so.
 
 This module never calls NVML or reads hardware, never integrates power into energy, and never raises
-into the sampler or request threads: a failing write is logged and counted, the run stays in memory.
+into the sampler or request threads: a failing write is logged and counted, the run is kept and retried
+with back-off on the sampler thread, and once more at shutdown.
 """
 
 from __future__ import annotations
@@ -47,7 +54,9 @@ from typing import IO, Any, Protocol
 
 from prometheus_client.core import Metric
 
-from gpu_energy_exporter import metrics
+from gpu_energy_exporter import ledger_split, metrics
+from gpu_energy_exporter.gpu_specs import lookup_peak_flops
+from gpu_energy_exporter.ledger_split import Holding
 from gpu_energy_exporter.sampler import GPUState, Snapshot
 from gpu_energy_exporter.textfmt import json_safe
 
@@ -70,8 +79,9 @@ RUN_ACTIVE = metrics.define(
 RUN_INFO = metrics.define(
     "run", "info", "info",
     "Run metadata pushed by the training helper, its status (running, finishing, finished, stale, "
-    "exporter_stopped) and the GPUs it used (gpu_uuid, comma-joined).",
-    (*_RUN, "status", "model", "backend", "optimizer", "precision", "gpu_uuid"), collector=COLLECTOR)
+    "exporter_stopped), the GPUs it used (gpu_uuid, comma-joined) and how their energy was split with other "
+    "runs (split: exclusive, even, sm_util, mig, comma-joined when it changed during the run).",
+    (*_RUN, "status", "model", "backend", "optimizer", "precision", "gpu_uuid", "split"), collector=COLLECTOR)
 RUN_DURATION = metrics.define(
     "run", "duration_seconds", "gauge", "Wall time of the run so far (from its first point).",
     _RUN, collector=COLLECTOR, unit="seconds")
@@ -82,7 +92,8 @@ RUN_DURATION = metrics.define(
 # _counter_values for why they never decrease.
 RUN_ENERGY = metrics.define(
     "run", "energy_joules_total", "counter",
-    "Energy of the run's GPUs on this node since the run started, from the GPU energy counters.",
+    "Energy charged to the run since it started: its share of each of its GPUs on this node (split with "
+    "other runs using the same GPU or MIG-partitioned GPU), from the GPU energy counters.",
     _RUN, collector=COLLECTOR, unit="joules")
 RUN_DYNAMIC_ENERGY = metrics.define(
     "run", "dynamic_energy_joules", "gauge",
@@ -90,7 +101,16 @@ RUN_DYNAMIC_ENERGY = metrics.define(
     "power is unknown.", _RUN, collector=COLLECTOR, unit="joules")
 RUN_TOKENS = metrics.define(
     "run", "tokens_total", "counter",
-    "Tokens processed by the run since it started, summed over the ranks that push to this exporter.",
+    "Tokens processed by the run since it started, summed over the ranks that push to this exporter and whose "
+    "GPUs are on this node (tokens of other ranks: gpuenergy_run_remote_tokens_total).",
+    _RUN, collector=COLLECTOR)
+RUN_REMOTE_TOKENS = metrics.define(
+    "run", "remote_tokens_total", "counter",
+    "Tokens pushed to this exporter by ranks whose GPUs are not on this node (not in J/token here).",
+    _RUN, collector=COLLECTOR)
+RUN_TOKEN_COVERAGE = metrics.define(
+    "run", "token_coverage_ratio", "gauge",
+    "Share of the tokens pushed to this exporter that come from ranks whose GPUs are on this node.",
     _RUN, collector=COLLECTOR)
 RUN_STEPS = metrics.define(
     "run", "steps_total", "counter",
@@ -98,12 +118,13 @@ RUN_STEPS = metrics.define(
     "(every data-parallel rank takes every step).", _RUN, collector=COLLECTOR)
 RUN_SAMPLES = metrics.define(
     "run", "samples_total", "counter",
-    "Samples processed by the run since it started, summed over the ranks that push to this exporter.",
+    "Samples processed by the run since it started, summed over the ranks that push to this exporter and "
+    "whose GPUs are on this node.",
     _RUN, collector=COLLECTOR)
 RUN_FLOPS = metrics.define(
     "run", "flops_total", "counter",
     "Floating-point operations the trainer counted since the run started, summed over the ranks that push "
-    "to this exporter.", _RUN, collector=COLLECTOR)
+    "to this exporter and whose GPUs are on this node.", _RUN, collector=COLLECTOR)
 RUN_ACTIVE_SECONDS = metrics.define(
     "run", "active_seconds_total", "counter",
     "Seconds the run has been active on this node: from its first point to the latest snapshot while it "
@@ -119,15 +140,24 @@ RUN_JOULES_PER_TOKEN = metrics.define(
     "GPU energy per token over the run's efficiency window (after the warm-up; the whole run while "
     "shorter).", _RUN, collector=COLLECTOR)
 RUN_AVERAGE_POWER = metrics.define(
-    "run", "average_power_watts", "gauge", "Run energy divided by its duration (all the run's GPUs).",
+    "run", "average_power_watts", "gauge", "Run energy divided by its duration (the run's share of its GPUs).",
     _RUN, collector=COLLECTOR, unit="watts")
 RUN_PEAK_POWER = metrics.define(
     "run", "peak_power_watts", "gauge",
-    "Highest power of the run's GPUs together at one snapshot.", _RUN, collector=COLLECTOR, unit="watts")
+    "Highest power charged to the run: its share of its GPUs' power at one snapshot or over one snapshot "
+    "interval (never below the average power).", _RUN, collector=COLLECTOR, unit="watts")
 RUN_MEMORY_PEAK = metrics.define(
     "run", "memory_peak_bytes", "gauge",
-    "Highest GPU memory used on the run's GPUs together at one snapshot (all processes on them).",
+    "Highest GPU memory used on any one of the run's GPUs at one snapshot (all processes on that GPU).",
     _RUN, collector=COLLECTOR, unit="bytes")
+RUN_PEAK_FLOPS = metrics.define(
+    "run", "peak_flops_per_second", "gauge",
+    "Dense peak FLOP/s of the run's GPUs on this node at the run's precision, a MIG instance counting its "
+    "share of the parent GPU: the denominator of the run's MFU.", _RUN, collector=COLLECTOR)
+RUN_MFU = metrics.define(
+    "run", "mfu_ratio", "gauge",
+    "Model FLOPs utilisation over the run's efficiency window: local FLOPs / window / peak FLOP/s.",
+    _RUN, collector=COLLECTOR)
 RUN_CO2 = metrics.define(
     "run", "co2_grams", "gauge",
     "CO2-equivalent of the run's GPU energy: kWh x PUE x grid intensity, integrated snapshot by snapshot.",
@@ -140,17 +170,34 @@ LEDGER_RUNS_REJECTED = metrics.define(
     "ledger", "runs_rejected_total", "counter",
     "Points of new runs ignored because the ledger already tracked its maximum of active runs.",
     collector=COLLECTOR)
+LEDGER_RUNS_EVICTED = metrics.define(
+    "ledger", "runs_evicted_total", "counter",
+    "Run ids dropped before they pushed any training progress, to make room for new runs.",
+    collector=COLLECTOR)
 LEDGER_WRITE_ERRORS = metrics.define(
     "ledger", "write_errors_total", "counter",
-    "Failed writes of the runs CSV or a JSON summary (the run stays in memory; see the log).",
+    "Failed writes of the runs CSV or a JSON summary (the run is kept and retried; see the log).",
     collector=COLLECTOR)
+LEDGER_WRITES_PENDING = metrics.define(
+    "ledger", "writes_pending", "gauge",
+    "Finished runs not yet written to the runs CSV because writing failed; retried with back-off and at "
+    "shutdown.", collector=COLLECTOR)
+LEDGER_UNATTRIBUTED = metrics.define(
+    "ledger", "unattributed_energy_joules_total", "counter",
+    "Energy of a GPU charged to no run (no run used it then), counted once no late point can change that: "
+    "--runs.stale-after + 120 s after the fact. Per GPU, runs' energy + this = the GPU's energy.",
+    metrics.GPU_LABELS, collector=COLLECTOR, unit="joules")
 
 STATUSES = ("finished", "stale", "exporter_stopped")
 
+# Back-off of failed ledger writes: 5 s, doubling, at most 5 minutes.
+_RETRY_FIRST_S = 5.0
+_RETRY_MAX_S = 300.0
+
 #: The per-run counters on /metrics and the summary figure each one serves (``_counter_values``).
 _COUNTER_COLUMNS = (
-    (RUN_ENERGY, "energy_j"), (RUN_TOKENS, "tokens"), (RUN_STEPS, "steps"), (RUN_SAMPLES, "samples"),
-    (RUN_FLOPS, "flops"), (RUN_ACTIVE_SECONDS, "duration_s"),
+    (RUN_ENERGY, "energy_j"), (RUN_TOKENS, "tokens_local"), (RUN_REMOTE_TOKENS, "tokens_remote"),
+    (RUN_STEPS, "steps"), (RUN_SAMPLES, "samples"), (RUN_FLOPS, "flops"), (RUN_ACTIVE_SECONDS, "duration_s"),
 )
 
 # ----------------------------------------------------------------------------------------------------
@@ -193,43 +240,61 @@ COLUMNS: tuple[Column, ...] = (
       for k in METADATA_KEYS),
     Column("ranks", "count", "Distinct `rank` labels that pushed points for the run."),
     Column("gpu_count", "count", "GPUs attributed to the run: the union of its `gpu_uuid` labels, MIG "
-           "instances mapped to their parent GPU."),
+           "instances mapped to their parent GPU (GPUs of other nodes included, see `ledger_notes`)."),
     Column("gpu_uuids", "", "Their UUIDs, space-separated."),
     Column("gpu_models", "", "Their distinct model names, `; `-separated."),
     Column("tokens", "tokens", "`training_tokens_total` summed over the run's series (every rank counts "
-           "its own tokens)."),
-    Column("samples", "samples", "`training_samples_total`, summed the same way."),
+           "its own tokens), every rank that pushed to this exporter: `tokens_local + tokens_remote`."),
+    Column("tokens_local", "tokens", "Tokens of the ranks whose GPUs are on this node (one of the series' "
+           "`gpu_uuid` GPUs is in this exporter's snapshots; a series naming no GPU counts as local). The "
+           "tokens J/token and throughput use."),
+    Column("tokens_remote", "tokens", "Tokens of the other ranks (their GPUs are on another node, whose "
+           "energy this exporter does not measure): counted apart, in no efficiency figure."),
+    Column("token_coverage", "ratio", "`tokens_local / tokens`: below 1 when ranks of other nodes push "
+           "to this exporter."),
+    Column("samples", "samples", "`training_samples_total` summed over the local ranks' series."),
     Column("steps", "steps", "`training_steps_total`: the highest over ranks (data-parallel ranks take the "
            "same optimizer steps)."),
-    Column("flops", "FLOP", "`training_flops_total` summed over ranks."),
-    Column("window_tokens", "tokens", "Tokens in the efficiency window: tokens at the end minus tokens at "
-           "the warm-up boundary (each series interpolated between its points)."),
+    Column("flops", "FLOP", "`training_flops_total` summed over the local ranks."),
+    Column("window_tokens", "tokens", "Local tokens in the efficiency window: tokens at the end minus tokens "
+           "at the warm-up boundary (each series interpolated between its points)."),
     Column("tokens_per_s", "tokens/s", "`window_tokens / window_s`."),
     Column("samples_per_s", "samples/s", "Samples in the efficiency window / `window_s`."),
     Column("j_per_token", "J/token", "`window_energy_j / window_tokens`."),
     Column("energy_per_10k_tokens_j", "J", "`10000 x j_per_token` (joules, not kJ)."),
     Column("dynamic_j_per_token", "J/token", "Dynamic (above idle) energy in the efficiency window / "
            "`window_tokens`."),
-    Column("energy_j", "J", "Energy of the run's GPUs from start to end: the deltas of each GPU's energy "
-           "counter (`gpuenergy_gpu_energy_joules_total`) between snapshots, cut at start and end by linear "
-           "interpolation of the counter. Never integrated from power."),
+    Column("energy_j", "J", "Energy charged to the run from start to end: the deltas of each of its GPUs' "
+           "energy counter (`gpuenergy_gpu_energy_joules_total`) between snapshots, cut at start and end by "
+           "linear interpolation of the counter, times the run's share of the GPU (`energy_split`). Never "
+           "integrated from power. GPUs of other nodes are not included."),
     Column("energy_kwh", "kWh", "`energy_j / 3.6e6`."),
     Column("idle_energy_j", "J", "Idle power of each GPU (`gpuenergy_gpu_idle_power_watts`, learned or "
-           "`--gpu.idle-power`) x the time it was in the run, summed; empty when no idle power was known."),
+           "`--gpu.idle-power`) x the time it was in the run x the run's share of it, summed; empty when no "
+           "idle power was known."),
     Column("dynamic_energy_j", "J", "`energy_j - idle_energy_j` (negative if the idle baseline is set too "
            "high)."),
     Column("window_energy_j", "J", "Energy in the efficiency window (after the warm-up)."),
-    Column("avg_power_w", "W", "`energy_j / duration_s`: average power of the run's GPUs together."),
-    Column("peak_power_w", "W", "Highest sum over the run's GPUs of their power at one snapshot (instant "
-           "power where the GPU reports it, else NVML's averaged power)."),
-    Column("vram_peak_bytes", "bytes", "Highest sum over the run's GPUs of GPU memory used at one snapshot "
-           "(NVML device memory: every process on those GPUs)."),
-    Column("vram_avg_bytes", "bytes", "Time-weighted average of that sum over the run."),
-    Column("vram_total_bytes", "bytes", "Total memory of the run's GPUs."),
+    Column("avg_power_w", "W", "`energy_j / duration_s`: average power charged to the run."),
+    Column("peak_power_w", "W", "Highest power charged to the run: the larger of the sum over its GPUs of "
+           "power at one snapshot (instant power where the GPU reports it, else NVML's averaged power) x the "
+           "run's share, and the charged energy of one snapshot interval / its length. Never below "
+           "`avg_power_w`."),
+    Column("vram_peak_bytes", "bytes", "Highest GPU memory used on any one of the run's GPUs at one snapshot "
+           "(NVML device memory: every process on that GPU, other runs' included). Per GPU, like the "
+           "dashboards."),
+    Column("vram_avg_bytes", "bytes", "Time-weighted average over the run of the memory used per GPU (the "
+           "mean over the run's GPUs at each snapshot)."),
+    Column("vram_total_bytes", "bytes", "Total memory of one of the run's GPUs (the largest)."),
     Column("co2_g", "g CO2e", "Sum over snapshot intervals of energy (kWh) x PUE x grid intensity (g/kWh) "
            "at that snapshot, so a changing intensity (`--carbon.intensity-file`) is honoured."),
     Column("carbon_intensity_g_per_kwh", "g CO2e/kWh", "Energy-weighted average grid intensity used."),
     Column("pue", "ratio", "Energy-weighted average PUE used (`--carbon.pue`)."),
+    Column("peak_flops_per_s", "FLOP/s", "Dense peak FLOP/s of the run's GPUs on this node at the run's "
+           "`precision` (bundled peak table), a MIG instance counting its share of the parent GPU (1 / the "
+           "number of instances on it: MIG profiles are unknown); empty when the precision or a GPU model is "
+           "not in the table."),
+    Column("mfu", "ratio", "`flops` in the efficiency window / `window_s` / `peak_flops_per_s`."),
     Column("best_loss", "", "Lowest `training_loss` pushed by the lowest rank that sent loss."),
     Column("best_loss_step", "steps", "`steps` when that loss was pushed (same export)."),
     Column("last_loss", "", "Last `training_loss`."),
@@ -239,9 +304,13 @@ COLUMNS: tuple[Column, ...] = (
     Column("total_steps", "steps", "`training_run_total_steps`: the planned number of steps, if pushed."),
     Column("mean_step_s", "s", "Mean optimizer step time: `training_step_duration_seconds` sum / count over "
            "all ranks."),
-    Column("energy_coverage", "ratio", "Fraction of the run's GPU-time for which an energy counter was "
-           "available (below 1: a GPU was lost, not on this node or had no counter; energy is a lower "
-           "bound)."),
+    Column("energy_coverage", "ratio", "Fraction of the run's GPU-time on this node's GPUs for which an "
+           "energy counter was available (below 1: a GPU was lost or had no counter; energy is a lower "
+           "bound). GPUs of other nodes are not counted here: see `token_coverage`."),
+    Column("energy_split", "", "How the run's GPUs' energy was shared, comma-joined when it changed: "
+           "`exclusive` (the run alone on the GPU), `even` (split evenly with other runs on the GPU), "
+           "`sm_util` (split by SM utilisation), `mig` (MIG instances: the parent GPU split over the "
+           "instances in use)."),
     Column("summary_file", "", "The JSON summary, relative to the CSV's directory."),
     Column("ledger_notes", "", "What the ledger had to assume, `; `-separated."),
 )
@@ -393,6 +462,7 @@ class _GPUFrame:
     memory_total: int | None
     idle_w: float | None
     idle_source: str
+    index: int = -1
 
 
 @dataclass(frozen=True, slots=True)
@@ -424,7 +494,7 @@ def _gpu_frame(g: GPUState) -> _GPUFrame:
     return _GPUFrame(
         uuid=g.identity.uuid, name=g.identity.name,
         energy_j=g.energy_j if g.up else None, power_w=power, memory_used=mem, memory_total=total,
-        idle_w=g.idle_power_w, idle_source=g.idle_power_source,
+        idle_w=g.idle_power_w, idle_source=g.idle_power_source, index=g.identity.index,
     )
 
 
@@ -476,6 +546,7 @@ class _SeriesState:
     last_v: float
     at_w: float | None = None  # value at the warm-up boundary, once a point at or after it arrived
     count: float = 0.0  # histograms: cumulative count (value is the cumulative sum)
+    gpus: tuple[str, ...] = ()  # uuid keys of the series' gpu_uuid label (local or remote rank)
 
 
 class Timeline:
@@ -558,18 +629,28 @@ class _Run:
         self.summary: dict[str, Any] | None = None
         self.closed_at: float | None = None
         self.exposed: dict[str, float] = {}  # counter name -> highest value collect() has served
+        # Created by a point that is no training progress (run_info, run_finished, ...): not shown, never
+        # written, never charged energy, evicted first; becomes a run at its first counter point.
+        self.tentative = True
+        self.splits: set[str] = set()  # split rules used for the run's GPUs (ledger_split)
+        self.sharers: set[str] = set()  # other runs it shared a GPU with
+        self.written_json: str | None = None  # summary file already written (a retried write keeps it)
+        self.write_failures = 0
+        self.next_write_try = 0.0
 
     # -- counters ------------------------------------------------------------------------------------
 
-    def counter(self, name: str) -> float | None:
-        values = [s.last_v - s.baseline for s in self.series.values() if s.name == name]
+    def counter(self, name: str, local: Callable[[_SeriesState], bool] | None = None) -> float | None:
+        """Summed over series (max for steps); ``local`` keeps only the series it accepts."""
+        values = [s.last_v - s.baseline for s in self.series.values()
+                  if s.name == name and (local is None or local(s))]
         if not values:
             return None
         return max(values) if name == "training_steps_total" else sum(values)
 
-    def counter_at_w(self, name: str) -> float | None:
+    def counter_at_w(self, name: str, local: Callable[[_SeriesState], bool] | None = None) -> float | None:
         values = [(s.at_w if s.at_w is not None else s.last_v) - s.baseline
-                  for s in self.series.values() if s.name == name]
+                  for s in self.series.values() if s.name == name and (local is None or local(s))]
         if not values:
             return None
         return max(values) if name == "training_steps_total" else sum(values)
@@ -644,7 +725,20 @@ class RunLedger:
         self._closed: list[_Run] = []  # finished, kept for keep_finished_s
         self._finished_counts: dict[str, float] = dict.fromkeys(STATUSES, 0.0)
         self._rejected = 0.0
+        self._evicted = 0.0
         self._write_errors = 0.0
+        # Closed runs whose files could not be written: retried with back-off, and at shutdown.
+        self._pending: list[_Run] = []
+        self._max_pending = max(1000, max_finished_runs)
+        self._pending_dropped = 0
+        # Who uses which GPU, by snapshot time (ledger_split.Holding), rebuilt when runs change.
+        self._holders_gen = 0
+        self._peak_rows: dict[str, dict[str, float]] = {}  # GPU model -> precision -> peak FLOP/s
+        self._holders_cache: dict[float, dict[str, list[Holding]]] = {}
+        self._holders_cache_gen = -1
+        # Energy of each GPU charged to no run, settled when its interval leaves the snapshot history
+        # (no late point can change who used the GPU then): uuid key -> (gpu index, uuid, joules).
+        self._unattributed: dict[str, tuple[str, str, float]] = {}
         self._carbon_error_logged = False
         self._last_reject_log = -math.inf
         self._version = 0  # bumped whenever what collect() returns may have changed
@@ -664,19 +758,32 @@ class RunLedger:
         the value for gauges; ``t`` in Unix seconds."""
         if not run_id or not math.isfinite(value) or not math.isfinite(t):
             return
+        progress = name in _COUNTERS or name == _HISTOGRAM
         with self._lock:
             self._version += 1
             run = self._active.get(run_id)
-            if run is not None:
-                self._apply(run, name, labels, value, t, count)
-                return
-            run = self._new_run(run_id, name, value, t)
             if run is None:
-                return
+                run = self._new_run(run_id, name, value, t)
+                if run is None:
+                    return
+            gpus_before = len(run.gpus)
+            end_before = run.e
             self._apply(run, name, labels, value, t, count)
-            # The first point is stamped by the trainer when it was collected, possibly before snapshots
-            # already received: count those now that the run's GPUs are known.
-            self._replay(run, run.acc, run.s, math.inf, live=True)
+            if run.tentative:
+                if not progress:
+                    return
+                # The run's first training progress: it becomes a run. Its first point was stamped by the
+                # trainer when it was collected, possibly before snapshots already received: count those
+                # now that the run's GPUs are known, and give runs sharing its GPUs their new share.
+                run.tentative = False
+                self._holders_changed(run, run.s)
+                self._replay(run, run.acc, run.s, math.inf, live=True)
+                log.info("run %s started (first point at %s)", run_id, iso_utc(run.s))
+                return
+            if len(run.gpus) != gpus_before:
+                self._holders_changed(run, run.s)
+            elif run.e != end_before:
+                self._holders_changed(run, min(x for x in (run.e, end_before) if x is not None))
 
     def _new_run(self, run_id: str, name: str, value: float, t: float) -> _Run | None:
         previous = [r for r in self._closed if r.run_id == run_id]
@@ -687,6 +794,14 @@ class RunLedger:
             if not (name == "training_run_finished" and value == 0 and last.e is not None and t > last.e):
                 return None
         if len(self._active) >= self._max_active:
+            # Runs that never pushed training progress give way first (oldest push first): a flood of
+            # run ids without progress (e.g. training_run_finished only) cannot keep a real run out.
+            idle = [r for r in self._active.values() if r.tentative]
+            if idle:
+                victim = min(idle, key=lambda r: r.last_point_received)
+                del self._active[victim.run_id]
+                self._evicted += 1
+        if len(self._active) >= self._max_active:
             self._rejected += 1
             now = self._clock()
             if now - self._last_reject_log > 60:
@@ -696,7 +811,6 @@ class RunLedger:
             return None
         run = _Run(run_id, t, self.warmup_s, not previous, self._timeline_points, self._clock())
         self._active[run_id] = run
-        log.info("run %s started (first point at %s)", run_id, iso_utc(t))
         return run
 
     def _apply(self, run: _Run, name: str, labels: Mapping[str, str], value: float, t: float,
@@ -741,6 +855,7 @@ class RunLedger:
         key = _uuid_key(text)
         if key not in run.gpus:
             run.gpus[key] = text
+            self._holders_gen += 1
 
     def _apply_counter(self, run: _Run, name: str, labels: Mapping[str, str], rank: str, value: float,
                        t: float, count: float | None) -> None:
@@ -752,6 +867,8 @@ class RunLedger:
                 s = _SeriesState(name, rank, baseline=0.0, last_t=min(run.s, t), last_v=0.0)
             else:
                 s = _SeriesState(name, rank, baseline=value, last_t=t, last_v=value)
+            s.gpus = tuple(_uuid_key(g) for g in labels.get("gpu_uuid", "").split(",")
+                           if g.strip().lower() not in _NOT_GPUS)
             run.series[key] = s
         if t < s.last_t:
             return
@@ -804,23 +921,122 @@ class RunLedger:
             self._version += 1
             prev = self._history[-1] if self._history else None
             self._history.append(frame)
-            while self._history and self._history[0].t < frame.t - self._history_s:
+            for key, gf in gpus.items():
+                if key not in self._unattributed:
+                    self._unattributed[key] = (str(gf.index), gf.uuid, 0.0)
+            while len(self._history) > 1 and self._history[0].t < frame.t - self._history_s:
+                self._settle(self._history[0], self._history[1])
                 self._history.popleft()
             now = self._clock()
             for run in list(self._active.values()):
+                if run.tentative:
+                    if run.e is not None or now - run.last_point_received > self.stale_after_s:
+                        del self._active[run.run_id]  # never a run: no row, no series
+                    continue
                 if prev is not None:
                     self._advance(run, prev, frame)
+            for run in list(self._active.values()):
+                if run.tentative:
+                    continue
                 if run.e is None and now - run.last_point_received > self.stale_after_s:
                     run.status = "stale"
                     run.e = run.last_point_t
                     log.warning("run %s: nothing pushed for %.0fs; closing it as stale at its last point (%s)",
                                 run.run_id, self.stale_after_s, iso_utc(run.e))
+                    self._holders_changed(run, run.e)
                 if run.e is not None and (frame.t >= run.e or run.status == "stale"):
                     self._close(run, run.status if run.status == "stale" else "finished")
                     done.append(run)
             self._expire(now)
         for run in done:
             self._write(run)
+        self._retry_writes(now)
+
+    def _settle(self, f0: _Frame, f1: _Frame) -> None:
+        """Add the unattributed part of each GPU's energy over (f0, f1] to its total."""
+        span = f1.t - f0.t
+        if span <= 0:
+            return
+        holders = self._holders(f1)
+        for key, g1 in f1.gpus.items():
+            g0 = f0.gpus.get(key)
+            if g0 is None or g0.energy_j is None or g1.energy_j is None or g1.energy_j < g0.energy_j:
+                continue
+            free_s = ledger_split.unattributed(f0.t, f1.t, holders.get(key, []))
+            if free_s > 0:
+                index, uuid, joules = self._unattributed.get(key, (str(g1.index), g1.uuid, 0.0))
+                self._unattributed[key] = (index, uuid, joules + (g1.energy_j - g0.energy_j) * free_s / span)
+
+    def _holders(self, frame: _Frame) -> dict[str, list[Holding]]:
+        """Physical GPU key -> the runs using it (with the MIG instance they name), as known now. Runs still
+        tentative hold nothing; closed runs hold their GPUs from start to end."""
+        if self._holders_cache_gen != self._holders_gen:
+            self._holders_cache.clear()
+            self._holders_cache_gen = self._holders_gen
+        cached = self._holders_cache.get(frame.t)
+        if cached is not None:
+            return cached
+        out: dict[str, list[Holding]] = {}
+        for run in (*self._closed, *self._active.values()):
+            if run.tentative:
+                continue
+            end = run.e if run.e is not None else math.inf
+            for key in run.gpus:
+                parent = frame.mig_parent.get(key, key)
+                if parent not in frame.gpus:
+                    continue
+                out.setdefault(parent, []).append(
+                    Holding(run.run_id, run.s, end, key if parent != key else ""))
+        if len(self._holders_cache) > 4 * len(self._history) + 16:
+            self._holders_cache.clear()
+        self._holders_cache[frame.t] = out
+        return out
+
+    def _parents(self, run: _Run) -> set[str]:
+        frame = self._history[-1] if self._history else None
+        if frame is None:
+            return set()
+        return {frame.mig_parent.get(k, k) for k in run.gpus}
+
+    def _holders_changed(self, run: _Run, t: float) -> None:
+        """``run`` started, ended or named a GPU at ``t``: runs sharing its GPUs that already counted
+        snapshots after ``t`` are recounted from their last checkpoint before it, with the new split."""
+        self._holders_gen += 1
+        mine = self._parents(run)
+        if not mine:
+            return
+        for other in self._active.values():
+            if other is run or other.tentative or other.acc.t <= t or not (mine & self._parents(other)):
+                continue
+            self._rewind(other, t)
+
+    def _rewind(self, run: _Run, t: float) -> None:
+        target = run.acc.t
+        candidates = [c for c in (*run.checkpoints, run.alive_checkpoint) if c.t <= t]
+        if not candidates:
+            note = ("another run started or ended on its GPUs earlier than the ledger can recount: the split "
+                    "of that moment is approximate")
+            if note not in run.notes:
+                run.notes.append(note)
+            return
+        base = max(candidates, key=lambda c: c.t)
+        acc = base.copy()
+        run.checkpoints = deque(c for c in run.checkpoints if c.t <= base.t)
+        hi = run.e if run.e is not None else math.inf
+        frames = list(self._history)
+        for f0, f1 in zip(frames, frames[1:], strict=False):
+            if f1.t <= acc.t or f0.t >= min(hi, target):
+                continue
+            self._integrate(run, acc, f0, f1, max(acc.t, run.s), min(hi, target), live=False)
+            acc.t = max(acc.t, min(f1.t, hi, target))
+            if run.e is None:
+                ckpt = acc.copy()
+                run.checkpoints.append(ckpt)
+                if run.last_point_t >= f1.t:
+                    run.alive_checkpoint = ckpt
+        if run.alive_checkpoint.t > acc.t:
+            run.alive_checkpoint = acc.copy()
+        run.acc = acc
 
     def _advance(self, run: _Run, f0: _Frame, f1: _Frame) -> None:
         hi = run.e if run.e is not None else math.inf
@@ -853,50 +1069,67 @@ class RunLedger:
         overlap = b - a
         if span <= 0 or overlap <= 0:
             return
-        frac = overlap / span
         wa = max(a, run.w)
         win = max(0.0, b - wa)
-        win_frac = win / span
         keys = self._run_frame_keys(run, f1)
+        holders = self._holders(f1)
         power_sum: float | None = None
         vram_sum: float | None = None
+        vram_max: float | None = None
+        vram_n = 0
         segment_j = 0.0
+        measured_all = True
         for key in keys:
-            acc.expected_gpu_s += overlap
             g0, g1 = f0.gpus.get(key), f1.gpus.get(key)
             if g1 is None:
-                continue
+                continue  # not a GPU of this node: its energy is another exporter's
+            acc.expected_gpu_s += overlap
             run.gpu_info[key] = g1
             if key not in run.gpu_order:
                 run.gpu_order.append(key)
+            hs = holders.get(key, [])
+            share = ledger_split.charge(run.run_id, f0.t, f1.t, a, b, hs)
+            win_share_s = ledger_split.charge(run.run_id, f0.t, f1.t, wa, b, hs).share_s if win > 0 else 0.0
+            run.splits |= share.splits
+            run.sharers |= share.sharers
             if g0 is not None and g0.energy_j is not None and g1.energy_j is not None \
                     and g1.energy_j >= g0.energy_j:
                 delta = g1.energy_j - g0.energy_j
-                acc.energy_j += delta * frac
-                acc.win_energy_j += delta * win_frac
-                acc.per_gpu_j[key] = acc.per_gpu_j.get(key, 0.0) + delta * frac
+                joules = delta * share.share_s / span
+                acc.energy_j += joules
+                acc.win_energy_j += delta * win_share_s / span
+                acc.per_gpu_j[key] = acc.per_gpu_j.get(key, 0.0) + joules
                 acc.measured_gpu_s += overlap
-                segment_j += delta * frac
-            if g1.idle_w is not None:
-                acc.idle_j += g1.idle_w * overlap
-                acc.win_idle_j += g1.idle_w * win
+                segment_j += joules
             else:
-                acc.idle_unknown_s[key] = acc.idle_unknown_s.get(key, 0.0) + overlap
-                acc.win_idle_unknown_s[key] = acc.win_idle_unknown_s.get(key, 0.0) + win
+                measured_all = False
+            if g1.idle_w is not None:
+                acc.idle_j += g1.idle_w * share.share_s
+                acc.win_idle_j += g1.idle_w * win_share_s
+            else:
+                acc.idle_unknown_s[key] = acc.idle_unknown_s.get(key, 0.0) + share.share_s
+                acc.win_idle_unknown_s[key] = acc.win_idle_unknown_s.get(key, 0.0) + win_share_s
             if g1.power_w is not None:
-                power_sum = (power_sum or 0.0) + g1.power_w
+                now_share = ledger_split.shares(h for h in hs if h.start <= f1.t <= h.end)
+                power_sum = (power_sum or 0.0) + g1.power_w * now_share.get(run.run_id, (0.0, ""))[0]
             if g1.memory_used is not None:
                 vram_sum = (vram_sum or 0.0) + g1.memory_used
+                vram_max = _max_opt(vram_max, float(g1.memory_used))
+                vram_n += 1
         if vram_sum is not None:
-            acc.vram_byte_s += vram_sum * overlap
+            acc.vram_byte_s += vram_sum / vram_n * overlap  # per GPU
             acc.vram_s += overlap
+        # The interval's mean power (from the counter) is a power the run drew: with the instants below,
+        # the peak is never below the run's average power.
+        if measured_all and segment_j > 0:
+            acc.peak_power_w = _max_opt(acc.peak_power_w, segment_j / overlap)
         # A snapshot's instantaneous values belong to the run only if it was taken inside the run.
         inside = lo < f1.t <= hi
         if inside:
             if power_sum is not None:
-                acc.peak_power_w = power_sum if acc.peak_power_w is None else max(acc.peak_power_w, power_sum)
-            if vram_sum is not None:
-                acc.vram_peak = vram_sum if acc.vram_peak is None else max(acc.vram_peak, vram_sum)
+                acc.peak_power_w = _max_opt(acc.peak_power_w, power_sum)
+            if vram_max is not None:
+                acc.vram_peak = _max_opt(acc.vram_peak, vram_max)
         kwh = segment_j / 3.6e6
         if f1.intensity is not None:
             pue = f1.pue if f1.pue is not None else 1.0
@@ -930,6 +1163,7 @@ class RunLedger:
     # closing a run
 
     def _close(self, run: _Run, status: str) -> None:
+        self._holders_gen += 1
         e = max(run.e if run.e is not None else run.acc.t, run.s)
         if run.acc.t > e or status == "stale":
             # The end lies before snapshots already counted: restart from the last checkpoint before it
@@ -979,12 +1213,16 @@ class RunLedger:
 
     def close(self) -> None:
         """Close every active run and write it: a finishing run as ``finished`` (at its end), the others as
-        ``exporter_stopped`` at the last snapshot counted. Call once at shutdown, after the sampler
-        stopped."""
+        ``exporter_stopped`` at the last snapshot counted; runs that never pushed training progress are
+        dropped. Runs whose earlier writes failed are tried once more. Call once at shutdown, after the
+        sampler stopped."""
         done: list[_Run] = []
         with self._lock:
             self._version += 1
             for run in list(self._active.values()):
+                if run.tentative:
+                    del self._active[run.run_id]
+                    continue
                 if run.status == "finishing":
                     self._close(run, "finished")
                 else:
@@ -994,6 +1232,12 @@ class RunLedger:
                 done.append(run)
         for run in done:
             self._write(run)
+        self._retry_writes(math.inf)
+        with self._lock:
+            lost = [r.run_id for r in self._pending]
+        if lost:
+            log.error("run ledger: %d finished run(s) could not be written to %s and are lost at shutdown: %s",
+                      len(lost), self.csv_path, ", ".join(lost))
 
     # ------------------------------------------------------------------------------------------------
     # figures
@@ -1014,6 +1258,7 @@ class RunLedger:
 
     def _summary(self, run: _Run, acc: _Acc | None = None) -> dict[str, Any]:
         acc = run.acc if acc is None else acc
+        local = self._local_check()
         end = acc.t if run.e is None else run.e
         duration = max(0.0, end - run.s)
         notes = list(run.notes)
@@ -1022,8 +1267,8 @@ class RunLedger:
             warmup = self.warmup_s
             win_energy: float | None = acc.win_energy_j
             win_idle_j, win_unknown = acc.win_idle_j, acc.win_idle_unknown_s
-            tokens_w = run.counter_at_w("training_tokens_total")
-            samples_w = run.counter_at_w("training_samples_total")
+            tokens_w = run.counter_at_w("training_tokens_total", local)
+            samples_w = run.counter_at_w("training_samples_total", local)
         else:
             warmup = 0.0
             win_energy = acc.energy_j
@@ -1033,10 +1278,27 @@ class RunLedger:
                 notes.append(f"run shorter than the warm-up ({self.warmup_s:g}s): efficiency figures "
                              "cover the whole run")
         window = duration - warmup
-        tokens = run.counter("training_tokens_total")
-        samples = run.counter("training_samples_total")
+        tokens_all = run.counter("training_tokens_total")
+        tokens = run.counter("training_tokens_total", local)
+        if tokens is None and tokens_all is not None:
+            tokens = 0.0  # every rank is remote
+        tokens_remote = run.counter("training_tokens_total", lambda x: not local(x))
+        samples = run.counter("training_samples_total", local)
         window_tokens = tokens - (tokens_w or 0.0) if tokens is not None else None
         window_samples = samples - (samples_w or 0.0) if samples is not None else None
+        if tokens_remote is not None:
+            remote_ranks = sorted({x.rank for x in run.series.values() if x.name == "training_tokens_total"
+                                   and not local(x)}, key=_rank_order)
+            notes.append(f"tokens of rank(s) {', '.join(remote_ranks)} excluded from J/token and throughput: "
+                         "their GPUs are not on this node (tokens_remote)")
+        if run.sharers:
+            others = sorted(run.sharers)
+            listed = ", ".join(others[:5]) + (f" and {len(others) - 5} more" if len(others) > 5 else "")
+            notes.append(f"shared its GPUs with run(s) {listed}: energy split "
+                         f"({', '.join(sorted(run.splits))})")
+        if ledger_split.SPLIT_MIG in run.splits:
+            notes.append("MIG instances: charged their share of the parent GPU's energy, every instance in use "
+                         "weighing 1 (MIG profiles unknown)")
 
         keys = list(run.gpu_order)
         missing = [k for k in run.gpus if k not in run.resolved]
@@ -1085,6 +1347,10 @@ class RunLedger:
             if info is not None and info.name not in models:
                 models.append(info.name)
         meta = run.metadata
+        flops = run.counter("training_flops_total", local)
+        flops_w = run.counter_at_w("training_flops_total", local) if warmup_applied else 0.0
+        window_flops = flops - (flops_w or 0.0) if flops is not None else None
+        peak_flops = self._peak_flops(run, meta.get("precision") or "")
         total_mem = [run.gpu_info[k].memory_total for k in keys if k in run.gpu_info]
         summary_file = None
         if self.csv_path is not None:
@@ -1102,10 +1368,13 @@ class RunLedger:
             "gpu_count": len(keys) + len(missing),
             "gpu_uuids": " ".join([run.gpu_info[k].uuid for k in keys] + [run.gpus[k] for k in missing]),
             "gpu_models": "; ".join(models),
-            "tokens": tokens,
+            "tokens": tokens_all,
+            "tokens_local": tokens,
+            "tokens_remote": tokens_remote or (0.0 if tokens_all is not None else None),
+            "token_coverage": ratio(tokens, tokens_all),
             "samples": samples,
             "steps": run.counter("training_steps_total"),
-            "flops": run.counter("training_flops_total"),
+            "flops": flops,
             "window_tokens": window_tokens,
             "tokens_per_s": ratio(window_tokens, window),
             "samples_per_s": ratio(window_samples, window),
@@ -1121,8 +1390,10 @@ class RunLedger:
             "peak_power_w": acc.peak_power_w,
             "vram_peak_bytes": acc.vram_peak,
             "vram_avg_bytes": acc.vram_byte_s / acc.vram_s if acc.vram_s > 0 else None,
-            "vram_total_bytes": float(sum(m for m in total_mem if m is not None)) if any(
+            "vram_total_bytes": float(max(m for m in total_mem if m is not None)) if any(
                 m is not None for m in total_mem) else None,
+            "peak_flops_per_s": peak_flops,
+            "mfu": ratio(ratio(window_flops, window), peak_flops),
             "co2_g": co2,
             "carbon_intensity_g_per_kwh": intensity,
             "pue": pue,
@@ -1135,10 +1406,53 @@ class RunLedger:
             "total_steps": run.total_steps,
             "mean_step_s": hist_sum / hist_count if hist_count > 0 else None,
             "energy_coverage": coverage,
+            "energy_split": ",".join(sorted(run.splits)),
             "summary_file": summary_file,
             "ledger_notes": "; ".join(notes),
         }
         return out
+
+    def _peak_flops(self, run: _Run, precision: str) -> float | None:
+        """Peak FLOP/s of the run's local GPUs at ``precision``; a MIG instance counts 1 / (instances on its
+        parent). None when any local GPU's model or the precision has no figure."""
+        frame = self._history[-1] if self._history else None
+        if frame is None or not precision:
+            return None
+        per_parent: dict[str, int] = {}
+        for parent in frame.mig_parent.values():
+            per_parent[parent] = per_parent.get(parent, 0) + 1
+        share: dict[str, float] = {}
+        for key in run.gpus:
+            parent = frame.mig_parent.get(key, key)
+            if parent not in frame.gpus:
+                continue
+            part = 1.0 / per_parent[parent] if parent != key else 1.0
+            share[parent] = min(1.0, share.get(parent, 0.0) + part)
+        if not share:
+            return None
+        total = 0.0
+        for parent, part in share.items():
+            name = frame.gpus[parent].name
+            if name not in self._peak_rows:
+                row = lookup_peak_flops(name)
+                self._peak_rows[name] = dict(row.flops) if row is not None else {}
+            value = self._peak_rows[name].get(precision)
+            if not value:
+                return None
+            total += value * part
+        return total
+
+    def _local_check(self) -> Callable[[_SeriesState], bool]:
+        """Whether a series comes from a rank whose GPUs this node measures: one of its ``gpu_uuid`` GPUs
+        (or MIG instances) is in the latest snapshot. A series naming no GPU counts as local."""
+        frame = self._history[-1] if self._history else None
+
+        def local(series: _SeriesState) -> bool:
+            if frame is None or not series.gpus:
+                return True
+            return any(k in frame.gpus or k in frame.mig_parent for k in series.gpus)
+
+        return local
 
     def _idle_total(self, run: _Run, known_j: float, unknown_s: Mapping[str, float]) -> float | None:
         total = known_j
@@ -1177,9 +1491,34 @@ class RunLedger:
     # ------------------------------------------------------------------------------------------------
     # files
 
-    def _write(self, run: _Run) -> None:
+    def check_writable(self) -> str | None:
+        """None when the runs CSV and its summaries directory can be written, else one line saying what is
+        wrong and what to do (the exporter logs it at start-up). Creates the directories, writes nothing
+        else."""
+        if self.csv_path is None:
+            return None
+        path = self.csv_path
+        try:
+            directory = os.path.dirname(os.path.abspath(path))
+            runs_dir = os.path.join(directory, "runs")
+            os.makedirs(runs_dir, exist_ok=True)
+            for d in (directory, runs_dir):
+                fd, tmp = tempfile.mkstemp(prefix=".write-test.", dir=d)
+                os.close(fd)
+                os.unlink(tmp)
+            if os.path.isdir(path):
+                raise IsADirectoryError(21, "is a directory", path)
+        except OSError as exc:
+            return (f"--runs.csv {path}: cannot write there ({getattr(exc, 'filename', None) or path}: "
+                    f"{exc.strerror or exc}). Finished runs stay in memory and are retried until it works; "
+                    "point --runs.csv at a writable file or fix the directory.")
+        return None
+
+    def _write(self, run: _Run) -> bool:
+        """Write a closed run's JSON summary and CSV row. On failure the run is kept in ``_pending`` and
+        retried with back-off (``_retry_writes``), at the latest at shutdown."""
         if self.csv_path is None or run.summary is None:
-            return
+            return True
         with self._lock:
             summary = dict(run.summary)
             doc = {"schema": SUMMARY_SCHEMA, "start_unix": run.s, "end_unix": run.e,
@@ -1189,9 +1528,9 @@ class RunLedger:
                 directory = os.path.dirname(os.path.abspath(self.csv_path))
                 runs_dir = os.path.join(directory, "runs")
                 os.makedirs(runs_dir, exist_ok=True)
-                name = summary_filename(run.run_id)
+                name = run.written_json or summary_filename(run.run_id)
                 path = os.path.join(runs_dir, name)
-                if os.path.exists(path):
+                if run.written_json is None and os.path.exists(path):
                     # The same run id again (resumed, or reused): keep the earlier summary.
                     stamp = datetime.fromtimestamp(run.s, timezone.utc).strftime("%Y%m%dT%H%M%SZ")
                     name = name[: -len(".json")] + f".{stamp}.json"
@@ -1202,14 +1541,43 @@ class RunLedger:
                             run.summary["summary_file"] = summary["summary_file"]
                 payload = (json.dumps(json_safe(doc), indent=2, sort_keys=False) + "\n").encode("utf-8")
                 atomic_write(path, lambda f: f.write(payload))
+                run.written_json = name
                 append_csv_row(self.csv_path, summary, self._clock)
             except OSError as exc:
                 with self._lock:
                     self._write_errors += 1
                     self._version += 1
-                log.error("run %s: cannot write the run ledger (%s: %s); the run stays in memory for a while "
-                          "(GET /api/v1/runs). Check that the directory of --runs.csv exists and is writable.",
-                          run.run_id, getattr(exc, "filename", None) or self.csv_path, exc.strerror or exc)
+                    run.write_failures += 1
+                    backoff = min(_RETRY_MAX_S, _RETRY_FIRST_S * 2 ** min(run.write_failures - 1, 16))
+                    run.next_write_try = self._clock() + backoff
+                    first = run not in self._pending
+                    if first:
+                        self._pending.append(run)
+                        if len(self._pending) > self._max_pending:
+                            dropped = self._pending.pop(0)
+                            log.error("run ledger: more than %d runs waiting to be written; giving up on run %s",
+                                      self._max_pending, dropped.run_id)
+                if first:
+                    log.error("run %s: cannot write the run ledger (%s: %s); the run is kept and retried until "
+                              "it is written (at the latest at shutdown). Check that the directory of --runs.csv "
+                              "exists and is writable.",
+                              run.run_id, getattr(exc, "filename", None) or self.csv_path, exc.strerror or exc)
+                return False
+        with self._lock:
+            if run in self._pending:
+                self._pending.remove(run)
+                self._version += 1
+                log.warning("run %s: written to the run ledger after %d failed attempt(s)", run.run_id,
+                            run.write_failures)
+        return True
+
+    def _retry_writes(self, now: float) -> None:
+        """Retry the pending writes that are due (all of them with ``now = inf``), oldest first."""
+        with self._lock:
+            due = [r for r in self._pending if r.next_write_try <= now]
+        for run in due:
+            if not self._write(run):
+                break  # the fault is still there: the others wait for their own turn
 
     # ------------------------------------------------------------------------------------------------
     # reading
@@ -1218,7 +1586,7 @@ class RunLedger:
         """Active and recently finished runs (summaries, oldest first); active ones are figured now."""
         with self._lock:
             out = [dict(r.summary) for r in self._closed if r.summary is not None]
-            out.extend(self._live_summary(r) for r in self._active.values())
+            out.extend(self._live_summary(r) for r in self._active.values() if not r.tentative)
         out.sort(key=lambda s: s["start_time"] or "")
         return out
 
@@ -1226,7 +1594,7 @@ class RunLedger:
         """One run's summary plus its GPUs, metadata and timeline; the active instance if there is one."""
         with self._lock:
             run = self._active.get(run_id)
-            if run is None:
+            if run is None or run.tentative:
                 closed = [r for r in self._closed if r.run_id == run_id]
                 if not closed:
                     return None
@@ -1262,7 +1630,8 @@ class RunLedger:
         fams = {spec.name: spec.family() for spec in (
             RUN_ACTIVE, RUN_INFO, RUN_DURATION, RUN_ENERGY, RUN_DYNAMIC_ENERGY, RUN_TOKENS, RUN_STEPS,
             RUN_SAMPLES, RUN_FLOPS, RUN_ACTIVE_SECONDS, RUN_TOKENS_PER_SECOND, RUN_JOULES_PER_TOKEN,
-            RUN_AVERAGE_POWER, RUN_PEAK_POWER, RUN_MEMORY_PEAK, RUN_CO2)}
+            RUN_AVERAGE_POWER, RUN_PEAK_POWER, RUN_MEMORY_PEAK, RUN_CO2, RUN_REMOTE_TOKENS, RUN_TOKEN_COVERAGE,
+            RUN_PEAK_FLOPS, RUN_MFU)}
         with self._lock:
             self._expire(self._clock())
             # A closed run and a resumed instance of it share the run id: show only the newest.
@@ -1271,21 +1640,27 @@ class RunLedger:
                 if r.summary is not None:
                     by_id[r.run_id] = (r, r.summary)
             for r in self._active.values():
-                by_id[r.run_id] = (r, self._live_summary(r))
+                if not r.tentative:
+                    by_id[r.run_id] = (r, self._live_summary(r))
             counters = {run_id: self._counter_values(r, s) for run_id, (r, s) in by_id.items()}
             finished = dict(self._finished_counts)
-            rejected, errors = self._rejected, self._write_errors
+            rejected, errors, evicted = self._rejected, self._write_errors, self._evicted
+            pending = len(self._pending)
+            unattributed = sorted(self._unattributed.values(), key=lambda x: (len(x[0]), x[0], x[1]))
         for run_id, (r, s) in by_id.items():
             lab = [run_id]
             metrics.add(fams[RUN_ACTIVE.name], lab, 1.0 if r.status in ("running", "finishing") else 0.0)
             metrics.add(fams[RUN_INFO.name], [run_id, r.status, *(s.get(k) or "" for k in (
-                "model", "backend", "optimizer", "precision")), ",".join(s["gpu_uuids"].split())], {})
+                "model", "backend", "optimizer", "precision")), ",".join(s["gpu_uuids"].split()),
+                s.get("energy_split") or ""], {})
             for name, total in counters[run_id].items():
                 metrics.add(fams[name], lab, total)
             for spec, key in ((RUN_DURATION, "duration_s"), (RUN_DYNAMIC_ENERGY, "dynamic_energy_j"),
                               (RUN_TOKENS_PER_SECOND, "tokens_per_s"), (RUN_JOULES_PER_TOKEN, "j_per_token"),
                               (RUN_AVERAGE_POWER, "avg_power_w"), (RUN_PEAK_POWER, "peak_power_w"),
-                              (RUN_MEMORY_PEAK, "vram_peak_bytes"), (RUN_CO2, "co2_g")):
+                              (RUN_MEMORY_PEAK, "vram_peak_bytes"), (RUN_CO2, "co2_g"),
+                              (RUN_TOKEN_COVERAGE, "token_coverage"), (RUN_PEAK_FLOPS, "peak_flops_per_s"),
+                              (RUN_MFU, "mfu")):
                 value = s.get(key)
                 if value is not None:
                     metrics.add(fams[spec.name], lab, value)
@@ -1296,7 +1671,20 @@ class RunLedger:
         metrics.add(rej, [], rejected)
         err = LEDGER_WRITE_ERRORS.family()
         metrics.add(err, [], errors)
-        return [*fams.values(), done, rej, err]
+        ev = LEDGER_RUNS_EVICTED.family()
+        metrics.add(ev, [], evicted)
+        pend = LEDGER_WRITES_PENDING.family()
+        metrics.add(pend, [], float(pending))
+        free = LEDGER_UNATTRIBUTED.family()
+        for index, uuid, joules in unattributed:
+            metrics.add(free, [index, uuid], joules)
+        return [*fams.values(), done, rej, err, ev, pend, free]
+
+
+def _max_opt(a: float | None, b: float | None) -> float | None:
+    if a is None:
+        return b
+    return a if b is None else max(a, b)
 
 
 def _fmt(value: Any) -> str:

@@ -393,6 +393,7 @@ def test_mig_instance_is_charged_its_parent_gpu_and_foreign_gpus_are_noted() -> 
     other_node = "GPU-cccccccc-0000-4000-8000-000000000003"
     ledger.on_snapshot(snapshot(T0, (gpu_state(UUID_A, T0, constant(100.0), mig=(mig,)),)))
     ledger.on_point(point("mig", "training_run_finished", 0, T0, gpu=f"{mig},{other_node}"))
+    ledger.on_point(point("mig", "training_tokens_total", 0, T0, gpu=mig))
     for i in range(1, 11):
         t = clock.t = T0 + i
         ledger.on_snapshot(snapshot(t, (gpu_state(UUID_A, t, constant(100.0), mig=(mig,)),)))
@@ -595,7 +596,7 @@ def test_docs_list_the_columns_and_metrics_as_the_code_defines_them() -> None:
     doc = (Path(__file__).resolve().parent.parent / "docs" / "ledger.md").read_text()
     assert columns_markdown() in doc, "regenerate the table in docs/ledger.md from ledger.columns_markdown()"
     ours = [name for name, spec in CATALOGUE.items() if spec.collector == ledger_mod.COLLECTOR]
-    assert len(ours) == 19
+    assert len(ours) == 26
     assert [name for name in ours if f"`{name}`" not in doc] == []
 
 
