@@ -30,9 +30,16 @@ class Rig:
     def __init__(self, lib: Path, path: Path, scenario: Scenario, **kw) -> None:  # type: ignore[no-untyped-def]
         self.lib, self.path, self.scenario = lib, path, scenario
         scenario.write(path)
-        self.collector = GPUCollector(lambda: NVMLBackend(str(lib)), retry_interval=0.0, **kw)
+        # Readings carry the scenario's frozen time, so the energy counter's plausibility checks see the
+        # time that passed for the fake GPU, not the milliseconds between two test samples.
+        self.collector = GPUCollector(lambda: NVMLBackend(str(lib), clock=self.now), retry_interval=0.0,
+                                      clock=self.now, monotonic=self.now, **kw)
         self.sampler = Sampler([self.collector], 1.0, gpu_states=self.collector.states)
         self.registry = new_registry(SnapshotCollector(self.sampler))
+
+    def now(self) -> float:
+        frozen_time = self.scenario.driver.frozen_time
+        return time.time() if frozen_time is None else frozen_time
 
     def rewrite(self, scenario: Scenario) -> None:
         self.scenario = scenario
@@ -104,43 +111,33 @@ def test_energy_counter_in_joules_follows_the_exact_integral(rig) -> None:  # ty
     assert e2 - e1 == pytest.approx(20400.0, rel=1e-6)
 
 
-def test_counter_reset_is_rebased_and_counted(rig) -> None:  # type: ignore[no-untyped-def]
+def test_driver_reset_is_confirmed_then_exposed_as_a_counter_reset(rig) -> None:  # type: ignore[no-untyped-def]
     gpus = [h100(0, power=Constant(300.0), energy_offset_mj=9_000_000, energy_reset_at_s=(50.0,))]
     r = rig(frozen(T0 + 40, gpus))
     r.sample()
+    assert r.value("gpuenergy_gpu_energy_joules_total", **L(0, gpus)) == pytest.approx(9000.0 + 40 * 300.0)
+    r.rewrite(frozen(T0 + 45, gpus))
+    r.sample()
     before = r.value("gpuenergy_gpu_energy_joules_total", **L(0, gpus))
-    assert before == pytest.approx(9000.0 + 40 * 300.0)
+    assert before == pytest.approx(9000.0 + 45 * 300.0)
     r.rewrite(frozen(T0 + 60, gpus))  # the driver reloaded at t=50: raw counter now 10 s x 300 W
     r.sample()
-    after = r.value("gpuenergy_gpu_energy_joules_total", **L(0, gpus))
-    assert after > before  # monotonic
+    # a candidate reset: held until the next reading confirms it
+    assert r.value("gpuenergy_gpu_energy_joules_total", **L(0, gpus)) == before
+    assert r.value("gpuenergy_gpu_energy_resets_total", **L(0, gpus)) == 0.0
+    r.rewrite(frozen(T0 + 61, gpus))
+    r.sample()
+    # confirmed: the driver's own value, which Prometheus' rate()/increase() take as a counter reset
+    assert r.value("gpuenergy_gpu_energy_joules_total", **L(0, gpus)) == pytest.approx(11 * 300.0)
     assert r.value("gpuenergy_gpu_energy_resets_total", **L(0, gpus)) == 1.0
-
-
-def test_counter_reset_credits_the_uncovered_time_from_average_power(fake_nvml_lib: Path, tmp_path: Path,
-                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
-    # The backend stamps readings with the scenario's frozen clock, so the interval is exactly 20 s.
-    now = [T0 + 40]
-    path = tmp_path / "scenario.ini"
-    gpus = [h100(0, power=Constant(300.0), energy_offset_mj=9_000_000, energy_reset_at_s=(50.0,))]
-    monkeypatch.setenv("FAKE_NVML_SCENARIO", str(path))
-    frozen(now[0], gpus).write(path)
-    c = GPUCollector(lambda: NVMLBackend(str(fake_nvml_lib), clock=lambda: now[0]), retry_interval=0.0)
-    try:
-        s = Sampler([c], 1.0, gpu_states=c.states)
-        reg = new_registry(SnapshotCollector(s))
-        s.sample_once()
-        before = reg.get_sample_value("gpuenergy_gpu_energy_joules_total", L(0, gpus))
-        now[0] = T0 + 60
-        frozen(now[0], gpus).write(path)
-        s.sample_once()
-        after = reg.get_sample_value("gpuenergy_gpu_energy_joules_total", L(0, gpus))
-    finally:
-        c.close()
-    # The new counter shows only the 10 s since the reset (3000 J); the 1 s average power (300 W) over
-    # the 20 s interval says 6000 J, which is what the GPU used: credited instead of losing 10 s.
-    assert before is not None and after is not None
-    assert after - before == pytest.approx(20 * 300.0)
+    for reason in ("decrease", "jump", "unconfirmed"):
+        assert r.value("gpuenergy_gpu_energy_rejected_readings_total", reason=reason, **L(0, gpus)) == 0.0
+    # In-process consumers (ledger, pod attribution) get a monotonic total: the value before the reset,
+    # a credit of one interval (1 s) at the last average power for the 15 s the new counter does not
+    # cover, and the new counter.
+    (state,) = r.collector.states()
+    assert state.energy_j == pytest.approx(before + 1 * 300.0 + 11 * 300.0)
+    assert state.energy_resets == 1
 
 
 def test_instant_and_average_power_are_separate_series(rig) -> None:  # type: ignore[no-untyped-def]
