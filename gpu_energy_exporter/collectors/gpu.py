@@ -209,6 +209,7 @@ class _Track:
     counter: EnergyCounter = field(default_factory=EnergyCounter)
     integrator: TrapezoidIntegrator | None = None
     logged: set[str] = field(default_factory=set)  # rejection reasons already logged at warning level
+    fresh: bool = False  # this sample's energy counter reading was accepted
     idle: IdleBaseline = field(default_factory=IdleBaseline)
     reading: GPUReading | None = None
     last_good: float | None = None
@@ -405,6 +406,7 @@ class GPUCollector(Collector):
                 add(fams[GPU_UP.name], labels, 0.0)
                 # Keep exposing the energy counter at its last value: a vanished series would make
                 # increase() over the outage window undefined, a flat one is the truth we know.
+                t.fresh = False
                 self._emit_energy(fams, t, labels)
                 states.append(self._state(t))
                 continue
@@ -412,6 +414,7 @@ class GPUCollector(Collector):
                 log.info("GPU %d (%s) answers again", g.index, g.uuid)
             t.up, t.error, t.reading, t.last_good = True, "", r, r.timestamp
             add(fams[GPU_UP.name], labels, 1.0)
+            t.fresh = False
             if r.energy_mj is not None and t.integrator is None:
                 self._count_energy(backend, t, r, mono)
             self._emit_energy(fams, t, labels)
@@ -422,7 +425,9 @@ class GPUCollector(Collector):
 
     def _count_energy(self, backend: GPUBackend, t: _Track, r: GPUReading, mono: float) -> None:
         assert r.energy_mj is not None
-        self._judge(t, t.counter.update(r.energy_mj / 1000.0, mono, stamp=r.timestamp, max_power_w=_max_power_w(r)))
+        v = t.counter.update(r.energy_mj / 1000.0, mono, stamp=r.timestamp, max_power_w=_max_power_w(r))
+        self._judge(t, v)
+        t.fresh = v.accepted
         if t.counter.awaiting_first:
             # Nothing trusted yet (start-up): a second reading now confirms the first, so the counter is
             # exposed from the first sample instead of one interval later.
@@ -432,8 +437,10 @@ class GPUCollector(Collector):
             except GPULost:
                 return  # reported by the next update
             if again.energy_mj is not None:
-                self._judge(t, t.counter.update(again.energy_mj / 1000.0, mono, stamp=again.timestamp,
-                                                max_power_w=_max_power_w(again)))
+                v = t.counter.update(again.energy_mj / 1000.0, mono, stamp=again.timestamp,
+                                     max_power_w=_max_power_w(again))
+                self._judge(t, v)
+                t.fresh = v.accepted
 
     def _judge(self, t: _Track, v: Verdict) -> None:
         g, c = t.identity, t.counter
@@ -457,10 +464,12 @@ class GPUCollector(Collector):
 
     def _emit_energy(self, fams: dict[str, Metric], t: _Track, labels: list[str]) -> None:
         energy, when = self._exposed(t)
-        if energy is not None:
-            # No timestamp by default (Prometheus' exporter guidelines): the scrape time is used, and a GPU
-            # that disappears gets a staleness marker. A lost GPU keeps its last value: a vanished series
-            # would make increase() over the outage undefined, a flat one is the truth we know.
+        # The counter is exposed only when this sample's reading was accepted. Held back, unreadable or lost,
+        # it is absent (Prometheus marks it stale): the next accepted value then spreads over the gap in
+        # rate()/increase(), where a held flat value would pour the gap's energy into the scrape after it
+        # and over-count any window starting inside the gap. No timestamp by default (Prometheus' exporter
+        # guidelines): the scrape time is used.
+        if energy is not None and (t.fresh or t.integrator is not None):
             add(fams[ENERGY.name], labels, energy, timestamp=when if self._energy_timestamps else None)
         if t.integrator is None:
             add(fams[ENERGY_RESETS.name], labels, float(t.counter.resets))
