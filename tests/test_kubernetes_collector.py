@@ -229,9 +229,12 @@ from gpu_energy_exporter.sampler import Sampler
 logging.basicConfig(level=logging.INFO, stream=sys.stderr)
 owners = {int(pid): PodRef(*ref) for pid, ref in json.loads(sys.argv[1]).items()}
 cfg = load_config(sys.argv[2:], {})
-gpu = GPUCollector(lambda: NVMLBackend(cfg.nvml_library), power_interval=cfg.collector_power_interval)
-watcher = PodResourcesWatcher(cfg.kubernetes_pod_resources_socket, cfg.kubernetes_refresh_interval)
 now = [0.0]
+# The energy counter's plausibility is judged on the scenario's time (the frozen clock the test moves), not
+# on the milliseconds between two test samples.
+gpu = GPUCollector(lambda: NVMLBackend(cfg.nvml_library), power_interval=cfg.collector_power_interval,
+                   monotonic=lambda: now[0])
+watcher = PodResourcesWatcher(cfg.kubernetes_pod_resources_socket, cfg.kubernetes_refresh_interval)
 k8s = KubernetesCollector(gpu.states, watcher, pid_to_pod=lambda pid, cands: owners.get(pid),
                           series_grace_s=30.0, clock=lambda: now[0])
 sampler = Sampler([gpu, k8s], interval=cfg.collector_interval)
