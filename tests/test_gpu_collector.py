@@ -141,6 +141,23 @@ def test_driver_reset_is_confirmed_then_exposed_as_a_counter_reset(rig) -> None:
     assert state.energy_resets == 1
 
 
+def test_energy_counter_has_no_sample_timestamp_unless_asked(rig) -> None:  # type: ignore[no-untyped-def]
+    gpus = [h100(0, power=Constant(300.0), energy_offset_mj=1_000_000)]
+    plain = rig(frozen(T0 + 10, gpus))
+    stamped = rig(frozen(T0 + 10, gpus), energy_timestamps=True)
+    for r in (plain, stamped):
+        r.sample()
+
+    def energy_line(r: Rig) -> str:
+        (line,) = [ln for ln in r.text().splitlines() if ln.startswith("gpuenergy_gpu_energy_joules_total{")]
+        return line
+
+    # Prometheus' guide for exporters: the scrape time, no timestamp of our own
+    assert energy_line(plain).endswith("} 4000.0")
+    # opt-in: the time the counter was read, in ms
+    assert energy_line(stamped).endswith(f"}} 4000.0 {int((T0 + 10) * 1000)}")
+
+
 def test_instant_and_average_power_are_separate_series(rig) -> None:  # type: ignore[no-untyped-def]
     # 25 ms in 100 ms windows on a 50 ms square wave: the instant reading sees only part of the wave
     gpus = [h100(0, power=Square(100, 700, 0.1, 0.25)), a100(1, power=Constant(250.0), power_average_field=False)]
