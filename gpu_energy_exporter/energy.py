@@ -52,7 +52,7 @@ class EnergyCounter:
     value no larger than what the GPU could have drawn since the last accepted reading: that reading is
     held as a candidate and the reset is confirmed only if the next reading grows from it at a plausible
     power (and does not fit the old counter better). Anything else is a **bad reading**: held back (the
-    exposed value stays where it was), counted per reason in ``rejected``. Until two consecutive readings
+    counter keeps its last accepted value), counted per reason in ``rejected``. Until two consecutive readings
     agree nothing is exposed, so a bad first reading never becomes the baseline.
 
     ``exposed_j`` is the driver's own value (no base added): a confirmed reset makes it drop, which

@@ -158,6 +158,31 @@ def test_energy_counter_has_no_sample_timestamp_unless_asked(rig) -> None:  # ty
     assert energy_line(stamped).endswith(f"}} 4000.0 {int((T0 + 10) * 1000)}")
 
 
+def test_bad_readings_are_held_back_counted_and_logged_once(rig, caplog: pytest.LogCaptureFixture) -> None:  # type: ignore[no-untyped-def]
+    from fakenvml import bad_reading, energy_jump
+
+    gpus = [h100(0, power=Constant(300.0), energy_offset_mj=4e11,
+                 energy_faults=(bad_reading(12.0), bad_reading(14.0), energy_jump(16.0, 5e11)))]
+    r = rig(frozen(T0 + 10, gpus))
+    seen = []
+    with caplog.at_level("DEBUG", logger="gpu_energy_exporter.collectors.gpu"):
+        for t in range(10, 19):
+            r.rewrite(frozen(T0 + t, gpus))
+            r.sample()
+            seen.append(r.value("gpuenergy_gpu_energy_joules_total", **L(0, gpus)))
+    truth = [4e8 + 300.0 * t for t in range(10, 19)]
+    # 12 and 14 read 0 (held back: no sample), 16 reads 500 MJ too much; the others are the truth exactly
+    assert seen == [None if t in (12, 14, 16) else pytest.approx(v) for t, v in zip(range(10, 19), truth, strict=True)]
+    assert r.value("gpuenergy_gpu_energy_rejected_readings_total", reason="decrease", **L(0, gpus)) == 2.0
+    assert r.value("gpuenergy_gpu_energy_rejected_readings_total", reason="jump", **L(0, gpus)) == 1.0
+    assert r.value("gpuenergy_gpu_energy_resets_total", **L(0, gpus)) == 0.0
+    (state,) = r.collector.states()
+    assert state.energy_j == pytest.approx(truth[-1])  # the in-process total too
+    warnings = [rec for rec in caplog.records if rec.levelname == "WARNING" and "rejected" in rec.getMessage()]
+    assert [("decrease" in w.getMessage(), "jump" in w.getMessage()) for w in warnings] == [(True, False),
+                                                                                          (False, True)]
+
+
 def test_instant_and_average_power_are_separate_series(rig) -> None:  # type: ignore[no-untyped-def]
     # 25 ms in 100 ms windows on a 50 ms square wave: the instant reading sees only part of the wave
     gpus = [h100(0, power=Square(100, 700, 0.1, 0.25)), a100(1, power=Constant(250.0), power_average_field=False)]

@@ -404,9 +404,7 @@ class GPUCollector(Collector):
                     log.error("%s", exc)
                 t.up, t.error = False, str(exc)
                 add(fams[GPU_UP.name], labels, 0.0)
-                # Keep exposing the energy counter at its last value: a vanished series would make
-                # increase() over the outage window undefined, a flat one is the truth we know.
-                t.fresh = False
+                t.fresh = False  # no reading: the energy sample is absent (see _emit_energy)
                 self._emit_energy(fams, t, labels)
                 states.append(self._state(t))
                 continue
@@ -447,8 +445,9 @@ class GPUCollector(Collector):
         for reason in v.rejected:
             level = logging.DEBUG if reason in t.logged else logging.WARNING
             t.logged.add(reason)
-            log.log(level, "GPU %d (%s): energy counter reading rejected (%s); the exposed counter stays at "
-                    "%s J. Counted in gpuenergy_gpu_energy_rejected_readings_total; see docs/measurement.md. "
+            log.log(level, "GPU %d (%s): energy counter reading rejected as implausible (%s); the counter "
+                    "stays at %s J and has no sample until a reading is accepted. Counted in "
+                    "gpuenergy_gpu_energy_rejected_readings_total; the rules are in docs/measurement.md. "
                     "Further ones are logged at debug level.", g.index, g.uuid, reason,
                     "none" if c.exposed_j is None else f"{c.exposed_j:.3f}")
         if v.reset:
