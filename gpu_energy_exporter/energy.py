@@ -27,7 +27,8 @@ FALLBACK_POWER_W = 2000.0
 @dataclass(frozen=True)
 class _Point:
     raw_j: float
-    t: float  # monotonic seconds
+    t: float  # monotonic seconds, when the read had returned
+    started: float  # monotonic seconds, when the read began (a slow driver can take seconds)
     stamp: float  # the caller's timestamp for the exposition (wall clock)
 
 
@@ -108,14 +109,17 @@ class EnergyCounter:
 
     # ---- readings
 
-    def update(self, raw_j: float, t: float, *, stamp: float | None = None,
+    def update(self, raw_j: float, t: float, *, started: float | None = None, stamp: float | None = None,
                max_power_w: float | None = None) -> Verdict:
-        """Feed one reading: ``raw_j`` as the driver reports it, ``t`` on a monotonic clock, ``stamp`` the
-        caller's wall-clock time of the reading, ``max_power_w`` the most the GPU is known to draw (its
-        enforced power limit, or a higher power reading); without one ``fallback_power_w`` applies."""
+        """Feed one reading: ``raw_j`` as the driver reports it; ``t`` when the read returned and ``started``
+        when it began, on a monotonic clock (the counter was read somewhere in between: plausibility allows
+        for the widest span, so a driver that turns slow does not make good readings look like jumps);
+        ``stamp`` the caller's wall-clock time of the reading; ``max_power_w`` the most the GPU is known to
+        draw (its enforced power limit, or a higher power reading); without one ``fallback_power_w``
+        applies."""
         if max_power_w is not None and max_power_w > 0:
             self._power_w = max(self._power_w or 0.0, max_power_w)
-        p = _Point(raw_j, t, t if stamp is None else stamp)
+        p = _Point(raw_j, t, t if started is None else min(started, t), t if stamp is None else stamp)
         rejected: list[str] = []
         c = self._candidate
         if c is not None:
@@ -141,7 +145,7 @@ class EnergyCounter:
             self._measure_rate(a, p)
             self._accepted = p
             return Verdict(True, tuple(rejected))
-        if p.raw_j < a.raw_j and p.raw_j <= self.cap_j(p.t - a.t):
+        if p.raw_j < a.raw_j and p.raw_j <= self.cap_j(p.t - a.started):
             self._candidate = p  # looks like a counter that restarted since a: confirm with the next one
             return Verdict(False, tuple(rejected))
         reason = REJECT_DECREASE if p.raw_j < a.raw_j else REJECT_JUMP
@@ -151,7 +155,7 @@ class EnergyCounter:
 
     def _grows(self, a: _Point, b: _Point) -> bool:
         """b follows a: the counter did not go down and rose no faster than the GPU can draw."""
-        return 0.0 <= b.raw_j - a.raw_j <= self.cap_j(b.t - a.t)
+        return 0.0 <= b.raw_j - a.raw_j <= self.cap_j(b.t - a.started)
 
     def _measure_rate(self, a: _Point, b: _Point) -> None:
         # Not over an immediate re-read: the counter's update granularity would dominate a short step.

@@ -152,6 +152,19 @@ def test_an_outage_without_reset_accepts_the_energy_drawn_meanwhile() -> None:
     assert v.accepted and c.resets == 0
 
 
+def test_plausibility_allows_for_the_whole_span_of_a_slow_read() -> None:
+    # The previous read began at t=10.0 and returned at 10.0; this one began at 10.1 and took 0.6 s: the
+    # counter may have been read as late as 10.7, 0.7 s after the previous one.
+    c = EnergyCounter(slack_s=0.0)
+    c.update(1000.0, 10.0, max_power_w=700.0)
+    c.update(1000.0, 10.0, max_power_w=700.0)
+    assert c.update(1000.0 + 700.0 * 0.7, 10.7, started=10.1).accepted
+    c2 = EnergyCounter(slack_s=0.0)
+    c2.update(1000.0, 10.0, max_power_w=700.0)
+    c2.update(1000.0, 10.0, max_power_w=700.0)
+    assert c2.update(1000.0 + 700.0 * 0.7, 10.1).rejected == ("jump",)  # judged from the start alone
+
+
 def test_time_going_nowhere_allows_only_the_slack() -> None:
     c = EnergyCounter(slack_s=0.2)
     c.update(100.0, 5.0, max_power_w=500.0)

@@ -183,6 +183,30 @@ def test_bad_readings_are_held_back_counted_and_logged_once(rig, caplog: pytest.
                                                                                           (False, True)]
 
 
+def test_a_driver_turning_slow_does_not_make_good_readings_look_like_jumps(rig) -> None:  # type: ignore[no-untyped-def]
+    # Real time, a GPU drawing its whole 700 W limit. When the energy call suddenly takes 0.6 s, the value
+    # it returns is 0.6 s newer than the moment the read began: judged from the start of the read alone it
+    # is more than 1.5x what the GPU can draw in the time between two quick samples. (0.6 s stays within
+    # the sampler's 1 s wait, so every sample here completes.)
+    gpus = [h100(0, power=Constant(700.0), energy_offset_mj=1e9)]
+    sc = Scenario(epoch=time.time(), gpus=gpus)
+    r = rig(sc)
+    r.sample()
+    r.sample()
+    slow = Scenario(epoch=sc.epoch, driver=Driver(function_delay_ms={"nvmlDeviceGetTotalEnergyConsumption": 600.0}),
+                    gpus=gpus)
+    r.rewrite(slow)
+    r.sample()
+    e_slow = r.value("gpuenergy_gpu_energy_joules_total", **L(0, gpus))
+    r.rewrite(sc)
+    r.sample()  # fast again
+    e_fast = r.value("gpuenergy_gpu_energy_joules_total", **L(0, gpus))
+    for reason in ("decrease", "jump", "unconfirmed"):
+        assert r.value("gpuenergy_gpu_energy_rejected_readings_total", reason=reason, **L(0, gpus)) == 0.0
+    assert e_slow is not None and e_fast is not None and e_fast >= e_slow
+    assert e_fast == pytest.approx(sc.energy_counter_mj(0, time.time()) / 1000.0, abs=700.0)
+
+
 def test_instant_and_average_power_are_separate_series(rig) -> None:  # type: ignore[no-untyped-def]
     # 25 ms in 100 ms windows on a 50 ms square wave: the instant reading sees only part of the wave
     gpus = [h100(0, power=Square(100, 700, 0.1, 0.25)), a100(1, power=Constant(250.0), power_average_field=False)]

@@ -397,7 +397,7 @@ class GPUCollector(Collector):
             g = t.identity
             labels = [str(g.index), g.uuid]
             try:
-                mono = self._monotonic()
+                started = self._monotonic()
                 r = backend.read(g, processes=True, gpm=self._gpm)
             except GPULost as exc:
                 if t.up or not t.error:
@@ -414,29 +414,31 @@ class GPUCollector(Collector):
             add(fams[GPU_UP.name], labels, 1.0)
             t.fresh = False
             if r.energy_mj is not None and t.integrator is None:
-                self._count_energy(backend, t, r, mono)
+                self._count_energy(backend, t, r, started, self._monotonic())
             self._emit_energy(fams, t, labels)
             self._emit(fams, t, r, labels)
             states.append(self._state(t))
         self._states = tuple(states)
         return [available, *self._static, *[f for f in fams.values() if f.samples]]
 
-    def _count_energy(self, backend: GPUBackend, t: _Track, r: GPUReading, mono: float) -> None:
+    def _count_energy(self, backend: GPUBackend, t: _Track, r: GPUReading, started: float, done: float) -> None:
+        """``started``/``done``: the monotonic clock around the read (the counter was read in between)."""
         assert r.energy_mj is not None
-        v = t.counter.update(r.energy_mj / 1000.0, mono, stamp=r.timestamp, max_power_w=_max_power_w(r))
+        v = t.counter.update(r.energy_mj / 1000.0, done, started=started, stamp=r.timestamp,
+                             max_power_w=_max_power_w(r))
         self._judge(t, v)
         t.fresh = v.accepted
         if t.counter.awaiting_first:
             # Nothing trusted yet (start-up): a second reading now confirms the first, so the counter is
             # exposed from the first sample instead of one interval later.
             try:
-                mono = self._monotonic()
+                started = self._monotonic()
                 again = backend.read(t.identity)
             except GPULost:
                 return  # reported by the next update
             if again.energy_mj is not None:
-                v = t.counter.update(again.energy_mj / 1000.0, mono, stamp=again.timestamp,
-                                     max_power_w=_max_power_w(again))
+                v = t.counter.update(again.energy_mj / 1000.0, self._monotonic(), started=started,
+                                     stamp=again.timestamp, max_power_w=_max_power_w(again))
                 self._judge(t, v)
                 t.fresh = v.accepted
 
