@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 #: Reasons a reading is rejected (the ``reason`` label of ``gpuenergy_gpu_energy_rejected_readings_total``).
 REJECT_DECREASE = "decrease"  # below the last accepted value, and not a counter that restarted
 REJECT_JUMP = "jump"  # above the last accepted value by more than the GPU could draw in the time
-REJECT_UNCONFIRMED = "unconfirmed"  # a first reading (or a first one after start-up) the next one contradicted
+REJECT_UNCONFIRMED = "unconfirmed"  # a reading at start-up (nothing accepted yet) that the next one contradicted
 REJECT_REASONS: tuple[str, ...] = (REJECT_DECREASE, REJECT_JUMP, REJECT_UNCONFIRMED)
 
 #: Plausibility margin over the power limit: boost and transients overshoot the enforced limit briefly.
@@ -35,7 +35,8 @@ class _Point:
 @dataclass(frozen=True)
 class Verdict:
     """What one reading did: ``accepted`` (the exposed value moved to it), readings ``rejected`` by this
-    update (this reading, or a held one it contradicted), and ``reset`` (a reset was confirmed)."""
+    update (this reading, or a held one it contradicted), ``reset`` (a reset was confirmed) and the
+    ``credit_j`` that reset added to ``total_j``."""
 
     accepted: bool
     rejected: tuple[str, ...] = ()
@@ -53,8 +54,8 @@ class EnergyCounter:
     value no larger than what the GPU could have drawn since the last accepted reading: that reading is
     held as a candidate and the reset is confirmed only if the next reading grows from it at a plausible
     power (and does not fit the old counter better). Anything else is a **bad reading**: held back (the
-    counter keeps its last accepted value), counted per reason in ``rejected``. Until two consecutive readings
-    agree nothing is exposed, so a bad first reading never becomes the baseline.
+    counter keeps its last accepted value), counted per reason in ``rejected``. Until two consecutive
+    readings agree nothing is exposed, so a bad first reading never becomes the baseline.
 
     ``exposed_j`` is the driver's own value (no base added): a confirmed reset makes it drop, which
     Prometheus' ``rate()``/``increase()`` treat as the counter reset it is, and an exporter restart
