@@ -213,6 +213,26 @@ class Scrapes:
     ours: list[tuple[float, list[float], list[float]]] = field(default_factory=list)  # t, joules, ages
     nvitop: list[tuple[float, list[float]]] = field(default_factory=list)  # t, watts
 
+    def as_prometheus_reads(self, n: int) -> list[tuple[float, list[float], list[float]]]:
+        """``ours`` as ``increase()`` reads it: a value below the previous one is a counter reset (the
+        driver's counter restarted: the exporter exposes it as it is), so the previous value is added from
+        there on; a scrape without the sample (a reading held back, an unconfirmed reset) stays NaN."""
+        out: list[tuple[float, list[float], list[float]]] = []
+        offset, last = [0.0] * n, [float("nan")] * n
+        for t, joules, ages in self.ours:
+            adjusted = []
+            for i in range(n):
+                v = joules[i]
+                if v != v:  # NaN: no sample in this scrape
+                    adjusted.append(v)
+                    continue
+                if last[i] == last[i] and v < last[i]:
+                    offset[i] += last[i]
+                last[i] = v
+                adjusted.append(v + offset[i])
+            out.append((t, adjusted, ages))
+        return out
+
 
 def _scrape_edges(url: str, nvitop_url: str | None, a0: float, a1: float, n: int) -> Scrapes:
     """Scrape ours every 100 ms (every possible window edge, see ``OFFSETS``) and nvitop-exporter every
@@ -307,7 +327,8 @@ def _errors_from_cumulative(cum: Cumulative, sc: fakenvml.Scenario, a0: float, a
 def _errors_aligned(scrapes: Scrapes, sc: fakenvml.Scenario, a0: float, a1: float,
                     n: int) -> dict[str, list[list[float]]]:
     """The exporter's counter values at the time it sampled them (scrape time minus sample age)."""
-    times = [t for t, _, _ in scrapes.ours]
+    reads = scrapes.as_prometheus_reads(n)
+    times = [t for t, _, _ in reads]
     out: dict[str, list[list[float]]] = {}
 
     def nearest(x: float) -> int:
@@ -320,11 +341,14 @@ def _errors_aligned(scrapes: Scrapes, sc: fakenvml.Scenario, a0: float, a1: floa
         for a, b in wins:
             ka, kb = nearest(a), nearest(b)
             for i in range(n):
-                ta = scrapes.ours[ka][0] - scrapes.ours[ka][2][i]
-                tb = scrapes.ours[kb][0] - scrapes.ours[kb][2][i]
+                ea, eb = reads[ka][1][i], reads[kb][1][i]
+                if ea != ea or eb != eb:
+                    continue  # no sample at that edge (a reading held back)
+                ta = reads[ka][0] - reads[ka][2][i]
+                tb = reads[kb][0] - reads[kb][2][i]
                 truth = sc.true_energy_j(i, ta, tb)
                 if truth > 0:
-                    per_gpu[i].append((scrapes.ours[kb][1][i] - scrapes.ours[ka][1][i]) / truth - 1.0)
+                    per_gpu[i].append((eb - ea) / truth - 1.0)
         out[label] = per_gpu
     return out
 
@@ -366,7 +390,11 @@ def _tables(ctx: Context, sc: fakenvml.Scenario, a0: float, a1: float, scrapes: 
     n = len(TRACES)
     polls = results["polls"]
     methods: list[tuple[str, dict[str, list[list[float]]]]] = []
-    ours = Cumulative([t for t, _, _ in scrapes.ours], [j for _, j, _ in scrapes.ours], tolerance=0.05)
+    reads = scrapes.as_prometheus_reads(n)
+    carried: list[list[float]] = []  # a scrape without the sample: the last one Prometheus has
+    for _, j, _ in reads:
+        carried.append([v if v == v or not carried else carried[-1][i] for i, v in enumerate(j)])
+    ours = Cumulative([t for t, _, _ in reads], carried, tolerance=0.05)
     methods.append(("gpu-energy-exporter counter, read via /metrics at the window edges",
                     _errors_from_cumulative(ours, sc, a0, a1, n)))
     methods.append(("gpu-energy-exporter counter, at its sample times", _errors_aligned(scrapes, sc, a0, a1, n)))
@@ -421,6 +449,10 @@ def _tables(ctx: Context, sc: fakenvml.Scenario, a0: float, a1: float, scrapes: 
         "it; it was sampled up to 1 s earlier. 'at its sample times': the same values placed at the time "
         "they were sampled (scrape time minus gpuenergy_gpu_last_sample_age_seconds). The difference between "
         "the two rows is only that placement.",
+        "Both rows read the counter as increase() does: a drop is a counter reset (the exporter exposes the "
+        "driver's counter as it is, so a driver reload shows as one) and a scrape without the sample (a "
+        "reading held back, a reset awaiting confirmation) leaves the previous sample in force. Across a "
+        "reset the part of the interval before it is covered by no reading.",
         "The fake energy counter is exact at every read; a real driver's counter advances in discrete "
         "updates, which matters only for windows much shorter than 1 s (Zeus's per-step windows), not here.",
     ]

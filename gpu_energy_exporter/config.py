@@ -148,6 +148,8 @@ class Flag:
     default: str | None  # as the user would type it; None means "unset"
     help: str
     metavar: str = "VALUE"
+    #: A switch: ``--name`` / ``--no-name`` on the command line, true/false in the environment.
+    boolean: bool = False
 
     @property
     def dest(self) -> str:
@@ -219,6 +221,11 @@ FLAGS: tuple[Flag, ...] = (
     Flag("collector.power-interval", parse_duration, "100ms",
          "Fast power sampling period used to integrate energy on GPUs without an energy counter "
          "(pre-Volta); 20ms at the lowest.", "DURATION"),
+    Flag("collector.gpu.energy-timestamps", parse_bool, "false",
+         "Expose the GPU energy counter with the time it was read as an explicit sample timestamp. Off by "
+         "default, as Prometheus' guidelines for exporters ask; see docs/measurement.md for what it costs "
+         "(staleness markers, clock steps) and Prometheus' track_timestamps_staleness.",
+         boolean=True),
     Flag("nvml.library", _existing_file, None,
          "Path of libnvidia-ml.so.1 to load instead of the one the dynamic linker finds.", "PATH"),
     Flag("path.sysfs", _existing_dir, "/sys", "sysfs mount point (RAPL powercap tree).", "PATH"),
@@ -287,6 +294,7 @@ class Config:
     otlp_push_insecure_skip_verify: bool = False
     collector_interval: float = 1.0
     collector_power_interval: float = 0.1
+    collector_gpu_energy_timestamps: bool = False
     nvml_library: str | None = None
     path_sysfs: str = "/sys"
     path_procfs: str = "/proc"
@@ -323,6 +331,12 @@ def add_exporter_flags(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("exporter flags (each also settable as GPU_ENERGY_EXPORTER_<FLAG>)")
     for flag in FLAGS:
         default = f" (default: {flag.default})" if flag.default is not None else ""
+        if flag.boolean:
+            group.add_argument(
+                "--" + flag.name, dest=flag.dest, action=argparse.BooleanOptionalAction, default=None,
+                help=f"{flag.help}{default} [env {flag.env}]",
+            )
+            continue
         group.add_argument(
             "--" + flag.name, dest=flag.dest, metavar=flag.metavar, default=None,
             help=f"{flag.help}{default} [env {flag.env}]",
@@ -345,7 +359,10 @@ def config_from_namespace(ns: argparse.Namespace, environ: Mapping[str, str]) ->
     """Resolve parsed flags (``None`` when not given) against the environment and defaults."""
     values: dict[str, Any] = {}
     for flag in FLAGS:
-        raw: str | None = getattr(ns, flag.dest, None)
+        raw: str | bool | None = getattr(ns, flag.dest, None)
+        if isinstance(raw, bool):  # a switch given on the command line
+            values[flag.dest] = raw
+            continue
         source = f"--{flag.name}"
         if raw is None and flag.env in environ:
             raw, source = environ[flag.env], f"environment variable {flag.env}"

@@ -221,7 +221,8 @@ def configuration_markdown() -> str:
     ]
     for f in FLAGS:
         default = f"`{f.default}`" if f.default is not None else "unset"
-        out.append(f"| `--{f.name}={f.metavar}` | `{f.env}` | {default} | {_escape(f.help)} |")
+        usage = f"--[no-]{f.name}" if f.boolean else f"--{f.name}={f.metavar}"
+        out.append(f"| `{usage}` | `{f.env}` | {default} | {_escape(f.help)} |")
     out += [
         "",
         "## Collectors",

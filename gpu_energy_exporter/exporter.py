@@ -68,6 +68,8 @@ class Exporter:
                 gpm=config.enabled("gpm"),
                 power_interval=config.collector_power_interval,
                 idle_power_w=config.gpu_idle_power,
+                interval=config.collector_interval,
+                energy_timestamps=config.collector_gpu_energy_timestamps,
                 clock=clock,
             )
             collectors.append(self.gpu)

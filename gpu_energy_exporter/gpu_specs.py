@@ -7,8 +7,9 @@ empty cell means the GPU has no such tensor precision, or no figure we trust; no
 it, because a wrong denominator is worse than a missing MFU.
 
 Rows are matched against the product name as NVML reports it (``NVIDIA H100 80GB HBM3``,
-``Tesla V100-SXM2-16GB``, ``NVIDIA GeForce RTX 4090``): the first row whose regular expression is found
-in the name (case-insensitive) wins. This module never talks to a GPU.
+``Tesla V100-SXM2-16GB``, ``NVIDIA A100-SXM-80GB``, ``NVIDIA GeForce RTX 4090``): the first row whose
+regular expression is found in the name (case-insensitive, white space runs collapsed) wins;
+tests/test_gpu_specs.py holds the names each row must and must not match. This module never talks to a GPU.
 """
 
 from __future__ import annotations
@@ -94,8 +95,10 @@ def peak_table() -> tuple[PeakFlops, ...]:
 
 
 def lookup_peak_flops(product_name: str, table: Sequence[PeakFlops] | None = None) -> PeakFlops | None:
-    """The row for an NVML product name, or None when no row matches."""
+    """The row for an NVML product name, or None when no row matches. Runs of white space count as one
+    space (some boards pad the name)."""
+    name = " ".join(product_name.split())
     for row in peak_table() if table is None else table:
-        if row.pattern.search(product_name):
+        if row.pattern.search(name):
             return row
     return None

@@ -106,3 +106,15 @@ def test_cli_bad_flag_exits_2_with_one_line_before_starting() -> None:
     assert out.returncode == 2
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1 and "invalid value 'fast' for --collector.interval" in lines[0]
+
+
+def test_energy_timestamps_switch_is_off_by_default_and_settable_both_ways() -> None:
+    env = "GPU_ENERGY_EXPORTER_COLLECTOR_GPU_ENERGY_TIMESTAMPS"
+    assert load_config([], {}).collector_gpu_energy_timestamps is False
+    assert load_config(["--collector.gpu.energy-timestamps"], {}).collector_gpu_energy_timestamps is True
+    assert load_config([], {env: "true"}).collector_gpu_energy_timestamps is True
+    # the command line wins over the environment, in both directions
+    assert load_config(["--no-collector.gpu.energy-timestamps"], {env: "yes"}).collector_gpu_energy_timestamps is False
+    assert load_config(["--collector.gpu.energy-timestamps"], {env: "0"}).collector_gpu_energy_timestamps is True
+    with pytest.raises(ConfigError, match=env):
+        load_config([], {env: "sometimes"})

@@ -685,3 +685,57 @@ def test_delays_do_not_serialise_threads(lib: Path, scenario_path: Path) -> None
     assert out["errors"] == [] and out["outstanding"] == 0
     # four 200 ms calls overlapped instead of queueing on the library's lock
     assert max(out["durations"]) < 0.6
+
+
+# ---- energy counter faults (issue 10) ----------------------------------------------------------------
+
+
+def test_energy_faults_low_reading_jump_and_unreadable_spell(lib: Path, scenario_path: Path) -> None:
+    # A frozen clock, advanced by rewriting the scenario, puts every read exactly inside or outside a fault.
+    epoch = 1_700_000_000.0
+    make = """h100(0, power=Constant(300.0), energy_offset_mj=1e9, energy_faults=(
+        bad_reading(2.0), energy_jump(4.0, 5e11), energy_unreadable(6.0, 8.0), EnergyFault(9.0, 9.5, "error", 15)))"""
+    from fakenvml import EnergyFault, bad_reading, energy_jump, energy_unreadable  # noqa: F401 (used by eval)
+
+    gpu = eval(make)
+    times = [1.0, 2.2, 3.0, 4.1, 5.0, 6.0, 7.9, 8.0, 9.2]
+    Scenario(epoch=epoch, driver=Driver(frozen_time=epoch + times[0]), gpus=[gpu]).write(scenario_path)
+    out = run_nvml(lib, f"""
+        from fakenvml import Scenario, Constant, Driver, EnergyFault, h100, bad_reading, energy_jump, energy_unreadable
+        gpu = {make}
+        pynvml.nvmlInit()
+        h = pynvml.nvmlDeviceGetHandleByIndex(0)
+        out["mj"], out["field"] = [], []
+        for t in {times!r}:
+            Scenario(epoch={epoch!r}, driver=Driver(frozen_time={epoch!r} + t), gpus=[gpu]).write(
+                {str(scenario_path)!r})
+            try:
+                out["mj"].append(pynvml.nvmlDeviceGetTotalEnergyConsumption(h))
+            except pynvml.NVMLError as e:
+                out["mj"].append(-e.value)
+            (v,) = pynvml.nvmlDeviceGetFieldValues(h, [83])
+            out["field"].append(v.value.ullVal if v.nvmlReturn == 0 else -v.nvmlReturn)
+    """, scenario_path)
+    since_epoch = [(epoch + t) - epoch for t in times]  # as the library computes it from the frozen clock
+    truth = [gpu.counter_mj(t) for t in since_epoch]
+    reported = [gpu.reported_counter_mj(t) for t in since_epoch]
+    assert out["mj"] == out["field"]
+    assert out["mj"] == [truth[0], 0, truth[2], truth[3] + 5 * 10**11, truth[4], -999, -999, truth[7], -15]
+    assert [(-999 if k in (5, 6) else -15) if r is None else r for k, r in enumerate(reported)] == out["mj"]
+    assert truth[2] - truth[0] == 600_000  # the true counter runs on underneath: 2 s x 300 W
+
+
+def test_energy_fault_specs_are_validated(lib: Path, scenario_path: Path) -> None:
+    from fakenvml import EnergyFault
+
+    with pytest.raises(ValueError):
+        EnergyFault(2.0, 1.0, "set", 0.0)
+    with pytest.raises(ValueError):
+        EnergyFault(1.0, 2.0, "error", 0.5)
+    Scenario(epoch=time.time(), gpus=[h100(0)]).write(scenario_path)
+    scenario_path.write_text(scenario_path.read_text() + "energy_fault = 1 2 explode 0\n")
+    out = run_nvml(lib, """
+        out["init"] = err(pynvml.nvmlInit)
+        out["why"] = text(fake.fakeNvmlLastError())
+    """, scenario_path)
+    assert out["init"] == 999 and "energy_fault" in out["why"]

@@ -30,9 +30,16 @@ class Rig:
     def __init__(self, lib: Path, path: Path, scenario: Scenario, **kw) -> None:  # type: ignore[no-untyped-def]
         self.lib, self.path, self.scenario = lib, path, scenario
         scenario.write(path)
-        self.collector = GPUCollector(lambda: NVMLBackend(str(lib)), retry_interval=0.0, **kw)
+        # Readings carry the scenario's frozen time, so the energy counter's plausibility checks see the
+        # time that passed for the fake GPU, not the milliseconds between two test samples.
+        self.collector = GPUCollector(lambda: NVMLBackend(str(lib), clock=self.now), retry_interval=0.0,
+                                      clock=self.now, monotonic=self.now, **kw)
         self.sampler = Sampler([self.collector], 1.0, gpu_states=self.collector.states)
         self.registry = new_registry(SnapshotCollector(self.sampler))
+
+    def now(self) -> float:
+        frozen_time = self.scenario.driver.frozen_time
+        return time.time() if frozen_time is None else frozen_time
 
     def rewrite(self, scenario: Scenario) -> None:
         self.scenario = scenario
@@ -104,43 +111,100 @@ def test_energy_counter_in_joules_follows_the_exact_integral(rig) -> None:  # ty
     assert e2 - e1 == pytest.approx(20400.0, rel=1e-6)
 
 
-def test_counter_reset_is_rebased_and_counted(rig) -> None:  # type: ignore[no-untyped-def]
+def test_driver_reset_is_confirmed_then_exposed_as_a_counter_reset(rig) -> None:  # type: ignore[no-untyped-def]
     gpus = [h100(0, power=Constant(300.0), energy_offset_mj=9_000_000, energy_reset_at_s=(50.0,))]
     r = rig(frozen(T0 + 40, gpus))
     r.sample()
+    assert r.value("gpuenergy_gpu_energy_joules_total", **L(0, gpus)) == pytest.approx(9000.0 + 40 * 300.0)
+    r.rewrite(frozen(T0 + 45, gpus))
+    r.sample()
     before = r.value("gpuenergy_gpu_energy_joules_total", **L(0, gpus))
-    assert before == pytest.approx(9000.0 + 40 * 300.0)
+    assert before == pytest.approx(9000.0 + 45 * 300.0)
     r.rewrite(frozen(T0 + 60, gpus))  # the driver reloaded at t=50: raw counter now 10 s x 300 W
     r.sample()
-    after = r.value("gpuenergy_gpu_energy_joules_total", **L(0, gpus))
-    assert after > before  # monotonic
+    # a candidate reset, held until the next reading confirms it: no trusted value, so no sample (a held
+    # flat one would let increase() pour the reset's energy into a window starting after it)
+    assert r.value("gpuenergy_gpu_energy_joules_total", **L(0, gpus)) is None
+    assert r.value("gpuenergy_gpu_energy_resets_total", **L(0, gpus)) == 0.0
+    r.rewrite(frozen(T0 + 61, gpus))
+    r.sample()
+    # confirmed: the driver's own value, which Prometheus' rate()/increase() take as a counter reset
+    assert r.value("gpuenergy_gpu_energy_joules_total", **L(0, gpus)) == pytest.approx(11 * 300.0)
     assert r.value("gpuenergy_gpu_energy_resets_total", **L(0, gpus)) == 1.0
+    for reason in ("decrease", "jump", "unconfirmed"):
+        assert r.value("gpuenergy_gpu_energy_rejected_readings_total", reason=reason, **L(0, gpus)) == 0.0
+    # In-process consumers (ledger, pod attribution) get a monotonic total: the value before the reset,
+    # a credit of one interval (1 s) at the last average power for the 15 s the new counter does not
+    # cover, and the new counter.
+    (state,) = r.collector.states()
+    assert state.energy_j == pytest.approx(before + 1 * 300.0 + 11 * 300.0)
+    assert state.energy_resets == 1
 
 
-def test_counter_reset_credits_the_uncovered_time_from_average_power(fake_nvml_lib: Path, tmp_path: Path,
-                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
-    # The backend stamps readings with the scenario's frozen clock, so the interval is exactly 20 s.
-    now = [T0 + 40]
-    path = tmp_path / "scenario.ini"
-    gpus = [h100(0, power=Constant(300.0), energy_offset_mj=9_000_000, energy_reset_at_s=(50.0,))]
-    monkeypatch.setenv("FAKE_NVML_SCENARIO", str(path))
-    frozen(now[0], gpus).write(path)
-    c = GPUCollector(lambda: NVMLBackend(str(fake_nvml_lib), clock=lambda: now[0]), retry_interval=0.0)
-    try:
-        s = Sampler([c], 1.0, gpu_states=c.states)
-        reg = new_registry(SnapshotCollector(s))
-        s.sample_once()
-        before = reg.get_sample_value("gpuenergy_gpu_energy_joules_total", L(0, gpus))
-        now[0] = T0 + 60
-        frozen(now[0], gpus).write(path)
-        s.sample_once()
-        after = reg.get_sample_value("gpuenergy_gpu_energy_joules_total", L(0, gpus))
-    finally:
-        c.close()
-    # The new counter shows only the 10 s since the reset (3000 J); the 1 s average power (300 W) over
-    # the 20 s interval says 6000 J, which is what the GPU used: credited instead of losing 10 s.
-    assert before is not None and after is not None
-    assert after - before == pytest.approx(20 * 300.0)
+def test_energy_counter_has_no_sample_timestamp_unless_asked(rig) -> None:  # type: ignore[no-untyped-def]
+    gpus = [h100(0, power=Constant(300.0), energy_offset_mj=1_000_000)]
+    plain = rig(frozen(T0 + 10, gpus))
+    stamped = rig(frozen(T0 + 10, gpus), energy_timestamps=True)
+    for r in (plain, stamped):
+        r.sample()
+
+    def energy_line(r: Rig) -> str:
+        (line,) = [ln for ln in r.text().splitlines() if ln.startswith("gpuenergy_gpu_energy_joules_total{")]
+        return line
+
+    # Prometheus' guide for exporters: the scrape time, no timestamp of our own
+    assert energy_line(plain).endswith("} 4000.0")
+    # opt-in: the time the counter was read, in ms
+    assert energy_line(stamped).endswith(f"}} 4000.0 {int((T0 + 10) * 1000)}")
+
+
+def test_bad_readings_are_held_back_counted_and_logged_once(rig, caplog: pytest.LogCaptureFixture) -> None:  # type: ignore[no-untyped-def]
+    from fakenvml import bad_reading, energy_jump
+
+    gpus = [h100(0, power=Constant(300.0), energy_offset_mj=4e11,
+                 energy_faults=(bad_reading(12.0), bad_reading(14.0), energy_jump(16.0, 5e11)))]
+    r = rig(frozen(T0 + 10, gpus))
+    seen = []
+    with caplog.at_level("DEBUG", logger="gpu_energy_exporter.collectors.gpu"):
+        for t in range(10, 19):
+            r.rewrite(frozen(T0 + t, gpus))
+            r.sample()
+            seen.append(r.value("gpuenergy_gpu_energy_joules_total", **L(0, gpus)))
+    truth = [4e8 + 300.0 * t for t in range(10, 19)]
+    # 12 and 14 read 0 (held back: no sample), 16 reads 500 MJ too much; the others are the truth exactly
+    assert seen == [None if t in (12, 14, 16) else pytest.approx(v) for t, v in zip(range(10, 19), truth, strict=True)]
+    assert r.value("gpuenergy_gpu_energy_rejected_readings_total", reason="decrease", **L(0, gpus)) == 2.0
+    assert r.value("gpuenergy_gpu_energy_rejected_readings_total", reason="jump", **L(0, gpus)) == 1.0
+    assert r.value("gpuenergy_gpu_energy_resets_total", **L(0, gpus)) == 0.0
+    (state,) = r.collector.states()
+    assert state.energy_j == pytest.approx(truth[-1])  # the in-process total too
+    warnings = [rec for rec in caplog.records if rec.levelname == "WARNING" and "rejected" in rec.getMessage()]
+    assert [("decrease" in w.getMessage(), "jump" in w.getMessage()) for w in warnings] == [(True, False),
+                                                                                          (False, True)]
+
+
+def test_a_driver_turning_slow_does_not_make_good_readings_look_like_jumps(rig) -> None:  # type: ignore[no-untyped-def]
+    # Real time, a GPU drawing its whole 700 W limit. When the energy call suddenly takes 0.6 s, the value
+    # it returns is 0.6 s newer than the moment the read began: judged from the start of the read alone it
+    # is more than 1.5x what the GPU can draw in the time between two quick samples. (0.6 s stays within
+    # the sampler's 1 s wait, so every sample here completes.)
+    gpus = [h100(0, power=Constant(700.0), energy_offset_mj=1e9)]
+    sc = Scenario(epoch=time.time(), gpus=gpus)
+    r = rig(sc)
+    r.sample()
+    r.sample()
+    slow = Scenario(epoch=sc.epoch, driver=Driver(function_delay_ms={"nvmlDeviceGetTotalEnergyConsumption": 600.0}),
+                    gpus=gpus)
+    r.rewrite(slow)
+    r.sample()
+    e_slow = r.value("gpuenergy_gpu_energy_joules_total", **L(0, gpus))
+    r.rewrite(sc)
+    r.sample()  # fast again
+    e_fast = r.value("gpuenergy_gpu_energy_joules_total", **L(0, gpus))
+    for reason in ("decrease", "jump", "unconfirmed"):
+        assert r.value("gpuenergy_gpu_energy_rejected_readings_total", reason=reason, **L(0, gpus)) == 0.0
+    assert e_slow is not None and e_fast is not None and e_fast >= e_slow
+    assert e_fast == pytest.approx(sc.energy_counter_mj(0, time.time()) / 1000.0, abs=700.0)
 
 
 def test_instant_and_average_power_are_separate_series(rig) -> None:  # type: ignore[no-untyped-def]
@@ -162,12 +226,15 @@ def test_lost_gpu_shows_down_and_others_keep_working(rig) -> None:  # type: igno
     gpus = [h100(0, power=Constant(200.0)), h100(1, power=Constant(400.0), lost_at_s=20.0)]
     r = rig(frozen(T0 + 10, gpus))
     r.sample()
-    e_lost = r.value("gpuenergy_gpu_energy_joules_total", **L(1, gpus))
+    assert r.value("gpuenergy_gpu_energy_joules_total", **L(1, gpus)) == pytest.approx(4000.0)
     r.rewrite(frozen(T0 + 30, gpus))
     r.sample()
     assert r.value("gpuenergy_gpu_up", **L(1, gpus)) == 0.0
     assert r.value("gpuenergy_gpu_power_watts", **L(1, gpus)) is None
-    assert r.value("gpuenergy_gpu_energy_joules_total", **L(1, gpus)) == e_lost  # held, not dropped
+    # No reading, no sample: Prometheus marks the counter stale, and increase() across the outage counts
+    # what the counter shows once the GPU answers again.
+    assert r.value("gpuenergy_gpu_energy_joules_total", **L(1, gpus)) is None
+    assert r.value("gpuenergy_gpu_energy_resets_total", **L(1, gpus)) == 0.0
     assert r.value("gpuenergy_gpu_up", **L(0, gpus)) == 1.0
     assert r.value("gpuenergy_gpu_power_watts", **L(0, gpus)) == pytest.approx(200.0)
     assert r.value("gpuenergy_collector_success", collector="gpu") == 1.0

@@ -229,11 +229,13 @@ from gpu_energy_exporter.sampler import Sampler
 logging.basicConfig(level=logging.INFO, stream=sys.stderr)
 owners = {int(pid): PodRef(*ref) for pid, ref in json.loads(sys.argv[1]).items()}
 cfg = load_config(sys.argv[2:], {})
-# SM-weighted attribution needs each process's SM utilisation, which the GPU collector reads only on request.
-gpu = GPUCollector(lambda: NVMLBackend(cfg.nvml_library), power_interval=cfg.collector_power_interval,
-                   process_utilization=True)
-watcher = PodResourcesWatcher(cfg.kubernetes_pod_resources_socket, cfg.kubernetes_refresh_interval)
 now = [0.0]
+# The energy counter's plausibility is judged on the scenario's time (the frozen clock the test moves), not
+# on the milliseconds between two test samples. SM-weighted attribution needs each process's SM
+# utilisation, which the GPU collector reads only on request.
+gpu = GPUCollector(lambda: NVMLBackend(cfg.nvml_library), power_interval=cfg.collector_power_interval,
+                   monotonic=lambda: now[0], process_utilization=True)
+watcher = PodResourcesWatcher(cfg.kubernetes_pod_resources_socket, cfg.kubernetes_refresh_interval)
 k8s = KubernetesCollector(gpu.states, watcher, pid_to_pod=lambda pid, cands: owners.get(pid),
                           series_grace_s=30.0, clock=lambda: now[0])
 sampler = Sampler([gpu, k8s], interval=cfg.collector_interval)

@@ -1,9 +1,11 @@
 """Per-GPU metrics: energy, power, memory, utilisation, temperature, clocks, throttling, GPM, processes.
 
 Runs on the sampler thread. Energy per GPU comes from NVML's energy counter where the GPU has one
-(Volta and newer), kept monotonic across driver reloads; otherwise from a fast power sampler thread
-(``PowerSampler``) integrating instant power with the trapezoid rule. Which method a GPU uses is the
-``energy_method`` label of ``gpuenergy_gpu_info``.
+(Volta and newer), every reading checked for plausibility before it is exposed (``energy.EnergyCounter``:
+bad readings are held back and counted, driver resets confirmed before they show); otherwise from a fast
+power sampler thread (``PowerSampler``) integrating instant power with the trapezoid rule. Which method a
+GPU uses is the ``energy_method`` label of ``gpuenergy_gpu_info``. The energy counter carries no explicit
+sample timestamp unless ``--collector.gpu.energy-timestamps`` asks for one.
 
 NVML being unavailable (no driver, no library) is reported once in the log and continuously as
 ``gpuenergy_nvml_available{reason} 0``; the collector retries NVML periodically so a driver that loads
@@ -37,7 +39,7 @@ from gpu_energy_exporter.devices.base import (
     GPUIdentity,
     GPUReading,
 )
-from gpu_energy_exporter.energy import MonotonicCounter, TrapezoidIntegrator
+from gpu_energy_exporter.energy import REJECT_REASONS, EnergyCounter, TrapezoidIntegrator, Verdict
 from gpu_energy_exporter.errors import GPULost, NVMLUnavailable
 from gpu_energy_exporter.metrics import GPU_LABELS, Kind, MetricSpec, add, define
 from gpu_energy_exporter.sampler import GPUState
@@ -75,13 +77,22 @@ GPU_SAMPLE_AGE = _gpu(
 )
 ENERGY = _gpu(
     "energy_joules_total", "counter",
-    "Energy consumed by the GPU. From NVML's energy counter (since driver load, kept monotonic across "
-    "driver reloads) or, without one, trapezoid integration of sampled instant power since exporter start.",
+    "Energy consumed by the GPU. NVML's energy counter as the driver keeps it (since driver load; a driver "
+    "reload restarts it, a counter reset that rate() and increase() handle), implausible readings held back; "
+    "or, without a counter, trapezoid integration of sampled instant power since exporter start.",
     unit="joules",
 )
 ENERGY_RESETS = _gpu(
     "energy_resets_total", "counter",
-    "Times the NVML energy counter went backwards (driver reload, GPU reset); the exposed counter was rebased.",
+    "Confirmed resets of the NVML energy counter (driver reload, GPU reset): it restarted near zero and "
+    "the next reading grew from there at a plausible power.",
+)
+ENERGY_REJECTED = _gpu(
+    "energy_rejected_readings_total", "counter",
+    "Energy counter readings held back as implausible, by reason: decrease (below the last accepted value "
+    "and not a restarted counter), jump (rose faster than the GPU can draw), unconfirmed (a first reading "
+    "the next one contradicted).",
+    ("reason",),
 )
 POWER = _gpu(
     "power_watts", "gauge",
@@ -212,8 +223,10 @@ class _Track:
     """Mutable per-GPU state, touched only by the sampler thread (the integrator also by PowerSampler)."""
 
     identity: GPUIdentity
-    counter: MonotonicCounter = field(default_factory=MonotonicCounter)
+    counter: EnergyCounter = field(default_factory=EnergyCounter)
     integrator: TrapezoidIntegrator | None = None
+    logged: set[str] = field(default_factory=set)  # rejection reasons already logged at warning level
+    fresh: bool = False  # this sample's energy counter reading was accepted
     idle: IdleBaseline = field(default_factory=IdleBaseline)
     reading: GPUReading | None = None
     last_good: float | None = None
@@ -221,15 +234,10 @@ class _Track:
     error: str = ""
 
 
-def _gap_estimate(previous: GPUReading | None, r: GPUReading) -> float | None:
-    """Energy since the previous reading from the driver's averaged power (used only if the counter was
-    reset in between: the counter then misses the part before the reset)."""
-    if previous is None:
-        return None
-    power = r.power_average_mw if r.power_average_mw is not None else r.power_instant_mw
-    if power is None:
-        return None
-    return power / 1000.0 * max(0.0, r.timestamp - previous.timestamp)
+def _max_power_w(r: GPUReading) -> float | None:
+    """The most this reading says the GPU can draw: its enforced limit, or a power reading above it."""
+    known = [mw for mw in (r.power_limit_mw, r.power_average_mw, r.power_instant_mw) if mw is not None]
+    return max(known) / 1000.0 if known else None
 
 
 class PowerSampler:
@@ -293,8 +301,14 @@ class GPUCollector(Collector):
         power_interval: float = 0.1,
         idle_power_w: float | None = None,
         retry_interval: float = 30.0,
+        interval: float = 1.0,
+        energy_timestamps: bool = False,
         clock: Callable[[], float] = time.time,
+        monotonic: Callable[[], float] = time.monotonic,
     ) -> None:
+        """``interval``: the sampler's period (bounds the credit for a counter reset). ``energy_timestamps``:
+        expose the energy counter with the time it was read. ``monotonic``: the clock the plausibility of
+        energy readings is judged on (a wall-clock step must not make a reading look implausible)."""
         self._factory = backend_factory
         self._processes = processes
         self._process_utilization = process_utilization
@@ -305,7 +319,10 @@ class GPUCollector(Collector):
         self._power_interval = power_interval
         self._idle_flag = idle_power_w
         self._retry_interval = retry_interval
+        self._interval = interval
+        self._energy_timestamps = energy_timestamps
         self._clock = clock
+        self._monotonic = monotonic
         self._backend: GPUBackend | None = None
         self._tracks: list[_Track] = []
         self._power_sampler: PowerSampler | None = None
@@ -357,7 +374,7 @@ class GPUCollector(Collector):
                      ", ".join(f"{g.index}={g.name} ({g.energy_method})" for g in identities))
         self._tracks = []
         for ident in identities:
-            track = _Track(identity=ident)
+            track = _Track(identity=ident, counter=EnergyCounter(interval_s=self._interval))
             if ident.energy_method not in (ENERGY_METHOD_COUNTER, ENERGY_METHOD_NONE):
                 track.integrator = TrapezoidIntegrator(max_gap_s=max(1.0, 10 * self._power_interval))
             self._tracks.append(track)
@@ -402,6 +419,7 @@ class GPUCollector(Collector):
             g = t.identity
             labels = [str(g.index), g.uuid]
             try:
+                started = self._monotonic()
                 r = backend.read(g, processes=self._read_processes, process_utilization=self._process_utilization,
                                  gpm=self._gpm)
             except Exception as exc:  # noqa: BLE001 - one GPU never takes the others down
@@ -415,18 +433,19 @@ class GPUCollector(Collector):
                         log.debug("GPU %d sample failure", g.index, exc_info=True)
                 t.up, t.error = False, message
                 add(fams[GPU_UP.name], labels, 0.0)
-                # Keep exposing the energy counter at its last value: a vanished series would make
-                # increase() over the outage window undefined, a flat one is the truth we know.
-                if t.counter.value is not None or t.integrator is not None:
-                    add(fams[ENERGY.name], labels, self._energy(t) or 0.0)
+                t.fresh = False  # no reading: the energy sample is absent (see _emit_energy)
+                self._emit_energy(fams, t, labels)
                 states.append(self._state(t))
                 continue
             if not t.up and t.error:
                 log.info("GPU %d (%s) answers again", g.index, g.uuid)
-            previous = t.reading
             t.up, t.error, t.reading, t.last_good = True, "", r, r.timestamp
             add(fams[GPU_UP.name], labels, 1.0)
-            self._emit(fams, t, r, labels, previous)
+            t.fresh = False
+            if r.energy_mj is not None and t.integrator is None:
+                self._count_energy(backend, t, r, started, self._monotonic())
+            self._emit_energy(fams, t, labels)
+            self._emit(fams, t, r, labels)
             states.append(self._state(t))
         self._states = tuple(states)
         errors = self._field_errors(backend)
@@ -442,10 +461,67 @@ class GPUCollector(Collector):
             add(fam, [str(index), uuids.get(index, ""), what, reason], float(n))
         return [fam]
 
+    def _count_energy(self, backend: GPUBackend, t: _Track, r: GPUReading, started: float, done: float) -> None:
+        """``started``/``done``: the monotonic clock around the read (the counter was read in between)."""
+        assert r.energy_mj is not None
+        v = t.counter.update(r.energy_mj / 1000.0, done, started=started, stamp=r.timestamp,
+                             max_power_w=_max_power_w(r))
+        self._judge(t, v)
+        t.fresh = v.accepted
+        if t.counter.awaiting_first:
+            # Nothing trusted yet (start-up): a second reading now confirms the first, so the counter is
+            # exposed from the first sample instead of one interval later.
+            try:
+                started = self._monotonic()
+                again = backend.read(t.identity)
+            except GPULost:
+                return  # reported by the next update
+            if again.energy_mj is not None:
+                v = t.counter.update(again.energy_mj / 1000.0, self._monotonic(), started=started,
+                                     stamp=again.timestamp, max_power_w=_max_power_w(again))
+                self._judge(t, v)
+                t.fresh = v.accepted
+
+    def _judge(self, t: _Track, v: Verdict) -> None:
+        g, c = t.identity, t.counter
+        for reason in v.rejected:
+            level = logging.DEBUG if reason in t.logged else logging.WARNING
+            t.logged.add(reason)
+            log.log(level, "GPU %d (%s): energy counter reading rejected as implausible (%s); the counter "
+                    "stays at %s J and has no sample until a reading is accepted. Counted in "
+                    "gpuenergy_gpu_energy_rejected_readings_total; the rules are in docs/measurement.md. "
+                    "Further ones are logged at debug level.", g.index, g.uuid, reason,
+                    "none" if c.exposed_j is None else f"{c.exposed_j:.3f}")
+        if v.reset:
+            log.info("GPU %d (%s): energy counter reset (driver reload or GPU reset) confirmed, now %.3f J; "
+                     "credited %.1f J for the part of the interval before it", g.index, g.uuid,
+                     c.exposed_j or 0.0, v.credit_j)
+
+    def _exposed(self, t: _Track) -> tuple[float | None, float | None]:
+        """The exposed energy (J) and the wall time it was measured at."""
+        if t.integrator is not None:
+            return (t.integrator.energy_j, t.integrator.last_t) if t.integrator.samples else (None, None)
+        return t.counter.exposed_j, t.counter.exposed_stamp
+
+    def _emit_energy(self, fams: dict[str, Metric], t: _Track, labels: list[str]) -> None:
+        energy, when = self._exposed(t)
+        # The counter is exposed only when this sample's reading was accepted. Held back, unreadable or lost,
+        # it is absent (Prometheus marks it stale): the next accepted value then spreads over the gap in
+        # rate()/increase(), where a held flat value would pour the gap's energy into the scrape after it
+        # and over-count any window starting inside the gap. No timestamp by default (Prometheus' exporter
+        # guidelines): the scrape time is used.
+        if energy is not None and (t.fresh or t.integrator is not None):
+            add(fams[ENERGY.name], labels, energy, timestamp=when if self._energy_timestamps else None)
+        if t.integrator is None:
+            add(fams[ENERGY_RESETS.name], labels, float(t.counter.resets))
+            for reason in REJECT_REASONS:
+                add(fams[ENERGY_REJECTED.name], [*labels, reason], float(t.counter.rejected[reason]))
+
     def _energy(self, t: _Track) -> float | None:
+        """Monotonic energy for in-process consumers (ledger, pod attribution)."""
         if t.integrator is not None:
             return t.integrator.energy_j if t.integrator.samples else None
-        return t.counter.value
+        return t.counter.total_j
 
     def _state(self, t: _Track) -> GPUState:
         idle, source = self._idle(t)
@@ -460,23 +536,11 @@ class GPUCollector(Collector):
             return self._idle_flag, "flag"
         return t.idle.value, "learned"
 
-    def _emit(self, fams: dict[str, Metric], t: _Track, r: GPUReading, labels: list[str],
-              previous: GPUReading | None) -> None:
+    def _emit(self, fams: dict[str, Metric], t: _Track, r: GPUReading, labels: list[str]) -> None:
         def put(spec: MetricSpec, value: float | None, scale: float = 1.0) -> None:
             if value is not None:
                 add(fams[spec.name], labels, value * scale)
 
-        if r.energy_mj is not None and t.integrator is None:
-            t.counter.update(r.energy_mj / 1000.0, _gap_estimate(previous, r))
-        energy = self._energy(t)
-        if energy is not None:
-            # Exposed with the time it was read, not the scrape's: rate() over a few seconds is then exact
-            # (a value up to one interval old, stamped with the scrape time, skews short windows by tens
-            # of percent on bursty loads).
-            when = r.timestamp if t.integrator is None else (t.integrator.last_t or r.timestamp)
-            add(fams[ENERGY.name], labels, energy, timestamp=when)
-        if t.integrator is None:
-            put(ENERGY_RESETS, float(t.counter.resets))
         put(POWER, r.power_instant_mw, 1e-3)
         put(POWER_AVERAGE, r.power_average_mw, 1e-3)
         put(MODULE_POWER, r.module_power_mw, 1e-3)
@@ -518,8 +582,8 @@ class GPUCollector(Collector):
 
 
 _PER_GPU_SPECS = [
-    GPU_UP, ENERGY, ENERGY_RESETS, POWER, POWER_AVERAGE, MODULE_POWER, POWER_LIMIT, MEM_USED, MEM_TOTAL,
-    MEM_RESERVED, UTIL, MEM_UTIL, TEMP, MEM_TEMP, SM_CLOCK, MEM_CLOCK, CLOCK_EVENT, *GPM_SPECS.values(),
+    GPU_UP, ENERGY, ENERGY_RESETS, ENERGY_REJECTED, POWER, POWER_AVERAGE, MODULE_POWER, POWER_LIMIT, MEM_USED,
+    MEM_TOTAL, MEM_RESERVED, UTIL, MEM_UTIL, TEMP, MEM_TEMP, SM_CLOCK, MEM_CLOCK, CLOCK_EVENT, *GPM_SPECS.values(),
     PROCESS_MEMORY, COMPUTE_PROCESSES, IDLE_POWER,
 ]
 

@@ -171,6 +171,7 @@ typedef struct {
 #define MAX_PROCS 32
 #define MAX_STEPS 64
 #define MAX_RESETS 16
+#define MAX_ENERGY_FAULTS 16
 #define MAX_DELAYS 32
 #define LIST_LEN 2048
 #define STR_LEN 96
@@ -189,6 +190,16 @@ struct trace {
 struct delay {
     char fn[64];
     double ms;
+};
+
+/* energy_fault = START END KIND VALUE: reads of the energy counter in [START, END) (s since the epoch)
+ * return VALUE mJ (set), the true counter + VALUE mJ (add), or the nvmlReturn_t VALUE (error). */
+enum { EF_SET, EF_ADD, EF_ERROR };
+
+struct energy_fault {
+    double start, end;
+    int kind;
+    double value;
 };
 
 struct proc {
@@ -247,6 +258,8 @@ struct gpu_cfg {
     double energy_offset_mj;
     int nresets;
     double resets[MAX_RESETS];
+    int nfaults;
+    struct energy_fault faults[MAX_ENERGY_FAULTS];
     int has_lost;
     double lost_at;
     int handle_error;
@@ -426,6 +439,20 @@ static unsigned long long energy_counter_mj(const struct gpu_cfg *c, double t) {
     if (t < since) t = since; /* before the epoch nothing has been counted yet */
     double mj = offset + (gpu_cumulative(c, t, 0) - gpu_cumulative(c, since, 0)) * 1000.0;
     return mj <= 0 ? 0 : (unsigned long long)floor(mj);
+}
+
+/* What a read of the energy counter at t returns: the true counter unless a scripted fault covers t.
+ * Returns NVML_SUCCESS or the fault's error code. */
+static nvmlReturn_t energy_reading_mj(const struct gpu_cfg *c, double t, unsigned long long *out) {
+    double mj = (double)energy_counter_mj(c, t);
+    for (int i = 0; i < c->nfaults; i++) {
+        const struct energy_fault *f = &c->faults[i];
+        if (t < f->start || t >= f->end) continue;
+        if (f->kind == EF_ERROR) return (nvmlReturn_t)f->value;
+        mj = f->kind == EF_SET ? f->value : mj + f->value;
+    }
+    *out = mj <= 0 ? 0 : mj >= 18446744073709549568.0 ? ~0ULL : (unsigned long long)floor(mj);
+    return NVML_SUCCESS;
 }
 
 /* ---- Small helpers -------------------------------------------------------------------------------- */
@@ -652,6 +679,22 @@ static int parse_list_doubles(const char *value, double *out, int max, int *n) {
     return 0;
 }
 
+static int add_energy_fault(struct gpu_cfg *c, const char *value) {
+    char kind[16];
+    struct energy_fault f;
+    int used = 0;
+    if (c->nfaults >= MAX_ENERGY_FAULTS) return -1;
+    if (sscanf(value, "%lf %lf %15s %lf %n", &f.start, &f.end, kind, &f.value, &used) != 4 || value[used])
+        return -1;
+    if (!strcmp(kind, "set")) f.kind = EF_SET;
+    else if (!strcmp(kind, "add")) f.kind = EF_ADD;
+    else if (!strcmp(kind, "error")) f.kind = EF_ERROR;
+    else return -1;
+    if (!(f.end > f.start) || (f.kind == EF_ERROR && (f.value <= 0 || f.value != floor(f.value)))) return -1;
+    c->faults[c->nfaults++] = f;
+    return 0;
+}
+
 static int add_delay(struct delay *d, int *n, const char *fn, const char *value) {
     double ms;
     if (*n >= MAX_DELAYS || strlen(fn) >= sizeof d[0].fn || parse_double(value, &ms) || ms < 0) return -1;
@@ -756,6 +799,7 @@ static int gpu_key(struct gpu_cfg *c, const char *key, const char *v) {
     if (!strcmp(key, "energy_counter")) return parse_bool(v, &c->energy_counter);
     if (!strcmp(key, "energy_offset_mj")) return parse_double(v, &c->energy_offset_mj);
     if (!strcmp(key, "energy_reset_at")) return parse_list_doubles(v, c->resets, MAX_RESETS, &c->nresets);
+    if (!strcmp(key, "energy_fault")) return add_energy_fault(c, v);
     if (!strcmp(key, "lost_at")) {
         c->has_lost = 1;
         return parse_double(v, &c->lost_at);
@@ -1246,8 +1290,7 @@ EXPORT nvmlReturn_t nvmlDeviceGetTotalEnergyConsumption(nvmlDevice_t device, uns
     ENTER_GPU(device, g);
     if (!energy) return leave(NVML_ERROR_INVALID_ARGUMENT);
     if (!g->c.energy_counter) return leave(NVML_ERROR_NOT_SUPPORTED);
-    *energy = energy_counter_mj(&g->c, now() - g_epoch);
-    return leave(NVML_SUCCESS);
+    return leave(energy_reading_mj(&g->c, now() - g_epoch, energy));
 }
 
 EXPORT nvmlReturn_t nvmlDeviceGetPowerUsage(nvmlDevice_t device, unsigned int *power) {
@@ -1286,7 +1329,7 @@ EXPORT nvmlReturn_t nvmlDeviceGetFieldValues(nvmlDevice_t device, int valuesCoun
             v->value.uiVal = (unsigned int)g->c.temp_mem;
         } else if (id == NVML_FI_DEV_TOTAL_ENERGY_CONSUMPTION && g->c.energy_counter) {
             v->valueType = NVML_VALUE_TYPE_UNSIGNED_LONG_LONG;
-            v->value.ullVal = energy_counter_mj(&g->c, t);
+            v->nvmlReturn = energy_reading_mj(&g->c, t, &v->value.ullVal);
         } else {
             v->nvmlReturn = NVML_ERROR_NOT_SUPPORTED;
         }

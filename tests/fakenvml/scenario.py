@@ -199,6 +199,43 @@ class Process:
 
 
 @dataclass(frozen=True)
+class EnergyFault:
+    """A scripted fault of the energy counter: reads at times in [start_s, end_s) (s since the epoch)
+    return ``value`` mJ (``set``), the true counter + ``value`` mJ (``add``), or fail with the nvmlReturn_t
+    ``value`` (``error``). The true energy is unaffected: only what the driver reports is wrong."""
+
+    start_s: float
+    end_s: float
+    kind: str
+    value: float
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("set", "add", "error") or not self.end_s > self.start_s:
+            raise ValueError("EnergyFault needs kind set/add/error and end_s > start_s")
+        if self.kind == "error" and (self.value <= 0 or self.value != int(self.value)):
+            raise ValueError("an error fault's value is an nvmlReturn_t code (a positive integer)")
+
+    def spec(self) -> str:
+        value = str(int(self.value)) if self.kind == "error" else _num(self.value)
+        return f"{_num(self.start_s)} {_num(self.end_s)} {self.kind} {value}"
+
+
+def bad_reading(at_s: float, value_mj: float = 0.0, width_s: float = 0.5) -> EnergyFault:
+    """One implausible low reading (a driver returning 0 or garbage): reads in [at_s, at_s + width_s)."""
+    return EnergyFault(at_s, at_s + width_s, "set", value_mj)
+
+
+def energy_jump(at_s: float, add_mj: float, width_s: float = 0.5) -> EnergyFault:
+    """One implausibly high reading: the true counter + ``add_mj`` for reads in [at_s, at_s + width_s)."""
+    return EnergyFault(at_s, at_s + width_s, "add", add_mj)
+
+
+def energy_unreadable(start_s: float, end_s: float, code: int = 999) -> EnergyFault:
+    """The counter cannot be read in [start_s, end_s) (default NVML_ERROR_UNKNOWN; 15 is GPU_IS_LOST)."""
+    return EnergyFault(start_s, end_s, "error", float(code))
+
+
+@dataclass(frozen=True)
 class GPU:
     """One physical GPU. Field names are the scenario keys; units are in the names."""
 
@@ -234,6 +271,7 @@ class GPU:
     energy_counter: bool = True
     energy_offset_mj: float = 0.0  # counter value at the epoch ("driver load")
     energy_reset_at_s: tuple[float, ...] = ()  # counter restarts from 0 at these times (driver reload)
+    energy_faults: tuple[EnergyFault, ...] = ()  # scripted bad readings and unreadable spells (at most 16)
     lost_at_s: float | None = None  # from then on every call on this GPU returns GPU_IS_LOST
     handle_error: int = 0  # nvmlReturn_t for GetHandleByIndex/UUID (e.g. 4: NO_PERMISSION)
     missing: tuple[str, ...] = ()  # functions answering FUNCTION_NOT_FOUND on this GPU
@@ -291,6 +329,16 @@ class GPU:
         mj = offset + (self.cumulative_j(t) - self.cumulative_j(since)) * 1000.0
         return 0 if mj <= 0 else int(math.floor(mj))
 
+    def reported_counter_mj(self, t: float) -> int | None:
+        """What the driver reports at t, faults included; None where a fault makes the read fail."""
+        mj = float(self.counter_mj(t))
+        for f in self.energy_faults:
+            if f.start_s <= t < f.end_s:
+                if f.kind == "error":
+                    return None
+                mj = f.value if f.kind == "set" else mj + f.value
+        return 0 if mj <= 0 else int(math.floor(mj))
+
     def render(self) -> str:
         lines = [f"[gpu {self.index}]"]
 
@@ -336,6 +384,10 @@ class GPU:
         put("energy_offset_mj", _num(self.energy_offset_mj))
         if self.energy_reset_at_s:
             put("energy_reset_at", " ".join(_num(t) for t in self.energy_reset_at_s))
+        if len(self.energy_faults) > 16:
+            raise ValueError("at most 16 energy faults per GPU")
+        for fault in self.energy_faults:
+            put("energy_fault", fault.spec())
         if self.lost_at_s is not None:
             put("lost_at", _num(self.lost_at_s))
         if self.handle_error:
