@@ -147,11 +147,16 @@ class _FailsOnGPU1SecondRead(NVMLBackend):
 def test_a_failing_confirming_read_at_start_up_keeps_the_other_gpus(rig: Any) -> None:
     gpus = [h100(0), h100(1)]
     r = rig(gpus, backend=_FailsOnGPU1SecondRead)
-    r.sample(2)
+    r.sample()  # the first sample is the one that confirms
     assert r.value("gpuenergy_collector_success", collector="gpu") == 1.0
     assert r.value("gpuenergy_gpu_up", **L(gpus[0])) == 1.0
     assert r.value("gpuenergy_gpu_energy_joules_total", **L(gpus[0])) == 35000.0
+    # GPU 1 answered its sample; only its counter stays unconfirmed (no energy sample yet)
+    assert r.value("gpuenergy_gpu_up", **L(gpus[1])) == 1.0
+    assert r.value("gpuenergy_gpu_energy_joules_total", **L(gpus[1])) is None
+    r.sample()
     assert r.value("gpuenergy_gpu_up", **L(gpus[1])) == 0.0
+    assert r.value("gpuenergy_gpu_up", **L(gpus[0])) == 1.0
 
 
 def test_one_gpu_raising_anything_marks_that_gpu_only_and_holds_its_energy(
