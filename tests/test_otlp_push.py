@@ -5,6 +5,8 @@ exporter to an endpoint that decodes with the OpenTelemetry protos, and to the p
 from __future__ import annotations
 
 import gzip
+import logging
+import ssl
 import threading
 import time
 from collections.abc import Iterator
@@ -16,14 +18,26 @@ from typing import Any
 import pytest
 from conftest import ExporterProcess, sample_value, wait_until
 from fakenvml import Constant, Scenario, a100, h100
-from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import ExportMetricsServiceRequest
+from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import (
+    ExportMetricsServiceRequest,
+    ExportMetricsServiceResponse,
+)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily
+from tlsutil import self_signed
 
 import gpu_energy_exporter.exporter  # noqa: F401 - registers every collector's specs in the catalogue
 from gpu_energy_exporter.config import load_config
 from gpu_energy_exporter.errors import ConfigError
 from gpu_energy_exporter.metrics import CATALOGUE
-from gpu_energy_exporter.otlp.push import _NOT_PUSHED, CONVENTIONS, load_headers_file, own_name, snapshot_points
+from gpu_energy_exporter.otlp.push import (
+    _NOT_PUSHED,
+    CONVENTIONS,
+    OTLPPusher,
+    PushSettings,
+    load_headers_file,
+    own_name,
+    snapshot_points,
+)
 from gpu_energy_exporter.otlp.translate import metric_name
 
 CUMULATIVE = 2
@@ -119,12 +133,26 @@ class Endpoint:
     headers: list[dict[str, str]] = field(default_factory=list)
     fail_first: int = 0
     hang: threading.Event | None = None
+    status: int = 200
+    location: str = ""
+    response_body: bytes = b""
     lock: threading.Lock = field(default_factory=threading.Lock)
     attempts: int = 0
 
 
 @pytest.fixture
 def endpoint() -> Iterator[Endpoint]:
+    yield from _endpoint(None)
+
+
+@pytest.fixture
+def tls_endpoint(tmp_path: Path) -> Iterator[tuple[Endpoint, Path]]:
+    cert = self_signed(tmp_path)
+    for ep in _endpoint(cert):
+        yield ep, cert
+
+
+def _endpoint(cert: Path | None) -> Iterator[Endpoint]:
     ep = Endpoint("")
 
     class Handler(BaseHTTPRequestHandler):
@@ -147,17 +175,26 @@ def endpoint() -> Iterator[Endpoint]:
             with ep.lock:
                 ep.requests.append(req)
                 ep.headers.append({k.lower(): v for k, v in self.headers.items()})
-            self.send_response(200)
+            self.send_response(ep.status)
+            if ep.location:
+                self.send_header("Location", ep.location)
             self.send_header("Content-Type", "application/x-protobuf")
-            self.send_header("Content-Length", "0")
+            self.send_header("Content-Length", str(len(ep.response_body)))
             self.end_headers()
+            self.wfile.write(ep.response_body)
 
         def log_message(self, *args: Any) -> None:
             pass
 
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    server = _QuietServer(("127.0.0.1", 0), Handler)
     server.daemon_threads = True
-    ep.url = f"http://127.0.0.1:{server.server_address[1]}/v1/metrics"
+    scheme = "http"
+    if cert is not None:
+        context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        context.load_cert_chain(cert, cert.with_suffix(".key"))
+        server.socket = context.wrap_socket(server.socket, server_side=True)
+        scheme = "https"
+    ep.url = f"{scheme}://127.0.0.1:{server.server_address[1]}/v1/metrics"
     t = threading.Thread(target=server.serve_forever, daemon=True)
     t.start()
     try:
@@ -167,6 +204,11 @@ def endpoint() -> Iterator[Endpoint]:
             ep.hang.set()
         server.shutdown()
         server.server_close()
+
+
+class _QuietServer(ThreadingHTTPServer):
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        pass  # refused handshakes are the point of the TLS tests
 
 
 def _attrs(kvs: Any) -> dict[str, str]:
@@ -305,3 +347,78 @@ def test_pushes_land_in_the_projects_own_receiver_under_prometheus_names(
     assert sample_value(text, "hw_power_watts", hw_id=gpus[0].uuid, hw_type="gpu") == pytest.approx(300.0, rel=0.01)
     assert sample_value(text, "hw_gpu_memory_usage_bytes", hw_id=gpus[0].uuid) is not None
     assert sample_value(text, "hw_gpu_utilization_ratio", hw_id=gpus[0].uuid) is not None
+
+
+# ---- the pusher in-process, against real endpoints: TLS, redirects, partial success ----------------------
+
+
+@dataclass
+class _Snap:
+    families: list[Any]
+    timestamp: float
+    gpus: tuple[Any, ...] = ()
+
+
+def _pusher(url: str, **settings: Any) -> OTLPPusher:
+    snap = _Snap(_families(), time.time())
+    return OTLPPusher(PushSettings(url, interval_s=1.0, timeout_s=5.0, **settings), lambda: snap, environ={})
+
+
+def test_a_redirect_is_a_failed_push_not_an_accepted_one(endpoint: Endpoint, caplog: pytest.LogCaptureFixture) -> None:
+    """The SDK takes any status below 400 as success and never follows redirects: nothing was stored."""
+    endpoint.status, endpoint.location = 307, "http://elsewhere:4318/v1/metrics"
+    pusher = _pusher(endpoint.url)
+    with caplog.at_level(logging.WARNING):
+        assert pusher.push_once() is False
+    assert pusher.points_pushed == 0 and pusher.failures == 1
+    assert "307 (a redirect to http://elsewhere:4318/v1/metrics)" in caplog.text
+
+
+def test_a_partial_success_counts_only_the_accepted_points(
+    endpoint: Endpoint, caplog: pytest.LogCaptureFixture
+) -> None:
+    resp = ExportMetricsServiceResponse()
+    resp.partial_success.rejected_data_points = 3
+    resp.partial_success.error_message = "3 points over the series limit"
+    endpoint.response_body = resp.SerializeToString()
+    pusher = _pusher(endpoint.url)
+    with caplog.at_level(logging.WARNING):
+        assert pusher.push_once() and pusher.push_once()
+    sent = len(snapshot_points(_families(), taken_at=0.0))
+    assert pusher.points_rejected == 6 and pusher.points_pushed == 2 * (sent - 3)
+    assert caplog.text.count("rejected 3 of") == 1 and "over the series limit" in caplog.text
+
+
+def test_tls_endpoint_needs_its_ca_and_skip_verify_really_skips(
+    tls_endpoint: tuple[Endpoint, Path], caplog: pytest.LogCaptureFixture
+) -> None:
+    ep, cert = tls_endpoint
+    with caplog.at_level(logging.WARNING):
+        assert _pusher(ep.url).push_once() is False  # self-signed: not trusted by default
+    assert "CERTIFICATE_VERIFY_FAILED" in caplog.text or "certificate" in caplog.text.lower()
+    # --otlp.push-ca-file wins even where REQUESTS_CA_BUNDLE points at another bundle (as on this machine)
+    assert _pusher(ep.url, ca_file=str(cert)).push_once() is True
+    assert _pusher(ep.url, insecure_skip_verify=True).push_once() is True
+    assert len(ep.requests) == 2
+
+
+def test_a_lost_gpus_status_is_stamped_now_not_with_its_last_reading() -> None:
+    points = snapshot_points(_families(), taken_at=500.0, gpu_times={"GPU-a": 100.0})
+    status = [p for p in points if p.name == "hw.status"]
+    assert status and {p.time_s for p in status} == {500.0}
+    assert {p.time_s for p in points if p.name == "hw.energy" and dict(p.attributes)["hw.type"] == "gpu"} == {100.0}
+
+
+def test_headers_file_with_bom_non_utf8_and_bad_names(tmp_path: Path) -> None:
+    f = tmp_path / "headers"
+    f.write_bytes(b"\xef\xbb\xbfAuthorization: Bearer x\r\n")
+    assert load_headers_file(str(f)) == {"Authorization": "Bearer x"}
+    f.write_bytes(b"Authorization: \xff\xfe\n")
+    with pytest.raises(ConfigError, match="is not UTF-8 text"):
+        load_headers_file(str(f))
+    f.write_text("Bad Name: x\n")
+    with pytest.raises(ConfigError, match="line 1"):
+        load_headers_file(str(f))
+    f.write_text("X-Key: caf\u00e9\u2603\n")
+    with pytest.raises(ConfigError, match="non-Latin-1"):
+        load_headers_file(str(f))

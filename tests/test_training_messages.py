@@ -5,9 +5,7 @@ self-signed certificate the trainer does not trust, and a receiver that accepts 
 
 from __future__ import annotations
 
-import datetime
 import http.server
-import ipaddress
 import logging
 import ssl
 import threading
@@ -16,10 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.x509.oid import NameOID
+from tlsutil import self_signed
 from training_models import closed_port, receiver, total
 
 from gpu_energy_exporter.otlp import OTLPReceiver, TrainingStore
@@ -91,26 +86,6 @@ def test_connection_refused_says_nothing_listens_there(caplog: pytest.LogCapture
     assert f"connection refused at 127.0.0.1:{port}" in message, message
     assert "nothing is listening there" in message and "--otlp.listen-address" in message
     assert "401" not in message and "bearer" not in message and "certificate" not in message
-
-
-def self_signed(directory: Path) -> Path:
-    """A self-signed certificate for 127.0.0.1 (key beside it); returns the certificate's path."""
-    key = ec.generate_private_key(ec.SECP256R1())
-    subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "gpu-energy-exporter test")])
-    now = datetime.datetime.now(datetime.timezone.utc)
-    cert = (
-        x509.CertificateBuilder().subject_name(subject).issuer_name(subject).public_key(key.public_key())
-        .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(hours=1))
-        .not_valid_after(now + datetime.timedelta(days=1))
-        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
-        .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
-                       critical=False)
-        .sign(key, hashes.SHA256())
-    )
-    (directory / "server.crt").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    (directory / "server.key").write_bytes(key.private_bytes(
-        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()))
-    return directory / "server.crt"
 
 
 class _Quiet(http.server.ThreadingHTTPServer):

@@ -23,14 +23,18 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import socket
 import threading
 import time
+import warnings
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+import requests
 from prometheus_client.core import Metric
+from urllib3.exceptions import InsecureRequestWarning
 
 from gpu_energy_exporter import __version__
 from gpu_energy_exporter.errors import ConfigError
@@ -44,6 +48,10 @@ GPU_VENDOR = "NVIDIA"
 PUSH_POINTS = define(
     "otlp", "push_points_total", "counter",
     "Data points pushed to --otlp.push-endpoint and accepted by it.", collector="otlp_push",
+)
+PUSH_REJECTED = define(
+    "otlp", "push_points_rejected_total", "counter",
+    "Data points that --otlp.push-endpoint answered as rejected (OTLP partial success).", collector="otlp_push",
 )
 PUSH_FAILURES = define(
     "otlp", "push_failures_total", "counter",
@@ -187,7 +195,9 @@ def snapshot_points(
             if spec is None or spec.name in _NOT_PUSHED or spec.collector not in PUSHED_COLLECTORS:
                 continue
             uuid = s.labels.get("gpu_uuid")
-            t = gpu_times.get(uuid, taken_at) if uuid else taken_at
+            # A reading's own time, except for the GPU's status: a lost GPU's last reading stops moving,
+            # and its "failed" state must stay current (a stale point would clear an alert).
+            t = gpu_times.get(uuid, taken_at) if uuid and spec.name != "gpuenergy_gpu_up" else taken_at
             gpu = gpus.get(uuid) if uuid else None
             if gpu is None and uuid is not None:
                 gpu = _GPUAttrs(s.labels.get("gpu", ""), uuid)
@@ -318,22 +328,35 @@ def build_metrics_data(points: list[OTLPPoint], resource: Mapping[str, str], sta
     )])
 
 
+_TOKEN = re.compile(r"^[!#$%&'*+.^_`|~0-9A-Za-z-]+$")  # RFC 9110 field-name
+
+
 def load_headers_file(path: str) -> dict[str, str]:
-    """``Name: value`` per line (blank lines and ``#`` comments skipped): secrets stay out of argv."""
+    """``Name: value`` per line (blank lines and ``#`` comments skipped; UTF-8 with or without a byte
+    order mark): secrets stay out of argv and the environment."""
     try:
-        with open(path, encoding="utf-8") as f:
-            lines = f.read().splitlines()
+        with open(path, "rb") as f:
+            raw = f.read()
     except OSError as exc:
         raise ConfigError(f"cannot read --otlp.push-headers-file {path!r}: {exc.strerror or exc}") from None
+    try:
+        lines = raw.decode("utf-8-sig").splitlines()
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"--otlp.push-headers-file {path!r} is not UTF-8 text (byte {exc.start})") from None
     headers: dict[str, str] = {}
     for n, line in enumerate(lines, 1):
         text = line.strip()
         if not text or text.startswith("#"):
             continue
         name, sep, value = text.partition(":")
-        if not sep or not name.strip() or any(c.isspace() for c in name.strip()):
-            raise ConfigError(f"--otlp.push-headers-file {path!r} line {n}: expected 'Name: value'")
-        headers[name.strip()] = value.strip()
+        name, value = name.strip(), value.strip()
+        if not sep or not _TOKEN.match(name):
+            raise ConfigError(f"--otlp.push-headers-file {path!r} line {n}: expected 'Name: value' with a header "
+                              "name of letters, digits and -")
+        if any(ord(c) < 0x20 or ord(c) == 0x7F or ord(c) > 0xFF for c in value):
+            raise ConfigError(f"--otlp.push-headers-file {path!r} line {n}: the value of {name} has control or "
+                              "non-Latin-1 characters, which HTTP headers cannot carry")
+        headers[name] = value
     return headers
 
 
@@ -349,10 +372,54 @@ class PushSettings:
     timeout_s: float = 10.0
 
 
+class _PushSession(requests.Session):
+    """The requests session under the SDK's exporter. It pins certificate verification per request
+    (requests lets ``REQUESTS_CA_BUNDLE`` override a session's CA file, and the SDK resets
+    ``session.verify``), and keeps the last response so that a redirect or an OTLP partial success is
+    not taken for an accepted push."""
+
+    def __init__(self, verify: bool | str) -> None:
+        super().__init__()
+        self.pinned_verify = verify
+        self.last_response: requests.Response | None = None
+
+    def request(self, method: str | bytes, url: str | bytes, *args: Any,
+                **kwargs: Any) -> requests.Response:
+        kwargs["verify"] = self.pinned_verify
+        self.last_response = None
+        with warnings.catch_warnings():
+            if self.pinned_verify is False:  # asked for with --otlp.push-insecure-skip-verify, said once at start
+                warnings.simplefilter("ignore", InsecureRequestWarning)
+            response = super().request(method, url, *args, **kwargs)  # type: ignore[arg-type]
+        self.last_response = response
+        return response
+
+
+def rejected_points(response: requests.Response) -> tuple[int, str]:
+    """(rejected data points, message) from an OTLP/HTTP response's ``partial_success``; (0, "") when the
+    body is empty or not a response message."""
+    body = response.content
+    if not body:
+        return 0, ""
+    from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import ExportMetricsServiceResponse
+
+    msg = ExportMetricsServiceResponse()
+    try:
+        if "json" in response.headers.get("Content-Type", ""):
+            from google.protobuf import json_format
+
+            json_format.Parse(body, msg, ignore_unknown_fields=True)
+        else:
+            msg.ParseFromString(body)
+    except Exception:  # noqa: BLE001 - an unparseable answer is not a rejection we can count
+        return 0, ""
+    ps = msg.partial_success
+    return int(ps.rejected_data_points), ps.error_message
+
+
 def new_sdk_exporter(settings: PushSettings) -> Any:
     """The OpenTelemetry SDK's OTLP/HTTP metric exporter (protobuf, gzip) for ``settings``."""
     try:
-        import requests
         from opentelemetry.exporter.otlp.proto.http import Compression
         from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter
     except ImportError as exc:  # pragma: no cover - the base install has them
@@ -360,16 +427,19 @@ def new_sdk_exporter(settings: PushSettings) -> Any:
             f"--otlp.push-endpoint needs the OpenTelemetry SDK and OTLP exporter ({exc.name} is missing): "
             "pip install opentelemetry-sdk opentelemetry-exporter-otlp-proto-http"
         ) from None
-    session = requests.Session()
     if settings.insecure_skip_verify:
-        session.verify = False
-    return OTLPMetricExporter(
+        log.warning("--otlp.push-insecure-skip-verify: the certificate of %s is not verified (testing only)",
+                    settings.endpoint)
+    session = _PushSession(False if settings.insecure_skip_verify else (settings.ca_file or True))
+    exporter = OTLPMetricExporter(
         endpoint=settings.endpoint,
         certificate_file=None if settings.insecure_skip_verify else settings.ca_file,
         client_certificate_file=settings.cert_file, client_key_file=settings.key_file,
         headers=dict(settings.headers), timeout=settings.timeout_s, compression=Compression.Gzip,
         session=session,
     )
+    exporter.push_session = session  # type: ignore[attr-defined]  # read back by OTLPPusher (redirects, partial success)
+    return exporter
 
 
 SnapshotSource = Callable[[], Any]  # -> Snapshot | None
@@ -391,6 +461,8 @@ class OTLPPusher:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.points_pushed = 0
+        self.points_rejected = 0
+        self._warned_partial = False
         self.failures = 0
         self.consecutive_failures = 0
         self.last_success = 0.0
@@ -413,6 +485,8 @@ class OTLPPusher:
         gpu_times = {g.identity.uuid: g.reading.timestamp for g in snap.gpus if g.reading is not None}
         points = snapshot_points(snap.families, taken_at=snap.timestamp, gpu_times=gpu_times)
         data = build_metrics_data(points, self._resource, self._starts)
+        session = getattr(self._exporter, "push_session", None)
+        rejected, rejected_why = 0, ""
         try:
             result = self._exporter.export(data, timeout_millis=self.settings.timeout_s * 1000)
             ok = getattr(result, "name", str(result)) == "SUCCESS"
@@ -421,8 +495,22 @@ class OTLPPusher:
             ok, why = False, f"{type(exc).__name__}: {exc}"
         else:
             why = "the endpoint refused or did not answer (see the OpenTelemetry exporter's log line)"
+            response = session.last_response if session is not None else None
+            if ok and response is not None and 300 <= response.status_code < 400:
+                # The SDK takes any status below 400 as accepted, and never follows a redirect.
+                ok, why = False, (f"the endpoint answered {response.status_code} (a redirect to "
+                                  f"{response.headers.get('Location', '?')}): set --otlp.push-endpoint to the final "
+                                  "URL; nothing was stored")
+            elif ok and response is not None:
+                rejected, rejected_why = rejected_points(response)
         if ok:
-            self.points_pushed += len(points)
+            self.points_pushed += max(0, len(points) - rejected)
+            self.points_rejected += rejected
+            if rejected and not self._warned_partial:
+                log.warning("OTLP push to %s: the endpoint rejected %d of %d points: %s (logged once; counted in "
+                            "gpuenergy_otlp_push_points_rejected_total)", self.settings.endpoint, rejected,
+                            len(points), rejected_why or "no reason given")
+                self._warned_partial = True
             self.last_success = self._clock()
             if self.consecutive_failures:
                 log.info("OTLP push to %s works again", self.settings.endpoint)
@@ -462,7 +550,8 @@ class OTLPPusher:
     def collect(self) -> list[Metric]:
         """Self-metrics for /metrics."""
         out = []
-        for spec, value in ((PUSH_POINTS, self.points_pushed), (PUSH_FAILURES, self.failures),
+        for spec, value in ((PUSH_POINTS, self.points_pushed), (PUSH_REJECTED, self.points_rejected),
+                            (PUSH_FAILURES, self.failures),
                             (PUSH_LAST_SUCCESS, self.last_success)):
             fam = spec.family()
             add(fam, [], float(value))
