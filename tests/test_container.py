@@ -27,14 +27,15 @@ from pathlib import Path
 
 import psutil
 import pytest
-from conftest import free_port, sample_value, wait_until
+from conftest import free_port, sample_value
 from fakenvml import Constant, Scenario, h100
 
 pytestmark = [pytest.mark.slow, pytest.mark.container]
 
 REPO = Path(__file__).resolve().parent.parent
 BASE_IMAGE = "localhost/gpu-energy-exporter-test-base:bookworm"
-IMAGE = "localhost/gpu-energy-exporter:test"
+#: One tag per test process, so two checkouts testing at once never run each other's image.
+IMAGE = f"localhost/gpu-energy-exporter:test-{os.getpid()}"
 VOLUME = "/var/lib/gpu-energy-exporter"
 SUITE = "bookworm"
 #: What docs/deploy.md states as the image size; the test fails when a measured size drifts from it.
@@ -122,7 +123,8 @@ def image(base_image: str) -> Iterator[str]:
             timeout=900)
     print(f"image built in {time.monotonic() - start:.0f}s")
     yield IMAGE
-    buildah("rmi", "--prune", check=False)  # the previous builds' untagged images
+    buildah("rmi", IMAGE, check=False)
+    buildah("rmi", "--prune", check=False)  # untagged intermediate images
 
 
 def _config(image: str) -> dict:
@@ -231,8 +233,13 @@ def test_the_image_serves_fake_gpus_as_uid_10001_writes_only_its_volume_and_keep
             for _ in range(5):
                 run.step(tokens=1000, samples=4, loss=1.0)
                 time.sleep(0.4)
-        wait_until(lambda: (volume / "runs.csv").exists() and "container-run" in (volume / "runs.csv").read_text(),
-                   timeout=60, what="the finished run in the volume's runs.csv")
+        if not _wait(lambda: (volume / "runs.csv").exists() and "container-run" in (volume / "runs.csv").read_text(),
+                     120):
+            with urllib.request.urlopen(f"http://127.0.0.1:{web}/api/v1/runs", timeout=5) as resp:
+                runs = resp.read().decode()
+            proc.terminate()
+            raise AssertionError(f"the run never reached runs.csv in the volume; the ledger says {runs}\n"
+                                 + proc.communicate(timeout=20)[0])
     finally:
         proc.terminate()
         try:
