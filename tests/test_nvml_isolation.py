@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import os
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -231,3 +233,51 @@ def test_a_gpu_that_cannot_be_opened_is_left_out_and_the_others_are_served(
     assert r.value("gpuenergy_gpu_up", **L(gpus[1])) is None
     left_out = [rec.getMessage() for rec in caplog.records if "GPU 1" in rec.getMessage()]
     assert len(left_out) == 1 and "left out" in left_out[0], left_out
+
+
+def test_a_transient_field_value_error_does_not_switch_instant_power_off_for_good(
+    fake_nvml_lib: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A pre-Volta GPU integrates instant power; one NVML_ERROR_UNKNOWN from nvmlDeviceGetFieldValues must
+    lose that sample only (it used to mark the field unsupported, freezing the energy for good)."""
+    from fakenvml import pascal_no_counter
+
+    path = tmp_path / "scenario.ini"
+    monkeypatch.setenv("FAKE_NVML_SCENARIO", str(path))
+
+    def write(error: bool) -> None:
+        errors = {"nvmlDeviceGetFieldValues": 999} if error else {}
+        Scenario(epoch=T0, driver=Driver(frozen_time=T0 + 100),
+                 gpus=[pascal_no_counter(0, power_instant_field=True, function_error=errors)]).write(path)
+        os.utime(path, ns=(time.time_ns(), time.time_ns()))
+
+    write(False)
+    backend = NVMLBackend(str(fake_nvml_lib))
+    try:
+        (g,) = backend.devices()
+        assert g.energy_method == "integrated_instant_power"
+        assert backend.read_power_mw(g) == 150_000.0
+        write(True)
+        assert backend.read_power_mw(g) is None
+        write(False)
+        assert backend.read_power_mw(g) == 150_000.0
+        assert backend.field_errors()[(0, "field_values", "nvml_error")] == 1
+    finally:
+        backend.close()
+
+
+def test_a_transient_energy_error_at_discovery_keeps_the_counter(
+    fake_nvml_lib: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One NVML_ERROR_UNKNOWN from the energy counter while GPUs are discovered must not make an H100
+    integrate sampled power for the life of the process."""
+    path = tmp_path / "scenario.ini"
+    monkeypatch.setenv("FAKE_NVML_SCENARIO", str(path))
+    Scenario(epoch=T0, driver=Driver(frozen_time=T0 + 100),
+             gpus=[h100(0, function_error={"nvmlDeviceGetTotalEnergyConsumption": 999})]).write(path)
+    backend = NVMLBackend(str(fake_nvml_lib))
+    try:
+        (g,) = backend.devices()
+        assert g.energy_method == "counter"
+    finally:
+        backend.close()

@@ -162,7 +162,8 @@ FIELD_ERRORS = define(
     "nvml", "field_errors_total", "counter",
     "NVML readings that could not be had, per GPU, field and reason. not_supported and function_not_found "
     "(the GPU or driver lacks it, after falling back to older function versions) are asked once, so count 1; "
-    "nvml_error and exception are retried every sample. The other readings go on either way.",
+    "no_data (NO_DATA, NOT_READY: nothing to read this time), nvml_error and exception are retried every "
+    "sample. The other readings go on either way.",
     _G + ("field", "reason"), collector="gpu",
 )
 IDLE_POWER = _gpu(

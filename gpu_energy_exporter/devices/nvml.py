@@ -51,10 +51,13 @@ _ARCHITECTURES = {
 # Errors meaning "this reading does not exist here": no data, asked once.
 _NO_DATA = {
     pynvml.NVML_ERROR_NOT_SUPPORTED,
-    pynvml.NVML_ERROR_NO_DATA,
-    pynvml.NVML_ERROR_NOT_READY,
     pynvml.NVML_ERROR_ARGUMENT_VERSION_MISMATCH,
     pynvml.NVML_ERROR_DEPRECATED,
+}
+# Errors meaning "nothing to read right now": no data this time, asked again next sample, logged at debug.
+_NOT_NOW = {
+    pynvml.NVML_ERROR_NO_DATA,
+    pynvml.NVML_ERROR_NOT_READY,
 }
 # Errors meaning the GPU itself is gone or unusable until reset.
 _LOST = {
@@ -65,7 +68,8 @@ _LOST = {
 
 #: ``reason`` label values of ``field_errors()`` (the ``gpuenergy_nvml_field_errors_total`` counter).
 #: not_supported and function_not_found are asked once; nvml_error and exception are retried every sample.
-REASON_NOT_SUPPORTED = "not_supported"  # NOT_SUPPORTED, NO_DATA, NOT_READY, ... from the driver
+REASON_NOT_SUPPORTED = "not_supported"  # NOT_SUPPORTED, ARGUMENT_VERSION_MISMATCH, DEPRECATED from the driver
+REASON_NO_DATA = "no_data"  # NO_DATA, NOT_READY: nothing to read this time (asked again, logged at debug)
 REASON_FUNCTION_NOT_FOUND = "function_not_found"  # symbol missing in the library, or wrapper missing in pynvml
 REASON_NVML_ERROR = "nvml_error"  # any other NVML return code (timeout, unknown, ...)
 REASON_EXCEPTION = "exception"  # anything else a call raised
@@ -82,6 +86,17 @@ _FI_POWER_AVERAGE = pynvml.NVML_FI_DEV_POWER_AVERAGE
 _FI_MEMORY_TEMP = pynvml.NVML_FI_DEV_MEMORY_TEMP
 _SCOPE_GPU = pynvml.NVML_POWER_SCOPE_GPU
 _SCOPE_MODULE = pynvml.NVML_POWER_SCOPE_MODULE
+#: (field id, scope) -> the field name used in errors and in gpuenergy_nvml_field_errors_total.
+_FIELD_NAMES: dict[tuple[Any, ...], str] = {
+    (_FI_POWER_INSTANT, _SCOPE_GPU): "power_instant_field",
+    (_FI_POWER_AVERAGE, _SCOPE_GPU): "power_average_field",
+    (_FI_MEMORY_TEMP, 0): "memory_temperature_field",
+    (_FI_POWER_INSTANT, _SCOPE_MODULE): "module_power_field",
+}
+
+#: A reading that fails transiently at discovery is asked this many times, this far apart.
+_DISCOVERY_TRIES = 3
+_DISCOVERY_RETRY_S = 0.05
 
 #: GPM metrics we expose (name used in GPUReading.gpm -> NVML metric id).
 GPM_METRICS: dict[str, int] = {
@@ -206,10 +221,18 @@ class NVMLBackend(GPUBackend):
                 ) from None
             if code == pynvml.NVML_ERROR_FUNCTION_NOT_FOUND:
                 return REASON_FUNCTION_NOT_FOUND
-            if code in _NO_DATA:
-                return REASON_NOT_SUPPORTED
-            return REASON_NVML_ERROR
+            return self._reason_of_code(code)
         return REASON_EXCEPTION
+
+    @staticmethod
+    def _reason_of_code(code: Any) -> str:
+        if code == pynvml.NVML_ERROR_FUNCTION_NOT_FOUND:
+            return REASON_FUNCTION_NOT_FOUND
+        if code in _NO_DATA:
+            return REASON_NOT_SUPPORTED
+        if code in _NOT_NOW:
+            return REASON_NO_DATA
+        return REASON_NVML_ERROR
 
     def _lose(self, index: int, what: str, reason: str, detail: str) -> None:
         """Count and log (once per GPU and field) a reading that could not be had."""
@@ -219,6 +242,9 @@ class NVMLBackend(GPUBackend):
         if reason in _ASKED_ONCE:
             self._unsupported.add(key)
             log.debug("GPU %d: %s not available (%s); not asking again", index, what, detail)
+            return
+        if reason == REASON_NO_DATA:
+            log.debug("GPU %d: %s has no data this time (%s)", index, what, detail)
             return
         if key in self._logged:
             log.debug("GPU %d: reading %s failed again: %s", index, what, detail)
@@ -337,12 +363,29 @@ class NVMLBackend(GPUBackend):
         )
 
     def _energy_method(self, index: int, h: Any) -> str:
-        if self._field(index, "energy", "nvmlDeviceGetTotalEnergyConsumption", h) is not None:
-            return ENERGY_METHOD_COUNTER
-        if self._instant_field(index, h) is not None:
-            return ENERGY_METHOD_INTEGRATED_INSTANT
-        if self._field(index, "power_usage", "nvmlDeviceGetPowerUsage", h) is not None:
-            return ENERGY_METHOD_INTEGRATED_USAGE
+        """Chosen once per GPU, at discovery. Only a reading the driver says does not exist here moves the
+        choice down (counter, then instant power, then PowerUsage): a transient error is asked again a few
+        times, and a method that keeps failing transiently is still chosen (its readings are left out while
+        they fail), so one bad moment at start-up never downgrades a GPU for the life of the process."""
+        for what, method, read in (
+            ("energy", ENERGY_METHOD_COUNTER,
+             lambda: self._field(index, "energy", "nvmlDeviceGetTotalEnergyConsumption", h)),
+            ("power_instant_field", ENERGY_METHOD_INTEGRATED_INSTANT, lambda: self._instant_field(index, h)),
+            ("power_usage", ENERGY_METHOD_INTEGRATED_USAGE,
+             lambda: self._field(index, "power_usage", "nvmlDeviceGetPowerUsage", h)),
+        ):
+            for attempt in range(_DISCOVERY_TRIES):
+                if read() is not None:
+                    return method
+                if (index, what) in self._unsupported or (what == "power_instant_field"
+                                                          and (index, "field_values") in self._unsupported):
+                    break  # the driver says it does not exist here: next method
+                if attempt + 1 < _DISCOVERY_TRIES:
+                    time.sleep(_DISCOVERY_RETRY_S)
+            else:
+                log.warning("GPU %d: %s kept failing at start-up; still using it for energy (its readings are "
+                            "left out while they fail)", index, what)
+                return method
         return ENERGY_METHOD_NONE
 
     def _mig(self, index: int, h: Any, uuid: str) -> tuple[bool, tuple[MIGDevice, ...]]:
@@ -375,21 +418,24 @@ class NVMLBackend(GPUBackend):
         if values is None:
             return [None] * len(ids)
         out: list[float | None] = []
-        for v in values:
+        for want, v in zip(ids, values, strict=False):
             if v.nvmlReturn != pynvml.NVML_SUCCESS:
                 if v.nvmlReturn in _LOST:
                     raise GPULost(f"GPU {index} is lost (field {v.fieldId})")
+                what = _FIELD_NAMES.get(tuple(want), f"field {v.fieldId}")
+                if (index, what) not in self._unsupported:
+                    # Per field, as for a whole call: "not supported" is remembered, anything else (a
+                    # transient error) loses this field for this sample only.
+                    self._lose(index, what, self._reason_of_code(v.nvmlReturn), f"NVML return code {v.nvmlReturn}")
                 out.append(None)
                 continue
             out.append(_field_value(v))
         return out
 
     def _instant_field(self, index: int, h: Any) -> float | None:
-        if (index, "power_instant_field") in self._unsupported:
+        if (index, "power_instant_field") in self._unsupported or (index, "field_values") in self._unsupported:
             return None
         (value,) = self._field_values(index, h, [(_FI_POWER_INSTANT, _SCOPE_GPU)])
-        if value is None:
-            self._unsupported.add((index, "power_instant_field"))
         return value
 
     def read_power_mw(self, gpu: GPUIdentity) -> float | None:
