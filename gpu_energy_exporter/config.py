@@ -182,10 +182,10 @@ FLAGS: tuple[Flag, ...] = (
          "Most training series kept in total; points for new series beyond it are rejected.", "N"),
     Flag("otlp.max-series-per-run", _positive_int, "2000",
          "Most training series kept per run id; points for new series beyond it are rejected.", "N"),
-    Flag("otlp.max-bytes", _positive_int, str(32 * 1024 * 1024),
+    Flag("otlp.max-bytes", _positive_int, str(64 * 1024 * 1024),
          "Most estimated memory held by training series in total; points for new series beyond it are "
          "rejected, and one request may add at most a quarter of it.", "BYTES"),
-    Flag("otlp.max-series-bytes", _positive_int, str(64 * 1024),
+    Flag("otlp.max-series-bytes", _positive_int, str(256 * 1024),
          "Largest estimated size of one training series (labels times samples); bigger points are rejected.",
          "BYTES"),
     Flag("otlp.max-label-length", _positive_int, "2048",
@@ -272,8 +272,8 @@ class Config:
     otlp_series_ttl: float = 600.0
     otlp_max_series: int = 20000
     otlp_max_series_per_run: int = 2000
-    otlp_max_bytes: int = 32 * 1024 * 1024
-    otlp_max_series_bytes: int = 64 * 1024
+    otlp_max_bytes: int = 64 * 1024 * 1024
+    otlp_max_series_bytes: int = 256 * 1024
     otlp_max_label_length: int = 2048
     otlp_max_labels_per_point: int = 32
     otlp_max_buckets_per_point: int = 256

@@ -269,7 +269,7 @@ class TrainingStore:
         series_ttl: float = 600.0,
         max_series: int = 20000,
         max_series_per_run: int = 2000,
-        max_bytes: int = 32 * 1024 * 1024,
+        max_bytes: int = 64 * 1024 * 1024,
         max_new_series_per_request: int = 2000,
         max_new_runs_per_request: int = 16,
         evict_idle_after: float = 120.0,
