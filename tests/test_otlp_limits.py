@@ -282,6 +282,20 @@ def test_non_finite_counter_values_are_rejected(exporter: ExporterProcess) -> No
                       what="the ledger's tokens to follow the counter")
     assert sample_value(text, "training_tokens_total", run_id="inf") == 300.0
     assert sample_value(text, "gpuenergy_otlp_points_rejected_total", reason="non_finite") == 3
+    # a delta counter that would overflow to +Inf is refused and keeps its total
+    delta = pb.Metric(name="overflow", sum=pb.Sum(aggregation_temporality=pb.AGGREGATION_TEMPORALITY_DELTA,
+                                                  is_monotonic=True))
+    for i in range(2):
+        delta.sum.data_points.add(as_double=1e308, time_unix_nano=t0 + 20 + i).attributes.extend(_attrs(labels))
+    status, response = post(url, _wrap(delta))
+    assert response.partial_success.rejected_data_points == 1
+    # gauges may be NaN or +-Inf, as in Prometheus; the next point replaces them
+    for i, odd in enumerate((math.nan, math.inf, 1.5)):
+        status, response = post(url, _wrap(gauge("training.loss", [(labels, odd)], t=t0 + 30 + i)))
+        assert response.partial_success.rejected_data_points == 0
+        value = sample_value(exporter.metrics(), "training_loss", run_id="inf")
+        assert value == odd or (math.isnan(odd) and value is not None and math.isnan(value))
+    assert sample_value(exporter.metrics(), "overflow_total", run_id="inf") == 1e308
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -206,9 +206,10 @@ class _Series:
         for name, value in zip(self._STATE, state, strict=True):
             setattr(self, name, value)
 
-    def finite(self) -> bool:
-        return math.isfinite(self.base + self.raw + self.base_sum + self.raw_sum + self.base_count
-                             + self.raw_count)
+    def totals_finite(self) -> bool:
+        """Counter and histogram totals are finite (gauges may hold NaN or +-Inf)."""
+        return all(math.isfinite(x) for x in (self.base, self.raw, self.base_sum, self.raw_sum, self.base_count,
+                                               self.raw_count))
 
 
 class _Family:
@@ -420,7 +421,7 @@ class TrainingStore:
         saved = None if new else series.state()
         try:
             self._update(p, series, new)
-            if not series.finite():
+            if p.kind in ("counter", "histogram") and not series.totals_finite():
                 raise _NonFinite
         except _OutOfOrder as exc:
             if saved is not None:
