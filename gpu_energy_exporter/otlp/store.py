@@ -80,6 +80,16 @@ log = logging.getLogger(__name__)
 
 COLLECTOR = "otlp"
 
+REJECT_REASONS: tuple[str, ...] = (
+    "invalid_name", "invalid_label", "invalid_point", "unsupported_type", "unsupported_temporality",
+    "type_conflict", "out_of_order", "series_limit", "run_series_limit",
+    # byte bounds and junk (translate.Limits)
+    "label_too_long", "too_many_labels", "too_many_buckets", "too_many_quantiles", "series_too_large",
+    "non_finite", "future_timestamp",
+    # store admission
+    "bytes_limit", "new_runs_per_request", "new_series_per_request", "new_bytes_per_request", "name_collision",
+)
+
 REQUESTS = metrics.define(
     "otlp", "requests_total", "counter",
     "OTLP/HTTP export requests handled by the receiver, by HTTP status code.",
@@ -89,7 +99,7 @@ POINTS_RECEIVED = metrics.define(
     "Data points in decoded OTLP requests, accepted or rejected.", collector=COLLECTOR)
 POINTS_REJECTED = metrics.define(
     "otlp", "points_rejected_total", "counter",
-    "Data points not stored, by reason (see docs/training.md and the otlp.store module docstring).",
+    "Data points not stored, by reason (" + ", ".join(REJECT_REASONS) + "; see docs/configuration.md).",
     ("reason",), collector=COLLECTOR)
 SERIES = metrics.define(
     "otlp", "series", "gauge",
@@ -115,15 +125,6 @@ STREAM_RESTARTS = metrics.define(
     "Cumulative streams that restarted (new start time or a decrease) and were folded into the exposed "
     "total.", collector=COLLECTOR)
 
-REJECT_REASONS: tuple[str, ...] = (
-    "invalid_name", "invalid_label", "invalid_point", "unsupported_type", "unsupported_temporality",
-    "type_conflict", "out_of_order", "series_limit", "run_series_limit",
-    # byte bounds and junk (translate.Limits)
-    "label_too_long", "too_many_labels", "too_many_buckets", "too_many_quantiles", "series_too_large",
-    "non_finite", "future_timestamp",
-    # store admission
-    "bytes_limit", "new_runs_per_request", "new_series_per_request", "new_bytes_per_request", "name_collision",
-)
 #: Names no pushed family may produce: target_info is the resources' family (``target`` its OpenMetrics
 #: name); ``up`` and ``scrape_*`` are written by Prometheus itself for every target.
 RESERVED_NAMES = frozenset({"target", "target_info", "up"})
