@@ -38,7 +38,7 @@ LIMITS: dict[str, Any] = dict(max_series=60, max_series_per_run=40, max_bytes=12
                               max_label_length=64, max_labels_per_point=6, max_buckets_per_point=12,
                               max_quantiles_per_point=6, max_new_series_per_request=30,
                               max_new_runs_per_request=4)
-SETTINGS = settings(max_examples=150, deadline=None, derandomize=True,
+SETTINGS = settings(max_examples=150, deadline=None, derandomize=True, database=None,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 NOW_NS = 1_700_000_000 * 10**9
 SENTINEL = b'sentinel_tokens_total{rank="0",run_id="sentinel"} 42.0\n'
@@ -354,7 +354,7 @@ def test_mutated_sdk_bodies(case: tuple[bytes, str]) -> None:
 
 
 @pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool not installed")
-@settings(max_examples=40, deadline=None, derandomize=True,
+@settings(max_examples=40, deadline=None, derandomize=True, database=None,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(st.lists(_request(), min_size=1, max_size=3))
 def test_exposition_always_parses(requests: list[ExportMetricsServiceRequest]) -> None:

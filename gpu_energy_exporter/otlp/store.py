@@ -214,7 +214,7 @@ class _Series:
 
 
 class _Family:
-    __slots__ = ("name", "kind", "help", "unit", "series", "claims", "header")
+    __slots__ = ("name", "kind", "help", "unit", "series", "claims", "header", "cost")
 
     def __init__(self, name: str, kind: Kind, help: str, unit: str) -> None:
         self.name = name
@@ -224,6 +224,12 @@ class _Family:
         self.series: dict[Labels, _Series] = {}
         self.claims = _claimed_names(name, kind)
         self.header: list[bytes | None] = [None, None]  # encoded # HELP / # TYPE / # UNIT lines
+        self.cost = _family_bytes(name, help)
+
+
+def _family_bytes(name: str, help: str) -> int:
+    """Estimated bytes of a family apart from its series (help and names, the cached headers)."""
+    return 8 * (len(name) + 8) + 4 * len(help) + 1024
 
 
 def _claimed_names(name: str, kind: Kind) -> tuple[str, ...]:
@@ -408,14 +414,18 @@ class TrainingStore:
             return None
         new = series is None
         if series is None:
+            extra = 0
             if fam is None:
                 problem = self._collision(p)
                 if problem:
                     return problem
-            problem = self._admit(p, now, request)
+                extra = _family_bytes(p.name, p.help)
+            problem = self._admit(p, now, request, extra)
             if problem:
                 return problem
             fam = families.get(p.name)  # admitting may have evicted the family's last series
+            if fam is None and not extra and self._bytes + p.cost + _family_bytes(p.name, p.help) > self.max_bytes:
+                return self._bytes_full(p.cost + _family_bytes(p.name, p.help))
             series = _Series(dict(p.labels), p.run_id, p.cost)
         elif p.cost != series.cost and self._bytes - series.cost + p.cost > self.max_bytes:
             return self._bytes_full(p.cost - series.cost)
@@ -435,6 +445,7 @@ class TrainingStore:
         if new:
             if fam is None:
                 fam = self._add_family(p)
+                request.new_bytes += fam.cost
             fam.series[p.labels] = series
             self._series_total += 1
             self._bytes += series.cost
@@ -455,6 +466,7 @@ class TrainingStore:
         fam = self._families[p.name] = _Family(p.name, p.kind, p.help, p.unit)
         for name in fam.claims:
             self._claims[name] = fam.name
+        self._bytes += fam.cost
         return fam
 
     def _collision(self, p: Point) -> tuple[str, str] | None:
@@ -469,11 +481,12 @@ class TrainingStore:
                         f"{self._families[owner].kind} {owner!r} already exposes; rename one of them")
         return None
 
-    def _admit(self, p: Point, now: float, request: _Request) -> tuple[str, str] | None:
-        """Room for one more series, or (reason, message). Per-request allowances first (they never need
-        a sweep); when the store itself is full, expired and idle series are dropped once per request
-        (a sweep is O(series)) before refusing."""
+    def _admit(self, p: Point, now: float, request: _Request, extra: int) -> tuple[str, str] | None:
+        """Room for one more series (and ``extra`` bytes for its new family), or (reason, message).
+        Per-request allowances first (they never need a sweep); when the store itself is full, expired and
+        idle series are dropped once per request (a sweep is O(series)) before refusing."""
         run_id = p.run_id
+        cost = p.cost + extra
         if run_id not in self._per_run and run_id not in request.new_runs and \
                 len(request.new_runs) >= self.max_new_runs_per_request:
             return ("new_runs_per_request", f"this request already started {self.max_new_runs_per_request} "
@@ -481,18 +494,18 @@ class TrainingStore:
         if request.new_series >= self.max_new_series_per_request:
             return ("new_series_per_request", f"this request already created {self.max_new_series_per_request} "
                     "new series (--otlp.max-new-series-per-request); the rest are accepted from the next one")
-        if request.new_bytes + p.cost > self.max_bytes // 4:
+        if request.new_bytes + cost > self.max_bytes // 4:
             return ("new_bytes_per_request", f"this request already created {request.new_bytes} bytes of new "
                     f"series, the most one request may add is a quarter of --otlp.max-bytes ({self.max_bytes})")
-        full = (self._series_total >= self.max_series or self._bytes + p.cost > self.max_bytes
+        full = (self._series_total >= self.max_series or self._bytes + cost > self.max_bytes
                 or self._per_run.get(run_id, 0) >= self.max_series_per_run)
         if full and not request.swept:
             request.swept = True
             self._expire_locked(now, evict=True)
         if self._series_total >= self.max_series:
             return ("series_limit", f"the receiver holds {self.max_series} series (--otlp.max-series)")
-        if self._bytes + p.cost > self.max_bytes:
-            return self._bytes_full(p.cost)
+        if self._bytes + cost > self.max_bytes:
+            return self._bytes_full(cost)
         if self._per_run.get(run_id, 0) >= self.max_series_per_run:
             return ("run_series_limit",
                     f"run_id {run_id[:200]!r} has {self.max_series_per_run} series (--otlp.max-series-per-run)")
@@ -636,6 +649,7 @@ class TrainingStore:
         del fam.series[key]
         if not fam.series and self._families.get(fam.name) is fam:
             del self._families[fam.name]
+            self._bytes -= fam.cost
             for name in fam.claims:
                 if self._claims.get(name) == fam.name:
                     del self._claims[name]

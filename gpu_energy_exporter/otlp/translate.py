@@ -378,9 +378,14 @@ class _Rejected(Exception):
 _LABEL_CACHE: dict[str, str] = {}
 _NAME_CACHE: dict[tuple[str, str, str], str] = {}
 _CACHE_MAX = 8192
+#: Longer names are translated every time: the caches stay under ~8192 * 2 * 128 characters each, whatever
+#: --otlp.max-label-length allows.
+_CACHE_KEY_MAX = 128
 
 
 def _cached_label(key: str) -> str:
+    if len(key) > _CACHE_KEY_MAX:
+        return label_name(key)
     out = _LABEL_CACHE.get(key)
     if out is None:
         if len(_LABEL_CACHE) >= _CACHE_MAX:
@@ -390,6 +395,8 @@ def _cached_label(key: str) -> str:
 
 
 def _cached_metric_name(name: str, unit: str, kind: NameKind) -> str:
+    if len(name) + len(unit) > _CACHE_KEY_MAX:
+        return metric_name(name, unit, kind)
     key = (name, unit, kind)
     out = _NAME_CACHE.get(key)
     if out is None:
