@@ -199,6 +199,32 @@ FLAGS: tuple[Flag, ...] = (
          "Most training series kept in total; points for new series beyond it are rejected.", "N"),
     Flag("otlp.max-series-per-run", _positive_int, "2000",
          "Most training series kept per run id; points for new series beyond it are rejected.", "N"),
+    Flag("otlp.max-bytes", _positive_int, str(64 * 1024 * 1024),
+         "Most estimated memory held by training series in total; points for new series beyond it are "
+         "rejected, and one request may add at most a quarter of it.", "BYTES"),
+    Flag("otlp.max-series-bytes", _positive_int, str(256 * 1024),
+         "Largest estimated size of one training series (labels times samples); bigger points are rejected.",
+         "BYTES"),
+    Flag("otlp.max-label-length", _positive_int, "2048",
+         "Longest metric name, attribute name or attribute value (characters); longer points are rejected.",
+         "N"),
+    Flag("otlp.max-labels-per-point", _positive_int, "32",
+         "Most attributes on one data point; points with more are rejected.", "N"),
+    Flag("otlp.max-buckets-per-point", _positive_int, "256",
+         "Most buckets in one histogram data point; points with more are rejected.", "N"),
+    Flag("otlp.max-quantiles-per-point", _positive_int, "64",
+         "Most quantiles in one summary data point; points with more are rejected.", "N"),
+    Flag("otlp.max-future-skew", parse_duration, "5m",
+         "Points (or stream start times) dated more than this after their request arrived are rejected.",
+         "DURATION"),
+    Flag("otlp.max-new-runs-per-request", _positive_int, "16",
+         "Most new run ids one request may start; their points beyond it are rejected (a flood of run ids "
+         "cannot lock out other trainers).", "N"),
+    Flag("otlp.max-new-series-per-request", _positive_int, "2000",
+         "Most new training series one request may create; series that already exist always update.", "N"),
+    Flag("otlp.evict-idle-after", parse_duration, "2m",
+         "When the series or byte limit is reached, series not updated for this long are dropped to make "
+         "room (before --otlp.series-ttl).", "DURATION"),
     Flag("otlp.bearer-token-file", _existing_file, None,
          "If set, OTLP pushes must carry 'Authorization: Bearer <token>' with the token in this file.",
          "FILE"),
@@ -284,6 +310,16 @@ class Config:
     otlp_series_ttl: float = 600.0
     otlp_max_series: int = 20000
     otlp_max_series_per_run: int = 2000
+    otlp_max_bytes: int = 64 * 1024 * 1024
+    otlp_max_series_bytes: int = 256 * 1024
+    otlp_max_label_length: int = 2048
+    otlp_max_labels_per_point: int = 32
+    otlp_max_buckets_per_point: int = 256
+    otlp_max_quantiles_per_point: int = 64
+    otlp_max_future_skew: float = 300.0
+    otlp_max_new_runs_per_request: int = 16
+    otlp_max_new_series_per_request: int = 2000
+    otlp_evict_idle_after: float = 120.0
     otlp_bearer_token_file: str | None = None
     otlp_push_endpoint: str | None = None
     otlp_push_interval: float = 10.0

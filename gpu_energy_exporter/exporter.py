@@ -109,6 +109,16 @@ class Exporter:
             series_ttl=config.otlp_series_ttl,
             max_series=config.otlp_max_series,
             max_series_per_run=config.otlp_max_series_per_run,
+            max_bytes=config.otlp_max_bytes,
+            max_series_bytes=config.otlp_max_series_bytes,
+            max_label_length=config.otlp_max_label_length,
+            max_labels_per_point=config.otlp_max_labels_per_point,
+            max_buckets_per_point=config.otlp_max_buckets_per_point,
+            max_quantiles_per_point=config.otlp_max_quantiles_per_point,
+            max_future_skew=config.otlp_max_future_skew,
+            max_new_runs_per_request=config.otlp_max_new_runs_per_request,
+            max_new_series_per_request=config.otlp_max_new_series_per_request,
+            evict_idle_after=config.otlp_evict_idle_after,
         )
         self.snapshot_collector.add_live_source(self.store.collect)
         self.ledger = RunLedger(

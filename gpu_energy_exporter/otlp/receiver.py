@@ -16,7 +16,10 @@ Protocol (OTLP specification, "OTLP/HTTP"):
   bomb costs at most that much memory), 415 for another content type or encoding. None of these is
   retryable for an OTLP client, which is right: a retry would fail the same way.
 - A request is decoded and translated completely before the store is touched: a rejected request stores
-  nothing. Within a decoded request, points that cannot be used are counted and reported, the rest stored.
+  nothing. Within a decoded request, points that cannot be used are counted and reported, the rest stored:
+  the response's ``partial_success`` gives ``rejected_data_points`` and, per reason, the first message,
+  which names the limit and its ``--otlp.*`` flag (bounds: ``translate.Limits`` per point, the store's
+  module docstring for bytes, fair admission and name collisions).
 
 This module must never let a request crash the server: every failure becomes a response.
 """
@@ -322,14 +325,15 @@ class ExportHandler:
         content_type = self._check(h, len(body))
         data = decompress(body, h.get("content-encoding", "").strip().lower(), self.max_body_bytes)
         request = decode(data, content_type)
-        batch = translate_request(request, time.time_ns())
+        batch = translate_request(request, time.time_ns(), self.store.limits)
         result = self.store.apply(batch)
         rejected = sum(result.rejected.values())
         message = ""
         if rejected:
-            parts = [f"{n} {reason}: {result.messages.get(reason, '')}"
+            # each reason's message is cut on its own, so that every reason and its flag stay readable
+            parts = [f"{n} {reason}: {result.messages.get(reason, '')[:400]}"
                      for reason, n in sorted(result.rejected.items())]
-            message = ("rejected data points - " + "; ".join(parts))[:2000]
+            message = ("rejected data points - " + "; ".join(parts))[:8000]
         return 200, content_type, _response_body(rejected, message, content_type)
 
 

@@ -23,6 +23,17 @@ because dashboard compatibility is the goal):
 - Resource attributes never become ``job`` / ``instance``: those are the exporter's own target labels in
   Prometheus. They are exposed once per resource as ``target_info`` (see the store).
 
+Bounds (``Limits``, one ``--otlp.*`` flag each) are applied here, before the store's lock is taken, so that
+nothing unbounded is ever built: a point is rejected (counted by reason, named in the response's
+``partial_success``) when a metric name, label name or label value is longer than ``max_label_length``,
+when it has more than ``max_labels_per_point`` attributes, more than ``max_buckets_per_point`` histogram
+buckets or ``max_quantiles_per_point`` summary quantiles, when its estimated size (``series_bytes``) is over
+``max_series_bytes``, or when its time (or start time) is more than ``max_future_skew_ns`` after the
+request arrived. Non-finite values are rejected (``non_finite``) where they would be stored for ever:
+counters, histogram and summary sums. Gauges (and cumulative up-down sums) may be NaN or +-Inf, as in
+Prometheus: the next point replaces them. Summary quantile values may be NaN (a summary with no
+observations). Metric descriptions longer than ``MAX_HELP_LENGTH`` are cut.
+
 This module never touches the store and never performs I/O.
 """
 
@@ -32,7 +43,7 @@ import base64
 import json
 import math
 import re
-from collections.abc import Iterable
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from decimal import Decimal
 from typing import Any, Literal
@@ -46,6 +57,9 @@ NameKind = Literal["counter", "gauge", "updown", "histogram", "summary", "unknow
 
 #: Names the exporter exposes itself; a push must never shadow them (a duplicate series breaks a scrape).
 RESERVED_PREFIXES: tuple[str, ...] = ("gpuenergy_",)
+
+#: Metric descriptions are cut to this many characters (metadata, not worth rejecting a point for).
+MAX_HELP_LENGTH = 1024
 
 # OTLP AggregationTemporality enum values (opentelemetry/proto/metrics/v1/metrics.proto).
 TEMPORALITY_DELTA = 1
@@ -266,6 +280,53 @@ def attribute_value(any_value: Any) -> str:
 Labels = tuple[tuple[str, str], ...]
 
 
+@dataclass(frozen=True, slots=True)
+class Limits:
+    """Per-point bounds applied at translation (see the module docstring); defaults are the flags'."""
+
+    max_label_length: int = 2048
+    max_labels_per_point: int = 32
+    max_buckets_per_point: int = 256
+    max_quantiles_per_point: int = 64
+    max_series_bytes: int = 256 * 1024
+    max_future_skew_ns: int = 300 * 10**9
+
+    def __post_init__(self) -> None:
+        for name in self.__slots__:
+            if getattr(self, name) <= 0 and name != "max_future_skew_ns":
+                raise ValueError(f"{name} must be positive")
+        if self.max_future_skew_ns < 0:
+            raise ValueError("max_future_skew_ns must not be negative")
+
+
+DEFAULT_LIMITS = Limits()
+
+#: Fixed cost of one series in ``series_bytes`` (the objects that hold it, whatever its labels) and of
+#: each of its samples (a ``Sample`` tuple and, for a bucket, its label dictionary), measured with
+#: tracemalloc on helper-like series: the estimate is within a factor 1.5 of what the store holds.
+SERIES_OVERHEAD_BYTES = 1024
+SAMPLE_OVERHEAD_BYTES = 150
+
+
+def series_bytes(name: str, labels: Labels, kind: str, buckets: int = 0, quantiles: int = 0) -> int:
+    """Estimated memory a series costs the store: its exposition lines, held twice (text and OpenMetrics
+    encodings are cached) plus the label dictionaries and samples they are built from (about as much
+    again), and a fixed overhead. Used for ``--otlp.max-series-bytes`` and ``--otlp.max-bytes``; it grows
+    linearly with what a push controls (label sizes, bucket and quantile counts), which is what matters
+    for a bound."""
+    line = len(name) + sum(len(k) + len(v) + 4 for k, v in labels) + 32
+    if kind == "histogram":
+        samples = max(buckets, 1) + 2
+        lines = (samples - 2) * (line + 20) + 2 * (line + 8)
+    elif kind == "summary":
+        samples = quantiles + 2
+        lines = quantiles * (line + 24) + 2 * (line + 8)
+    else:
+        samples = 1
+        lines = line
+    return 4 * lines + SAMPLE_OVERHEAD_BYTES * samples + SERIES_OVERHEAD_BYTES
+
+
 @dataclass(slots=True)
 class Point:
     """One data point, translated and validated, ready for the store."""
@@ -286,6 +347,7 @@ class Point:
     sum: float | None = None  # histogram / summary sum (None: not recorded)
     quantiles: tuple[tuple[float, float], ...] = ()  # summary (quantile, value)
     no_value: bool = False  # the sender marked the stream as ended
+    cost: int = 0  # series_bytes() of the series this point gives
 
 
 @dataclass
@@ -316,9 +378,14 @@ class _Rejected(Exception):
 _LABEL_CACHE: dict[str, str] = {}
 _NAME_CACHE: dict[tuple[str, str, str], str] = {}
 _CACHE_MAX = 8192
+#: Longer names are translated every time: the caches stay under ~8192 * 2 * 128 characters each, whatever
+#: --otlp.max-label-length allows.
+_CACHE_KEY_MAX = 128
 
 
 def _cached_label(key: str) -> str:
+    if len(key) > _CACHE_KEY_MAX:
+        return label_name(key)
     out = _LABEL_CACHE.get(key)
     if out is None:
         if len(_LABEL_CACHE) >= _CACHE_MAX:
@@ -328,6 +395,8 @@ def _cached_label(key: str) -> str:
 
 
 def _cached_metric_name(name: str, unit: str, kind: NameKind) -> str:
+    if len(name) + len(unit) > _CACHE_KEY_MAX:
+        return metric_name(name, unit, kind)
     key = (name, unit, kind)
     out = _NAME_CACHE.get(key)
     if out is None:
@@ -337,17 +406,31 @@ def _cached_metric_name(name: str, unit: str, kind: NameKind) -> str:
     return out
 
 
-def translate_labels(attributes: Iterable[Any], reserved: tuple[str, ...] = ()) -> Labels:
+def translate_labels(attributes: Sequence[Any], reserved: tuple[str, ...] = (),
+                     limits: Limits = DEFAULT_LIMITS) -> Labels:
     """OTLP ``KeyValue`` attributes to sorted Prometheus labels.
 
     Keys that sanitise to the same label are joined with ``;`` in the order of the original keys (spec,
     "Metric Attributes"); labels with empty values are dropped, as Prometheus treats them as absent (two
     series differing only by one would be a duplicate sample). Raises ``_Rejected`` for a key with no
-    valid label name, a reserved ``__`` name or one in ``reserved`` (``le`` on histograms).
+    valid label name, a reserved ``__`` name or one in ``reserved`` (``le`` on histograms), and for more
+    attributes or longer names and values than ``limits`` allow.
     """
+    if len(attributes) > limits.max_labels_per_point:
+        raise _Rejected("too_many_labels", f"{len(attributes)} attributes, more than "
+                        f"{limits.max_labels_per_point} (--otlp.max-labels-per-point)")
+    longest = limits.max_label_length
     pairs: list[tuple[str, str]] = []
     for kv in attributes:
-        pairs.append((kv.key, attribute_value(kv.value)))
+        key = kv.key
+        if len(key) > longest:
+            raise _Rejected("label_too_long", f"attribute name of {len(key)} characters {key[:40]!r}..., "
+                            f"longer than {longest} (--otlp.max-label-length)")
+        value = attribute_value(kv.value)
+        if len(value) > longest:
+            raise _Rejected("label_too_long", f"attribute {key[:100]!r} has a value of {len(value)} characters, "
+                            f"longer than {longest} (--otlp.max-label-length)")
+        pairs.append((key, value))
     if len(pairs) > 1:
         pairs.sort()
     out: dict[str, str] = {}
@@ -360,7 +443,10 @@ def translate_labels(attributes: Iterable[Any], reserved: tuple[str, ...] = ()) 
         if label in reserved:
             raise _Rejected("invalid_label", f"attribute {key!r} clashes with the {label!r} label")
         if label in out:
-            out[label] = out[label] + ";" + value
+            joined = out[label] = out[label] + ";" + value
+            if len(joined) > longest:
+                raise _Rejected("label_too_long", f"attributes joined into label {label!r} give a value of "
+                                f"{len(joined)} characters, longer than {longest} (--otlp.max-label-length)")
         else:
             out[label] = value
     return tuple(sorted((k, v) for k, v in out.items() if v != ""))
@@ -397,28 +483,29 @@ def _family_unit(prom_name: str, kind: Kind, unit: str) -> str:
     return unit if base.endswith("_" + unit) else ""
 
 
-def translate_request(request: Message, received_ns: int) -> Batch:
+def translate_request(request: Message, received_ns: int, limits: Limits = DEFAULT_LIMITS) -> Batch:
     """Translate a decoded ``ExportMetricsServiceRequest`` into a ``Batch``.
 
     Never raises on content: anything it cannot use becomes a counted rejection with a reason.
-    ``received_ns`` stands in for a data point's missing ``time_unix_nano``.
+    ``received_ns`` stands in for a data point's missing ``time_unix_nano`` and is the reference for
+    ``limits.max_future_skew_ns``. A resource whose attributes break a limit gets no ``target_info``.
     """
     batch = Batch()
     for rm in request.resource_metrics:
         if rm.HasField("resource") and len(rm.resource.attributes):
             try:
-                resource_labels = translate_labels(rm.resource.attributes)
+                resource_labels = translate_labels(rm.resource.attributes, limits=limits)
             except _Rejected:
                 resource_labels = ()
             if resource_labels:
                 batch.resources.append(resource_labels)
         for sm in rm.scope_metrics:
             for metric in sm.metrics:
-                _translate_metric(metric, batch, received_ns)
+                _translate_metric(metric, batch, received_ns, limits)
     return batch
 
 
-def _translate_metric(metric: Any, batch: Batch, received_ns: int) -> None:
+def _translate_metric(metric: Any, batch: Batch, received_ns: int, limits: Limits) -> None:
     data = metric.WhichOneof("data")
     if data is None:
         return  # an empty envelope carries no points
@@ -470,6 +557,11 @@ def _translate_metric(metric: Any, batch: Batch, received_ns: int) -> None:
                      "no native histograms); use explicit-bucket histograms")
         return
 
+    if len(otel_name) + len(unit) > limits.max_label_length:
+        batch.reject("label_too_long", n, f"metric name {otel_name[:40]!r}... and unit have "
+                     f"{len(otel_name) + len(unit)} characters, more than {limits.max_label_length} "
+                     "(--otlp.max-label-length)")
+        return
     prom_name = _cached_metric_name(otel_name, unit, name_kind)
     if not prom_name:
         batch.reject("invalid_name", n, f"metric name {otel_name!r} has no valid Prometheus form")
@@ -478,68 +570,92 @@ def _translate_metric(metric: Any, batch: Batch, received_ns: int) -> None:
         batch.reject("invalid_name", n,
                      f"metric {otel_name!r} -> {prom_name!r} uses a prefix reserved for the exporter")
         return
-    help_text = metric.description or f"{otel_name} (received over OTLP)"
+    help_text = metric.description[:MAX_HELP_LENGTH] or f"{otel_name} (received over OTLP)"
     family_unit = _family_unit(prom_name, kind, unit_name(unit))
     reserved = ("le",) if kind == "histogram" else ("quantile",) if kind == "summary" else ()
 
+    latest = received_ns + limits.max_future_skew_ns
     append = batch.points.append
     for dp in points:
         try:
-            labels = translate_labels(dp.attributes, reserved)
-        except _Rejected as exc:
-            batch.reject(exc.reason, 1, f"metric {otel_name!r}: {exc.message}")
-            continue
-        time_ns = dp.time_unix_nano or received_ns
-        no_value = bool(dp.flags & FLAG_NO_RECORDED_VALUE)
-        point = Point(kind, prom_name, help_text, family_unit, labels, _run_id(labels),
-                      dp.start_time_unix_nano, time_ns, delta, no_value=no_value)
-        if no_value:
-            append(point)
-            continue
-        if kind == "histogram":
-            problem = _fill_histogram(point, dp)
-        elif kind == "summary":
-            problem = _fill_summary(point, dp)
-        else:
-            value = _number(dp)
-            if value is None:
-                problem = "data point has no value"
-            elif kind == "counter" and (math.isnan(value) or value < 0):
-                problem = f"invalid counter value {value!r}"
+            labels = translate_labels(dp.attributes, reserved, limits)
+            time_ns = dp.time_unix_nano or received_ns
+            start_ns = dp.start_time_unix_nano
+            if time_ns > latest or start_ns > latest:
+                ahead = (max(time_ns, start_ns) - received_ns) / 1e9
+                raise _Rejected("future_timestamp", f"timestamp {ahead:.0f} s after the request arrived, more "
+                                f"than {limits.max_future_skew_ns / 1e9:g} s (--otlp.max-future-skew); "
+                                "check the sender's clock")
+            no_value = bool(dp.flags & FLAG_NO_RECORDED_VALUE)
+            point = Point(kind, prom_name, help_text, family_unit, labels, _run_id(labels),
+                          start_ns, time_ns, delta, no_value=no_value)
+            if no_value:
+                append(point)
+                continue
+            if kind == "histogram":
+                _fill_histogram(point, dp, limits)
+                point.cost = series_bytes(prom_name, labels, kind, buckets=len(point.counts))
+            elif kind == "summary":
+                _fill_summary(point, dp, limits)
+                point.cost = series_bytes(prom_name, labels, kind, quantiles=len(point.quantiles))
             else:
+                value = _number(dp)
+                if value is None:
+                    raise _Rejected("invalid_point", "data point has no value")
+                if kind == "counter":
+                    if not math.isfinite(value):
+                        raise _Rejected("non_finite", f"counter value {value!r}: counters must be finite "
+                                        "(a non-finite total could never be counted on from)")
+                    if value < 0:
+                        raise _Rejected("invalid_point", f"invalid counter value {value!r}")
                 point.value = value
-                problem = ""
-        if problem:
-            batch.reject("invalid_point", 1, f"metric {otel_name!r}: {problem}")
+                point.cost = series_bytes(prom_name, labels, kind)
+            if point.cost > limits.max_series_bytes:
+                raise _Rejected("series_too_large", f"series of about {point.cost} bytes, more than "
+                                f"{limits.max_series_bytes} (--otlp.max-series-bytes); use fewer or shorter "
+                                "labels, buckets or quantiles")
+        except _Rejected as exc:
+            batch.reject(exc.reason, 1, f"metric {otel_name[:200]!r}: {exc.message}")
             continue
         append(point)
 
 
-def _fill_histogram(point: Point, dp: Any) -> str:
+def _fill_histogram(point: Point, dp: Any, limits: Limits) -> None:
+    if len(dp.bucket_counts) > limits.max_buckets_per_point or \
+            len(dp.explicit_bounds) >= limits.max_buckets_per_point:
+        raise _Rejected("too_many_buckets", f"histogram with {max(len(dp.bucket_counts), len(dp.explicit_bounds) + 1)} "
+                        f"buckets, more than {limits.max_buckets_per_point} (--otlp.max-buckets-per-point)")
     bounds = tuple(dp.explicit_bounds)
     counts = tuple(dp.bucket_counts)
     if counts and len(counts) != len(bounds) + 1:
-        return f"{len(counts)} bucket counts for {len(bounds)} bounds (want bounds + 1)"
+        raise _Rejected("invalid_point", f"{len(counts)} bucket counts for {len(bounds)} bounds (want bounds + 1)")
     if any(math.isnan(b) or math.isinf(b) for b in bounds):
-        return "histogram bounds must be finite"
+        raise _Rejected("invalid_point", "histogram bounds must be finite")
     if any(b2 <= b1 for b1, b2 in zip(bounds, bounds[1:], strict=False)):
-        return "histogram bounds must be strictly increasing"
+        raise _Rejected("invalid_point", "histogram bounds must be strictly increasing")
     if counts and sum(counts) != dp.count:
-        return f"bucket counts add up to {sum(counts)}, count is {dp.count}"
+        raise _Rejected("invalid_point", f"bucket counts add up to {sum(counts)}, count is {dp.count}")
+    if dp.HasField("sum") and not math.isfinite(dp.sum):
+        raise _Rejected("non_finite", f"histogram sum {dp.sum!r}: the sum must be finite")
     if not counts:
         bounds = ()
     point.bounds = bounds
     point.counts = counts
     point.count = dp.count
     point.sum = dp.sum if dp.HasField("sum") else None
-    return ""
 
 
-def _fill_summary(point: Point, dp: Any) -> str:
-    quantiles = tuple((q.quantile, q.value) for q in dp.quantile_values)
+def _fill_summary(point: Point, dp: Any, limits: Limits) -> None:
+    if len(dp.quantile_values) > limits.max_quantiles_per_point:
+        raise _Rejected("too_many_quantiles", f"summary with {len(dp.quantile_values)} quantiles, more than "
+                        f"{limits.max_quantiles_per_point} (--otlp.max-quantiles-per-point)")
+    quantiles = tuple(sorted((q.quantile, q.value) for q in dp.quantile_values))
     if any(not 0.0 <= q <= 1.0 for q, _ in quantiles):
-        return "summary quantiles must be between 0 and 1"
-    point.quantiles = tuple(sorted(quantiles))
+        raise _Rejected("invalid_point", "summary quantiles must be between 0 and 1")
+    if any(a[0] == b[0] for a, b in zip(quantiles, quantiles[1:], strict=False)):
+        raise _Rejected("invalid_point", "summary quantiles must be distinct")
+    if not math.isfinite(dp.sum):
+        raise _Rejected("non_finite", f"summary sum {dp.sum!r}: the sum must be finite")
+    point.quantiles = quantiles
     point.count = dp.count
     point.sum = dp.sum
-    return ""
