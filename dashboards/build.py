@@ -518,8 +518,9 @@ TRAINING_DASHBOARD = Dashboard(
                   width=6, height=5),
             Panel("stat", "Projected energy at finish",
                   "Energy so far plus the steps still to take (training_run_total_steps - "
-                  "training_steps_total) at the energy per step of the last 5 minutes. Only for runs that "
-                  "reported their total steps.",
+                  "training_global_step, the trainer's step count with the steps before a resume; "
+                  "training_steps_total from a training helper that does not push it) at the energy per step "
+                  "of the last 5 minutes. Only for runs that reported their total steps.",
                   JOULE, (Query(f"({RUN_ENERGY_SO_FAR})"
                                 " + on (run_id) "
                                 f"{sel('run_id:training_energy_to_finish_joules:projected_rate5m', RUN)}",
