@@ -518,8 +518,9 @@ TRAINING_DASHBOARD = Dashboard(
                   width=6, height=5),
             Panel("stat", "Projected energy at finish",
                   "Energy so far plus the steps still to take (training_run_total_steps - "
-                  "training_steps_total) at the energy per step of the last 5 minutes. Only for runs that "
-                  "reported their total steps.",
+                  "training_global_step, the trainer's step count with the steps before a resume; "
+                  "training_steps_total from a training helper that does not push it) at the energy per step "
+                  "of the last 5 minutes. Only for runs that reported their total steps.",
                   JOULE, (Query(f"({RUN_ENERGY_SO_FAR})"
                                 " + on (run_id) "
                                 f"{sel('run_id:training_energy_to_finish_joules:projected_rate5m', RUN)}",
@@ -569,8 +570,12 @@ TRAINING_DASHBOARD = Dashboard(
                                "{{run_id}} {{instance}} GPU {{gpu}}"),),
                   width=8),
             Panel("timeseries", "Progress",
-                  "Optimizer steps taken against the total the run planned (training_run_total_steps).",
-                  RATIO, (Query(f"max by (run_id) ({sel('training_steps_total', RUN)})"
+                  "Optimizer steps taken against the total the run planned (training_run_total_steps): the "
+                  "trainer's global step (training_global_step), which counts the steps before a resume from "
+                  "a checkpoint too; from a training helper too old to push it, the steps of this process "
+                  "(training_steps_total), which restart at 0 on a resume.",
+                  RATIO, (Query(f"(max by (run_id) ({sel('training_global_step', RUN)})"
+                                f" or max by (run_id) ({sel('training_steps_total', RUN)}))"
                                 f" / max by (run_id) ({sel('training_run_total_steps', RUN)} > 0)", "{{run_id}}"),),
                   width=8, minimum=0, maximum=1),
         )),
@@ -597,8 +602,10 @@ TRAINING_DASHBOARD = Dashboard(
                   "Model FLOPs utilisation over the range: the FLOPs the trainer counted per second of the "
                   "run's activity (the run ledgers' FLOP increase over their active-seconds increase) "
                   "against the dense peak of the run's GPUs at the run's precision (bf16, fp16, fp8 or tf32; "
-                  "none for fp32 and none on MIG slices). A range holds many logging intervals, so FLOPs "
-                  "counted in lumps (Hugging Face's Trainer adds them at logging steps) average out. "
+                  "none for fp32). The peak is the run ledgers' where they cover the run, a MIG slice "
+                  "counting its share of the parent GPU; a run on MIG slices without a ledger gets no MFU. A "
+                  "range holds many logging intervals, so FLOPs counted in lumps (by a trainer that adds them "
+                  "only at logging steps) average out. "
                   "Fallback, for runs without a ledger: the 5-minute MFU averaged over the range.",
                   RATIO, (Query(RUN_MFU_RANGE, "{{run_id}}"),),
                   width=4, height=5, minimum=0, maximum=1),
@@ -638,10 +645,11 @@ TRAINING_DASHBOARD = Dashboard(
                   "run_id:training_mfu:ratio_rate5m), from the run ledgers' FLOP and active-time counters: "
                   "right from the run's first minute (runs without a ledger read low in their first 5 "
                   "minutes), and since the run started (run_id:training_mfu:ratio_since_start, ledger runs "
-                  "only). Hugging Face's Trainer adds its FLOPs only at logging steps: with a logging "
-                  "interval of minutes the 5-minute line swings between 0 and several times the truth, "
-                  "while the since-start line holds every logging interval but the last. No MFU for fp32 "
-                  "runs or on MIG slices (the peak is the whole GPU's).",
+                  "only). The training helper counts FLOPs at every step; a FLOP counter that moves only at "
+                  "logging steps (with a logging interval of minutes) makes the 5-minute line swing between "
+                  "0 and several times the truth, while the since-start line holds every logging interval "
+                  "but the last. No MFU for fp32 runs, nor for runs on MIG slices without a run ledger (the "
+                  "ledger's peak counts the slice's share of the GPU; the peak table only the whole GPU).",
                   RATIO, (Query(sel("run_id:training_mfu:ratio_rate5m", RUN), "{{run_id}} 5 min"),
                           Query(sel("run_id:training_mfu:ratio_since_start", RUN), "{{run_id}} since start")),
                   width=8, minimum=0, maximum=1),

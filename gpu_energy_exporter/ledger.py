@@ -302,6 +302,16 @@ COLUMNS: tuple[Column, ...] = (
     Column("last_learning_rate", "", "Last `training_learning_rate`."),
     Column("epoch", "epochs", "Last `training_epoch`."),
     Column("total_steps", "steps", "`training_run_total_steps`: the planned number of steps, if pushed."),
+    Column("global_step", "steps", "`training_global_step`: the trainer's step count, steps before a resume from "
+           "a checkpoint included (the highest over ranks of each rank's latest value); empty from a training "
+           "helper that does not push it."),
+    Column("progress", "ratio", "`global_step / total_steps` (`steps / total_steps` without a global step, "
+           "which reads low after a resume), at most 1; empty without `total_steps`."),
+    Column("steps_remaining", "steps", "`total_steps - global_step` (else `- steps`), at least 0."),
+    Column("eta_s", "s", "Time to finish at the pace so far: `steps_remaining x mean_step_s` (else x "
+           "`duration_s / steps`); empty once the run ended."),
+    Column("energy_to_finish_j", "J", "Energy still to spend on this node if the remaining steps cost what "
+           "the efficiency window's did: `steps_remaining x window_energy_j / ` the steps in the window."),
     Column("mean_step_s", "s", "Mean optimizer step time: `training_step_duration_seconds` sum / count over "
            "all ranks."),
     Column("energy_coverage", "ratio", "Fraction of the run's GPU-time on this node's GPUs for which an "
@@ -617,6 +627,7 @@ class _Run:
         self.best_loss_t = 0.0
         self.best_loss_step: float | None = None
         self.total_steps: float | None = None
+        self.global_steps: dict[str, tuple[float, float]] = {}  # rank -> (t, training_global_step)
         self.last_point_t = start
         self.last_point_received = received
         self.acc = _Acc(t=start)
@@ -658,6 +669,10 @@ class _Run:
     def gauge(self, name: str) -> float | None:
         entry = self.gauges.get(name)
         return entry[2] if entry is not None else None
+
+    def global_step(self) -> float | None:
+        """The trainer's global step (steps before a resume included): the highest rank's latest value."""
+        return max(v for _, v in self.global_steps.values()) if self.global_steps else None
 
 
 class PointLike(Protocol):
@@ -837,6 +852,10 @@ class RunLedger:
             pass  # its gpu_uuid label was noted above
         elif name == "training_run_total_steps":
             run.total_steps = value if run.total_steps is None else max(run.total_steps, value)
+        elif name == "training_global_step":
+            seen = run.global_steps.get(rank)
+            if seen is None or t >= seen[0]:
+                run.global_steps[rank] = (t, value)
         elif name in ("training_loss", "training_validation_loss", "training_learning_rate", "training_epoch"):
             prev = run.gauges.get(name)
             # One rank's view (the lowest that sends it): ranks' local losses are not comparable values.
@@ -1329,6 +1348,24 @@ class RunLedger:
             return num / den
 
         j_per_token = ratio(win_energy, window_tokens)
+        steps = run.counter("training_steps_total")
+        steps_w = run.counter_at_w("training_steps_total") if warmup_applied else 0.0
+        window_steps = steps - (steps_w or 0.0) if steps is not None else None
+        # Progress counts the trainer's global step, which includes the steps before a resume from a
+        # checkpoint; `steps` (this process's steps) only where no global step was pushed.
+        global_step = run.global_step()
+        done = global_step if global_step is not None else steps
+        total = run.total_steps
+        progress = steps_remaining = None
+        if done is not None and total is not None and total > 0:
+            progress, steps_remaining = min(done / total, 1.0), max(total - done, 0.0)
+        hist_sum = sum(s.last_v - s.baseline for s in run.series.values() if s.name == _HISTOGRAM)
+        hist_count = sum(s.count for s in run.series.values() if s.name == _HISTOGRAM)
+        mean_step_s = hist_sum / hist_count if hist_count > 0 else None
+        pace = mean_step_s if mean_step_s is not None else ratio(duration, steps)
+        eta = (steps_remaining * pace if steps_remaining is not None and pace is not None
+               and run.status in ("running", "finishing") else None)
+        j_per_step = ratio(win_energy, window_steps)
         dyn_window = win_energy - win_idle if win_energy is not None and win_idle is not None else None
         co2 = intensity = pue = None
         if measured and acc.carbon_kwh > 0:
@@ -1339,8 +1376,6 @@ class RunLedger:
                 notes.append("carbon intensity missing for part of the run: CO2 is a lower bound")
         elif measured and self._carbon is not None and acc.energy_j == 0:
             co2 = 0.0
-        hist_sum = sum(s.last_v - s.baseline for s in run.series.values() if s.name == _HISTOGRAM)
-        hist_count = sum(s.count for s in run.series.values() if s.name == _HISTOGRAM)
         models = []
         for k in keys:
             info = run.gpu_info.get(k)
@@ -1373,7 +1408,7 @@ class RunLedger:
             "tokens_remote": tokens_remote or (0.0 if tokens_all is not None else None),
             "token_coverage": ratio(tokens, tokens_all),
             "samples": samples,
-            "steps": run.counter("training_steps_total"),
+            "steps": steps,
             "flops": flops,
             "window_tokens": window_tokens,
             "tokens_per_s": ratio(window_tokens, window),
@@ -1404,7 +1439,13 @@ class RunLedger:
             "last_learning_rate": run.gauge("training_learning_rate"),
             "epoch": run.gauge("training_epoch"),
             "total_steps": run.total_steps,
-            "mean_step_s": hist_sum / hist_count if hist_count > 0 else None,
+            "global_step": global_step,
+            "progress": progress,
+            "steps_remaining": steps_remaining,
+            "eta_s": eta,
+            "energy_to_finish_j": (steps_remaining * j_per_step
+                                   if steps_remaining is not None and j_per_step is not None else None),
+            "mean_step_s": mean_step_s,
             "energy_coverage": coverage,
             "energy_split": ",".join(sorted(run.splits)),
             "summary_file": summary_file,

@@ -33,7 +33,8 @@ GPUS = [
 TRUE_MEAN_W = {GPUS[0].uuid: 312.0, GPUS[1].uuid: 438.0, GPUS[2].uuid: 151.5}
 RUN_ID = "e2e-jpt"
 TOKENS_PER_STEP = 2048
-STEP_S = 0.05  # paced: ~40,960 tokens/s
+STEP_S = 0.05  # paced: ~40,960 tokens/s at most; a loaded machine runs slower
+MIN_STEPS = 300  # 1300 at the pace over the 65 s the fixture waits; 300 is reached on a loaded 2-core machine
 
 
 class Session:
@@ -42,6 +43,12 @@ class Session:
         self.stop = threading.Event()
         self.error: BaseException | None = None
         self.steps = 0
+        self.started: float | None = None  # wall time just before the first step
+
+    def progress(self) -> tuple[int, float]:
+        """(steps taken, seconds since the first step began), read together."""
+        steps, now = self.steps, time.time()
+        return steps, now - (self.started if self.started is not None else now)
 
     def train(self) -> None:
         """A real tiny PyTorch LM, trained on synthetic ids, reporting through the training helper."""
@@ -59,6 +66,7 @@ class Session:
                             precision="fp32", endpoint=self.exporter.otlp_url, export_interval=1.0,
                             gpu_uuids=[GPUS[0].uuid, GPUS[1].uuid])
             next_step = time.monotonic()
+            self.started = time.time()
             while not self.stop.is_set():
                 loss = model.loss(batch)
                 loss.backward()
@@ -90,6 +98,9 @@ def session(fake_nvml_lib: Path, tmp_path_factory: pytest.TempPathFactory) -> It
         trainer = threading.Thread(target=s.train, daemon=True)
         trainer.start()
         time.sleep(65)
+        # A loaded machine runs fewer steps than the pace allows: wait for enough of them (bounded).
+        wait_until(lambda: s.steps >= MIN_STEPS or s.error is not None, timeout=120, interval=1.0,
+                   what=f"{MIN_STEPS} training steps")
         yield s
         s.stop.set()
         trainer.join(30)
@@ -113,17 +124,22 @@ def test_jpt_recording_rule_matches_the_run_ledger(session: Session) -> None:
     import urllib.request
 
     assert session.error is None, session.error
-    assert session.steps > 500
+    steps, elapsed = session.progress()
+    assert steps >= MIN_STEPS
     with urllib.request.urlopen(session.exporter.metrics_url + "/api/v1/runs", timeout=10) as r:
         runs: list[dict[str, Any]] = json.load(r)["runs"]
     (ledger,) = [doc for doc in runs if doc["run_id"] == RUN_ID]
     assert ledger["status"] == "running"
     rule = session.prom.value(f'run_id:training_energy_joules_per_token:ratio_rate5m{{run_id="{RUN_ID}"}}')
     assert rule is not None, "the J/token recording rule has no value for the run"
-    # The run uses GPUs 0 and 1: 312 W + 438 W = 750 W at ~40,960 tokens/s (paced, so a little less).
-    expected_max = 750.0 / (TOKENS_PER_STEP / STEP_S)
     assert ledger["j_per_token"] == pytest.approx(rule, rel=0.02), (ledger["j_per_token"], rule)
-    assert expected_max * 0.98 <= ledger["j_per_token"] <= expected_max * 1.3
+    # The run uses GPUs 0 and 1: 312 W + 438 W = 750 W, at the token rate the trainer actually achieved
+    # (its own step count over its own elapsed time; the pace is an upper bound a loaded machine misses).
+    # The ledger's window (first OTLP point to the last snapshot, tokens lagging by up to one export
+    # interval) differs from the trainer's by a second or two of ~65+: a few %. A wrong attribution is far
+    # outside 8%: GPU 2 charged too +20%, one GPU missing -42% or -58%, tokens counted twice -50%.
+    expected = 750.0 / (steps * TOKENS_PER_STEP / elapsed)
+    assert expected * 0.92 <= ledger["j_per_token"] <= expected * 1.08, (ledger["j_per_token"], expected, steps)
     # Throughput of a run younger than the 5m window: the rule divides by the run's active time, so it
     # matches the ledger; a plain rate() divides by the whole 300 s range and reads far too low.
     tokens_rule = session.prom.value(f'run_id:training_tokens:rate5m{{run_id="{RUN_ID}"}}')

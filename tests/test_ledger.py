@@ -439,6 +439,42 @@ def test_loss_metadata_and_step_time() -> None:
     assert s["status"] == "running"
 
 
+def test_progress_eta_and_energy_to_finish_count_from_the_global_step_after_a_resume() -> None:
+    # "resumed" restarted from a checkpoint at step 490 of 1000: its process counts 0, 1, 2, ... steps
+    # (training_steps_total) while the trainer's global step reads 490 + those. One step per 2 s on a
+    # constant 400 W GPU: 800 J and 2 s per step. "old" is from a helper that pushes no global step.
+    clock = Clock()
+    ledger = RunLedger(None, warmup_s=0.0, stale_after_s=300.0, clock=clock)
+    h = Harness(ledger, clock, {UUID_A: constant(400.0), UUID_B: constant(200.0)})
+    for run_id, gpu, total in (("resumed", UUID_A, 1000), ("old", UUID_B, 100)):
+        h.push(point(run_id, "training_run_total_steps", total, T0, gpu=gpu))
+        h.push(point(run_id, "training_steps_total", 0, T0, gpu=gpu))
+
+    def pushes(t: float) -> None:
+        if (t - T0) % 2 == 0:
+            steps = (t - T0) / 2
+            for run_id, gpu in (("resumed", UUID_A), ("old", UUID_B)):
+                h.push(point(run_id, "training_steps_total", steps, t, gpu=gpu))
+            h.push(point("resumed", "training_global_step", 490 + steps, t, gpu=UUID_A))
+
+    h.run_until(T0 + 20, pushes)
+    s = summary_of(ledger, "resumed")
+    assert s["steps"] == 10 and s["global_step"] == 500 and s["total_steps"] == 1000
+    assert s["progress"] == 0.5  # from this process's steps: 10 / 1000
+    assert s["steps_remaining"] == 500  # not 990
+    assert s["eta_s"] == pytest.approx(500 * 2.0)
+    assert s["energy_to_finish_j"] == pytest.approx(500 * 800.0, rel=0.01)
+    old = summary_of(ledger, "old")
+    assert old["global_step"] is None
+    assert old["progress"] == 0.1 and old["steps_remaining"] == 90
+    assert old["eta_s"] == pytest.approx(90 * 2.0)
+    assert old["energy_to_finish_j"] == pytest.approx(90 * 400.0, rel=0.01)
+    # A finished run has no time left to wait for.
+    h.push(point("resumed", "training_run_finished", 1, T0 + 21, gpu=UUID_A))
+    h.run_until(T0 + 22)
+    assert summary_of(ledger, "resumed")["eta_s"] is None
+
+
 def test_timeline_is_bounded_and_covers_the_whole_run() -> None:
     tl = Timeline(16)
     for i in range(1000):
