@@ -149,8 +149,19 @@ def test_the_matrix_covers_every_generation() -> None:
 def test_driver_generation_serves_everything_it_can(name: str, generation_library, tmp_path: Path,  # type: ignore[no-untyped-def]
                                                     start_exporter: type[ExporterProcess]) -> None:
     gen = BY_NAME[name]
+    started = time.monotonic()
     text, exp = scrape(gen, generation_library(gen), tmp_path, start_exporter)
+    up_s = time.monotonic() - started
     got = families(text)
+    # The golden masks integrated energy (it depends on wall time); check its value here instead: the
+    # scripted constant power times the time the exporter has been integrating, which is at most up_s.
+    for x in gen.gpus:
+        if x.index in gen.integrating():
+            watts = x.power.watts  # type: ignore[attr-defined]
+            joules = float(re.search(
+                rf'gpuenergy_gpu_energy_joules_total{{gpu="{x.index}",[^}}]*}} (\S+)', text).group(1))  # type: ignore[union-attr]
+            assert 0.0 < joules <= watts * up_s * 1.02, (joules, watts, up_s)
+            assert joules >= watts * 0.05, (joules, watts)  # integrated over at least a sampler tick or two
     assert got.get("gpuenergy_collector_success") and 'gpuenergy_collector_success{collector="gpu"} 1.0' in text, \
         text + exp.log()
     assert _missing(text, gen) == [], exp.log()
