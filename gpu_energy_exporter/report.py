@@ -37,19 +37,23 @@ from dataclasses import dataclass, field
 from typing import IO, Any
 
 from gpu_energy_exporter import __version__
+from gpu_energy_exporter.client import ExporterClient, ExporterUnreachable, add_client_flags, client_from_args
 from gpu_energy_exporter.config import parse_duration
 from gpu_energy_exporter.errors import ExporterError
-from gpu_energy_exporter.textfmt import json_safe
-from gpu_energy_exporter.top import (
-    ExporterClient,
-    ExporterUnreachable,
-    add_client_flags,
-    client_from_args,
-    fmt_co2,
-    fmt_duration,
-    fmt_energy,
-    fmt_num,
-)
+from gpu_energy_exporter.textfmt import fmt_num, json_safe
+from gpu_energy_exporter.top import fmt_co2, fmt_duration
+
+
+def fmt_energy(joules: float | None) -> str:
+    """J below 1 kJ, kJ below 0.1 kWh, then kWh: a report's figures span from J per 10k tokens to a run."""
+    if joules is None or not math.isfinite(joules):
+        return "-"
+    if abs(joules) < 1000:
+        return f"{joules:.0f} J"
+    if abs(joules) < 360_000:
+        return f"{joules / 1000:.1f} kJ"
+    return f"{joules / 3.6e6:.3f} kWh"
+
 
 #: Size of every plot, in pixels (inches x DPI): tests check it.
 PLOT_SIZE_IN = (10.0, 4.0)
@@ -174,8 +178,6 @@ def load_from_exporter(client: ExporterClient, run_id: str) -> RunData:
         if "unknown run" in text:
             text += (". The exporter keeps finished runs for 15 minutes: for older runs pass the JSON summary "
                      "file (runs/<run id>.json beside its --runs.csv) or --prometheus URL")
-        elif "cannot reach" in text:
-            text += " (is the exporter running? try: gpu-energy-exporter demo)"
         raise ReportError(text) from None
     run = from_ledger_document(doc, f"exporter {client.base_url}")
     try:
@@ -537,7 +539,10 @@ def _matplotlib() -> Any:
     try:
         import matplotlib  # noqa: PLC0415 - optional extra, only for this command
     except ImportError:
-        raise ReportError("report needs matplotlib for its plots: pip install gpu-energy-exporter[report]") from None
+        raise ReportError(
+            "report draws its plots with matplotlib, which is not installed in this Python environment "
+            f"({sys.prefix}): install it with `{sys.executable} -m pip install 'matplotlib>=3.7'` (from a "
+            "checkout, `make run` and `pip install '.[report]'` include it)") from None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt  # noqa: PLC0415
 
@@ -1000,6 +1005,7 @@ def write_report(runs: Sequence[RunData], out_dir: str, progress: Callable[[str]
 
 def new_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
+        allow_abbrev=False,
         prog="gpu-energy-exporter report",
         description="Per-run report (Markdown + self-contained HTML) with PNG plots of power, energy per step, "
                     "loss against energy, memory and throughput, and the final energy summary. Several runs "

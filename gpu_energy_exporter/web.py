@@ -149,11 +149,15 @@ class HTTPServer:
         *,
         web_config: WebConfig | None = None,
         name: str = PROJECT_NAME,
+        auth: str | None = None,
         request_timeout: float = 60.0,
         handshake_timeout: float = 10.0,
         max_connections: int = 512,
     ) -> None:
         self.name = name
+        # What the start-up line says about authentication when not the web config's basic auth (e.g. the
+        # OTLP receiver's bearer token).
+        self._auth_text = auth
         self._routes: dict[tuple[str, str], Handler] = {(m.upper(), p): h for (m, p), h in routes.items()}
         methods: dict[str, set[str]] = {}
         for m, p in self._routes:
@@ -197,6 +201,16 @@ class HTTPServer:
         scheme = "https" if self._web_config.tls_enabled else "http"
         return f"{scheme}://{host}:{port}"
 
+    @property
+    def listen_text(self) -> str:
+        """Where the socket listens, as a person reads it: ``:9863 (all interfaces)`` for a wildcard
+        address (``url`` is where a client on this host connects, which is not the same)."""
+        host, port = self.server_address
+        if host in ("0.0.0.0", "::", ""):
+            family = "IPv4 only" if host == "0.0.0.0" else "IPv4 and IPv6" if _dual_stack(self._server) else "IPv6"
+            return f":{port} on all interfaces ({family}; {self.url} from this host)"
+        return self.url
+
     def start(self) -> HTTPServer:
         """Serve on a daemon thread. Returns self."""
         with self._lock:
@@ -210,8 +224,9 @@ class HTTPServer:
             )
             self._thread.start()
         wc = self._web_config
-        log.info("%s listening on %s (TLS %s, basic auth %s)", self.name, self.url,
-                 "on" if wc.tls_enabled else "off", "on" if wc.auth_enabled else "off")
+        auth = self._auth_text or ("basic auth " + ("on" if wc.auth_enabled else "off"))
+        log.info("%s listening on %s (TLS %s, %s)", self.name, self.listen_text,
+                 "on" if wc.tls_enabled else "off", auth)
         return self
 
     def shutdown(self, timeout: float = 5.0) -> None:
@@ -367,6 +382,16 @@ class _ThreadingServer(ThreadingHTTPServer):
 
     def handle_error(self, request: Any, client_address: Any) -> None:
         log.debug("%s: error on connection from %s", self.owner.name, client_address, exc_info=True)
+
+
+def _dual_stack(server: socketserver.BaseServer) -> bool:
+    sock = getattr(server, "socket", None)
+    if sock is None or sock.family != socket.AF_INET6:
+        return False
+    try:
+        return sock.getsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY) == 0
+    except OSError:
+        return False
 
 
 def _bind(address: tuple[str, int], owner: HTTPServer) -> _ThreadingServer:

@@ -281,8 +281,9 @@ def test_formatting() -> None:
     assert top.bar(0.5, 10) == "[█████·····]"
     assert top.bar(1.7, 4, unicode=False) == "[####]"
     assert top.bar(None, 3) == "[ ? ]"
-    assert top.fmt_energy(850) == "850 J" and top.fmt_energy(12_345) == "12.3 kJ"
-    assert top.fmt_energy(7.2e6) == "2.000 kWh"
+    # one unit in the whole view (issue 12: header in kWh, rows in kJ)
+    assert top.fmt_energy(850) == "0.0002 kWh" and top.fmt_energy(12_345) == "0.0034 kWh"
+    assert top.fmt_energy(7.2e6) == "2.000 kWh" and top.fmt_energy(3.6e8) == "100.0 kWh"
     assert top.fmt_co2(4.183) == "4.18 g" and top.fmt_co2(1234) == "1.23 kg"
     assert top.fmt_duration(3725) == "1:02:05" and top.fmt_duration(None) == "-"
 
