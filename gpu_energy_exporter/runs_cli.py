@@ -26,6 +26,7 @@ from typing import IO, Any
 
 from gpu_energy_exporter.client import (
     DEFAULT_URL,
+    NOT_RUNNING,
     URL_ENV,
     ExporterClient,
     ExporterUnreachable,
@@ -100,11 +101,9 @@ def _typed(row: dict[str, Any]) -> dict[str, Any]:
 
 
 def load_url(client: ExporterClient) -> list[dict[str, Any]]:
-    """Active and recent runs from a running exporter (``GET <url>/api/v1/runs``)."""
-    try:
-        doc = client.get(API_PATH)
-    except ExporterUnreachable as exc:
-        raise RunsError(str(exc)) from None
+    """Active and recent runs from a running exporter (``GET <url>/api/v1/runs``); ExporterUnreachable
+    (with its cause) when it cannot be read."""
+    doc = client.get(API_PATH)
     runs = doc.get("runs") if isinstance(doc, dict) else None
     if not isinstance(runs, list):
         raise RunsError(f"{client.base_url}{API_PATH} did not answer with the run ledger's JSON: is "
@@ -329,9 +328,13 @@ def main(argv: list[str], *, stdout: IO[str] | None = None, stderr: IO[str] | No
         else:
             try:
                 client = client_from_args(args, env)
-            except ExporterUnreachable as exc:
-                raise RunsError(str(exc)) from None
-            runs, source = load_url(client), client.base_url
+                runs, source = load_url(client), client.base_url
+            except (ExporterUnreachable, RunsError) as exc:
+                if args.url or env.get(URL_ENV) or getattr(exc, "cause", None) != NOT_RUNNING:
+                    raise RunsError(str(exc)) from None
+                # Neither a CSV nor a URL was asked for: say both ways.
+                raise RunsError(f"no CSV given and {exc}; or read a runs CSV: pass --csv FILE (the exporter's "
+                                f"--runs.csv) or set {CSV_ENV}") from None
         total = len(runs)
         if args.status:
             wanted = {s.strip() for s in args.status.split(",") if s.strip()}

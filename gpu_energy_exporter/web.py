@@ -203,13 +203,9 @@ class HTTPServer:
 
     @property
     def listen_text(self) -> str:
-        """Where the socket listens, as a person reads it: ``:9863 (all interfaces)`` for a wildcard
-        address (``url`` is where a client on this host connects, which is not the same)."""
+        """Where the socket listens, as a person reads it (see ``listen_text``)."""
         host, port = self.server_address
-        if host in ("0.0.0.0", "::", ""):
-            family = "IPv4 only" if host == "0.0.0.0" else "IPv4 and IPv6" if _dual_stack(self._server) else "IPv6"
-            return f":{port} on all interfaces ({family}; {self.url} from this host)"
-        return self.url
+        return listen_text(host, port, self.url, _dual_stack(self._server))
 
     def start(self) -> HTTPServer:
         """Serve on a daemon thread. Returns self."""
@@ -382,6 +378,15 @@ class _ThreadingServer(ThreadingHTTPServer):
 
     def handle_error(self, request: Any, client_address: Any) -> None:
         log.debug("%s: error on connection from %s", self.owner.name, client_address, exc_info=True)
+
+
+def listen_text(host: str, port: int, url: str, dual_stack: bool) -> str:
+    """``:9863 on all interfaces (IPv4 and IPv6; http://[::1]:9863 from this host)`` for a wildcard address,
+    else the URL: a server bound to ``::`` does not listen on ``[::1]`` only, as its client URL would say."""
+    if host in ("0.0.0.0", "::", ""):
+        family = "IPv4 only" if host == "0.0.0.0" else "IPv4 and IPv6" if dual_stack else "IPv6 only"
+        return f":{port} on all interfaces ({family}; {url} from this host)"
+    return url
 
 
 def _dual_stack(server: socketserver.BaseServer) -> bool:
