@@ -574,6 +574,14 @@ def _no_data(ax: Any, what: str) -> None:
             color="#666666")
 
 
+def _whole_run(ax: Any, run: RunData) -> None:
+    """Time axes span the whole run, not only the samples at hand: a plot whose samples cover 5 s of a 26 s
+    run must show that, not stretch the 5 s across the page."""
+    duration = _num(run.summary.get("duration_s"))
+    if duration is not None and duration > 0:
+        ax.set_xlim(0, duration / 60.0)
+
+
 def _warmup(ax: Any, run: RunData) -> None:
     w = _num(run.summary.get("warmup_s"))
     if w:
@@ -614,6 +622,7 @@ def plot_run(run: RunData, out_dir: str, plt: Any) -> dict[str, str]:
         ax.legend(loc="lower right", fontsize=8)
     else:
         _no_data(ax, "power samples")
+    _whole_run(ax, run)
     ax.set_xlabel("minutes since the run started")
     ax.set_ylabel("power (W)")
     ax.grid(alpha=0.3)
@@ -638,12 +647,12 @@ def plot_run(run: RunData, out_dir: str, plt: Any) -> dict[str, str]:
 
     fig, ax = _figure(plt, f"Loss against cumulative energy: {run.run_id}", run)
     lve = loss_vs_energy(run)
-    if lve:
+    if lve and max(e for e, _ in lve) > 0:
         scale, unit = _energy_unit(max(e for e, _ in lve))
         ax.plot([e / scale for e, _ in lve], [v for _, v in lve], marker=".", lw=1, color="#1b9e77")
         ax.set_xlabel(f"cumulative GPU energy of the run ({unit})")
     else:
-        _no_data(ax, "loss values")
+        _no_data(ax, "loss values" if not lve else "GPU energy (the run's GPUs reported none)")
         ax.set_xlabel("cumulative GPU energy of the run")
     ax.set_ylabel("training loss")
     ax.grid(alpha=0.3)
@@ -669,6 +678,7 @@ def plot_run(run: RunData, out_dir: str, plt: Any) -> dict[str, str]:
         ax.legend(loc="lower right", fontsize=8)
     else:
         _no_data(ax, "memory samples")
+    _whole_run(ax, run)
     ax.set_xlabel("minutes since the run started")
     ax.set_ylabel("GiB")
     ax.grid(alpha=0.3)
@@ -689,6 +699,7 @@ def plot_run(run: RunData, out_dir: str, plt: Any) -> dict[str, str]:
         ax.legend(loc="lower right", fontsize=8)
     else:
         _no_data(ax, "token counts")
+    _whole_run(ax, run)
     ax.set_xlabel("minutes since the run started")
     ax.set_ylabel("tokens/s")
     ax.grid(alpha=0.3)
