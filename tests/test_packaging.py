@@ -52,8 +52,9 @@ def test_installed_console_script_reports_its_version(fresh_install: FreshInstal
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == f"gpu-energy-exporter {__version__}"
     # the installed package, not this checkout
-    where = subprocess.run([fresh_install.bin("python"), "-c", "import gpu_energy_exporter; print(gpu_energy_exporter.__file__)"],
-                           capture_output=True, text=True, timeout=60, cwd=fresh_install.home, env=fresh_install.env())
+    code = "import gpu_energy_exporter; print(gpu_energy_exporter.__file__)"
+    where = subprocess.run([fresh_install.bin("python"), "-c", code], capture_output=True, text=True, timeout=60,
+                           cwd=fresh_install.home, env=fresh_install.env())
     assert str(fresh_install.venv) in where.stdout
 
 
