@@ -11,6 +11,7 @@ cache), as for any user.
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -63,7 +64,13 @@ def fresh_install(tmp_path_factory: pytest.TempPathFactory) -> FreshInstall:
     base = tmp_path_factory.mktemp("fresh-install")
     dist, venv, home = base / "dist", base / "venv", base / "home"
     home.mkdir()
-    _run([sys.executable, "-m", "build", "--outdir", str(dist), str(ROOT)], 300, base)
+    # Built from a copy: setuptools writes build/ and *.egg-info beside the pyproject.toml it builds, and an
+    # egg-info in the checkout would look like an installed gpu-energy-exporter to anything with the
+    # checkout on its path.
+    src = base / "src"
+    shutil.copytree(ROOT, src, ignore=shutil.ignore_patterns(
+        ".git", ".venv", ".bench-venvs", "build", "dist", "*.egg-info", "__pycache__", ".*_cache", ".whl", ".build"))
+    _run([sys.executable, "-m", "build", "--outdir", str(dist), str(src)], 300, base)
     _run([sys.executable, "-m", "venv", str(venv)], 120, base)
     wheel = next(dist.glob("gpu_energy_exporter-*.whl"))
     _run([str(venv / "bin" / "python"), "-m", "pip", "install", "-q", f"{wheel}[report]"], 400, base)
