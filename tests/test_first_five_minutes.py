@@ -5,15 +5,13 @@ the ``[report]`` extra, what ``make run`` installs, in a new virtual environment
 from __future__ import annotations
 
 import json
-import signal
-import subprocess
 import time
 import urllib.request
 from pathlib import Path
 from typing import Any
 
 import pytest
-from freshinstall import FreshInstall
+from freshinstall import Demo, FreshInstall
 
 pytestmark = pytest.mark.slow
 
@@ -24,31 +22,17 @@ def _get(url: str) -> Any:
 
 
 def test_demo_then_runs_report_and_top(fresh_install: FreshInstall, tmp_path: Path) -> None:
-    demo = subprocess.Popen(
-        [fresh_install.bin("gpu-energy-exporter"), "demo", "--web.listen-address=127.0.0.1:0",
-         "--otlp.listen-address=127.0.0.1:0", "--demo.pause=3s", "--demo.run-duration=15s", "--demo.runs=1",
-         "--demo.export-interval=500ms", "--collector.interval=250ms", "--runs.warmup=2s"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=fresh_install.home,
-        env=fresh_install.env())
-    log: list[str] = []
+    demo = Demo(fresh_install, ["--web.listen-address=127.0.0.1:0", "--otlp.listen-address=127.0.0.1:0",
+                                "--demo.pause=3s", "--demo.run-duration=15s", "--demo.runs=1",
+                                "--demo.export-interval=500ms", "--collector.interval=250ms", "--runs.warmup=2s"])
     try:
-        assert demo.stderr is not None
-        url = None
-        deadline = time.monotonic() + 60
-        while url is None and time.monotonic() < deadline:
-            line = demo.stderr.readline()
-            if not line:
-                break
-            log.append(line)
-            if "gpu-energy-exporter listening on http://" in line:
-                url = line.split(" listening on ")[1].split()[0]
-        assert url, "".join(log)
+        url = demo.url()
         deadline = time.monotonic() + 60
         finished: list[dict[str, Any]] = []
         while not finished and time.monotonic() < deadline:
             finished = [r for r in _get(url + "/api/v1/runs")["runs"] if r.get("status") == "finished"]
             time.sleep(0.5)
-        assert finished, "the demo's run did not finish"
+        assert finished, "the demo's run did not finish:\n" + demo.log()
         run_id = finished[0]["run_id"]
 
         # runs: the README's form, and the default ($GPU_ENERGY_EXPORTER_URL) without --url
@@ -71,11 +55,9 @@ def test_demo_then_runs_report_and_top(fresh_install: FreshInstall, tmp_path: Pa
         assert out.returncode == 0, out.stdout + out.stderr
         assert "SIMULATED" in out.stdout and "RAM used" in out.stdout
     finally:
-        demo.send_signal(signal.SIGTERM)
-        _, rest = demo.communicate(timeout=30)
-        log.append(rest)
-    text = "".join(log)
-    assert demo.returncode == 0, text
+        rc = demo.stop()
+    text = demo.log()
+    assert rc == 0, text
     assert "level=error" not in text and "Traceback" not in text
 
     # The numbers agree: average power at most the peak, energy = average power x duration (1%).

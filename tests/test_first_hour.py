@@ -121,24 +121,23 @@ def test_taken_otlp_port_names_the_flag_and_nothing_is_announced_first(caplog) -
 
 def test_simulated_power_samples_bracket_the_energy_counters_average() -> None:
     # The demo's runs showed an average power above their peak: the instant power the exporter samples once a
-    # second aliased with the simulated 80 ms steps and stayed below the energy counter's average.
-    t = [1000.0]
-    backend = SimulatedBackend(2, clock=lambda: t[0])
-    gpus = backend.devices()
-    for i in range(2):
-        backend.set_load(i, 0.86, 1)
-    start = [backend.read(g).energy_mj for g in gpus]
-    peak = 0.0
-    for offset in (0.0, 0.013, 0.5):  # whatever the phase of the sampler against the trace
-        t[0] = 1000.0 + offset
-        for _ in range(30):  # 30 s sampled every second
+    # second aliased with the simulated 80 ms steps and stayed below the energy counter's average. The ledger
+    # sees one phase of its sampler against the trace: every phase must give peak > average.
+    for k in range(20):
+        t = [1000.0 + k * 0.004]  # phases over one 80 ms step
+        backend = SimulatedBackend(2, clock=lambda t=t: t[0])  # type: ignore[misc]
+        gpus = backend.devices()
+        for i in range(2):
+            backend.set_load(i, 0.86, 1)
+        t0 = t[0]
+        start = [backend.read(g).energy_mj for g in gpus]
+        peak = 0.0
+        for _ in range(30):  # a 30 s run sampled every second
             t[0] += 1.0
             peak = max(peak, sum(backend.read(g).power_instant_mw for g in gpus) / 1000)
-    end = [backend.read(g).energy_mj for g in gpus]
-    avg = sum(e - s for s, e in zip(start, end, strict=True)) / 1000 / (t[0] - 1000.0)
-    assert peak > avg * 1.05
-    limit_sum = 2 * 700.0
-    assert avg < peak <= limit_sum
+        end = [backend.read(g).energy_mj for g in gpus]
+        avg = sum(e - s for s, e in zip(start, end, strict=True)) / 1000 / (t[0] - t0)
+        assert avg < peak <= 2 * 700.0, (k, avg, peak)
 
 
 def test_demo_without_the_training_helper_says_what_to_install() -> None:

@@ -5,16 +5,14 @@ where the console script and the demo work."""
 from __future__ import annotations
 
 import json
-import signal
 import subprocess
 import sys
 import tarfile
-import time
 import urllib.request
 import zipfile
 
 import pytest
-from freshinstall import FreshInstall
+from freshinstall import Demo, FreshInstall
 
 from gpu_energy_exporter import __version__
 
@@ -59,39 +57,15 @@ def test_installed_console_script_reports_its_version(fresh_install: FreshInstal
 
 
 def test_installed_demo_serves_simulated_gpus(fresh_install: FreshInstall) -> None:
-    proc = subprocess.Popen([fresh_install.bin("gpu-energy-exporter"), "demo", "--web.listen-address=127.0.0.1:0",
-                             "--otlp.listen-address=127.0.0.1:0", "--demo.pause=1s", "--demo.run-duration=3s",
-                             "--demo.runs=1", "--demo.export-interval=500ms"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=fresh_install.home,
-                            env=fresh_install.env())
-    lines: list[str] = []
+    demo = Demo(fresh_install, ["--web.listen-address=127.0.0.1:0", "--otlp.listen-address=127.0.0.1:0",
+                                "--demo.pause=1s", "--demo.run-duration=3s", "--demo.runs=1",
+                                "--demo.export-interval=500ms"])
     try:
-        assert proc.stdout is not None
-        url = None
-        deadline = time.monotonic() + 60
-        while url is None and time.monotonic() < deadline:
-            line = proc.stdout.readline()
-            if not line:
-                break
-            lines.append(line)
-            if "gpu-energy-exporter listening on http://" in line:
-                url = line.split(" listening on ")[1].split()[0]
-        assert url, "".join(lines)
+        url = demo.url()
         with urllib.request.urlopen(url + "/api/v1/status", timeout=10) as resp:
-            status = json.load(resp)
-        assert status["simulated"] is True
-        started = time.monotonic()
-        while time.monotonic() - started < 20:  # the trainer starts after --demo.pause
-            line = proc.stdout.readline()
-            lines.append(line)
-            if "simulated run" in line and "finished" in line:
-                break
-        else:
-            raise AssertionError("no simulated run finished:\n" + "".join(lines))
+            assert json.load(resp)["simulated"] is True
+        demo.wait_for("finished after", 30)  # "demo: simulated run ... finished after N steps"
     finally:
-        proc.send_signal(signal.SIGTERM)
-        rest, _ = proc.communicate(timeout=30)
-        lines.append(rest)
-    text = "".join(lines)
-    assert proc.returncode == 0, text
-    assert "level=error" not in text and "Traceback" not in text
+        rc = demo.stop()
+    assert rc == 0, demo.log()
+    assert "level=error" not in demo.log() and "Traceback" not in demo.log()
