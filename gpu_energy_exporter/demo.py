@@ -131,13 +131,16 @@ class SimulatedTrainer:
                     break
         except Exception as exc:  # noqa: BLE001 - the demo trainer must not kill the exporter it feeds
             # One readable line; the traceback only at debug level (--log.level=debug).
-            log.error("demo: the simulated trainer stopped (%s: %s); no more simulated runs, the exporter keeps "
-                      "serving", type(exc).__name__, exc)
+            why = f"{type(exc).__name__}: {exc}" + (f" ({exc.__cause__})" if exc.__cause__ else "")
+            log.error("demo: the simulated trainer stopped (%s); no more simulated runs, the exporter keeps serving",
+                      why)
             log.debug("demo: the simulated trainer's traceback", exc_info=True)
-            self.error = f"{type(exc).__name__}: {exc}"
+            self.error = why
         finally:
-            self._set_load(0.0)
-            self.done.set()
+            try:
+                self._set_load(0.0)
+            finally:
+                self.done.set()
 
     def _set_load(self, load: float) -> None:
         for i in range(len(self.gpu_uuids)):

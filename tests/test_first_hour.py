@@ -157,3 +157,30 @@ def test_demo_without_the_training_helper_says_what_to_install() -> None:
     assert "opentelemetry.exporter" in lines[0]
     assert "pip install opentelemetry-sdk opentelemetry-exporter-otlp-proto-http" in lines[0]
     assert "Traceback" not in out.stderr and "\\n" not in out.stderr
+
+
+def test_a_failing_simulated_trainer_is_one_readable_log_line() -> None:
+    # The trainer's ModuleNotFoundError was logged as one logfmt line with the traceback as \n escapes. The
+    # demo now checks before it starts (above); a trainer that fails anyway says why in one line, the
+    # traceback only at --log.level=debug.
+    code = (
+        "import sys\n"
+        "sys.modules['opentelemetry.exporter'] = None\n"
+        "from gpu_energy_exporter.demo import SimulatedTrainer\n"
+        "from gpu_energy_exporter.devices.simulated import SimulatedBackend\n"
+        "from gpu_energy_exporter.logsetup import setup_logging\n"
+        "setup_logging(sys.argv[1])\n"
+        "b = SimulatedBackend(1)\n"
+        "t = SimulatedTrainer(b, [g.uuid for g in b.devices()], 'http://127.0.0.1:9', pause=0, runs=1).start()\n"
+        "assert t.done.wait(30)\n"
+        "print(t.error)\n"
+    )
+    for level in ("info", "debug"):
+        out = subprocess.run([sys.executable, "-c", code, level], capture_output=True, text=True, timeout=60,
+                             cwd=ROOT)
+        assert out.returncode == 0, out.stderr
+        assert "opentelemetry.exporter" in out.stdout
+        errors = [line for line in out.stderr.splitlines() if "level=error" in line]
+        assert len(errors) == 1 and "the simulated trainer stopped (ImportError:" in errors[0]
+        assert "\\n" not in errors[0] and "Traceback" not in errors[0]
+        assert ("Traceback" in out.stderr) == (level == "debug")
