@@ -56,6 +56,7 @@ dist: | $(VENV)/bin/python
 	$(PY) -m pip install -q build twine
 	rm -rf dist
 	$(PY) -m build --outdir dist .
+	rm -rf build *.egg-info
 	$(PY) -m twine check --strict dist/*
 
 clean:
