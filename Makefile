@@ -1,5 +1,6 @@
 # The two commands (see README.md):
-#   make run    install the exporter into .venv and start it (extra flags: make run ARGS="--help")
+#   make run    install the exporter (with what the README's workstation path uses: the demo's trainer,
+#               top, runs, report with its plots) into .venv and start it (extra flags: make run ARGS="--help")
 #   make test   install everything the tests need (Python packages, Debian's prometheus) and run the suite
 # Both set themselves up from nothing on a fresh machine; .ci/run calls `make test`.
 
@@ -8,14 +9,15 @@ PY     := $(VENV)/bin/python
 ARGS   ?=
 PYTEST_ARGS ?=
 
-.PHONY: run test test-gpu test-container bench docs lint dashboards clean
+.PHONY: run test test-gpu test-container bench docs lint dashboards dist clean
 
 $(VENV)/bin/python:
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 
+# The [report] extra: matplotlib for `report`'s plots (README: "Try it without a GPU").
 $(VENV)/.run-installed: pyproject.toml | $(VENV)/bin/python
-	$(PY) -m pip install -q -e .
+	$(PY) -m pip install -q -e '.[report]'
 	touch $@
 
 $(VENV)/.test-installed: pyproject.toml .ci/setup-test-env | $(VENV)/bin/python
@@ -52,6 +54,14 @@ dashboards: $(VENV)/.test-installed
 lint: $(VENV)/.test-installed
 	$(VENV)/bin/ruff check gpu_energy_exporter tests bench dashboards deploy
 	$(VENV)/bin/mypy gpu_energy_exporter
+
+# The sdist and wheel in dist/ (pip install dist/gpu_energy_exporter-*.whl), metadata checked by twine.
+dist: | $(VENV)/bin/python
+	$(PY) -m pip install -q build twine
+	rm -rf dist
+	$(PY) -m build --outdir dist .
+	rm -rf build *.egg-info
+	$(PY) -m twine check --strict dist/*
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info .pytest_cache .build

@@ -36,17 +36,20 @@ _DURATION_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
 
 
 def parse_duration(raw: str) -> float:
-    """Prometheus-style duration (``100ms``, ``1s``, ``5m``, ``1h30m``) to seconds; a bare number is
-    seconds."""
+    """Prometheus-style duration (``100ms``, ``1s``, ``5m``, ``1h30m``) to seconds. A bare number is refused
+    (is ``5`` seconds or minutes?), except ``0``, as Prometheus does."""
     text = raw.strip()
     try:
         value = float(text)
     except ValueError:
         pass
     else:
+        if value == 0:
+            return 0.0
         if value < 0 or math.isnan(value) or math.isinf(value):
-            raise ValueError("must be a positive duration")
-        return value
+            raise ValueError("must be a positive duration with a unit (examples: 100ms, 1s, 5m, 1h)")
+        raise ValueError(f"needs a unit: durations take Prometheus' form, e.g. {text}s for {text} seconds "
+                         f"(100ms, 1s, 5m, 1h)")
     total = 0.0
     rest = text
     matched = False
@@ -356,7 +359,12 @@ class Config:
 
 
 class _Parser(argparse.ArgumentParser):
-    """argparse that raises ConfigError instead of printing usage and exiting."""
+    """argparse that raises ConfigError instead of printing usage and exiting, and takes no abbreviated
+    flags (``--web.listen`` is not ``--web.listen-address``: a typo must fail, not pick a flag)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str) -> None:  # type: ignore[override]
         raise ConfigError(f"{message} (see --help)")

@@ -104,6 +104,7 @@ class SimulatedTrainer:
         self.export_interval = export_interval
         self.headers = dict(headers) if headers else None
         self.started_runs: list[str] = []
+        self.error: str | None = None  # why the trainer stopped early, if it did
         self._rng = random.Random(seed)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._main, name="demo-trainer", daemon=True)
@@ -128,11 +129,18 @@ class SimulatedTrainer:
                 n += 1
                 if self._stop.wait(self.pause):
                     break
-        except Exception:  # noqa: BLE001 - the demo trainer must not kill the exporter it feeds
-            log.exception("demo: the simulated trainer failed; the exporter keeps serving")
+        except Exception as exc:  # noqa: BLE001 - the demo trainer must not kill the exporter it feeds
+            # One readable line; the traceback only at debug level (--log.level=debug).
+            why = f"{type(exc).__name__}: {exc}" + (f" ({exc.__cause__})" if exc.__cause__ else "")
+            log.error("demo: the simulated trainer stopped (%s); no more simulated runs, the exporter keeps serving",
+                      why)
+            log.debug("demo: the simulated trainer's traceback", exc_info=True)
+            self.error = why
         finally:
-            self._set_load(0.0)
-            self.done.set()
+            try:
+                self._set_load(0.0)
+            finally:
+                self.done.set()
 
     def _set_load(self, load: float) -> None:
         for i in range(len(self.gpu_uuids)):
@@ -193,6 +201,7 @@ def _lr(step: int, total: int, peak: float = 2e-4, warmup: int = 10) -> float:
 
 def new_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
+        allow_abbrev=False,
         prog="gpu-energy-exporter demo",
         description="Start the exporter with SIMULATED GPUs (no driver needed) and a simulated training run "
                     "pushing through OTLP, to see every metric, the run ledger, `top` and `report` on any "
@@ -257,6 +266,20 @@ def parse_args(argv: list[str], environ: Mapping[str, str]) -> tuple[Config, Dem
                                durations["demo.export-interval"])
 
 
+def training_helper_missing() -> str | None:
+    """None when the training helper (the OpenTelemetry SDK and its OTLP/HTTP exporter) can be imported,
+    else what to do: the simulated trainer pushes through it, exactly as a training script does."""
+    try:
+        import gpu_energy_exporter.training.run  # noqa: F401, PLC0415
+    except ImportError as exc:
+        cause = exc.__cause__ if isinstance(exc.__cause__, ImportError) else exc
+        return (f"the demo's simulated trainer pushes through the training helper, which needs the OpenTelemetry "
+                f"SDK and its OTLP/HTTP exporter ({cause}). Install them into this environment: "
+                f"`{sys.executable} -m pip install opentelemetry-sdk opentelemetry-exporter-otlp-proto-http` "
+                "(or reinstall gpu-energy-exporter: they are part of its base install)")
+    return None
+
+
 def _client_url(address: tuple[str, int], scheme: str = "http") -> str:
     host, port = address[0], address[1]
     if host in ("", "0.0.0.0"):
@@ -316,6 +339,10 @@ def main(argv: list[str], *, stdout: IO[str] | None = None, environ: Mapping[str
     except ConfigError as exc:
         print(f"gpu-energy-exporter demo: error: {exc}", file=sys.stderr)
         return 2
+    missing = training_helper_missing()
+    if missing is not None:
+        print(f"gpu-energy-exporter demo: error: {missing}", file=sys.stderr)
+        return 2
     setup_logging(config.log_level, config.log_format)
     log.warning("%s (%d simulated GPUs, backend=\"simulated\")", SIMULATED_BANNER, opts.gpus)
     backend = SimulatedBackend(opts.gpus)
@@ -342,10 +369,7 @@ def main(argv: list[str], *, stdout: IO[str] | None = None, environ: Mapping[str
         try:
             exporter.start()
         except ExporterError as exc:
-            log.error("%s", exc)
-            print(f"gpu-energy-exporter demo: error: {exc}. Is an exporter (or another demo) already running? "
-                  "Pick free ports, e.g. --web.listen-address=:9864 --otlp.listen-address=localhost:4319",
-                  file=sys.stderr)
+            print(f"gpu-energy-exporter demo: error: {exc}", file=sys.stderr)
             exporter.stop()
             return 1
         assert exporter.web is not None

@@ -207,17 +207,27 @@ class Exporter:
         return True, "ready"
 
     def start(self) -> None:
-        """Take the first sample, then bind and serve. Raises ConfigError when a port cannot be bound."""
+        """Bind both ports, take the first sample, then serve. Raises ConfigError naming the flag when a port
+        cannot be bound; nothing is announced (no "listening on" line) before both ports are bound."""
+        try:
+            web = HTTPServer(self.config.web_listen_address, self.routes, web_config=self.web_config,
+                             name="gpu-energy-exporter", max_connections=self.config.web_max_connections,
+                             request_timeout=self.config.web_request_timeout)
+        except ConfigError as exc:
+            raise ConfigError(_bind_message("web.listen-address", exc)) from None
+        try:
+            self.otlp.bind()
+        except ConfigError as exc:
+            web.shutdown()
+            raise ConfigError(_bind_message("otlp.listen-address", exc)) from None
+        self.web = web
+        self._started = True
         self.sampler.start()
-        self.web = HTTPServer(self.config.web_listen_address, self.routes, web_config=self.web_config,
-                              name="gpu-energy-exporter", max_connections=self.config.web_max_connections,
-                              request_timeout=self.config.web_request_timeout)
         self.web.start()
         self.otlp.start()
         if self.pusher is not None:
             self.pusher.start()
             log.info("pushing readings every %gs to %s", self.config.otlp_push_interval, self.config.otlp_push_endpoint)
-        self._started = True
 
     def stop(self) -> None:
         if self.pusher is not None:
@@ -228,6 +238,15 @@ class Exporter:
             self.otlp.shutdown()
         self.sampler.stop()
         self.ledger.close()
+
+
+def _bind_message(flag: str, exc: ConfigError) -> str:
+    text = str(exc)
+    if "another process is using this port" in text:
+        text = text.replace("choose another listen address", f"is an exporter or a demo already running? stop it "
+                                                               f"or choose a free port with --{flag}")
+        return f"--{flag}: {text}"
+    return f"--{flag}: {text} (change --{flag})"
 
 
 def _fmt(address: tuple[str, int]) -> str:

@@ -298,6 +298,7 @@ class HTTPServer:
         *,
         web_config: WebConfig | None = None,
         name: str = PROJECT_NAME,
+        auth: str | None = None,
         max_connections: int = DEFAULT_MAX_CONNECTIONS,
         request_timeout: float = DEFAULT_REQUEST_TIMEOUT,
         head_timeout: float = DEFAULT_HEAD_TIMEOUT,
@@ -309,6 +310,9 @@ class HTTPServer:
     ) -> None:
         if max_connections < 1 or workers < 1:
             raise ConfigError(f"{name}: max connections and workers must be at least 1")
+        # What the start-up line says about authentication when not the web config's basic auth (e.g. the
+        # OTLP receiver's bearer token).
+        self._auth_text = auth
         if request_timeout <= 0:
             raise ConfigError(f"{name}: the request timeout must be positive")
         self.name = name
@@ -385,6 +389,12 @@ class HTTPServer:
         scheme = "https" if self._web_config.tls_enabled else "http"
         return f"{scheme}://{host}:{port}"
 
+    @property
+    def listen_text(self) -> str:
+        """Where the socket listens, as a person reads it (see ``listen_text``)."""
+        host, port = self.server_address
+        return listen_text(host, port, self.url, _dual_stack(self._listener))
+
     def open_connections(self) -> int:
         return len(self._conns)
 
@@ -423,8 +433,9 @@ class HTTPServer:
             self._thread = threading.Thread(target=self._loop, name=f"{self.name}-http", daemon=True)
             self._thread.start()
         wc = self._web_config
-        log.info("%s listening on %s (TLS %s, basic auth %s, at most %d connections)", self.name, self.url,
-                 "on" if wc.tls_enabled else "off", "on" if wc.auth_enabled else "off", self.max_connections)
+        auth = self._auth_text or ("basic auth " + ("on" if wc.auth_enabled else "off"))
+        log.info("%s listening on %s (TLS %s, %s, at most %d connections)", self.name, self.listen_text,
+                 "on" if wc.tls_enabled else "off", auth, self.max_connections)
         return self
 
     def shutdown(self, timeout: float = 5.0) -> None:
@@ -1130,6 +1141,24 @@ def _connection_cap() -> int:
     if soft == resource.RLIM_INFINITY:
         return 1 << 20
     return max(8, (soft - 64) // 3)
+
+
+def listen_text(host: str, port: int, url: str, dual_stack: bool) -> str:
+    """``:9863 on all interfaces (IPv4 and IPv6; http://[::1]:9863 from this host)`` for a wildcard address,
+    else the URL: a server bound to ``::`` does not listen on ``[::1]`` only, as its client URL would say."""
+    if host in ("0.0.0.0", "::", ""):
+        family = "IPv4 only" if host == "0.0.0.0" else "IPv4 and IPv6" if dual_stack else "IPv6 only"
+        return f":{port} on all interfaces ({family}; {url} from this host)"
+    return url
+
+
+def _dual_stack(sock: socket.socket) -> bool:
+    if sock.family != socket.AF_INET6:
+        return False
+    try:
+        return sock.getsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY) == 0
+    except OSError:
+        return False
 
 
 def _bind(address: tuple[str, int]) -> socket.socket:

@@ -37,19 +37,23 @@ from dataclasses import dataclass, field
 from typing import IO, Any
 
 from gpu_energy_exporter import __version__
+from gpu_energy_exporter.client import ExporterClient, ExporterUnreachable, add_client_flags, client_from_args
 from gpu_energy_exporter.config import parse_duration
 from gpu_energy_exporter.errors import ExporterError
-from gpu_energy_exporter.textfmt import json_safe
-from gpu_energy_exporter.top import (
-    ExporterClient,
-    ExporterUnreachable,
-    add_client_flags,
-    client_from_args,
-    fmt_co2,
-    fmt_duration,
-    fmt_energy,
-    fmt_num,
-)
+from gpu_energy_exporter.textfmt import fmt_num, json_safe
+from gpu_energy_exporter.top import fmt_co2, fmt_duration
+
+
+def fmt_energy(joules: float | None) -> str:
+    """J below 1 kJ, kJ below 0.1 kWh, then kWh: a report's figures span from J per 10k tokens to a run."""
+    if joules is None or not math.isfinite(joules):
+        return "-"
+    if abs(joules) < 1000:
+        return f"{joules:.0f} J"
+    if abs(joules) < 360_000:
+        return f"{joules / 1000:.1f} kJ"
+    return f"{joules / 3.6e6:.3f} kWh"
+
 
 #: Size of every plot, in pixels (inches x DPI): tests check it.
 PLOT_SIZE_IN = (10.0, 4.0)
@@ -174,8 +178,6 @@ def load_from_exporter(client: ExporterClient, run_id: str) -> RunData:
         if "unknown run" in text:
             text += (". The exporter keeps finished runs for 15 minutes: for older runs pass the JSON summary "
                      "file (runs/<run id>.json beside its --runs.csv) or --prometheus URL")
-        elif "cannot reach" in text:
-            text += " (is the exporter running? try: gpu-energy-exporter demo)"
         raise ReportError(text) from None
     run = from_ledger_document(doc, f"exporter {client.base_url}")
     try:
@@ -537,7 +539,10 @@ def _matplotlib() -> Any:
     try:
         import matplotlib  # noqa: PLC0415 - optional extra, only for this command
     except ImportError:
-        raise ReportError("report needs matplotlib for its plots: pip install gpu-energy-exporter[report]") from None
+        raise ReportError(
+            "report draws its plots with matplotlib, which is not installed in this Python environment "
+            f"({sys.prefix}): install it with `{sys.executable} -m pip install 'matplotlib>=3.7'` (from a "
+            "checkout, `make run` and `pip install '.[report]'` include it)") from None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt  # noqa: PLC0415
 
@@ -567,6 +572,14 @@ def _figure(plt: Any, title: str, run: RunData | None = None, ncols: int = 1, nr
 def _no_data(ax: Any, what: str) -> None:
     ax.text(0.5, 0.5, f"no {what} in this run's data", ha="center", va="center", transform=ax.transAxes,
             color="#666666")
+
+
+def _whole_run(ax: Any, run: RunData) -> None:
+    """Time axes span the whole run, not only the samples at hand: a plot whose samples cover 5 s of a 26 s
+    run must show that, not stretch the 5 s across the page."""
+    duration = _num(run.summary.get("duration_s"))
+    if duration is not None and duration > 0:
+        ax.set_xlim(0, duration / 60.0)
 
 
 def _warmup(ax: Any, run: RunData) -> None:
@@ -609,6 +622,7 @@ def plot_run(run: RunData, out_dir: str, plt: Any) -> dict[str, str]:
         ax.legend(loc="lower right", fontsize=8)
     else:
         _no_data(ax, "power samples")
+    _whole_run(ax, run)
     ax.set_xlabel("minutes since the run started")
     ax.set_ylabel("power (W)")
     ax.grid(alpha=0.3)
@@ -633,12 +647,12 @@ def plot_run(run: RunData, out_dir: str, plt: Any) -> dict[str, str]:
 
     fig, ax = _figure(plt, f"Loss against cumulative energy: {run.run_id}", run)
     lve = loss_vs_energy(run)
-    if lve:
+    if lve and max(e for e, _ in lve) > 0:
         scale, unit = _energy_unit(max(e for e, _ in lve))
         ax.plot([e / scale for e, _ in lve], [v for _, v in lve], marker=".", lw=1, color="#1b9e77")
         ax.set_xlabel(f"cumulative GPU energy of the run ({unit})")
     else:
-        _no_data(ax, "loss values")
+        _no_data(ax, "loss values" if not lve else "GPU energy (the run's GPUs reported none)")
         ax.set_xlabel("cumulative GPU energy of the run")
     ax.set_ylabel("training loss")
     ax.grid(alpha=0.3)
@@ -664,6 +678,7 @@ def plot_run(run: RunData, out_dir: str, plt: Any) -> dict[str, str]:
         ax.legend(loc="lower right", fontsize=8)
     else:
         _no_data(ax, "memory samples")
+    _whole_run(ax, run)
     ax.set_xlabel("minutes since the run started")
     ax.set_ylabel("GiB")
     ax.grid(alpha=0.3)
@@ -684,6 +699,7 @@ def plot_run(run: RunData, out_dir: str, plt: Any) -> dict[str, str]:
         ax.legend(loc="lower right", fontsize=8)
     else:
         _no_data(ax, "token counts")
+    _whole_run(ax, run)
     ax.set_xlabel("minutes since the run started")
     ax.set_ylabel("tokens/s")
     ax.grid(alpha=0.3)
@@ -1000,6 +1016,7 @@ def write_report(runs: Sequence[RunData], out_dir: str, progress: Callable[[str]
 
 def new_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
+        allow_abbrev=False,
         prog="gpu-energy-exporter report",
         description="Per-run report (Markdown + self-contained HTML) with PNG plots of power, energy per step, "
                     "loss against energy, memory and throughput, and the final energy summary. Several runs "

@@ -2,7 +2,9 @@
 
 Reads the CSV the exporter appends to with ``--runs.csv`` (``--csv FILE`` or the same environment variable
 as the exporter flag, ``GPU_ENERGY_EXPORTER_RUNS_CSV``), or the active and recent runs of a running
-exporter (``--url http://host:9863``, its ``/api/v1/runs``). Prints an aligned table, JSON or CSV; with
+exporter (``--url http://host:9863``, its ``/api/v1/runs``; without a CSV the default:
+``$GPU_ENERGY_EXPORTER_URL``, else ``http://localhost:9863``; the same client options as ``top`` and
+``report``). Prints an aligned table, JSON or CSV; with
 ``--group-by COLUMN`` it compares groups (mean J/token, tokens/s, VRAM peak, and each group's ratio to a
 baseline group), e.g. ``--group-by backend`` for bitsandbytes against Unsloth.
 
@@ -12,20 +14,25 @@ This module only reads: it never writes the ledger and never contacts anything b
 from __future__ import annotations
 
 import argparse
-import base64
 import csv
 import io
 import json
 import math
 import os
 import sys
-import urllib.error
-import urllib.parse
-import urllib.request
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import IO, Any
 
+from gpu_energy_exporter.client import (
+    DEFAULT_URL,
+    NOT_RUNNING,
+    URL_ENV,
+    ExporterClient,
+    ExporterUnreachable,
+    add_client_flags,
+    client_from_args,
+)
 from gpu_energy_exporter.config import FLAGS
 from gpu_energy_exporter.errors import ExporterError
 from gpu_energy_exporter.ledger import COLUMN_NAMES, NUMERIC_COLUMNS
@@ -93,41 +100,14 @@ def _typed(row: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def load_url(url: str, timeout: float = 10.0) -> list[dict[str, Any]]:
-    """Active and recent runs from a running exporter (``GET <url>/api/v1/runs``)."""
-    parts = urllib.parse.urlsplit(url if "://" in url else "http://" + url)
-    if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise RunsError(f"--url {url!r} must look like http://host:9863")
-    netloc = parts.hostname + (f":{parts.port}" if parts.port else "")
-    if ":" in parts.hostname:
-        netloc = f"[{parts.hostname}]" + (f":{parts.port}" if parts.port else "")
-    target = urllib.parse.urlunsplit((parts.scheme, netloc, parts.path.rstrip("/") + API_PATH, "", ""))
-    request = urllib.request.Request(target, headers={"Accept": "application/json"})
-    if parts.username is not None:
-        # Basic auth from the URL (--web.config.file with basic_auth_users).
-        token = f"{urllib.parse.unquote(parts.username)}:{urllib.parse.unquote(parts.password or '')}"
-        request.add_header("Authorization", "Basic " + base64.b64encode(token.encode()).decode())
-    try:
-        with urllib.request.urlopen(request, timeout=timeout) as response:  # noqa: S310 - user's own URL
-            body = response.read()
-    except urllib.error.HTTPError as exc:
-        if exc.code == 404:
-            raise RunsError(f"{target} answered 404: this exporter does not serve the run ledger") from None
-        if exc.code == 401:
-            raise RunsError(f"{target} answered 401: put the credentials in the URL "
-                            "(http://user:password@host:9863)") from None
-        raise RunsError(f"{target} answered HTTP {exc.code} {exc.reason}") from None
-    except (urllib.error.URLError, OSError) as exc:
-        reason = getattr(exc, "reason", exc)
-        raise RunsError(f"cannot reach the exporter at {target}: {reason} (is it running, and is this its "
-                        "--web.listen-address?)") from None
-    try:
-        doc = json.loads(body)
-        runs = doc["runs"]
-        if not isinstance(runs, list):
-            raise TypeError("runs is not a list")
-    except (ValueError, KeyError, TypeError) as exc:
-        raise RunsError(f"{target} did not answer with the run ledger's JSON ({exc})") from None
+def load_url(client: ExporterClient) -> list[dict[str, Any]]:
+    """Active and recent runs from a running exporter (``GET <url>/api/v1/runs``); ExporterUnreachable
+    (with its cause) when it cannot be read."""
+    doc = client.get(API_PATH)
+    runs = doc.get("runs") if isinstance(doc, dict) else None
+    if not isinstance(runs, list):
+        raise RunsError(f"{client.base_url}{API_PATH} did not answer with the run ledger's JSON: is "
+                        f"{client.base_url} a gpu-energy-exporter (check --url)?")
     return [{k: r.get(k) for k in COLUMN_NAMES} for r in runs if isinstance(r, dict)]
 
 
@@ -200,9 +180,24 @@ def render_table(headers: Sequence[str], rows: Sequence[Sequence[str]], right: S
     return "\n".join([line(headers), *(line(r) for r in rows)]) + "\n"
 
 
+SIMULATED_MARK = " (SIMULATED)"
+
+
+def is_simulated(run: dict[str, Any]) -> bool:
+    """A run of ``gpu-energy-exporter demo``: its GPUs are the demo's simulated ones (``devices/simulated.py``
+    names them "... (simulated)", UUIDs GPU-SIM...)."""
+    return "(simulated)" in str(run.get("gpu_models") or "") or str(run.get("gpu_uuids") or "").startswith("GPU-SIM")
+
+
 def runs_table(runs: Sequence[dict[str, Any]]) -> str:
     rows = [[c.fmt(r.get(c.key)) for c in TABLE] for r in runs]
-    return render_table([c.header for c in TABLE], rows, [c.right for c in TABLE])
+    for row, r in zip(rows, runs, strict=True):
+        if is_simulated(r):
+            row[0] += SIMULATED_MARK
+    text = render_table([c.header for c in TABLE], rows, [c.right for c in TABLE])
+    if any(is_simulated(r) for r in runs):
+        text += "(SIMULATED): a run of `gpu-energy-exporter demo` on simulated GPUs, not a measurement\n"
+    return text
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -287,6 +282,7 @@ def comparison_text(result: dict[str, Any]) -> str:
 
 def new_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
+        allow_abbrev=False,
         prog="gpu-energy-exporter runs",
         description="List and compare training runs recorded by the exporter's run ledger.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -300,9 +296,9 @@ columns of the CSV and how each figure is computed: docs/ledger.md
 """)
     parser.add_argument("--csv", metavar="FILE", default=None,
                         help=f"the exporter's --runs.csv file [env {CSV_ENV}]")
-    parser.add_argument("--url", metavar="URL", default=None,
-                        help="read active and recent runs from a running exporter instead, e.g. "
-                             "http://localhost:9863")
+    add_client_flags(parser, url_help=(
+        f"read the active and recent runs of a running exporter (its /api/v1/runs). This is the default when "
+        f"neither --csv nor {CSV_ENV} is given: then ${URL_ENV}, else {DEFAULT_URL}"))
     parser.add_argument("--group-by", metavar="COLUMN", default=None,
                         help="compare groups of runs by this column (backend, model, precision, optimizer, ...)")
     parser.add_argument("--baseline", metavar="GROUP", default=None,
@@ -326,14 +322,20 @@ def main(argv: list[str], *, stdout: IO[str] | None = None, stderr: IO[str] | No
     try:
         if args.url and args.csv:
             raise RunsError("give either --csv or --url, not both")
-        if args.url:
-            runs, source = load_url(args.url), args.url
-        else:
-            path = args.csv or env.get(CSV_ENV)
-            if not path:
-                raise RunsError(f"which runs CSV? pass --csv FILE (the exporter's --runs.csv) or set {CSV_ENV}, "
-                                "or read a running exporter with --url http://host:9863")
+        path = None if args.url else (args.csv or env.get(CSV_ENV))
+        if path:
             runs, source = load_csv(path), path
+        else:
+            try:
+                client = client_from_args(args, env)
+                runs, source = load_url(client), client.base_url
+            except (ExporterUnreachable, RunsError) as exc:
+                if args.url or env.get(URL_ENV) or getattr(exc, "cause", None) != NOT_RUNNING:
+                    raise RunsError(str(exc)) from None
+                # Neither a CSV nor a URL was asked for: say both ways.
+                raise RunsError(f"no CSV given and {exc}; or read a runs CSV: pass --csv FILE (the exporter's "
+                                f"--runs.csv) or set {CSV_ENV}") from None
+        total = len(runs)
         if args.status:
             wanted = {s.strip() for s in args.status.split(",") if s.strip()}
             runs = [r for r in runs if r.get("status") in wanted]
@@ -349,6 +351,8 @@ def main(argv: list[str], *, stdout: IO[str] | None = None, stderr: IO[str] | No
         out.write(json.dumps(doc, indent=2) + "\n")
     elif args.format == "csv":
         _write_csv(out, runs, result)
+    elif not runs and total:
+        out.write(f"none of the {total} runs in {source} has status {args.status}\n")
     elif not runs:
         out.write(f"no runs in {source} yet\n")
     else:

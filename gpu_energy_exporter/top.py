@@ -7,179 +7,38 @@ mouse, no true colour), follows terminal resizes and exits on ``q`` or Ctrl-C wi
 When stdout is not a terminal (a pipe, a log file) or with ``--once`` it prints plain-text frames.
 
 Everything it shows comes from the exporter's JSON API (``/api/v1/status`` and ``/api/v1/runs``, see
-``api.py``); the HTTP client here (``ExporterClient``, basic auth and TLS options) is shared with
-``report``. This module only reads: it never calls NVML, never writes to the exporter, and never lets a
+``api.py``); the HTTP client (``client.ExporterClient``, basic auth and TLS options) is the one ``runs``
+and ``report`` use. This module only reads: it never calls NVML, never writes to the exporter, and never lets a
 slow or unreachable exporter freeze the keyboard (fetching runs on its own thread).
 """
 
 from __future__ import annotations
 
 import argparse
-import base64
-import json
 import locale
 import math
 import os
 import shutil
 import signal
-import ssl
 import sys
 import threading
 import time
-import urllib.error
-import urllib.parse
-import urllib.request
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import IO, Any
 
-from gpu_energy_exporter.config import DEFAULT_METRICS_PORT, parse_duration
-from gpu_energy_exporter.errors import ExporterError
+from gpu_energy_exporter.client import (
+    DEFAULT_URL,
+    URL_ENV,
+    ExporterClient,
+    ExporterUnreachable,
+    add_client_flags,
+    client_from_args,
+)
+from gpu_energy_exporter.config import parse_duration
 from gpu_energy_exporter.textfmt import fmt_num
 
-DEFAULT_URL = f"http://localhost:{DEFAULT_METRICS_PORT}"
-#: Where ``--url`` comes from when not given (the same URL ``report`` uses).
-URL_ENV = "GPU_ENERGY_EXPORTER_URL"
 GIB = float(1 << 30)
-
-HINT_START = "is the exporter running? try: gpu-energy-exporter demo"
-
-
-# ----------------------------------------------------------------------------------------------------
-# talking to the exporter
-
-
-class ExporterUnreachable(ExporterError):
-    """The exporter did not answer usefully; the message says why and what to try."""
-
-
-@dataclass
-class ExporterClient:
-    """GET JSON documents from an exporter's API. ``url`` is the exporter's base URL (``http://host:9863``);
-    credentials may also be embedded in it (``http://user:pass@host:9863``)."""
-
-    url: str = DEFAULT_URL
-    user: str | None = None
-    password: str | None = None
-    ca_file: str | None = None
-    insecure: bool = False
-    timeout: float = 5.0
-    _base: str = field(init=False, default="")
-    _auth: str | None = field(init=False, default=None)
-    _ssl: ssl.SSLContext | None = field(init=False, default=None)
-
-    def __post_init__(self) -> None:
-        text = self.url.strip()
-        parts = urllib.parse.urlsplit(text if "://" in text else "http://" + text)
-        if parts.scheme not in ("http", "https") or not parts.hostname:
-            raise ExporterUnreachable(f"--url {self.url!r} must look like http://host:{DEFAULT_METRICS_PORT}")
-        host = parts.hostname
-        if ":" in host:
-            host = f"[{host}]"
-        netloc = host + (f":{parts.port}" if parts.port else "")
-        self._base = urllib.parse.urlunsplit((parts.scheme, netloc, parts.path.rstrip("/"), "", ""))
-        user, password = self.user, self.password
-        if user is None and parts.username is not None:
-            user = urllib.parse.unquote(parts.username)
-            password = urllib.parse.unquote(parts.password or "") if password is None else password
-        if user is not None:
-            token = f"{user}:{password or ''}".encode()
-            self._auth = "Basic " + base64.b64encode(token).decode()
-        if parts.scheme == "https":
-            try:
-                ctx = ssl.create_default_context(cafile=self.ca_file)
-            except (OSError, ssl.SSLError) as exc:
-                raise ExporterUnreachable(f"cannot use --ca-file {self.ca_file!r}: {exc}") from None
-            if self.insecure:
-                ctx.check_hostname = False
-                ctx.verify_mode = ssl.CERT_NONE
-            self._ssl = ctx
-
-    @property
-    def base_url(self) -> str:
-        """The URL without credentials (safe to print)."""
-        return self._base
-
-    def get(self, path: str, query: dict[str, str] | None = None) -> Any:
-        """``GET base + path`` and decode JSON. Raises ExporterUnreachable with what to do; an HTTP error
-        whose body is a JSON object with ``error`` raises with that message."""
-        target = self._base + path + ("?" + urllib.parse.urlencode(query) if query else "")
-        request = urllib.request.Request(target, headers={"Accept": "application/json"})
-        if self._auth:
-            request.add_header("Authorization", self._auth)
-        try:
-            with urllib.request.urlopen(request, timeout=self.timeout, context=self._ssl) as resp:  # noqa: S310
-                body = resp.read()
-        except urllib.error.HTTPError as exc:
-            detail = _error_detail(exc)
-            if exc.code == 401:
-                raise ExporterUnreachable(f"{target} answered 401 Unauthorized: pass --user and --password-file "
-                                          "(the exporter's --web.config.file has basic_auth_users)") from None
-            if exc.code == 404 and detail:
-                raise ExporterUnreachable(detail) from None
-            if exc.code == 404:
-                raise ExporterUnreachable(f"{target} answered 404: is {self._base} a gpu-energy-exporter "
-                                          "(the JSON API needs version 0.1 or newer)?") from None
-            raise ExporterUnreachable(f"{target} answered HTTP {exc.code} {exc.reason}"
-                                      + (f": {detail}" if detail else "")) from None
-        except (urllib.error.URLError, OSError) as exc:
-            reason = getattr(exc, "reason", exc)
-            if isinstance(reason, ssl.SSLCertVerificationError):
-                raise ExporterUnreachable(f"cannot verify the TLS certificate of {self._base} "
-                                          f"({reason.verify_message}): pass --ca-file with the CA that signed it, "
-                                          "or --insecure") from None
-            if isinstance(reason, ssl.SSLError) and self._base.startswith("http://"):
-                raise ExporterUnreachable(f"{self._base}: TLS error ({reason}); does the exporter use https?") from None
-            text = str(getattr(reason, "strerror", None) or reason)
-            if "http://" in self._base and "Remote end closed" in text:
-                text += " (the exporter may serve https: use an https:// URL)"
-            raise ExporterUnreachable(f"cannot reach the exporter at {self._base}: {text}") from None
-        try:
-            return json.loads(body)
-        except ValueError:
-            raise ExporterUnreachable(f"{target} did not answer with JSON: is {self._base} a "
-                                      "gpu-energy-exporter?") from None
-
-
-def _error_detail(exc: urllib.error.HTTPError) -> str:
-    try:
-        doc = json.loads(exc.read() or b"null")
-    except (ValueError, OSError):
-        return ""
-    if isinstance(doc, dict) and isinstance(doc.get("error"), str):
-        return str(doc["error"])
-    return ""
-
-
-def read_password_file(path: str) -> str:
-    try:
-        with open(path, encoding="utf-8") as f:
-            return f.readline().rstrip("\r\n")
-    except OSError as exc:
-        raise ExporterUnreachable(f"cannot read --password-file {path!r}: {exc.strerror or exc}") from None
-
-
-def add_client_flags(parser: argparse.ArgumentParser) -> None:
-    """``--url``, ``--user``, ``--password-file``, ``--ca-file``, ``--insecure`` (``top`` and ``report``)."""
-    parser.add_argument("--url", default=None, metavar="URL",
-                        help=f"the exporter's web address (default: ${URL_ENV} or {DEFAULT_URL}); "
-                             "http://user:password@host:port also works")
-    parser.add_argument("--user", default=None, help="basic auth user (the exporter's --web.config.file)")
-    parser.add_argument("--password-file", default=None, metavar="FILE",
-                        help="file whose first line is the basic auth password")
-    parser.add_argument("--ca-file", default=None, metavar="FILE",
-                        help="CA certificate(s) to verify an https exporter with")
-    parser.add_argument("--insecure", action="store_true", help="do not verify the exporter's TLS certificate")
-
-
-def client_from_args(args: argparse.Namespace, environ: dict[str, str] | os._Environ[str] | None = None,
-                     timeout: float = 5.0) -> ExporterClient:
-    env = os.environ if environ is None else environ
-    password = read_password_file(args.password_file) if args.password_file else None
-    if password is not None and args.user is None:
-        raise ExporterUnreachable("--password-file needs --user")
-    return ExporterClient(args.url or env.get(URL_ENV) or DEFAULT_URL, user=args.user, password=password,
-                          ca_file=args.ca_file, insecure=args.insecure, timeout=timeout)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -187,13 +46,16 @@ def client_from_args(args: argparse.Namespace, environ: dict[str, str] | os._Env
 
 
 def fmt_energy(joules: float | None) -> str:
+    """Energy in kWh everywhere in the view (the unit of the carbon intensity and of the bill), with
+    enough decimals for a short run: one unit, so the header and the rows can be compared."""
     if joules is None or not math.isfinite(joules):
         return "-"
-    if abs(joules) < 1000:
-        return f"{joules:.0f} J"
-    if abs(joules) < 360_000:  # below 0.1 kWh kJ reads better
-        return f"{joules / 1000:.1f} kJ"
-    return f"{joules / 3.6e6:.3f} kWh"
+    kwh = joules / 3.6e6
+    if abs(kwh) >= 100:
+        return f"{kwh:,.1f} kWh"
+    if abs(kwh) >= 1:
+        return f"{kwh:.3f} kWh"
+    return f"{kwh:.4f} kWh"
 
 
 def fmt_co2(grams: float | None) -> str:
@@ -302,16 +164,19 @@ _ASCII = str.maketrans({"·": "|", "…": "~", "°": " ", "█": "#"})
 
 
 def render_frame(view: View, *, url: str, interval: float, width: int = 100, unicode: bool = True,
-                 now: float | None = None, clock: Callable[[], float] = time.monotonic) -> list[Line]:
-    """The whole screen as lines of styled segments (pure: no terminal, no network)."""
-    lines = _frame(view, url=url, interval=interval, width=width, unicode=unicode, now=now, clock=clock)
+                 now: float | None = None, clock: Callable[[], float] = time.monotonic,
+                 once: bool = False) -> list[Line]:
+    """The whole screen as lines of styled segments (pure: no terminal, no network). ``once``: a single
+    frame (``--once``), which never retries."""
+    lines = _frame(view, url=url, interval=interval, width=width, unicode=unicode, now=now, clock=clock,
+                   once=once)
     if not unicode:
         lines = [[(text.translate(_ASCII), style) for text, style in line] for line in lines]
     return lines
 
 
 def _frame(view: View, *, url: str, interval: float, width: int, unicode: bool, now: float | None,
-           clock: Callable[[], float]) -> list[Line]:
+           clock: Callable[[], float], once: bool = False) -> list[Line]:
     width = max(40, width)
     wall = time.time() if now is None else now
     lines: list[Line] = []
@@ -322,8 +187,9 @@ def _frame(view: View, *, url: str, interval: float, width: int, unicode: bool, 
     status = view.status
     if status is None:
         if view.error:
-            lines += [[("", "")], [(view.error, "bad")], [(HINT_START, "warn")],
-                      [(f"retrying every {interval:g}s (attempt {view.failures})", "dim")]]
+            lines += [[("", "")], [(view.error, "bad")]]
+            if not once:
+                lines.append([(f"retrying every {interval:g}s (attempt {view.failures})", "dim")])
         else:
             lines.append([("connecting…" if unicode else "connecting...", "dim")])
         return lines
@@ -484,8 +350,9 @@ def _host_lines(status: dict[str, Any], width: int, unicode: bool) -> list[Line]
     line: Line = [("HOST  ", "head")]
     if isinstance(cpu, (int, float)):
         line += [("CPU ", ""), (bar(cpu, bar_w, unicode), _level(cpu)), (f" {cpu * 100:3.0f}%   ", "")]
+    used = total - avail if isinstance(avail, (int, float)) and isinstance(total, (int, float)) else None
     line += [("RAM used ", ""), (bar(used_frac, bar_w, unicode), "bad" if low else _level(used_frac, 0.85, 0.95)),
-             (f" {fmt_gib(avail)} of {fmt_gib(total)} GiB available", "bad" if low else "")]
+             (f" {fmt_gib(used)} of {fmt_gib(total)} GiB, {fmt_gib(avail)} GiB available", "bad" if low else "")]
     if isinstance(critical, (int, float)):
         line.append((f" (warns < {fmt_gib(critical)} GiB)", "dim"))
     out = [line]
@@ -575,7 +442,8 @@ def run_plain(poller: Poller, *, once: bool, out: IO[str], url: str, unicode: bo
         poller.fetch_once()
         view = poller.view()
         cols = width or shutil.get_terminal_size((120, 40)).columns
-        out.write(frame_text(render_frame(view, url=url, interval=poller.interval, width=cols, unicode=unicode)))
+        out.write(frame_text(render_frame(view, url=url, interval=poller.interval, width=cols, unicode=unicode,
+                                          once=once)))
         out.flush()
         if once:
             return 0 if view.status is not None else 1
@@ -679,6 +547,7 @@ def _draw(stdscr: Any, view: View, styles: dict[str, int], url: str, interval: f
 
 def new_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
+        allow_abbrev=False,
         prog="gpu-energy-exporter top",
         description="Live terminal view of a running exporter: GPU power, energy, utilisation, temperature "
                     "and VRAM; active training runs (J/token, tokens/s, loss, ETA, CO2); host RAM.",
@@ -768,7 +637,7 @@ def _on_signals(stop: threading.Event, interactive: bool) -> dict[int, Any]:
 
 
 __all__ = [
-    "DEFAULT_URL", "ExporterClient", "ExporterUnreachable", "Poller", "View", "add_client_flags", "bar",
+    "DEFAULT_URL", "URL_ENV", "ExporterClient", "ExporterUnreachable", "Poller", "View", "add_client_flags", "bar",
     "client_from_args", "eta_seconds", "fmt_co2", "fmt_duration", "fmt_energy", "fmt_num", "frame_text", "main",
     "render_frame",
 ]

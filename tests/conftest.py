@@ -26,6 +26,7 @@ ROOT = TESTS.parent
 sys.path.insert(0, str(TESTS))
 
 from fakenvml import build_library  # noqa: E402
+from freshinstall import fresh_install  # noqa: E402, F401 - a session fixture shared by two test files
 
 
 @pytest.fixture(scope="session")

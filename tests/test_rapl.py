@@ -13,7 +13,9 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import Metric
 
+from gpu_energy_exporter.collectors.base import NoData
 from gpu_energy_exporter.collectors.rapl import RaplCollector, read_sysfs
+from gpu_energy_exporter.sampler import COLLECTOR_SUCCESS, Sampler
 
 FIXTURES = Path(__file__).parent / "fixtures"
 SERVER = FIXTURES / "sysfs-rapl-server"
@@ -326,15 +328,32 @@ def test_missing_powercap_tree_is_no_data_with_one_debug_log(
 ) -> None:
     c = RaplCollector(sysfs=str(tmp_path))
     with caplog.at_level(logging.DEBUG, logger=LOGGER):
-        assert c.update() == []
-        assert c.update() == []
+        for _ in range(2):
+            with pytest.raises(NoData):
+                c.update()
     records = [r for r in caplog.records if r.name == LOGGER]
     assert len(records) == 1 and records[0].levelno == logging.DEBUG
 
 
 def test_powercap_without_rapl_zones_is_no_data(tmp_path: Path) -> None:
     (tmp_path / "class" / "powercap" / "dtpm").mkdir(parents=True)
-    assert RaplCollector(sysfs=str(tmp_path)).update() == []
+    with pytest.raises(NoData):
+        RaplCollector(sysfs=str(tmp_path)).update()
+
+
+def test_no_powercap_tree_reports_collector_success_0_as_its_help_says(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Issue 12: the log said "/sys/class/powercap does not exist" while collector_success{rapl} was 1, and its
+    # HELP says "0 if it failed or had nothing to read". Nothing at warning level either: no data is no error.
+    sampler = Sampler([RaplCollector(sysfs=str(tmp_path))], interval=1.0)
+    with caplog.at_level(logging.INFO):
+        snap = sampler.sample_once()
+    success = {tuple(s.labels.values()): s.value for f in snap.families for s in f.samples
+               if s.name == "gpuenergy_collector_success"}
+    assert success == {("rapl",): 0.0}
+    assert "nothing to read" in COLLECTOR_SUCCESS.help
+    assert [r for r in caplog.records if r.levelno >= logging.INFO] == []
 
 
 def test_vanished_zone_drops_its_series(tmp_path: Path) -> None:

@@ -185,7 +185,7 @@ def test_errors_say_what_to_do(runs: Runs, tmp_path: Path) -> None:
     rc, _, err = _report(["no-such-run", "--url", runs.url, "--out", str(tmp_path / "x")])
     assert rc == 2 and "unknown run 'no-such-run'" in err and "JSON summary" in err
     rc, _, err = _report(["some-run", "--url", f"http://127.0.0.1:{free_port()}", "--out", str(tmp_path / "y")])
-    assert rc == 2 and "is the exporter running? try: gpu-energy-exporter demo" in err
+    assert rc == 2 and "nothing listens at" in err and "is the exporter running?" in err
     assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()
     bad = tmp_path / "bad.json"
     bad.write_text('{"schema": "something/else", "run_id": "r"}')
@@ -200,7 +200,34 @@ def test_missing_matplotlib_says_how_to_install_it(tmp_path: Path) -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=ROOT,
                          env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert out.returncode == 2
-    assert "pip install gpu-energy-exporter[report]" in out.stderr
+    assert "-m pip install 'matplotlib>=3.7'" in out.stderr and "Traceback" not in out.stderr
+
+
+def _colour_columns(path: Path, colour: tuple[int, int, int]) -> list[int]:
+    with Image.open(path) as img:
+        rgb = img.convert("RGB")
+        w, h = rgb.size
+        px = rgb.load()
+        return [x for x in range(w) if any(sum(abs(a - b) for a, b in zip(px[x, y], colour, strict=True)) < 40
+                                           for y in range(h))]
+
+
+def test_a_run_without_energy_and_few_samples_is_drawn_honestly(tmp_path: Path) -> None:
+    # Issue 12: a run with no energy drew a vertical line at 0 J on a -0.04…0.04 J axis, and its power plot
+    # stretched 5 s of samples across a 26 s run.
+    t0 = 1_700_000_000.0
+    doc = {"run_id": "no-energy", "schema": report.SUMMARY_SCHEMA, "start_unix": t0, "end_unix": t0 + 26,
+           "duration_s": 26.0, "energy_j": 0.0, "gpus": [{"uuid": "GPU-a", "name": "A"}], "timeline_gpus": ["GPU-a"],
+           "timeline": [{"t": t0 + 21 + i, "power_w": [100.0 + 10 * i], "energy_j": 0.0, "tokens": 100.0 * i,
+                         "steps": float(i), "loss": 2.0 - 0.1 * i} for i in range(6)]}
+    run = report.from_ledger_document(doc, "test")
+    paths = report.plot_run(run, str(tmp_path), report._matplotlib())
+    assert _colour_columns(Path(paths["loss_vs_energy"]), (27, 158, 119)) == []  # no line at all
+    blue = _colour_columns(Path(paths["power"]), (31, 119, 180))  # matplotlib's first line colour
+    assert blue, "the power samples are drawn"
+    width = EXPECTED_SIZE[0]
+    assert max(blue) - min(blue) < 0.35 * width, "5 s of samples must not fill the axis of a 26 s run"
+    assert min(blue) > 0.55 * width, "the samples sit at the end of the run, where they were taken"
 
 
 @pytest.mark.slow

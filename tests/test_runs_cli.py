@@ -12,13 +12,17 @@ import json
 from pathlib import Path
 from typing import Any
 
+import bcrypt
 import pytest
+from conftest import free_port
 
 from gpu_energy_exporter import cli
 from gpu_energy_exporter.api import api_routes
+from gpu_energy_exporter.client import URL_ENV
 from gpu_energy_exporter.ledger import COLUMN_NAMES, RunLedger, append_csv_row
 from gpu_energy_exporter.runs_cli import CSV_ENV, main
 from gpu_energy_exporter.web import HTTPServer
+from gpu_energy_exporter.webconfig import load_web_config
 
 GIB = float(1 << 30)
 
@@ -110,8 +114,9 @@ def test_environment_variable_names_the_file(ledger_csv: Path) -> None:
 
 
 def test_clear_errors(tmp_path: Path, ledger_csv: Path) -> None:
-    rc, _, err = run_cli([])
-    assert rc == 2 and "pass --csv FILE" in err and CSV_ENV in err
+    # without --csv or --url: the exporter's URL ($GPU_ENERGY_EXPORTER_URL here: a port nothing listens on)
+    rc, _, err = run_cli([], environ={URL_ENV: f"http://127.0.0.1:{free_port()}"})
+    assert rc == 2 and "nothing listens at" in err
     rc, _, err = run_cli(["--csv", str(tmp_path / "nope.csv")])
     assert rc == 2 and "does not exist" in err and "--runs.csv=" in err
     foreign = tmp_path / "energy_results.csv"
@@ -127,7 +132,7 @@ def test_clear_errors(tmp_path: Path, ledger_csv: Path) -> None:
     rc, _, err = run_cli(["--csv", str(ledger_csv), "--group-by", "backend", "--baseline", "deepspeed"])
     assert rc == 2 and "groups: bitsandbytes, unsloth" in err
     rc, _, err = run_cli(["--url", "http://127.0.0.1:1"])
-    assert rc == 2 and "cannot reach the exporter" in err
+    assert rc == 2 and "nothing listens at http://127.0.0.1:1 (connection refused): is the exporter running?" in err
 
 
 def test_empty_ledger_says_so(tmp_path: Path) -> None:
@@ -135,6 +140,74 @@ def test_empty_ledger_says_so(tmp_path: Path) -> None:
     path.write_text(",".join(COLUMN_NAMES) + "\n")
     rc, out, _ = run_cli(["--csv", str(path)])
     assert rc == 0 and out == f"no runs in {path} yet\n"
+
+
+def test_status_filter_that_matches_nothing_says_what_the_file_has(ledger_csv: Path) -> None:
+    # Issue 12: `runs --status stale` on a file with 5 runs (none stale) said "no runs in ... yet".
+    rc, out, _ = run_cli(["--csv", str(ledger_csv), "--status", "exporter_stopped"])
+    assert rc == 0 and out == f"none of the 4 runs in {ledger_csv} has status exporter_stopped\n"
+    rc, out, _ = run_cli(["--csv", str(ledger_csv), "--status", "stale"])
+    assert rc == 0 and "uns-2" in out and "no runs" not in out
+
+
+def test_abbreviated_flags_are_refused(ledger_csv: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    rc, _, _ = run_cli(["--csv", str(ledger_csv), "--group", "backend"])
+    assert rc == 2 and "unrecognized arguments: --group" in capsys.readouterr().err
+
+
+def _live_ledger() -> RunLedger:
+    clock_t = [1_700_000_000.0]
+    ledger = RunLedger(None, warmup_s=0.0, stale_after_s=300.0, clock=lambda: clock_t[0])
+    from gpu_energy_exporter.otlp.store import AcceptedPoint
+
+    labels = {"run_id": "live-1", "rank": "0", "gpu_uuid": "GPU-SIM00000-x", "backend": "unsloth"}
+    ledger.on_point(AcceptedPoint("live-1", "training_run_info", labels, 1.0, clock_t[0], "gauge"))
+    ledger.on_point(AcceptedPoint("live-1", "training_tokens_total", labels, 4096.0, clock_t[0], "counter"))
+    return ledger
+
+
+def test_without_csv_it_reads_the_exporter_at_the_url_environment_variable() -> None:
+    # Issue 12: `runs` had no default exporter URL ($GPU_ENERGY_EXPORTER_URL, then localhost:9863).
+    ledger = _live_ledger()
+    server = HTTPServer(("127.0.0.1", 0), api_routes(dict, ledger.runs, ledger.run), name="test").start()
+    try:
+        rc, out, err = run_cli([], environ={URL_ENV: server.url})
+    finally:
+        server.shutdown()
+    assert rc == 0, err
+    assert out.splitlines()[1].startswith("live-1")
+
+
+def test_url_with_basic_auth_takes_user_and_password_file(tmp_path: Path) -> None:
+    # Issue 12: `runs --url` had no --user/--password-file (top and report have them); one client for all.
+    hashed = bcrypt.hashpw(b"s3cret", bcrypt.gensalt(rounds=4)).decode()
+    web = tmp_path / "web.yml"
+    web.write_text(f"basic_auth_users:\n  ops: '{hashed}'\n")
+    pw = tmp_path / "pw"
+    pw.write_text("s3cret\n")
+    ledger = _live_ledger()
+    server = HTTPServer(("127.0.0.1", 0), api_routes(dict, ledger.runs, ledger.run), name="test",
+                        web_config=load_web_config(str(web))).start()
+    try:
+        rc, out, err = run_cli(["--url", server.url, "--user", "ops", "--password-file", str(pw)])
+        rc_no, _, err_no = run_cli(["--url", server.url])
+    finally:
+        server.shutdown()
+    assert rc == 0, err
+    assert "live-1" in out
+    assert rc_no == 2 and "needs credentials (401 Unauthorized): pass --user and --password-file" in err_no
+    assert "running" not in err_no
+
+
+def test_demo_runs_are_marked_simulated_in_the_table() -> None:
+    ledger = _live_ledger()
+    server = HTTPServer(("127.0.0.1", 0), api_routes(dict, ledger.runs, ledger.run), name="test").start()
+    try:
+        rc, out, err = run_cli(["--url", server.url])
+    finally:
+        server.shutdown()
+    assert rc == 0, err
+    assert "live-1 (SIMULATED)" in out and "not a measurement" in out
 
 
 def test_url_reads_a_running_ledger() -> None:

@@ -155,8 +155,7 @@ def test_top_exits_cleanly_on_ctrl_c(tmux: Tmux, fake_exporter: ExporterProcess)
 def test_top_in_a_terminal_keeps_retrying_an_unreachable_exporter(tmux: Tmux) -> None:
     url = f"http://127.0.0.1:{free_port()}"
     tmux.start("top", _top_command(url))
-    tmux.wait_for("top", "cannot reach the exporter at " + url,
-                  "is the exporter running? try: gpu-energy-exporter demo")
+    tmux.wait_for("top", "nothing listens at " + url, "is the exporter running?")
     wait_until(lambda: "attempt 3" in tmux.capture("top") or "attempt 4" in tmux.capture("top"),
                timeout=15, what="retries")
     tmux.send("top", "q")
@@ -165,6 +164,17 @@ def test_top_in_a_terminal_keeps_retrying_an_unreachable_exporter(tmux: Tmux) ->
 
 # ----------------------------------------------------------------------------------------------------
 # without a terminal
+
+
+def test_once_against_a_dead_exporter_says_why_and_does_not_promise_a_retry() -> None:
+    # Issue 12: `top --once` printed "retrying every 1s", then exited 1.
+    url = f"http://127.0.0.1:{free_port()}"
+    out = io.StringIO()
+    rc = top.main(["--once", "--url", url], stdout=out)
+    text = out.getvalue()
+    assert rc == 1
+    assert f"nothing listens at {url} (connection refused): is the exporter running?" in text
+    assert "retrying" not in text and "attempt" not in text
 
 
 def test_plain_text_frames_when_stdout_is_a_pipe_and_sigterm_ends_it(fake_exporter: ExporterProcess) -> None:
@@ -199,7 +209,7 @@ def test_once_prints_one_frame_and_reports_unreachable_with_exit_1(fake_exporter
 
     out = io.StringIO()
     assert top.main(["--url", f"http://127.0.0.1:{free_port()}", "--once"], stdout=out) == 1
-    assert "is the exporter running? try: gpu-energy-exporter demo" in out.getvalue()
+    assert "is the exporter running? start it (gpu-energy-exporter, or gpu-energy-exporter demo)" in out.getvalue()
 
     err = io.StringIO()
     assert top.main(["--interval", "10ms", "--once"], stdout=io.StringIO(), stderr=err) == 2
@@ -241,8 +251,15 @@ def test_basic_auth_and_tls(tmp_path: Path) -> None:
         assert rc == 0 and "GPUs (2)" in text and "SIMULATED DATA" in text
         rc, text = once("--ca-file", str(ca.cert_path))
         assert rc == 1 and "401" in text and "--user and --password-file" in text
+        # one cause per message (issue 12): a 401 is about credentials, not about a stopped exporter
+        assert "running" not in text and "retrying" not in text
+        bad = tmp_path / "bad-pw"
+        bad.write_text("wrong\n")
+        rc, text = once("--ca-file", str(ca.cert_path), "--user", "ops", "--password-file", str(bad))
+        assert rc == 1 and "refused the credentials" in text and "running" not in text
         rc, text = once("--user", "ops", "--password-file", str(pw))
         assert rc == 1 and "cannot verify the TLS certificate" in text and "--ca-file" in text
+        assert "running" not in text
         rc, text = once("--insecure", "--user", "ops", "--password-file", str(pw))
         assert rc == 0 and "GPUs (2)" in text
         host_port = url.removeprefix("https://")
@@ -281,8 +298,9 @@ def test_formatting() -> None:
     assert top.bar(0.5, 10) == "[█████·····]"
     assert top.bar(1.7, 4, unicode=False) == "[####]"
     assert top.bar(None, 3) == "[ ? ]"
-    assert top.fmt_energy(850) == "850 J" and top.fmt_energy(12_345) == "12.3 kJ"
-    assert top.fmt_energy(7.2e6) == "2.000 kWh"
+    # one unit in the whole view (issue 12: header in kWh, rows in kJ)
+    assert top.fmt_energy(850) == "0.0002 kWh" and top.fmt_energy(12_345) == "0.0034 kWh"
+    assert top.fmt_energy(7.2e6) == "2.000 kWh" and top.fmt_energy(3.6e8) == "100.0 kWh"
     assert top.fmt_co2(4.183) == "4.18 g" and top.fmt_co2(1234) == "1.23 kg"
     assert top.fmt_duration(3725) == "1:02:05" and top.fmt_duration(None) == "-"
 

@@ -26,7 +26,8 @@ What it must get right, and how:
   ``ACTION=="add", SUBSYSTEM=="powercap", RUN+="/bin/chgrp rapl /sys%p/energy_uj",
   RUN+="/bin/chmod g+r /sys%p/energy_uj"`` plus membership of that group (a world-readable file would
   re-open the side channel to every local user).
-- No powercap tree (VMs, containers without /sys, non-x86): no series, one debug log.
+- No powercap tree (VMs, containers without /sys, non-x86): no series, one debug log, and
+  ``gpuenergy_collector_success{collector="rapl"} 0`` ("had nothing to read", as for every collector).
 
 Runs on the sampler thread, never at scrape time. Touches nothing outside ``<path.sysfs>``.
 """
@@ -43,7 +44,7 @@ from dataclasses import dataclass
 from prometheus_client.core import Metric
 
 from gpu_energy_exporter import metrics
-from gpu_energy_exporter.collectors.base import Collector
+from gpu_energy_exporter.collectors.base import Collector, NoData
 
 log = logging.getLogger(__name__)
 
@@ -242,7 +243,9 @@ class RaplCollector(Collector):
         zones = self._zone_dirs()
         if not zones:
             self._zones.clear()
-            return []
+            # "No data here" (a VM, a container without /sys, not x86): collector_success 0 as its HELP says,
+            # logged once at debug level by _log_absent, never as an error (node_exporter's ErrNoData).
+            raise NoData("no RAPL zones (see the debug log for why)")
         energy, readable, wraps, resets = (ENERGY.family(), READABLE.family(), WRAPS.family(),
                                            RESETS.family())
         present = set(zones)

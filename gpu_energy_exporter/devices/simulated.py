@@ -3,7 +3,8 @@
 Every series it produces is marked: the ``backend="simulated"`` label on ``gpuenergy_gpu_info`` and
 ``gpuenergy_nvml_info``, "(simulated)" in the model name and UUIDs starting with ``GPU-SIM``. Never use it
 for measurements. Power follows a load level that the demo's simulated trainer sets: idle at ~18% of
-the power limit, bursty steps under load; the energy counter is the exact integral of that power.
+the power limit, a slow swing with a small step ripple under load; the energy counter is the integral of
+that power, so the instant power the exporter samples brackets the counter's average.
 """
 
 from __future__ import annotations
@@ -36,11 +37,14 @@ class _SimGPU:
     def power_at(self, t: float) -> float:
         if self.load <= 0:
             return self.idle_w
-        # Training steps of ~80 ms: compute bursts near the limit, short communication dips.
-        phase = (t * 12.5 + 0.37 * self.index) % 1.0
-        burst = 0.95 if phase < 0.7 else 0.45
-        wobble = 0.03 * math.sin(t * 0.7 + self.index)
-        return self.idle_w + (self.limit_w - self.idle_w) * self.load * (burst + wobble)
+        # A slow swing (7 s period) and a small ripple at the ~80 ms step rate. Mostly slow on purpose: the
+        # exporter samples instant power once a second, and a trace dominated by fast bursts aliases with that
+        # rate, so the sampled peak could fall below the counter's average power (issue 12: a demo whose
+        # "peak" was below its "average"). With this trace every 1 s sampling of a run of 7 s or more sees a
+        # value above the average, as a real GPU's would.
+        slow = 0.12 * math.sin(2 * math.pi * t / 7.0 + self.index)
+        ripple = 0.03 * math.sin(2 * math.pi * 12.5 * t + 0.37 * self.index)
+        return self.idle_w + (self.limit_w - self.idle_w) * self.load * (0.82 + slow + ripple)
 
     def advance(self, t: float) -> None:
         # Integrate with 10 ms steps (the trace changes at 80 ms granularity).
@@ -95,7 +99,7 @@ class SimulatedBackend(GPUBackend):
             g = self._gpus[gpu.index]
             g.advance(now)
             power = g.power_at(now)
-            avg = sum(g.power_at(now - k * 0.1) for k in range(10)) / 10
+            avg = sum(g.power_at(now - (k + 0.5) * 0.05) for k in range(20)) / 20  # NVML's 1 s average
             load = g.load
             energy_mj = int(g.energy_j * 1000)
             pid = g.pid

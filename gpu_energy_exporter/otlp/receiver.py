@@ -248,6 +248,11 @@ class ExportHandler:
         self.max_body_bytes = max_body_bytes
         self._token = f"Bearer {bearer_token}".encode() if bearer_token else None
 
+    @property
+    def bearer_required(self) -> bool:
+        """Whether pushes must carry the ``--otlp.bearer-token-file`` token."""
+        return self._token is not None
+
     @staticmethod
     def _lower(headers: Mapping[str, str]) -> dict[str, str]:
         return {k.lower(): v for k, v in headers.items()}
@@ -367,6 +372,7 @@ class OTLPReceiver:
         self.store = store
         self.handler = ExportHandler(store, max_body_bytes=max_body_bytes, bearer_token=bearer_token)
         self._server: HTTPServer | None = None
+        self._started = False
 
     def handle_export(self, headers: Mapping[str, str], body: bytes) -> Response:
         return self.handler.handle_export(headers, body)
@@ -400,19 +406,30 @@ class OTLPReceiver:
             raise RuntimeError("OTLPReceiver is not started")
         return self._server.server_address
 
+    def bind(self) -> OTLPReceiver:
+        """Bind the listening socket without serving yet (``ConfigError`` when the address cannot be
+        used), so that a daemon can bind all its ports before it announces any."""
+        if self._server is None:
+            auth = "bearer token " + ("on" if self.handler.bearer_required else "off")
+            # The server buffers a whole body before the route runs (so a slow client never holds a worker):
+            # its limit is ours; gzip is inflated by the handler within the same limit.
+            self._server = HTTPServer(self.address, {("POST", self.path): self.route}, name="otlp", auth=auth,
+                                      max_body_bytes=self.handler.max_body_bytes,
+                                      max_connections=self.max_connections, request_timeout=self.request_timeout)
+        return self
+
     def start(self) -> OTLPReceiver:
-        if self._server is not None:
+        if self._started:
             raise RuntimeError("OTLPReceiver already started")
-        # The server buffers a whole body before the route runs (so a slow client never holds a worker):
-        # its limit is ours; gzip is inflated by the handler within the same limit.
-        self._server = HTTPServer(self.address, {("POST", self.path): self.route}, name="otlp",
-                                  max_body_bytes=self.handler.max_body_bytes,
-                                  max_connections=self.max_connections, request_timeout=self.request_timeout)
+        self.bind()
+        assert self._server is not None
         self._server.start()
+        self._started = True
         return self
 
     def shutdown(self) -> None:
         server, self._server = self._server, None
+        self._started = False
         if server is not None:
             server.shutdown()
 

@@ -1,0 +1,221 @@
+"""The one HTTP client of the workstation commands (``top``, ``runs --url``, ``report``) for an exporter's
+JSON API (``api.py``) or a Prometheus server's HTTP API.
+
+``ExporterClient`` GETs JSON with basic auth and TLS options; ``add_client_flags`` gives every command the
+same ``--url``, ``--user``, ``--password-file``, ``--ca-file`` and ``--insecure`` (``--url`` defaults to
+``$GPU_ENERGY_EXPORTER_URL``, then ``http://localhost:9863``). Every failure is one ``ExporterUnreachable``
+whose message names one cause and the flag to change, and whose ``cause`` says which:
+``not_running`` (connection refused), ``credentials`` (401), ``tls`` (certificate or protocol),
+``unreachable`` (timeout, name that does not resolve), ``answer`` (an unexpected HTTP answer).
+
+This module only reads: it never writes to the exporter and never contacts anything but the given URL.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import errno
+import json
+import os
+import socket
+import ssl
+import urllib.error
+import urllib.parse
+import urllib.request
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from gpu_energy_exporter.config import DEFAULT_METRICS_PORT
+from gpu_energy_exporter.errors import ExporterError
+
+DEFAULT_URL = f"http://localhost:{DEFAULT_METRICS_PORT}"
+#: Where ``--url`` comes from when not given (``top``, ``runs`` and ``report`` alike).
+URL_ENV = "GPU_ENERGY_EXPORTER_URL"
+
+NOT_RUNNING = "not_running"
+CREDENTIALS = "credentials"
+TLS = "tls"
+UNREACHABLE = "unreachable"
+ANSWER = "answer"
+
+
+class ExporterUnreachable(ExporterError):
+    """The exporter did not answer usefully; the message says why and what to try, ``cause`` which of
+    the module's causes it is."""
+
+    def __init__(self, message: str, cause: str = ANSWER) -> None:
+        super().__init__(message)
+        self.cause = cause
+
+
+@dataclass
+class ExporterClient:
+    """GET JSON documents from an exporter's API. ``url`` is the exporter's base URL (``http://host:9863``);
+    credentials may also be embedded in it (``http://user:pass@host:9863``)."""
+
+    url: str = DEFAULT_URL
+    user: str | None = None
+    password: str | None = None
+    ca_file: str | None = None
+    insecure: bool = False
+    timeout: float = 5.0
+    _base: str = field(init=False, default="")
+    _auth: str | None = field(init=False, default=None)
+    _ssl: ssl.SSLContext | None = field(init=False, default=None)
+
+    def __post_init__(self) -> None:
+        text = self.url.strip()
+        parts = urllib.parse.urlsplit(text if "://" in text else "http://" + text)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ExporterUnreachable(f"--url {self.url!r} must look like http://host:{DEFAULT_METRICS_PORT}")
+        host = parts.hostname
+        if ":" in host:
+            host = f"[{host}]"
+        try:
+            port = parts.port
+        except ValueError:
+            raise ExporterUnreachable(f"--url {self.url!r} has an invalid port") from None
+        netloc = host + (f":{port}" if port else "")
+        self._base = urllib.parse.urlunsplit((parts.scheme, netloc, parts.path.rstrip("/"), "", ""))
+        user, password = self.user, self.password
+        if user is None and parts.username is not None:
+            user = urllib.parse.unquote(parts.username)
+            password = urllib.parse.unquote(parts.password or "") if password is None else password
+        if user is not None:
+            token = f"{user}:{password or ''}".encode()
+            self._auth = "Basic " + base64.b64encode(token).decode()
+        if parts.scheme == "https":
+            try:
+                ctx = ssl.create_default_context(cafile=self.ca_file)
+            except (OSError, ssl.SSLError) as exc:
+                raise ExporterUnreachable(f"cannot use --ca-file {self.ca_file!r}: {exc}", TLS) from None
+            if self.insecure:
+                ctx.check_hostname = False
+                ctx.verify_mode = ssl.CERT_NONE
+            self._ssl = ctx
+
+    @property
+    def base_url(self) -> str:
+        """The URL without credentials (safe to print)."""
+        return self._base
+
+    def get(self, path: str, query: dict[str, str] | None = None) -> Any:
+        """``GET base + path`` and decode JSON. Raises ExporterUnreachable with what to do; an HTTP error
+        whose body is a JSON object with ``error`` raises with that message."""
+        target = self._base + path + ("?" + urllib.parse.urlencode(query) if query else "")
+        request = urllib.request.Request(target, headers={"Accept": "application/json"})
+        if self._auth:
+            request.add_header("Authorization", self._auth)
+        try:
+            with urllib.request.urlopen(request, timeout=self.timeout, context=self._ssl) as resp:  # noqa: S310
+                body = resp.read()
+        except urllib.error.HTTPError as exc:
+            raise self._http_error(target, exc) from None
+        except (urllib.error.URLError, OSError) as exc:
+            raise self._connection_error(exc) from None
+        try:
+            return json.loads(body)
+        except ValueError:
+            raise ExporterUnreachable(f"{target} did not answer with JSON: is {self._base} a "
+                                      "gpu-energy-exporter (check --url)?") from None
+
+    def _http_error(self, target: str, exc: urllib.error.HTTPError) -> ExporterUnreachable:
+        detail = _error_detail(exc)
+        if exc.code == 401:
+            if self._auth:
+                return ExporterUnreachable(
+                    f"{self._base} refused the credentials (401 Unauthorized): check --user and --password-file "
+                    "against the basic_auth_users of the exporter's --web.config.file", CREDENTIALS)
+            return ExporterUnreachable(
+                f"{self._base} needs credentials (401 Unauthorized): pass --user and --password-file "
+                "(a user of the exporter's --web.config.file basic_auth_users)", CREDENTIALS)
+        if exc.code == 404 and detail:
+            return ExporterUnreachable(detail)
+        if exc.code == 404:
+            return ExporterUnreachable(f"{target} answered 404: is {self._base} a gpu-energy-exporter "
+                                       "(the JSON API needs version 0.1 or newer; check --url)?")
+        return ExporterUnreachable(f"{target} answered HTTP {exc.code} {exc.reason}"
+                                   + (f": {detail}" if detail else ""))
+
+    def _connection_error(self, exc: OSError) -> ExporterUnreachable:
+        reason: Any = getattr(exc, "reason", exc)
+        if isinstance(reason, ssl.SSLCertVerificationError):
+            return ExporterUnreachable(
+                f"cannot verify the TLS certificate of {self._base} ({reason.verify_message}): pass --ca-file "
+                "with the CA that signed it, or --insecure", TLS)
+        if isinstance(reason, ssl.SSLError):
+            if self._base.startswith("http://"):
+                return ExporterUnreachable(f"{self._base}: TLS error ({reason}); does the exporter use https? "
+                                           "then use an https:// --url", TLS)
+            return ExporterUnreachable(f"TLS handshake with {self._base} failed ({reason}): is it an https "
+                                       "exporter? otherwise use an http:// --url", TLS)
+        if isinstance(reason, ConnectionRefusedError) or getattr(reason, "errno", None) == errno.ECONNREFUSED:
+            return ExporterUnreachable(
+                f"nothing listens at {self._base} (connection refused): is the exporter running? start it "
+                "(gpu-energy-exporter, or gpu-energy-exporter demo) or pass --url with its --web.listen-address",
+                NOT_RUNNING)
+        if isinstance(reason, (TimeoutError, socket.timeout)):
+            return ExporterUnreachable(f"{self._base} did not answer within {self.timeout:g}s (timed out): "
+                                       "check --url and the network", UNREACHABLE)
+        if isinstance(reason, socket.gaierror):
+            return ExporterUnreachable(f"cannot resolve the host of {self._base} ({reason.strerror}): "
+                                       "check --url", UNREACHABLE)
+        text = str(getattr(reason, "strerror", None) or reason)
+        if self._base.startswith("http://") and "Remote end closed" in text:
+            return ExporterUnreachable(f"{self._base} closed the connection without answering: the exporter "
+                                       "may serve https (use an https:// --url)", TLS)
+        return ExporterUnreachable(f"cannot reach the exporter at {self._base}: {text} (check --url)", UNREACHABLE)
+
+
+def _error_detail(exc: urllib.error.HTTPError) -> str:
+    try:
+        doc = json.loads(exc.read() or b"null")
+    except (ValueError, OSError):
+        return ""
+    if isinstance(doc, dict) and isinstance(doc.get("error"), str):
+        return str(doc["error"])
+    return ""
+
+
+def read_password_file(path: str) -> str:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.readline().rstrip("\r\n")
+    except OSError as exc:
+        raise ExporterUnreachable(f"cannot read --password-file {path!r}: {exc.strerror or exc}") from None
+
+
+def add_client_flags(parser: argparse.ArgumentParser, url_help: str | None = None) -> None:
+    """``--url``, ``--user``, ``--password-file``, ``--ca-file``, ``--insecure`` (``top``, ``runs``, ``report``)."""
+    parser.add_argument("--url", default=None, metavar="URL",
+                        help=url_help or f"the exporter's web address (default: ${URL_ENV} or {DEFAULT_URL}); "
+                                         "http://user:password@host:port also works")
+    parser.add_argument("--user", default=None, help="basic auth user (the exporter's --web.config.file)")
+    parser.add_argument("--password-file", default=None, metavar="FILE",
+                        help="file whose first line is the basic auth password")
+    parser.add_argument("--ca-file", default=None, metavar="FILE",
+                        help="CA certificate(s) to verify an https exporter with")
+    parser.add_argument("--insecure", action="store_true", help="do not verify the exporter's TLS certificate")
+
+
+def client_url(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> str:
+    """``--url``, else ``$GPU_ENERGY_EXPORTER_URL``, else ``http://localhost:9863``."""
+    env = os.environ if environ is None else environ
+    return str(args.url or env.get(URL_ENV) or DEFAULT_URL)
+
+
+def client_from_args(args: argparse.Namespace, environ: Mapping[str, str] | None = None,
+                     timeout: float = 5.0) -> ExporterClient:
+    password = read_password_file(args.password_file) if args.password_file else None
+    if password is not None and args.user is None:
+        raise ExporterUnreachable("--password-file needs --user")
+    return ExporterClient(client_url(args, environ), user=args.user, password=password,
+                          ca_file=args.ca_file, insecure=args.insecure, timeout=timeout)
+
+
+__all__ = [
+    "ANSWER", "CREDENTIALS", "DEFAULT_URL", "NOT_RUNNING", "TLS", "UNREACHABLE", "URL_ENV", "ExporterClient",
+    "ExporterUnreachable", "add_client_flags", "client_from_args", "client_url", "read_password_file",
+]
