@@ -66,6 +66,7 @@ from gpu_energy_exporter.httpserver import (
     Response,
     Routes,
     decode_body,
+    listen_text,
 )
 from gpu_energy_exporter.webconfig import WebConfig
 
@@ -82,7 +83,7 @@ _GZIP_LEVEL = 1
 
 __all__ = [
     "PROJECT_NAME", "Handler", "Headers", "HTTPError", "HTTPServer", "Request", "Response", "Routes",
-    "decode_body", "exporter_routes", "new_exporter_server", "registry_render", "accepts_gzip",
+    "decode_body", "exporter_routes", "new_exporter_server", "registry_render", "accepts_gzip", "listen_text",
 ]
 
 
