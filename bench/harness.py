@@ -56,6 +56,7 @@ class Context:
     peers: bool
     command: str
     soak_stale_after: str = "60s"
+    profile: Path | None = None
     _lib: Path | None = None
 
     @property
@@ -320,10 +321,13 @@ class Exporter(Child):
     """``python -m gpu_energy_exporter`` on ports 0, optionally on the fake NVML library with a scenario."""
 
     def __init__(self, ctx: Context, args: Sequence[str] = (), scenario: Path | None = None,
-                 env: Mapping[str, str] | None = None) -> None:
+                 env: Mapping[str, str] | None = None, profile: Path | None = None) -> None:
+        """``profile``: run it under ``bench.profiled`` (cProfile in every thread), writing there."""
         self.urls: dict[str, str] = {}
         self._ready = threading.Event()
-        cmd = [sys.executable, "-m", "gpu_energy_exporter", "--web.listen-address=127.0.0.1:0",
+        # bench.profiled takes the module's name alone, then its arguments
+        launcher = ["-m", "bench.profiled", str(profile)] if profile is not None else ["-m"]
+        cmd = [sys.executable, *launcher, "gpu_energy_exporter", "--web.listen-address=127.0.0.1:0",
                "--otlp.listen-address=127.0.0.1:0"]
         full_env = dict(env or {})
         if scenario is not None:
@@ -357,6 +361,54 @@ class Exporter(Child):
 
     def __enter__(self) -> Exporter:
         return self.wait_ready()
+
+
+def py_spy() -> str | None:
+    """The py-spy sampling profiler, when installed (``pip install py-spy``): beside Python, or on PATH."""
+    import shutil
+
+    beside = Path(sys.executable).with_name("py-spy")
+    return str(beside) if beside.exists() else shutil.which("py-spy")
+
+
+class FlameGraph:
+    """``py-spy record`` attached to a running process until the ``with`` block ends: a flame graph SVG.
+
+    ``--nonblocking`` (py-spy does not pause the process to sample it), ``--threads`` (one stack per
+    thread), 250 samples a second. Does nothing, and says why in ``error``, when py-spy is missing or
+    cannot attach.
+    """
+
+    def __init__(self, pid: int, out: Path) -> None:
+        self.pid, self.out = pid, out
+        self.error = ""
+        self._child: Child | None = None
+
+    def __enter__(self) -> FlameGraph:
+        exe = py_spy()
+        if exe is None:
+            self.error = "py-spy is not installed (pip install py-spy): no flame graph"
+            return self
+        self.out.parent.mkdir(parents=True, exist_ok=True)
+        self._child = Child([exe, "record", "--pid", str(self.pid), "--nonblocking", "--threads", "--rate", "250",
+                             "--format", "flamegraph", "--output", str(self.out)], name="py-spy")
+        time.sleep(0.5)
+        if not self._child.alive():
+            self.error = "py-spy could not attach: " + self._child.log(5)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._child is None:
+            return
+        if self._child.alive():
+            self._child.proc.send_signal(signal.SIGINT)  # py-spy writes its output on Ctrl-C
+            try:
+                self._child.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                pass
+        self._child.stop()
+        if not self.out.exists() and not self.error:
+            self.error = "py-spy wrote nothing: " + self._child.log(5)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -584,6 +636,10 @@ def new_parser(prog: str) -> argparse.ArgumentParser:
     p.add_argument("--peers", dest="peers", action="store_true",
                    help="run the peers even with --quick (installs them into .bench-venvs/ first)")
     p.add_argument("--workdir", type=Path, default=None, help="scratch directory (default: a temporary one)")
+    p.add_argument("--profile", type=Path, default=None, metavar="DIR",
+                   help="scrape_latency and otlp_throughput: also run the exporter once under cProfile (every "
+                        "thread) and, when py-spy is installed, py-spy; write the profiles and a flame graph "
+                        "under DIR and print the top functions (timings taken while profiling mean nothing)")
     return p
 
 
@@ -591,8 +647,9 @@ def make_context(args: argparse.Namespace, command: str, workdir: Path) -> Conte
     soak = args.soak_seconds if args.soak_seconds is not None else (6.0 if args.quick else 300.0)
     peers = args.peers if args.peers is not None else not args.quick
     stale = args.soak_stale_after or ("3s" if args.quick else "60s")
+    profile = args.profile.resolve() if getattr(args, "profile", None) is not None else None
     return Context(quick=args.quick, workdir=workdir, soak_s=soak, peers=peers, command=command,
-                   soak_stale_after=stale)
+                   soak_stale_after=stale, profile=profile)
 
 
 def command_string(module: str, argv: Sequence[str]) -> str:

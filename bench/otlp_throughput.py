@@ -101,7 +101,10 @@ def run(ctx: Context) -> list[Table]:
     js = [(_to_json(b), n) for b, n in _batched(rounds, 1)]
     pps, rps, us = _in_process(js, {"Content-Type": "application/json"}, seconds)
     inproc.add("OTLP JSON, 1 rank", js[0][1], fmt(pps), fmt(rps), fmt(us))
-    return [inproc, _over_http(ctx), *_churn(ctx)]
+    tables = [inproc, _over_http(ctx), *_churn(ctx)]
+    if ctx.profile is not None:
+        tables.append(_profile(ctx))
+    return tables
 
 
 def _over_http(ctx: Context) -> Table:
@@ -111,26 +114,69 @@ def _over_http(ctx: Context) -> Table:
         "Over HTTP: the exporter process receiving on one keep-alive connection",
         ["request", "points pushed", "wall s", "points/s (wall)", "exporter CPU %", "points per exporter CPU-second"],
         ["The client runs in another process and pre-builds its bodies; the exporter runs its normal sampler "
-         "(no GPUs: NVML unavailable) beside the receiver."],
+         "(no GPUs: NVML unavailable) beside the receiver. Issue 15's target: >= 50,000 points per exporter "
+         "CPU-second for protobuf, one rank's export per request (the first row)."],
     )
+    js = {"Content-Type": "application/json"}
+    cases: list[tuple[str, int, dict[str, str], bool]] = [
+        ("protobuf, 1 rank per request (the helper's own export)", 1, harness.PROTOBUF_HEADERS, False),
+        ("OTLP JSON, 1 rank per request", 1, js, True),
+        ("protobuf, 10 ranks per request", 10, harness.PROTOBUF_HEADERS, False),
+    ]
     with Exporter(ctx) as exp:
-        for per in (1, 10):
-            bodies = _batched(_rounds(n_rounds, f"http{per}"), per)
-            client = HTTPClient(exp.otlp_url)
-            client.request("POST", None, bodies[0][0], harness.PROTOBUF_HEADERS)
-            points = 0
-            t_end = time.monotonic() + duration
-            with CPUWindow(exp.pid) as w:
-                for body, n in bodies[1:]:
-                    status, _, _ = client.request("POST", None, body, harness.PROTOBUF_HEADERS)
-                    if status != 200:
-                        raise RuntimeError(f"push answered {status}")
-                    points += n
-                    if time.monotonic() > t_end:
-                        break
-            client.close()
-            table.add(f"protobuf, {per} rank(s) per request", points, fmt(w.wall_s), fmt(points / w.wall_s),
-                      fmt(w.percent), fmt(points / w.cpu_s if w.cpu_s else float("nan")))
+        for label, per, headers, as_json in cases:
+            bodies = _batched(_rounds(n_rounds, f"http{per}{'j' if as_json else ''}"), per)
+            if as_json:
+                bodies = [(_to_json(b), n) for b, n in bodies]
+            points, wall, cpu = _push_all(exp, bodies, headers, duration)
+            table.add(label, points, fmt(wall), fmt(points / wall), fmt(100.0 * cpu / wall),
+                      fmt(points / cpu if cpu else float("nan")))
+    return table
+
+
+def _push_all(exp: Exporter, bodies: list[tuple[bytes, int]], headers: dict[str, str],
+              duration: float) -> tuple[int, float, float]:
+    """Push ``bodies`` in order on one keep-alive connection for at most ``duration`` s: (points, wall s,
+    exporter CPU s); the first body is sent before the window opens."""
+    client = HTTPClient(exp.otlp_url)
+    client.request("POST", None, bodies[0][0], headers)
+    points = 0
+    t_end = time.monotonic() + duration
+    with CPUWindow(exp.pid) as w:
+        for body, n in bodies[1:]:
+            status, _, _ = client.request("POST", None, body, headers)
+            if status != 200:
+                raise RuntimeError(f"push answered {status}")
+            points += n
+            if time.monotonic() > t_end:
+                break
+    client.close()
+    return points, w.wall_s, w.cpu_s
+
+
+def _profile(ctx: Context) -> Table:
+    """The exporter under cProfile (every thread) receiving one rank's protobuf export per request; prints
+    the top functions of the OTLP connection thread: receive -> decode -> translate -> store."""
+    from bench import profiled
+
+    assert ctx.profile is not None
+    outdir = ctx.profile / "otlp"
+    duration = ctx.pick(1.0, 10.0)
+    bodies = _batched(_rounds(ctx.pick(6, 60), "prof"), 1)
+    with Exporter(ctx, profile=outdir) as exp:
+        with harness.FlameGraph(exp.pid, outdir / "flame.svg") as flame:
+            points, _, _ = _push_all(exp, bodies, harness.PROTOBUF_HEADERS, duration)
+        time.sleep(0.5)  # the connection thread ends and hands in its profile
+    prof = outdir / "otlp-conn.prof"
+    print(f"\n#### Profile of the OTLP connection thread, protobuf, 1 rank per request: top 15 by cumulative "
+          f"time ({prof})\n")
+    print("```\n" + (profiled.top(prof, 15) if prof.exists() else "missing: " + str(prof)) + "```\n")
+    table = Table("--profile: where the receiver's time goes", ["output", "path"],
+                  [f"{points:,} points pushed under cProfile in {duration:g} s (timings under the profiler mean "
+                   "nothing; the split does). cProfile's clock is wall time: a function blocked on the GIL "
+                   "or a socket counts as busy. `python -m pstats FILE` to explore."])
+    table.add("cProfile, per thread group", str(outdir) + "/*.prof")
+    table.add("flame graph (py-spy)", str(outdir / "flame.svg") if not flame.error else flame.error)
     return table
 
 

@@ -8,9 +8,12 @@ arithmetic the accuracy tables rest on.
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pytest
 from conftest import ROOT
@@ -28,6 +31,8 @@ EXPECTED_TABLES = (
     "Formats at 8 GPUs + 1,000 series",
     "8 GPUs + 1,000 series under push load",
     "8 GPUs + 1,000 series while NVML is slow",
+    "Full re-push: every one of the",
+    "What a real driver would add",
     "Exporter process, 8 fake H100s",
     "Memory over a",
     "In process, one thread",
@@ -134,6 +139,51 @@ def test_windows_tile_the_run_at_every_phase_without_running_past_it() -> None:
     assert wins["run"][0] == (100.0, 106.0)
     assert all(b - a == pytest.approx(1.0) for a, b in wins["1 s"])
     assert max(b for _, b in wins["run"]) <= 107.0
+
+
+def test_profiled_profiles_every_thread_by_group(tmp_path: Path) -> None:
+    """bench.profiled: a worker thread's work lands in its own group's .prof, and top() lists it."""
+    (tmp_path / "busy_mod.py").write_text(
+        "import threading\n"
+        "def spin_in_worker():\n"
+        "    return sum(i * i for i in range(200_000))\n"
+        "for k in range(2):\n"
+        "    t = threading.Thread(target=spin_in_worker, name=f'worker-{k}')\n"
+        "    t.start(); t.join()\n"
+    )
+    out = tmp_path / "prof"
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{tmp_path}"}
+    proc = subprocess.run([sys.executable, "-m", "bench.profiled", str(out), "busy_mod"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=60, check=False)
+    assert proc.returncode == 0, proc.stderr
+    assert {p.name for p in out.glob("*.prof")} >= {"worker.prof", "main.prof", "all.prof"}
+    from bench import profiled
+
+    text = profiled.top(out / "worker.prof", 5)
+    assert "spin_in_worker" in text
+    assert "threading.py" not in text  # the wrapper frames are left out
+    assert "spin_in_worker" not in profiled.top(out / "main.prof", 50)
+    assert profiled.group_of("otlp-conn") == "otlp-conn"
+    assert profiled.group_of("Thread-12 (target)") == "Thread"
+
+
+def test_static_server_serves_the_posted_bytes() -> None:
+    child = harness.Child([sys.executable, "-m", "bench.static_server"], name="static")
+    with child:
+        deadline = time.monotonic() + 30
+        while not any("listening on" in line for line in child.lines):
+            assert child.alive() and time.monotonic() < deadline, child.log()
+            time.sleep(0.05)
+        url = next(line for line in child.lines if "listening on" in line).split(" on ", 1)[1]
+        assert url.startswith("http://127.0.0.1:")
+        client = harness.HTTPClient(url + "/metrics")
+        body = b"# HELP x y\nx 1\n" * 1000
+        status, _, _ = client.request("POST", "/body", body, {"Content-Type": "text/plain"})
+        assert status == 204
+        for _ in range(3):  # keep-alive: the same connection answers again
+            status, got, _ = client.get()
+            assert (status, got) == (200, body)
+        client.close()
 
 
 def test_percentile_and_table_rendering() -> None:
