@@ -59,7 +59,7 @@ try:
 except ImportError as exc:  # pragma: no cover - depends on the installed extras
     raise ImportError(
         "gpu_energy_exporter.training.hf needs Hugging Face transformers: "
-        "pip install gpu-energy-exporter[hf]"
+        "pip install transformers accelerate (or, in a checkout of gpu-energy-exporter, pip install '.[hf]')"
     ) from exc
 
 from gpu_energy_exporter.training.batch import (

@@ -55,7 +55,7 @@ except ImportError:
     except ImportError as exc:  # pragma: no cover - depends on the installed extras
         raise ImportError(
             "gpu_energy_exporter.training.lightning needs PyTorch Lightning: "
-            "pip install gpu-energy-exporter[lightning]"
+            "pip install lightning (or, in a checkout of gpu-energy-exporter, pip install '.[lightning]')"
         ) from exc
 
 from gpu_energy_exporter.training.batch import (

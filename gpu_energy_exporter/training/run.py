@@ -52,7 +52,8 @@ try:
 except ImportError as exc:  # pragma: no cover - depends on the installed extras
     raise ImportError(
         "gpu_energy_exporter.training needs the OpenTelemetry SDK and OTLP/HTTP exporter: "
-        "pip install gpu-energy-exporter[training]"
+        "pip install opentelemetry-sdk opentelemetry-exporter-otlp-proto-http (both come with the base install of "
+        "gpu-energy-exporter: pip install . in a checkout)"
     ) from exc
 
 from gpu_energy_exporter import __version__
