@@ -703,7 +703,10 @@ TRAINING_DASHBOARD = Dashboard(
                   width=8, repeat="run_id", overrides=(("cumulative energy", JOULE),),
                   xy=("cumulative energy", "loss")),
             Panel("timeseries", "CO2 rate",
-                  "Grams of CO2-equivalent per hour caused by the run's GPUs.",
+                  "Grams of CO2-equivalent per hour caused by the run's GPUs: the run ledgers' energy (a shared "
+                  "GPU split between its runs, a MIG slice's share) at each node's PUE and grid intensity, for "
+                  "runs the ledgers cover; else the join on the run's GPUs, which charges a shared GPU to "
+                  "every run on it.",
                   GRAMS_PER_HOUR, (Query(f"{sel('run_id:gpuenergy_gpu_co2_grams:rate5m', RUN)} * 3600",
                                          "{{run_id}}"),),
                   width=8),
