@@ -191,6 +191,10 @@ def test_the_image_serves_fake_gpus_as_uid_10001_writes_only_its_volume_and_keep
     web, otlp = free_port(), free_port()
 
     ctr = buildah("from", image).stdout.strip()
+    # `buildah run` mounts an anonymous volume for each VOLUME of the image and, with more than one -v, may
+    # lay it over our bind mount of the same path (seen here: the ledger wrote into buildah's own volume).
+    # The image's VOLUME is checked above; the working container drops it so that our bind mount is the one.
+    buildah("config", "--volume", f"{VOLUME}-", ctr)
     mnt = Path(buildah("mount", ctr).stdout.strip())
     marker = mnt / "tmp" / ".before-run"
     marker.touch()
@@ -238,21 +242,24 @@ def test_the_image_serves_fake_gpus_as_uid_10001_writes_only_its_volume_and_keep
             with urllib.request.urlopen(f"http://127.0.0.1:{web}/api/v1/runs", timeout=5) as resp:
                 runs = resp.read().decode()
             proc.terminate()
-            raise AssertionError(f"the run never reached runs.csv in the volume; the ledger says {runs}\n"
+            listing = sorted(str(p.relative_to(volume)) for p in volume.rglob("*"))
+            raise AssertionError(f"the run never reached runs.csv in the volume (it holds {listing}); the ledger "
+                                 f"says {runs}\n"
                                  + proc.communicate(timeout=20)[0])
     finally:
-        proc.terminate()
+        if proc.poll() is None:
+            proc.terminate()
         try:
             log, _ = proc.communicate(timeout=20)
-        except subprocess.TimeoutExpired:
+        except (subprocess.TimeoutExpired, ValueError):
             proc.kill()
-            log, _ = proc.communicate()
-    written = [
-        str(p.relative_to(mnt)) for p in mnt.rglob("*")
-        if p.is_file() and not p.is_symlink() and p.stat().st_mtime > marker.stat().st_mtime
-        and not str(p.relative_to(mnt)).startswith(("proc/", "sys/", "dev/", "run/"))
-    ]
-    buildah("umount", ctr, check=False)
-    buildah("rm", ctr, check=False)
+            log = ""
+        written = [
+            str(p.relative_to(mnt)) for p in mnt.rglob("*")
+            if p.is_file() and not p.is_symlink() and p.stat().st_mtime > marker.stat().st_mtime
+            and not str(p.relative_to(mnt)).startswith(("proc/", "sys/", "dev/", "run/"))
+        ]
+        buildah("umount", ctr, check=False)
+        buildah("rm", ctr, check=False)
     assert written == [], f"the container wrote outside {VOLUME}: {written}\n{log}"
     assert "Traceback" not in log, log
