@@ -112,7 +112,7 @@ def test_missing_transformers_says_what_to_install() -> None:
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=60,
                           check=False)
     assert "IMPORT-ERROR" in proc.stdout, proc.stderr
-    assert "pip install gpu-energy-exporter[hf]" in proc.stdout
+    assert "pip install transformers accelerate" in proc.stdout and "'.[hf]'" in proc.stdout
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -102,4 +102,4 @@ def test_missing_lightning_says_what_to_install() -> None:
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=60,
                           check=False)
     assert "IMPORT-ERROR" in proc.stdout, proc.stderr
-    assert "pip install gpu-energy-exporter[lightning]" in proc.stdout
+    assert "pip install lightning" in proc.stdout and "'.[lightning]'" in proc.stdout
