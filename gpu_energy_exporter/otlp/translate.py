@@ -309,9 +309,9 @@ SAMPLE_OVERHEAD_BYTES = 150
 
 
 def series_bytes(name: str, labels: Labels, kind: str, buckets: int = 0, quantiles: int = 0) -> int:
-    """Estimated memory a series costs the store: its exposition lines, held twice (text and OpenMetrics
-    encodings are cached) plus the label dictionaries and samples they are built from (about as much
-    again), and a fixed overhead. Used for ``--otlp.max-series-bytes`` and ``--otlp.max-bytes``; it grows
+    """Estimated memory a series costs the store: its exposition lines four times over (the sample heads
+    built once per label set, the encoded lines, the family's encoded block they are joined into, and the
+    label dictionary and values they are built from), and a fixed overhead. Used for ``--otlp.max-series-bytes`` and ``--otlp.max-bytes``; it grows
     linearly with what a push controls (label sizes, bucket and quantile counts), which is what matters
     for a bound."""
     line = len(name) + sum(len(k) + len(v) + 4 for k, v in labels) + 32
