@@ -165,6 +165,11 @@ class ApplyResult:
     messages: dict[str, str]
 
 
+#: What an update may change (``_Series.state``).
+_State = tuple[int, int, bool, float, float, tuple[float, ...], list[float], list[float], float, float, float, float,
+               bool, tuple[tuple[float, float], ...]]
+
+
 class _Series:
     """One metric + label set. Counters and histograms keep ``base`` (folded earlier streams) apart from
     ``raw`` (the current cumulative stream), see the module docstring."""
@@ -202,16 +207,16 @@ class _Series:
         self.values: tuple[float, ...] = ()
         self.enc: list[tuple[tuple[float, ...], bytes] | None] = [None, None]
 
-    _STATE = ("start_ns", "time_ns", "delta", "base", "raw", "bounds", "base_counts", "raw_counts",
-              "base_sum", "raw_sum", "base_count", "raw_count", "has_sum", "quantiles", "layout", "heads")
-
-    def state(self) -> tuple[object, ...]:
+    def state(self) -> _State:
         """What an update may change (lists are replaced, never mutated): restored when one fails."""
-        return tuple(getattr(self, name) for name in self._STATE)
+        return (self.start_ns, self.time_ns, self.delta, self.base, self.raw, self.bounds, self.base_counts,
+                self.raw_counts, self.base_sum, self.raw_sum, self.base_count, self.raw_count, self.has_sum,
+                self.quantiles)
 
-    def restore(self, state: tuple[object, ...]) -> None:
-        for name, value in zip(self._STATE, state, strict=True):
-            setattr(self, name, value)
+    def restore(self, state: _State) -> None:
+        (self.start_ns, self.time_ns, self.delta, self.base, self.raw, self.bounds, self.base_counts,
+         self.raw_counts, self.base_sum, self.raw_sum, self.base_count, self.raw_count, self.has_sum,
+         self.quantiles) = state
 
     def totals_finite(self) -> bool:
         """Counter and histogram totals are finite (gauges may hold NaN or +-Inf)."""
@@ -443,7 +448,8 @@ class TrainingStore:
             series = _Series(dict(p.labels), p.run_id, p.cost)
         elif p.cost != series.cost and self._bytes - series.cost + p.cost > self.max_bytes:
             return self._bytes_full(p.cost - series.cost)
-        saved = None if new else series.state()
+        # gauges and summaries refuse a point before changing anything; totals are checked after
+        saved = None if new or p.kind not in ("counter", "histogram") else series.state()
         try:
             self._update(p, series, new)
             if p.kind in ("counter", "histogram") and not series.totals_finite():
