@@ -223,8 +223,9 @@ class _Series:
 
     def totals_finite(self) -> bool:
         """Counter and histogram totals are finite (gauges may hold NaN or +-Inf)."""
-        return all(math.isfinite(x) for x in (self.base, self.raw, self.base_sum, self.raw_sum, self.base_count,
-                                               self.raw_count))
+        isfinite = math.isfinite
+        return (isfinite(self.base) and isfinite(self.raw) and isfinite(self.base_sum) and isfinite(self.raw_sum)
+                and isfinite(self.base_count) and isfinite(self.raw_count))
 
 
 class _Family:

@@ -311,9 +311,9 @@ SAMPLE_OVERHEAD_BYTES = 150
 def series_bytes(name: str, labels: Labels, kind: str, buckets: int = 0, quantiles: int = 0) -> int:
     """Estimated memory a series costs the store: its exposition lines four times over (the sample heads
     built once per label set, the encoded lines, the family's encoded block they are joined into, and the
-    label dictionary and values they are built from), and a fixed overhead. Used for ``--otlp.max-series-bytes`` and ``--otlp.max-bytes``; it grows
-    linearly with what a push controls (label sizes, bucket and quantile counts), which is what matters
-    for a bound."""
+    label dictionary and values they are built from), and a fixed overhead. Used for
+    ``--otlp.max-series-bytes`` and ``--otlp.max-bytes``; it grows linearly with what a push controls (label
+    sizes, bucket and quantile counts), which is what matters for a bound."""
     return _series_cost(name, _label_chars(labels), kind, buckets, quantiles)
 
 
@@ -479,7 +479,7 @@ def translate_labels(attributes: Sequence[Any], reserved: tuple[str, ...] = (),
 #: on every export (run id, rank, GPU), and translating them is a third of the receiver's work per point.
 #: Bounded in entries and key size (longer attribute lists are translated every time).
 _ATTRS_CACHE: dict[tuple[object, ...], tuple[Labels, str, int]] = {}
-_ATTRS_CACHE_MAX = 4096
+_ATTRS_CACHE_MAX = 512
 _ATTRS_KEY_MAX = 512
 
 
