@@ -8,7 +8,9 @@ thread, and must never stop ``/metrics`` or the health endpoints from being answ
 - The selector thread accepts, performs TLS handshakes, reads request heads and bodies and writes
   responses, all non-blocking. Only a *complete* request (head and body, within limits) reaches a worker,
   so a slow client never holds a worker. Workers return the whole response as bytes; the selector thread
-  writes it out, so a client that does not read its response never holds a worker either.
+  writes it out, so a client that does not read its response never holds a worker either. A server may
+  name requests to handle on the selector thread itself (``inline``: the OTLP receiver's small pushes,
+  cheaper to store than to hand to a worker and back).
 - Every request has a deadline for its head (``head_timeout``) and one for the whole request, body
   included (``request_timeout``), counted from its first byte, not per ``recv``. Past it the client gets
   408 and the connection is closed. A keep-alive connection may stay idle for ``idle_timeout``.
