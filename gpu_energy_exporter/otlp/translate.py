@@ -555,6 +555,13 @@ def translate_request(request: Message, received_ns: int, limits: Limits = DEFAU
     return batch
 
 
+#: What a metric's envelope translates to (kind, name, help, unit, reserved labels, delta) or its rejection
+#: (reason, message), by everything it depends on: a trainer sends the same envelopes on every export.
+_Descriptor = tuple[Kind, str, str, str, tuple[str, ...], bool] | tuple[str, str]
+_DESCRIPTOR_CACHE: dict[tuple[object, ...], _Descriptor] = {}
+_DESCRIPTOR_CACHE_MAX = 1024
+
+
 def _translate_metric(metric: Any, batch: Batch, received_ns: int, limits: Limits) -> None:
     data = metric.WhichOneof("data")
     if data is None:
@@ -565,6 +572,33 @@ def _translate_metric(metric: Any, batch: Batch, received_ns: int, limits: Limit
     batch.received += n
     if n == 0:
         return
+    if data == "sum":
+        shape: tuple[object, ...] = (container.aggregation_temporality, container.is_monotonic)
+    elif data == "histogram":
+        shape = (container.aggregation_temporality,)
+    elif data == "gauge":
+        shape = (_metadata_type(metric),)
+    else:
+        shape = ()
+    otel_name, unit, description = metric.name, metric.unit, metric.description
+    key = (data, otel_name, unit, description, limits.max_label_length, *shape)
+    desc = _DESCRIPTOR_CACHE.get(key)
+    if desc is None:
+        desc = _describe(metric, data, container, limits)
+        if len(otel_name) + len(unit) + len(description) <= 4 * _CACHE_KEY_MAX:
+            if len(_DESCRIPTOR_CACHE) >= _DESCRIPTOR_CACHE_MAX:
+                _DESCRIPTOR_CACHE.clear()
+            _DESCRIPTOR_CACHE[key] = desc
+    if len(desc) == 2:
+        batch.reject(desc[0], n, desc[1])
+        return
+    kind, prom_name, help_text, family_unit, reserved, delta = desc
+    _translate_points(points, batch, received_ns, limits, otel_name, kind, prom_name, help_text, family_unit,
+                      reserved, delta)
+
+
+def _describe(metric: Any, data: str, container: Any, limits: Limits) -> _Descriptor:
+    """The envelope's translation (see ``_DESCRIPTOR_CACHE``)."""
     otel_name = metric.name
     unit = metric.unit
     kind: Kind
@@ -576,54 +610,47 @@ def _translate_metric(metric: Any, batch: Batch, received_ns: int, limits: Limit
     elif data == "sum":
         temporality = container.aggregation_temporality
         if temporality not in (TEMPORALITY_DELTA, TEMPORALITY_CUMULATIVE):
-            batch.reject("unsupported_temporality", n,
-                         f"metric {otel_name!r}: aggregation temporality unspecified")
-            return
+            return ("unsupported_temporality", f"metric {otel_name!r}: aggregation temporality unspecified")
         delta = temporality == TEMPORALITY_DELTA
         if container.is_monotonic:
             kind, name_kind = "counter", "counter"
         elif delta:
             # Spec ("Sums"): only monotonic delta sums are converted; a delta up-down sum would drift
             # for ever after one lost export.
-            batch.reject("unsupported_temporality", n,
-                         f"metric {otel_name!r}: delta non-monotonic sums cannot be exposed; "
-                         "use cumulative temporality for UpDownCounters")
-            return
+            return ("unsupported_temporality", f"metric {otel_name!r}: delta non-monotonic sums cannot be "
+                    "exposed; use cumulative temporality for UpDownCounters")
         else:
             kind, name_kind = "gauge", "updown"
     elif data == "histogram":
         temporality = container.aggregation_temporality
         if temporality not in (TEMPORALITY_DELTA, TEMPORALITY_CUMULATIVE):
-            batch.reject("unsupported_temporality", n,
-                         f"metric {otel_name!r}: aggregation temporality unspecified")
-            return
+            return ("unsupported_temporality", f"metric {otel_name!r}: aggregation temporality unspecified")
         delta = temporality == TEMPORALITY_DELTA
         kind, name_kind = "histogram", "histogram"
     elif data == "summary":
         kind, name_kind = "summary", "summary"
     else:
-        batch.reject("unsupported_type", n,
-                     f"metric {otel_name!r}: {data} is not supported (classic Prometheus exposition has "
-                     "no native histograms); use explicit-bucket histograms")
-        return
+        return ("unsupported_type", f"metric {otel_name!r}: {data} is not supported (classic Prometheus "
+                "exposition has no native histograms); use explicit-bucket histograms")
 
     if len(otel_name) + len(unit) > limits.max_label_length:
-        batch.reject("label_too_long", n, f"metric name {otel_name[:40]!r}... and unit have "
-                     f"{len(otel_name) + len(unit)} characters, more than {limits.max_label_length} "
-                     "(--otlp.max-label-length)")
-        return
+        return ("label_too_long", f"metric name {otel_name[:40]!r}... and unit have "
+                f"{len(otel_name) + len(unit)} characters, more than {limits.max_label_length} "
+                "(--otlp.max-label-length)")
     prom_name = _cached_metric_name(otel_name, unit, name_kind)
     if not prom_name:
-        batch.reject("invalid_name", n, f"metric name {otel_name!r} has no valid Prometheus form")
-        return
+        return ("invalid_name", f"metric name {otel_name!r} has no valid Prometheus form")
     if prom_name.startswith(RESERVED_PREFIXES):
-        batch.reject("invalid_name", n,
-                     f"metric {otel_name!r} -> {prom_name!r} uses a prefix reserved for the exporter")
-        return
+        return ("invalid_name", f"metric {otel_name!r} -> {prom_name!r} uses a prefix reserved for the exporter")
     help_text = metric.description[:MAX_HELP_LENGTH] or f"{otel_name} (received over OTLP)"
     family_unit = _family_unit(prom_name, kind, _cached_unit(unit))
     reserved = ("le",) if kind == "histogram" else ("quantile",) if kind == "summary" else ()
+    return (kind, prom_name, help_text, family_unit, reserved, delta)
 
+
+def _translate_points(points: Any, batch: Batch, received_ns: int, limits: Limits, otel_name: str, kind: Kind,
+                      prom_name: str, help_text: str, family_unit: str, reserved: tuple[str, ...],
+                      delta: bool) -> None:
     latest = received_ns + limits.max_future_skew_ns
     append = batch.points.append
     for dp in points:
