@@ -478,7 +478,7 @@ def translate_labels(attributes: Sequence[Any], reserved: tuple[str, ...] = (),
 #: Translated data-point attributes by their serialized form: a trainer sends the same few attribute lists
 #: on every export (run id, rank, GPU), and translating them is a third of the receiver's work per point.
 #: Bounded in entries and key size (longer attribute lists are translated every time).
-_ATTRS_CACHE: dict[tuple[object, ...], tuple[Labels, str, int]] = {}
+_ATTRS_CACHE: dict[tuple[object, ...], tuple[Labels, str, int]] = {}  # (reserved, the two limits used, *attributes)
 _ATTRS_CACHE_MAX = 512
 _ATTRS_KEY_MAX = 512
 
@@ -489,7 +489,7 @@ def _point_labels(attributes: Sequence[Any], reserved: tuple[str, ...],
     if len(attributes) <= limits.max_labels_per_point:
         parts = [kv.SerializeToString() for kv in attributes]
         if sum(map(len, parts)) <= _ATTRS_KEY_MAX:
-            key = (reserved, limits, *parts)
+            key = (reserved, limits.max_label_length, limits.max_labels_per_point, *parts)
             out = _ATTRS_CACHE.get(key)
             if out is None:
                 labels = translate_labels(attributes, reserved, limits)  # a rejection is never cached
