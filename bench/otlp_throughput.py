@@ -166,11 +166,12 @@ def _profile(ctx: Context) -> Table:
     with Exporter(ctx, profile=outdir) as exp:
         with harness.FlameGraph(exp.pid, outdir / "flame.svg") as flame:
             points, _, _ = _push_all(exp, bodies, harness.PROTOBUF_HEADERS, duration)
-        time.sleep(0.5)  # the connection thread ends and hands in its profile
-    prof = outdir / "otlp-conn.prof"
-    print(f"\n#### Profile of the OTLP connection thread, protobuf, 1 rank per request: top 15 by cumulative "
-          f"time ({prof})\n")
-    print("```\n" + (profiled.top(prof, 15) if prof.exists() else "missing: " + str(prof)) + "```\n")
+        time.sleep(0.5)  # the server threads end and hand in their profiles
+    # httpserver: small pushes are handled on the selector thread (otlp-http), larger ones on a worker
+    for prof in (outdir / "otlp-http.prof", outdir / "otlp-worker.prof"):
+        print(f"\n#### Profile of the OTLP server's {prof.stem.split('-')[-1]} threads, protobuf, 1 rank per "
+              f"request: top 15 by cumulative time ({prof})\n")
+        print("```\n" + (profiled.top(prof, 15) if prof.exists() else "missing: " + str(prof)) + "```\n")
     table = Table("--profile: where the receiver's time goes", ["output", "path"],
                   [f"{points:,} points pushed under cProfile in {duration:g} s (timings under the profiler mean "
                    "nothing; the split does). cProfile's clock is wall time: a function blocked on the GIL "

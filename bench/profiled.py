@@ -103,7 +103,9 @@ def _write(outdir: Path, main_prof: cProfile.Profile) -> None:
 #: Frames that only wrap a connection's life or wait for its next request (idle time, not work).
 IDLE = (r"threading\.py:\d+\((run|_bootstrap\w*)\)|web\.py:\d+\((_serve_connection|__init__|handle_one_request)\)"
         r"|socketserver\.py|http/server\.py:\d+\(handle\)|\(readline\)|'readline'|\(readinto\)|recv_into"
-        r"|'poll' of|select\.py|selectors\.py|\(serve_forever\)")
+        r"|'poll' of|select\.py|selectors\.py|\(serve_forever\)"
+        # httpserver: the selector loop and a worker's wait for its next job
+        r"|httpserver\.py:\d+\((_loop|_work)\)|'get' of '_queue")
 
 
 def _short(func: tuple[str, int, str]) -> str:

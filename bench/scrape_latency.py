@@ -282,8 +282,9 @@ def _profile_scrape(ctx: Context, n_series: int) -> str:
         scrape.close()
         fleet.client.close()
         time.sleep(0.5)  # the connection threads end and hand in their profiles
-    for group, what in (("gpu-energy-exporter-conn", "the /metrics connection (scrapes)"),
-                        ("otlp-conn", "the OTLP connection (pushes)")):
+    for group, what in (("gpu-energy-exporter-worker", "the /metrics server's workers (scrapes)"),
+                        ("gpu-energy-exporter-http", "the /metrics server's selector thread"),
+                        ("otlp-http", "the OTLP server's selector thread (small pushes are handled there)")):
         prof = outdir / f"{group}.prof"
         print(f"\n#### Profile of {what} after full re-pushes: top 15 by cumulative time ({prof})\n")
         print("```\n" + (profiled.top(prof, 15) if prof.exists() else "missing: " + str(prof)) + "```\n")

@@ -158,6 +158,9 @@ def push_mapping_markdown() -> list[str]:
 def _http_limits() -> list[str]:
     from gpu_energy_exporter import httpserver as h
     from gpu_energy_exporter import webconfig as w
+    from gpu_energy_exporter.otlp.receiver import INLINE_MAX_BODY
+
+    inline_kib = INLINE_MAX_BODY // 1024
 
     return [
         "## HTTP servers: limits and why",
@@ -168,7 +171,10 @@ def _http_limits() -> list[str]:
         "handlers, and only a complete request reaches it. So a client that trickles its request, sends",
         "nothing, or does not read its response costs a buffer and a file descriptor, never a thread, and",
         "cannot keep `/metrics`, the health endpoints or the OTLP receiver from answering (a thread per",
-        "connection, as before, let 512 slow connections take every port down).",
+        "connection, as before, let 512 slow connections take every port down). One exception: an",
+        f"uncompressed OTLP push of at most {inline_kib} KiB (one rank's export is a few KiB) is handled on the",
+        "OTLP port's selector thread itself, since storing it costs less than handing it to a worker and",
+        "back; larger or compressed pushes go to the pool.",
         "",
         f"- **Deadlines** count from a request's first byte, not per read: the head within "
         f"{h.DEFAULT_HEAD_TIMEOUT:g}s, the whole request (body included) within `--web.request-timeout`; "

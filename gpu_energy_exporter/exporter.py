@@ -129,7 +129,7 @@ class Exporter:
         if problem:
             log.error("run ledger: %s", problem)
         self.sampler.add_listener(self.ledger.on_snapshot)
-        self.store.add_listener(self.ledger.on_point)
+        self.store.add_batch_listener(self.ledger.on_points)
         self.snapshot_collector.add_live_source(self.ledger.collect)
         sc = self.snapshot_collector
         self.exposition = CachedExposition([

@@ -47,7 +47,7 @@ import tempfile
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
 from typing import IO, Any, Protocol
@@ -622,6 +622,7 @@ class _Run:
         self.finished_at: dict[str, float] = {}  # rank -> time of its first finished=1 point
         self.gpus: dict[str, str] = {}  # uuid key -> uuid as pushed
         self.non_gpu_labels: set[str] = set()
+        self.gpu_labels_seen: set[str] = set()  # gpu_uuid label values already noted (bounded by the series)
         self.gauges: dict[str, tuple[tuple[int, str], float, float]] = {}  # name -> (rank order, t, value)
         self.best_loss: float | None = None
         self.best_loss_t = 0.0
@@ -767,38 +768,55 @@ class RunLedger:
         self.record(point.run_id, point.name, point.labels, point.value, point.time,
                     count=float(count) if count is not None else None)
 
+    #: points recorded per lock acquisition in ``on_points`` (a scrape of the ledger waits for one chunk)
+    POINTS_CHUNK = 256
+
+    def on_points(self, points: Sequence[PointLike]) -> None:
+        """Store batch listener (``TrainingStore.add_batch_listener``): ``on_point`` for each of one
+        request's points, taking the lock once per ``POINTS_CHUNK`` points."""
+        for start in range(0, len(points), self.POINTS_CHUNK):
+            with self._lock:
+                for point in points[start:start + self.POINTS_CHUNK]:
+                    count = getattr(point, "count", None)
+                    self._record_locked(point.run_id, point.name, point.labels, point.value, point.time,
+                                        float(count) if count is not None else None)
+
     def record(self, run_id: str, name: str, labels: Mapping[str, str], value: float, t: float, *,
                count: float | None = None) -> None:
         """One accepted point: ``value`` cumulative for counters (the histogram's sum, with ``count``),
         the value for gauges; ``t`` in Unix seconds."""
+        with self._lock:
+            self._record_locked(run_id, name, labels, value, t, count)
+
+    def _record_locked(self, run_id: str, name: str, labels: Mapping[str, str], value: float, t: float,
+                       count: float | None) -> None:
         if not run_id or not math.isfinite(value) or not math.isfinite(t):
             return
         progress = name in _COUNTERS or name == _HISTOGRAM
-        with self._lock:
-            self._version += 1
-            run = self._active.get(run_id)
+        self._version += 1
+        run = self._active.get(run_id)
+        if run is None:
+            run = self._new_run(run_id, name, value, t)
             if run is None:
-                run = self._new_run(run_id, name, value, t)
-                if run is None:
-                    return
-            gpus_before = len(run.gpus)
-            end_before = run.e
-            self._apply(run, name, labels, value, t, count)
-            if run.tentative:
-                if not progress:
-                    return
-                # The run's first training progress: it becomes a run. Its first point was stamped by the
-                # trainer when it was collected, possibly before snapshots already received: count those
-                # now that the run's GPUs are known, and give runs sharing its GPUs their new share.
-                run.tentative = False
-                self._holders_changed(run, run.s)
-                self._replay(run, run.acc, run.s, math.inf, live=True)
-                log.info("run %s started (first point at %s)", run_id, iso_utc(run.s))
                 return
-            if len(run.gpus) != gpus_before:
-                self._holders_changed(run, run.s)
-            elif run.e != end_before:
-                self._holders_changed(run, min(x for x in (run.e, end_before) if x is not None))
+        gpus_before = len(run.gpus)
+        end_before = run.e
+        self._apply(run, name, labels, value, t, count)
+        if run.tentative:
+            if not progress:
+                return
+            # The run's first training progress: it becomes a run. Its first point was stamped by the
+            # trainer when it was collected, possibly before snapshots already received: count those
+            # now that the run's GPUs are known, and give runs sharing its GPUs their new share.
+            run.tentative = False
+            self._holders_changed(run, run.s)
+            self._replay(run, run.acc, run.s, math.inf, live=True)
+            log.info("run %s started (first point at %s)", run_id, iso_utc(run.s))
+            return
+        if len(run.gpus) != gpus_before:
+            self._holders_changed(run, run.s)
+        elif run.e != end_before:
+            self._holders_changed(run, min(x for x in (run.e, end_before) if x is not None))
 
     def _new_run(self, run_id: str, name: str, value: float, t: float) -> _Run | None:
         previous = [r for r in self._closed if r.run_id == run_id]
@@ -835,8 +853,11 @@ class RunLedger:
         run.last_point_received = self._clock()
         if t > run.last_point_t:
             run.last_point_t = t
-        for part in labels.get("gpu_uuid", "").split(","):
-            self._note_gpu(run, part)
+        gpu_label = labels.get("gpu_uuid", "")
+        if gpu_label not in run.gpu_labels_seen:
+            run.gpu_labels_seen.add(gpu_label)
+            for part in gpu_label.split(","):
+                self._note_gpu(run, part)
         order = _rank_order(rank)
         if name in _COUNTERS or name == _HISTOGRAM:
             self._apply_counter(run, name, labels, rank, value, t, count)

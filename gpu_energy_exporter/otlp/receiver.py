@@ -415,7 +415,8 @@ class OTLPReceiver:
             # its limit is ours; gzip is inflated by the handler within the same limit.
             self._server = HTTPServer(self.address, {("POST", self.path): self.route}, name="otlp", auth=auth,
                                       max_body_bytes=self.handler.max_body_bytes,
-                                      max_connections=self.max_connections, request_timeout=self.request_timeout)
+                                      max_connections=self.max_connections, request_timeout=self.request_timeout,
+                                      inline=_inline)
         return self
 
     def start(self) -> OTLPReceiver:
@@ -438,6 +439,20 @@ class OTLPReceiver:
 
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
+
+
+#: Uncompressed pushes up to this size are handled on the server's selector thread (``HTTPServer``'s
+#: ``inline``): one rank's export is a few KiB and costs a fraction of a millisecond to store, less than the
+#: hand-off to a worker thread and back. Larger or compressed bodies (which may inflate to
+#: --otlp.max-body-bytes) go to the worker pool, so the selector never runs a long request.
+INLINE_MAX_BODY = 64 * 1024
+
+
+def _inline(req: Request) -> bool:
+    if req.body_length > INLINE_MAX_BODY:
+        return False
+    encoding = req.headers.get("Content-Encoding")
+    return encoding is None or encoding.strip().lower() in ("", "identity")
 
 
 def _web_response(response: Response) -> WebResponse:

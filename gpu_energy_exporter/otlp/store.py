@@ -23,9 +23,14 @@ reason and named, with its flag, in the request's ``partial_success``):
   histograms add ``_bucket``) or a reserved one (``target``, ``target_info``, ``up``, ``scrape_*``; the
   ``gpuenergy_`` prefix is refused at translation). The family pushed later is rejected
   (``name_collision``), so the exposition always parses.
-- Lock hold: a batch is applied in chunks of ``APPLY_CHUNK`` points, the lock released in between, and a
-  render encodes changed series after releasing the lock (it only builds the sample tuples under it), so
-  a push of 100,000 series delays a scrape by one chunk, not by the whole push.
+- Lock hold: a batch is applied in chunks of ``APPLY_CHUNK`` points, the lock released in between, so a
+  push of 100,000 series delays a scrape by one chunk, not by the whole push.
+- Encoded at ingest: every series keeps its sample-line heads (``name{labels} ``, built once per label set
+  and bucket layout) and, after each change, its encoded lines (``encoder``: the bytes prometheus_client
+  would write). The pushing thread encodes what its request changed after releasing the lock; a render
+  only copies references under the lock and joins ready bytes, one cached block per family that did not
+  change (a series whose encoding lost a race with a newer push is encoded by the render, outside the
+  lock). The cached bytes (heads, lines, family block) are counted in ``series_bytes``.
 
 How temporality becomes a Prometheus counter, and why (``rate()`` / ``increase()`` must be right):
 
@@ -67,13 +72,10 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 
-from prometheus_client import exposition as text_exposition
 from prometheus_client.core import Metric
-from prometheus_client.openmetrics import exposition as om_exposition
 from prometheus_client.samples import Sample
-from prometheus_client.utils import floatToGoString
 
-from gpu_energy_exporter import metrics
+from gpu_energy_exporter import encoder, metrics
 from gpu_energy_exporter.otlp.translate import DEFAULT_LIMITS, Batch, Kind, Labels, Limits, Point, series_bytes
 
 log = logging.getLogger(__name__)
@@ -135,9 +137,10 @@ APPLY_CHUNK = 256
 STATUS_CODES: tuple[str, ...] = ("200", "400", "401", "413", "415", "500")
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class AcceptedPoint:
-    """What a listener (the run ledger) receives for every stored point.
+    """What a listener (the run ledger) receives for every stored point (not frozen only because a frozen
+    dataclass is three times slower to build, and one is built per stored point; do not modify one).
 
     ``value`` is what ``/metrics`` now exposes for the series: the cumulative total for counters, the
     value for gauges, the cumulative ``_sum`` for histograms and summaries (``count`` their ``_count``).
@@ -154,6 +157,7 @@ class AcceptedPoint:
 
 
 Listener = Callable[[AcceptedPoint], None]
+BatchListener = Callable[[list[AcceptedPoint]], None]
 
 
 @dataclass
@@ -163,16 +167,22 @@ class ApplyResult:
     messages: dict[str, str]
 
 
+#: What an update may change (``_Series.state``).
+_State = tuple[int, int, bool, float, float, tuple[float, ...], list[float], list[float], float, float, float, float,
+               bool, tuple[tuple[float, float], ...]]
+
+
 class _Series:
     """One metric + label set. Counters and histograms keep ``base`` (folded earlier streams) apart from
     ``raw`` (the current cumulative stream), see the module docstring."""
 
     __slots__ = ("labels", "run_id", "last_seen", "start_ns", "time_ns", "delta", "base", "raw",
                  "bounds", "base_counts", "raw_counts", "base_sum", "raw_sum", "base_count", "raw_count",
-                 "has_sum", "quantiles", "bucket_labels", "samples", "text", "cost")
+                 "has_sum", "quantiles", "layout", "heads", "values", "enc", "cost", "view")
 
     def __init__(self, labels: dict[str, str], run_id: str, cost: int) -> None:
         self.labels = labels
+        self.view = MappingProxyType(labels)  # read-only labels for listeners
         self.run_id = run_id
         self.cost = cost
         self.last_seen = 0.0
@@ -190,31 +200,36 @@ class _Series:
         self.raw_count = 0.0
         self.has_sum = False
         self.quantiles: tuple[tuple[float, float], ...] = ()
-        self.bucket_labels: list[dict[str, str]] = []
-        self.samples: tuple[Sample, ...] | None = None
-        # encoded exposition lines: [Prometheus text, OpenMetrics], each (the samples it encodes, bytes);
-        # valid while those samples are still ``self.samples`` (compared by identity)
-        self.text: list[tuple[tuple[Sample, ...], bytes] | None] = [None, None]
+        # What the sample lines look like: ``layout`` (bucket bounds and whether there is a _sum, quantiles)
+        # gives ``heads``, [text, OpenMetrics] (one tuple twice unless the name has a ':'), each one
+        # ``name{labels} `` per sample.
+        self.layout: object = None
+        self.heads: tuple[tuple[bytes, ...], tuple[bytes, ...]] = ((), ())
+        # the exposed values (a new tuple at every change: the identity is the version) and the encoded
+        # lines [text, OpenMetrics], each (the values it encodes, bytes), valid while ``enc[k][0] is values``
+        self.values: tuple[float, ...] = ()
+        self.enc: list[tuple[tuple[float, ...], bytes] | None] = [None, None]
 
-    _STATE = ("start_ns", "time_ns", "delta", "base", "raw", "bounds", "base_counts", "raw_counts",
-              "base_sum", "raw_sum", "base_count", "raw_count", "has_sum", "quantiles", "bucket_labels")
-
-    def state(self) -> tuple[object, ...]:
+    def state(self) -> _State:
         """What an update may change (lists are replaced, never mutated): restored when one fails."""
-        return tuple(getattr(self, name) for name in self._STATE)
+        return (self.start_ns, self.time_ns, self.delta, self.base, self.raw, self.bounds, self.base_counts,
+                self.raw_counts, self.base_sum, self.raw_sum, self.base_count, self.raw_count, self.has_sum,
+                self.quantiles)
 
-    def restore(self, state: tuple[object, ...]) -> None:
-        for name, value in zip(self._STATE, state, strict=True):
-            setattr(self, name, value)
+    def restore(self, state: _State) -> None:
+        (self.start_ns, self.time_ns, self.delta, self.base, self.raw, self.bounds, self.base_counts,
+         self.raw_counts, self.base_sum, self.raw_sum, self.base_count, self.raw_count, self.has_sum,
+         self.quantiles) = state
 
     def totals_finite(self) -> bool:
         """Counter and histogram totals are finite (gauges may hold NaN or +-Inf)."""
-        return all(math.isfinite(x) for x in (self.base, self.raw, self.base_sum, self.raw_sum, self.base_count,
-                                               self.raw_count))
+        isfinite = math.isfinite
+        return (isfinite(self.base) and isfinite(self.raw) and isfinite(self.base_sum) and isfinite(self.raw_sum)
+                and isfinite(self.base_count) and isfinite(self.raw_count))
 
 
 class _Family:
-    __slots__ = ("name", "kind", "help", "unit", "series", "claims", "header", "cost")
+    __slots__ = ("name", "kind", "help", "unit", "series", "claims", "header", "cost", "gen", "block")
 
     def __init__(self, name: str, kind: Kind, help: str, unit: str) -> None:
         self.name = name
@@ -225,6 +240,10 @@ class _Family:
         self.claims = _claimed_names(name, kind)
         self.header: list[bytes | None] = [None, None]  # encoded # HELP / # TYPE / # UNIT lines
         self.cost = _family_bytes(name, help)
+        # ``gen`` changes with any of its series (lock held); ``block`` [text, OpenMetrics]: (gen, the
+        # family's encoded header and lines) for the render of an unchanged family
+        self.gen = 0
+        self.block: list[tuple[int, bytes] | None] = [None, None]
 
 
 def _family_bytes(name: str, help: str) -> int:
@@ -309,8 +328,10 @@ class TrainingStore:
         self._series_total = 0
         self._bytes = 0
         self._per_run: dict[str, int] = {}
-        self._resources: dict[Labels, tuple[dict[str, str], float, int]] = {}  # labels, last seen, cost
+        # labels, last seen, cost, the encoded target_info line
+        self._resources: dict[Labels, tuple[dict[str, str], float, int, bytes]] = {}
         self._listeners: list[Listener] = []
+        self._batch_listeners: list[BatchListener] = []
         self._version = 0
         self._swept_at = -math.inf
         # self-metrics
@@ -332,10 +353,17 @@ class TrainingStore:
         with self._lock:
             self._listeners = [*self._listeners, fn]
 
+    def add_batch_listener(self, fn: BatchListener) -> None:
+        """Like ``add_listener``, with all the points one ``apply`` stored in one call (the run ledger: one
+        lock acquisition per request rather than per point)."""
+        with self._lock:
+            self._batch_listeners = [*self._batch_listeners, fn]
+
     def remove_listener(self, fn: Listener) -> None:
         with self._lock:
             # ==, not is: a bound method is a new object on every attribute access
             self._listeners = [f for f in self._listeners if f != fn]
+            self._batch_listeners = [f for f in self._batch_listeners if f != fn]
 
     def record_request(self, status: int, seconds: float) -> None:
         """Count one handled request (the receiver calls this for every outcome)."""
@@ -358,6 +386,7 @@ class TrainingStore:
         messages = dict(batch.messages)
         accepted = 0
         events: list[AcceptedPoint] = []
+        changed: list[tuple[_Series, tuple[tuple[bytes, ...], tuple[bytes, ...]], tuple[float, ...]]] = []
         request = _Request(set())
 
         def reject(reason: str, message: str) -> None:
@@ -371,6 +400,7 @@ class TrainingStore:
             for labels in batch.resources:
                 self._note_resource(labels, now)
             listeners = self._listeners
+            batch_listeners = self._batch_listeners
         for start in range(0, len(points), APPLY_CHUNK):
             if start:
                 # Let a thread waiting for the lock (a scrape) take it: a released lock is otherwise
@@ -380,7 +410,8 @@ class TrainingStore:
                 self._version += 1
                 now = self._clock()
                 for p in points[start:start + APPLY_CHUNK]:
-                    problem = self._apply_point(p, now, request, events if listeners else None)
+                    problem = self._apply_point(p, now, request, events if listeners or batch_listeners else None,
+                                                changed)
                     if problem is None:
                         accepted += 1
                     else:
@@ -390,18 +421,26 @@ class TrainingStore:
             for reason, count in rejected.items():
                 self._rejected[reason] = self._rejected.get(reason, 0.0) + count
 
+        _encode_changed(changed)
         for reason, count in rejected.items():
             self._warn(reason, f"rejected {count} OTLP data point(s) ({reason}): {messages.get(reason, '')}")
-        for event in events:
-            for fn in listeners:
+        if events:
+            for batch_fn in batch_listeners:
                 try:
-                    fn(event)
+                    batch_fn(events)
                 except Exception:  # a listener bug must never fail an export
-                    log.exception("OTLP point listener %r failed", fn)
+                    log.exception("OTLP point listener %r failed", batch_fn)
+            for event in events:
+                for fn in listeners:
+                    try:
+                        fn(event)
+                    except Exception:  # a listener bug must never fail an export
+                        log.exception("OTLP point listener %r failed", fn)
         return ApplyResult(accepted, rejected, messages)
 
-    def _apply_point(self, p: Point, now: float, request: _Request,
-                     events: list[AcceptedPoint] | None) -> tuple[str, str] | None:
+    def _apply_point(self, p: Point, now: float, request: _Request, events: list[AcceptedPoint] | None,
+                     changed: list[tuple[_Series, tuple[tuple[bytes, ...], tuple[bytes, ...]], tuple[float, ...]]],
+                     ) -> tuple[str, str] | None:
         """Store one point (lock held); ``None`` or (reason, message) when it is rejected."""
         families = self._families
         fam = families.get(p.name)
@@ -429,7 +468,8 @@ class TrainingStore:
             series = _Series(dict(p.labels), p.run_id, p.cost)
         elif p.cost != series.cost and self._bytes - series.cost + p.cost > self.max_bytes:
             return self._bytes_full(p.cost - series.cost)
-        saved = None if new else series.state()
+        # gauges and summaries refuse a point before changing anything; totals are checked after
+        saved = None if new or p.kind not in ("counter", "histogram") else series.state()
         try:
             self._update(p, series, new)
             if p.kind in ("counter", "histogram") and not series.totals_finite():
@@ -457,7 +497,11 @@ class TrainingStore:
             self._bytes += p.cost - series.cost
             series.cost = p.cost
         series.last_seen = now
-        series.samples = None
+        assert fam is not None  # found with the series, or added with it
+        _relayout(fam, series)
+        series.values = values = _values(fam.kind, series)
+        fam.gen += 1
+        changed.append((series, series.heads, values))
         if events is not None:
             events.append(self._event(p, series))
         return None
@@ -573,8 +617,6 @@ class TrainingStore:
             self._resets += 1
         if new:
             s.bounds = p.bounds
-            s.bucket_labels = [{**s.labels, "le": floatToGoString(b)} for b in p.bounds]
-            s.bucket_labels.append({**s.labels, "le": "+Inf"})
             s.delta, s.start_ns, s.time_ns = p.delta, p.start_ns, p.time_ns
             s.has_sum = p.sum is not None
             zero = [0.0] * len(counts)
@@ -621,7 +663,7 @@ class TrainingStore:
             self._resets += 1
 
     def _event(self, p: Point, s: _Series) -> AcceptedPoint:
-        labels = MappingProxyType(s.labels)
+        labels = s.view
         t = p.time_ns / 1e9
         if p.kind == "counter":
             return AcceptedPoint(p.run_id, p.name, labels, s.base + s.raw, t, p.kind)
@@ -635,11 +677,12 @@ class TrainingStore:
     def _note_resource(self, labels: Labels, now: float) -> None:
         entry = self._resources.get(labels)
         if entry is not None:
-            self._resources[labels] = (entry[0], now, entry[2])
+            self._resources[labels] = (entry[0], now, entry[2], entry[3])
             return
         cost = series_bytes("target_info", labels, "gauge")
         if len(self._resources) < self.max_series and self._bytes + cost <= self.max_bytes:
-            self._resources[labels] = (dict(labels), now, cost)
+            line = encoder.sample_head("target_info", labels, False) + b"1.0\n"
+            self._resources[labels] = (dict(labels), now, cost, line)
             self._bytes += cost
 
     # ------------------------------------------------------------------------------------------------
@@ -647,6 +690,7 @@ class TrainingStore:
 
     def _remove(self, fam: _Family, key: Labels, s: _Series) -> None:
         del fam.series[key]
+        fam.gen += 1
         if not fam.series and self._families.get(fam.name) is fam:
             del self._families[fam.name]
             self._bytes -= fam.cost
@@ -674,7 +718,7 @@ class TrainingStore:
             expired += s.last_seen < cutoff
         self._expired += expired
         self._evicted += len(stale) - expired
-        gone = [k for k, (_, seen, _) in self._resources.items() if seen < idle]
+        gone = [k for k, (_, seen, _, _) in self._resources.items() if seen < idle]
         for labels in gone:
             self._bytes -= self._resources.pop(labels)[2]
         if stale or gone:
@@ -731,7 +775,7 @@ class TrainingStore:
                 metric = Metric(fam.name, fam.help, fam.kind, fam.unit)
             samples = metric.samples
             for s in fam.series.values():
-                samples.extend(_built(fam, s))
+                samples.extend(_samples(fam, s))
             out.append(metric)
         out.extend(self._collect_target_info())
         return out
@@ -741,40 +785,56 @@ class TrainingStore:
             return []
         info = Metric("target", "Resource attributes of the processes pushing OTLP metrics "
                       "(one series per resource; never job/instance).", "info")
-        for labels, _seen, _cost in self._resources.values():
+        for labels, _seen, _cost, _line in self._resources.values():
             info.samples.append(Sample("target_info", labels, 1.0))
         return [info]
 
     def render(self, openmetrics: bool) -> bytes:
         """What ``collect()`` returns, already encoded (OpenMetrics without its ``# EOF``): the scrape fast
-        path. Only series that changed since the last render are encoded again, so a push of one rank
-        costs that rank's series, not all of them (prometheus_client encodes ~10 µs per sample). Under the
-        lock only the changed series' samples are built; they are encoded after it is released."""
+        path. Series are encoded when a push changes them (``apply``), so under the lock a render only
+        copies references: one ready block per unchanged family, the ready lines of each series of a
+        changed one. After the lock is released it joins them (and encodes any series whose encoding a
+        racing push has not stored yet)."""
         k = 1 if openmetrics else 0
-        parts: list[bytes | tuple[_Family, _Series, tuple[Sample, ...]]] = []
+        ready: list[bytes | tuple[_Family, int, bytes, list[_Part]]] = []
         with self._lock:
             self._sweep(self._clock())
             for fam in self._families.values():
+                block = fam.block[k]
+                if block is not None and block[0] == fam.gen:
+                    ready.append(block[1])
+                    continue
                 header = fam.header[k]
                 if header is None:
                     header = fam.header[k] = _encode_header(fam, openmetrics)
-                parts.append(header)
+                parts: list[_Part] = []
                 for s in fam.series.values():
-                    built = _built(fam, s)
-                    cached = s.text[k]
-                    parts.append(cached[1] if cached is not None and cached[0] is built else (fam, s, built))
-            rest = self._collect_target_info()
-            rest.extend(self._collect_self())
+                    enc = s.enc[k]
+                    values = s.values
+                    parts.append(enc[1] if enc is not None and enc[0] is values else (s, s.heads[k], values))
+                ready.append((fam, fam.gen, header, parts))
+            resources = [line for _labels, _seen, _cost, line in self._resources.values()]
+            own = self._collect_self()
         out: list[bytes] = []
-        for part in parts:
-            if isinstance(part, tuple):
-                fam, s, built = part
-                text = _encode_lines(fam, built, openmetrics)
-                s.text[k] = (built, text)  # one reference store: atomic; stale if the series changed since
-                out.append(text)
-            else:
-                out.append(part)
-        out.append(_encode(rest, openmetrics))
+        for item in ready:
+            if isinstance(item, bytes):
+                out.append(item)
+                continue
+            fam, gen, header, parts = item
+            lines: list[bytes] = [header]
+            for part in parts:
+                if isinstance(part, tuple):
+                    s, heads, values = part
+                    part = encoder.lines(heads, values)
+                    s.enc[k] = (values, part)  # one reference store: atomic; stale if the series changed since
+                lines.append(part)
+            joined = b"".join(lines)
+            fam.block[k] = (gen, joined)
+            out.append(joined)
+        if resources:
+            out.append(encoder.header(_TARGET_INFO, openmetrics))
+            out.extend(resources)
+        out.append(encoder.encode_families(own, openmetrics))
         return b"".join(out)
 
     def _collect_self(self) -> list[Metric]:
@@ -813,27 +873,28 @@ class TrainingStore:
         log.warning("%s", message[:1000])
 
 
-def _built(fam: _Family, s: _Series) -> tuple[Sample, ...]:
-    """The series' samples, rebuilt after it changed (its encoded text then no longer matches)."""
-    built = s.samples
-    if built is None:
-        built = s.samples = _samples(fam, s)
-    return built
+#: a series' ready lines, or (series, its heads in the format, values) to encode them from
+_Part = bytes | tuple[_Series, tuple[bytes, ...], tuple[float, ...]]
+
+_TARGET_INFO = Metric("target", "Resource attributes of the processes pushing OTLP metrics "
+                      "(one series per resource; never job/instance).", "info")
 
 
-class _Families:
-    def __init__(self, families: list[Metric]) -> None:
-        self.families = families
+def _encode_changed(
+        changed: list[tuple[_Series, tuple[tuple[bytes, ...], tuple[bytes, ...]], tuple[float, ...]]]) -> None:
+    """Encode the series a request changed, from the heads and values taken under the lock (after it is
+    released; a racing push stores its own encoding, and ``render`` checks which one is current)."""
+    for s, heads, values in changed:
+        text = encoder.lines(heads[0], values)
+        entry = (values, text)
+        if heads[1] is heads[0]:
+            s.enc = [entry, entry]
+        else:
+            s.enc = [entry, (values, encoder.lines(heads[1], values))]
 
-    def collect(self) -> list[Metric]:
-        return self.families
 
-
-def _encode(families: list[Metric], openmetrics: bool) -> bytes:
-    if openmetrics:
-        body = om_exposition.generate_latest(_Families(families))
-        return body[: -len(b"# EOF\n")] if body.endswith(b"# EOF\n") else body
-    return text_exposition.generate_latest(_Families(families))
+def _encode_header(fam: _Family, openmetrics: bool) -> bytes:
+    return encoder.fallback([_metric(fam, ())], openmetrics)
 
 
 def _metric(fam: _Family, samples: tuple[Sample, ...]) -> Metric:
@@ -843,36 +904,85 @@ def _metric(fam: _Family, samples: tuple[Sample, ...]) -> Metric:
     return metric
 
 
-def _encode_header(fam: _Family, openmetrics: bool) -> bytes:
-    return _encode([_metric(fam, ())], openmetrics)
+def _layout(kind: Kind, s: _Series) -> object:
+    """What the series' sample heads depend on besides its name and labels."""
+    if kind == "histogram":
+        return (s.bounds, s.has_sum)
+    if kind == "summary":
+        return tuple(q for q, _ in s.quantiles)
+    return kind
 
 
-def _encode_lines(fam: _Family, samples: tuple[Sample, ...], openmetrics: bool) -> bytes:
-    """The sample lines only (the family's # HELP / # TYPE / # UNIT lines are written once)."""
-    body = _encode([_metric(fam, samples)], openmetrics)
-    return b"".join(line + b"\n" for line in body.split(b"\n") if line and not line.startswith(b"# "))
+def _relayout(fam: _Family, s: _Series) -> None:
+    """Build the series' sample heads when they are new or its layout changed (lock held)."""
+    layout = _layout(fam.kind, s)
+    if layout == s.layout:
+        return
+    s.layout = layout
+    text = _heads(fam, s, False)
+    s.heads = (text, text if ":" not in fam.name else _heads(fam, s, True))
+
+
+def _heads(fam: _Family, s: _Series, openmetrics: bool) -> tuple[bytes, ...]:
+    name, kind = fam.name, fam.kind
+    labels = tuple(s.labels.items())
+    if kind == "histogram":
+        bucket = name + "_bucket"
+        heads = [encoder.sample_head(bucket, (*labels, ("le", encoder.go_float(b))), openmetrics)
+                 for b in s.bounds]
+        heads.append(encoder.sample_head(bucket, (*labels, ("le", "+Inf")), openmetrics))
+        heads.append(encoder.sample_head(name + "_count", labels, openmetrics))
+        if s.has_sum:
+            heads.append(encoder.sample_head(name + "_sum", labels, openmetrics))
+        return tuple(heads)
+    if kind == "summary":
+        heads = [encoder.sample_head(name, (*labels, ("quantile", encoder.go_float(q))), openmetrics)
+                 for q, _ in s.quantiles]
+        heads.append(encoder.sample_head(name + "_count", labels, openmetrics))
+        heads.append(encoder.sample_head(name + "_sum", labels, openmetrics))
+        return tuple(heads)
+    return (encoder.sample_head(name, labels, openmetrics),)
+
+
+def _values(kind: Kind, s: _Series) -> tuple[float, ...]:
+    """The exposed values, in the order of the series' heads (lock held)."""
+    if kind == "counter":
+        return (s.base + s.raw,)
+    if kind == "histogram":
+        out: list[float] = []
+        running = 0.0
+        base, raw = s.base_counts, s.raw_counts
+        for i in range(len(base) - 1):
+            running += base[i] + raw[i]
+            out.append(running)
+        total = s.base_count + s.raw_count
+        out.append(total)
+        out.append(total)
+        if s.has_sum:
+            out.append(s.base_sum + s.raw_sum)
+        return tuple(out)
+    if kind == "summary":
+        return (*(v for _, v in s.quantiles), s.raw_count, s.raw_sum)
+    return (s.raw,)
 
 
 def _samples(fam: _Family, s: _Series) -> tuple[Sample, ...]:
+    """The series as prometheus_client samples (``collect()``; the scrape path uses the encoded lines)."""
     name, kind, labels = fam.name, fam.kind, s.labels
-    if kind == "counter":
-        return (Sample(name, labels, s.base + s.raw),)
+    values = s.values
     if kind == "histogram":
-        out: list[Sample] = []
         bucket = name + "_bucket"
-        running = 0.0
-        for i, blabels in enumerate(s.bucket_labels[:-1]):
-            running += s.base_counts[i] + s.raw_counts[i]
-            out.append(Sample(bucket, blabels, running))
-        total = s.base_count + s.raw_count
-        out.append(Sample(bucket, s.bucket_labels[-1], total))
-        out.append(Sample(name + "_count", labels, total))
+        out = [Sample(bucket, {**labels, "le": encoder.go_float(b)}, v)
+               for b, v in zip(s.bounds, values, strict=False)]
+        out.append(Sample(bucket, {**labels, "le": "+Inf"}, values[len(s.bounds)]))
+        out.append(Sample(name + "_count", labels, values[len(s.bounds) + 1]))
         if s.has_sum:
-            out.append(Sample(name + "_sum", labels, s.base_sum + s.raw_sum))
+            out.append(Sample(name + "_sum", labels, values[-1]))
         return tuple(out)
     if kind == "summary":
-        out = [Sample(name, {**labels, "quantile": floatToGoString(q)}, v) for q, v in s.quantiles]
+        out = [Sample(name, {**labels, "quantile": encoder.go_float(q)}, v)
+               for (q, _), v in zip(s.quantiles, values, strict=False)]
         out.append(Sample(name + "_count", labels, s.raw_count))
         out.append(Sample(name + "_sum", labels, s.raw_sum))
         return tuple(out)
-    return (Sample(name, labels, s.raw),)
+    return (Sample(name, labels, values[0]),)

@@ -309,12 +309,21 @@ SAMPLE_OVERHEAD_BYTES = 150
 
 
 def series_bytes(name: str, labels: Labels, kind: str, buckets: int = 0, quantiles: int = 0) -> int:
-    """Estimated memory a series costs the store: its exposition lines, held twice (text and OpenMetrics
-    encodings are cached) plus the label dictionaries and samples they are built from (about as much
-    again), and a fixed overhead. Used for ``--otlp.max-series-bytes`` and ``--otlp.max-bytes``; it grows
-    linearly with what a push controls (label sizes, bucket and quantile counts), which is what matters
-    for a bound."""
-    line = len(name) + sum(len(k) + len(v) + 4 for k, v in labels) + 32
+    """Estimated memory a series costs the store: its exposition lines four times over (the sample heads
+    built once per label set, the encoded lines, the family's encoded block they are joined into, and the
+    label dictionary and values they are built from), and a fixed overhead. Used for
+    ``--otlp.max-series-bytes`` and ``--otlp.max-bytes``; it grows linearly with what a push controls (label
+    sizes, bucket and quantile counts), which is what matters for a bound."""
+    return _series_cost(name, _label_chars(labels), kind, buckets, quantiles)
+
+
+def _label_chars(labels: Labels) -> int:
+    return sum(len(k) + len(v) + 4 for k, v in labels)
+
+
+def _series_cost(name: str, label_chars: int, kind: str, buckets: int = 0, quantiles: int = 0) -> int:
+    """``series_bytes`` with the labels' part already counted (``_label_chars``)."""
+    line = len(name) + label_chars + 32
     if kind == "histogram":
         samples = max(buckets, 1) + 2
         lines = (samples - 2) * (line + 20) + 2 * (line + 8)
@@ -406,6 +415,20 @@ def _cached_metric_name(name: str, unit: str, kind: NameKind) -> str:
     return out
 
 
+_UNIT_CACHE: dict[str, str] = {}
+
+
+def _cached_unit(unit: str) -> str:
+    out = _UNIT_CACHE.get(unit)
+    if out is None:
+        out = unit_name(unit)
+        if len(unit) <= _CACHE_KEY_MAX:
+            if len(_UNIT_CACHE) >= _CACHE_MAX:
+                _UNIT_CACHE.clear()
+            _UNIT_CACHE[unit] = out
+    return out
+
+
 def translate_labels(attributes: Sequence[Any], reserved: tuple[str, ...] = (),
                      limits: Limits = DEFAULT_LIMITS) -> Labels:
     """OTLP ``KeyValue`` attributes to sorted Prometheus labels.
@@ -450,6 +473,33 @@ def translate_labels(attributes: Sequence[Any], reserved: tuple[str, ...] = (),
         else:
             out[label] = value
     return tuple(sorted((k, v) for k, v in out.items() if v != ""))
+
+
+#: Translated data-point attributes by their serialized form: a trainer sends the same few attribute lists
+#: on every export (run id, rank, GPU), and translating them is a third of the receiver's work per point.
+#: Bounded in entries and key size (longer attribute lists are translated every time).
+_ATTRS_CACHE: dict[tuple[object, ...], tuple[Labels, str, int]] = {}  # (reserved, the two limits used, *attributes)
+_ATTRS_CACHE_MAX = 512
+_ATTRS_KEY_MAX = 512
+
+
+def _point_labels(attributes: Sequence[Any], reserved: tuple[str, ...],
+                  limits: Limits) -> tuple[Labels, str, int]:
+    """``translate_labels``, the labels' ``run_id`` and ``_label_chars``, cached per attribute list."""
+    if len(attributes) <= limits.max_labels_per_point:
+        parts = [kv.SerializeToString() for kv in attributes]
+        if sum(map(len, parts)) <= _ATTRS_KEY_MAX:
+            key = (reserved, limits.max_label_length, limits.max_labels_per_point, *parts)
+            out = _ATTRS_CACHE.get(key)
+            if out is None:
+                labels = translate_labels(attributes, reserved, limits)  # a rejection is never cached
+                out = (labels, _run_id(labels), _label_chars(labels))
+                if len(_ATTRS_CACHE) >= _ATTRS_CACHE_MAX:
+                    _ATTRS_CACHE.clear()
+                _ATTRS_CACHE[key] = out
+            return out
+    labels = translate_labels(attributes, reserved, limits)
+    return labels, _run_id(labels), _label_chars(labels)
 
 
 def _run_id(labels: Labels) -> str:
@@ -505,6 +555,13 @@ def translate_request(request: Message, received_ns: int, limits: Limits = DEFAU
     return batch
 
 
+#: What a metric's envelope translates to (kind, name, help, unit, reserved labels, delta) or its rejection
+#: (reason, message), by everything it depends on: a trainer sends the same envelopes on every export.
+_Descriptor = tuple[Kind, str, str, str, tuple[str, ...], bool] | tuple[str, str]
+_DESCRIPTOR_CACHE: dict[tuple[object, ...], _Descriptor] = {}
+_DESCRIPTOR_CACHE_MAX = 1024
+
+
 def _translate_metric(metric: Any, batch: Batch, received_ns: int, limits: Limits) -> None:
     data = metric.WhichOneof("data")
     if data is None:
@@ -515,6 +572,33 @@ def _translate_metric(metric: Any, batch: Batch, received_ns: int, limits: Limit
     batch.received += n
     if n == 0:
         return
+    if data == "sum":
+        shape: tuple[object, ...] = (container.aggregation_temporality, container.is_monotonic)
+    elif data == "histogram":
+        shape = (container.aggregation_temporality,)
+    elif data == "gauge":
+        shape = (_metadata_type(metric),)
+    else:
+        shape = ()
+    otel_name, unit, description = metric.name, metric.unit, metric.description
+    key = (data, otel_name, unit, description, limits.max_label_length, *shape)
+    desc = _DESCRIPTOR_CACHE.get(key)
+    if desc is None:
+        desc = _describe(metric, data, container, limits)
+        if len(otel_name) + len(unit) + len(description) <= 4 * _CACHE_KEY_MAX:
+            if len(_DESCRIPTOR_CACHE) >= _DESCRIPTOR_CACHE_MAX:
+                _DESCRIPTOR_CACHE.clear()
+            _DESCRIPTOR_CACHE[key] = desc
+    if len(desc) == 2:
+        batch.reject(desc[0], n, desc[1])
+        return
+    kind, prom_name, help_text, family_unit, reserved, delta = desc
+    _translate_points(points, batch, received_ns, limits, otel_name, kind, prom_name, help_text, family_unit,
+                      reserved, delta)
+
+
+def _describe(metric: Any, data: str, container: Any, limits: Limits) -> _Descriptor:
+    """The envelope's translation (see ``_DESCRIPTOR_CACHE``)."""
     otel_name = metric.name
     unit = metric.unit
     kind: Kind
@@ -526,59 +610,52 @@ def _translate_metric(metric: Any, batch: Batch, received_ns: int, limits: Limit
     elif data == "sum":
         temporality = container.aggregation_temporality
         if temporality not in (TEMPORALITY_DELTA, TEMPORALITY_CUMULATIVE):
-            batch.reject("unsupported_temporality", n,
-                         f"metric {otel_name!r}: aggregation temporality unspecified")
-            return
+            return ("unsupported_temporality", f"metric {otel_name!r}: aggregation temporality unspecified")
         delta = temporality == TEMPORALITY_DELTA
         if container.is_monotonic:
             kind, name_kind = "counter", "counter"
         elif delta:
             # Spec ("Sums"): only monotonic delta sums are converted; a delta up-down sum would drift
             # for ever after one lost export.
-            batch.reject("unsupported_temporality", n,
-                         f"metric {otel_name!r}: delta non-monotonic sums cannot be exposed; "
-                         "use cumulative temporality for UpDownCounters")
-            return
+            return ("unsupported_temporality", f"metric {otel_name!r}: delta non-monotonic sums cannot be "
+                    "exposed; use cumulative temporality for UpDownCounters")
         else:
             kind, name_kind = "gauge", "updown"
     elif data == "histogram":
         temporality = container.aggregation_temporality
         if temporality not in (TEMPORALITY_DELTA, TEMPORALITY_CUMULATIVE):
-            batch.reject("unsupported_temporality", n,
-                         f"metric {otel_name!r}: aggregation temporality unspecified")
-            return
+            return ("unsupported_temporality", f"metric {otel_name!r}: aggregation temporality unspecified")
         delta = temporality == TEMPORALITY_DELTA
         kind, name_kind = "histogram", "histogram"
     elif data == "summary":
         kind, name_kind = "summary", "summary"
     else:
-        batch.reject("unsupported_type", n,
-                     f"metric {otel_name!r}: {data} is not supported (classic Prometheus exposition has "
-                     "no native histograms); use explicit-bucket histograms")
-        return
+        return ("unsupported_type", f"metric {otel_name!r}: {data} is not supported (classic Prometheus "
+                "exposition has no native histograms); use explicit-bucket histograms")
 
     if len(otel_name) + len(unit) > limits.max_label_length:
-        batch.reject("label_too_long", n, f"metric name {otel_name[:40]!r}... and unit have "
-                     f"{len(otel_name) + len(unit)} characters, more than {limits.max_label_length} "
-                     "(--otlp.max-label-length)")
-        return
+        return ("label_too_long", f"metric name {otel_name[:40]!r}... and unit have "
+                f"{len(otel_name) + len(unit)} characters, more than {limits.max_label_length} "
+                "(--otlp.max-label-length)")
     prom_name = _cached_metric_name(otel_name, unit, name_kind)
     if not prom_name:
-        batch.reject("invalid_name", n, f"metric name {otel_name!r} has no valid Prometheus form")
-        return
+        return ("invalid_name", f"metric name {otel_name!r} has no valid Prometheus form")
     if prom_name.startswith(RESERVED_PREFIXES):
-        batch.reject("invalid_name", n,
-                     f"metric {otel_name!r} -> {prom_name!r} uses a prefix reserved for the exporter")
-        return
+        return ("invalid_name", f"metric {otel_name!r} -> {prom_name!r} uses a prefix reserved for the exporter")
     help_text = metric.description[:MAX_HELP_LENGTH] or f"{otel_name} (received over OTLP)"
-    family_unit = _family_unit(prom_name, kind, unit_name(unit))
+    family_unit = _family_unit(prom_name, kind, _cached_unit(unit))
     reserved = ("le",) if kind == "histogram" else ("quantile",) if kind == "summary" else ()
+    return (kind, prom_name, help_text, family_unit, reserved, delta)
 
+
+def _translate_points(points: Any, batch: Batch, received_ns: int, limits: Limits, otel_name: str, kind: Kind,
+                      prom_name: str, help_text: str, family_unit: str, reserved: tuple[str, ...],
+                      delta: bool) -> None:
     latest = received_ns + limits.max_future_skew_ns
     append = batch.points.append
     for dp in points:
         try:
-            labels = translate_labels(dp.attributes, reserved, limits)
+            labels, run_id, label_chars = _point_labels(dp.attributes, reserved, limits)
             time_ns = dp.time_unix_nano or received_ns
             start_ns = dp.start_time_unix_nano
             if time_ns > latest or start_ns > latest:
@@ -587,17 +664,17 @@ def _translate_metric(metric: Any, batch: Batch, received_ns: int, limits: Limit
                                 f"than {limits.max_future_skew_ns / 1e9:g} s (--otlp.max-future-skew); "
                                 "check the sender's clock")
             no_value = bool(dp.flags & FLAG_NO_RECORDED_VALUE)
-            point = Point(kind, prom_name, help_text, family_unit, labels, _run_id(labels),
+            point = Point(kind, prom_name, help_text, family_unit, labels, run_id,
                           start_ns, time_ns, delta, no_value=no_value)
             if no_value:
                 append(point)
                 continue
             if kind == "histogram":
                 _fill_histogram(point, dp, limits)
-                point.cost = series_bytes(prom_name, labels, kind, buckets=len(point.counts))
+                point.cost = _series_cost(prom_name, label_chars, kind, buckets=len(point.counts))
             elif kind == "summary":
                 _fill_summary(point, dp, limits)
-                point.cost = series_bytes(prom_name, labels, kind, quantiles=len(point.quantiles))
+                point.cost = _series_cost(prom_name, label_chars, kind, quantiles=len(point.quantiles))
             else:
                 value = _number(dp)
                 if value is None:
@@ -609,7 +686,7 @@ def _translate_metric(metric: Any, batch: Batch, received_ns: int, limits: Limit
                     if value < 0:
                         raise _Rejected("invalid_point", f"invalid counter value {value!r}")
                 point.value = value
-                point.cost = series_bytes(prom_name, labels, kind)
+                point.cost = _series_cost(prom_name, label_chars, kind)
             if point.cost > limits.max_series_bytes:
                 raise _Rejected("series_too_large", f"series of about {point.cost} bytes, more than "
                                 f"{limits.max_series_bytes} (--otlp.max-series-bytes); use fewer or shorter "
