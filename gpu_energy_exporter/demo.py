@@ -37,6 +37,7 @@ from gpu_energy_exporter.config import (
     parse_duration,
 )
 from gpu_energy_exporter.errors import ConfigError, ExporterError
+from gpu_energy_exporter.httpserver import client_url
 
 log = logging.getLogger(__name__)
 
@@ -280,17 +281,6 @@ def training_helper_missing() -> str | None:
     return None
 
 
-def _client_url(address: tuple[str, int], scheme: str = "http") -> str:
-    host, port = address[0], address[1]
-    if host in ("", "0.0.0.0"):
-        host = "127.0.0.1"
-    elif host == "::":
-        host = "::1"
-    if ":" in host:
-        host = f"[{host}]"
-    return f"{scheme}://{host}:{port}"
-
-
 def next_steps(web_url: str, otlp_url: str, telemetry_path: str, opts: DemoOptions, runs_csv: str | None,
                gpus: int) -> str:
     top_url = "" if web_url.endswith(":9863") and "127.0.0.1" in web_url else f" --url {web_url}"
@@ -374,7 +364,7 @@ def main(argv: list[str], *, stdout: IO[str] | None = None, environ: Mapping[str
             return 1
         assert exporter.web is not None
         web_url = exporter.web.url
-        otlp_url = _client_url(exporter.otlp.server_address)
+        otlp_url = client_url(exporter.otlp.server_address)
         uuids = [g.uuid for g in backend.devices()]
         trainer = SimulatedTrainer(backend, uuids, otlp_url, run_duration=opts.run_duration, pause=opts.pause,
                                    runs=opts.runs, export_interval=opts.export_interval, headers=headers).start()

@@ -392,15 +392,7 @@ class HTTPServer:
 
     @property
     def url(self) -> str:
-        host, port = self.server_address
-        if host in ("0.0.0.0", ""):
-            host = "127.0.0.1"
-        elif host == "::":
-            host = "::1"
-        if ":" in host:
-            host = f"[{host}]"
-        scheme = "https" if self._web_config.tls_enabled else "http"
-        return f"{scheme}://{host}:{port}"
+        return client_url(self.server_address, "https" if self._web_config.tls_enabled else "http")
 
     @property
     def listen_text(self) -> str:
@@ -1191,6 +1183,19 @@ def _connection_cap() -> int:
     if soft == resource.RLIM_INFINITY:
         return 1 << 20
     return max(8, (soft - 64) // 3)
+
+
+def client_url(address: tuple[str, int], scheme: str = "http") -> str:
+    """The URL a client on this host uses for a server bound to ``address`` (a wildcard address is
+    reached through loopback)."""
+    host, port = address[0], address[1]
+    if host in ("0.0.0.0", ""):
+        host = "127.0.0.1"
+    elif host == "::":
+        host = "::1"
+    if ":" in host:
+        host = f"[{host}]"
+    return f"{scheme}://{host}:{port}"
 
 
 def listen_text(host: str, port: int, url: str, dual_stack: bool) -> str:
