@@ -1094,6 +1094,10 @@ class RunLedger:
         run.acc.t = max(run.acc.t, min(f1.t, hi))
         if run.e is not None:
             return
+        # Points arrive after the snapshot that precedes them: the checkpoint of that snapshot is the last one
+        # not after the run's last point (a run that stops pushing replays from there, not from its start).
+        if run.checkpoints and run.alive_checkpoint.t < run.checkpoints[-1].t <= run.last_point_t:
+            run.alive_checkpoint = run.checkpoints[-1]
         ckpt = run.acc.copy()
         run.checkpoints.append(ckpt)
         while run.checkpoints and run.checkpoints[0].t < f1.t - self._late_window_s:

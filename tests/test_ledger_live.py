@@ -8,8 +8,9 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 from prometheus_client.core import Metric
-from test_ledger import T0, UUID_A, UUID_B, Clock, Harness, bursty, constant, point
+from test_ledger import T0, UUID_A, UUID_B, Clock, Harness, bursty, constant, point, summary_of
 
 from gpu_energy_exporter.ledger import RunLedger, _Acc, _Run
 
@@ -124,3 +125,23 @@ def test_kept_live_figures_equal_a_fresh_count_after_many_exports() -> None:
     final = ledgers[0].runs()
     assert [s["run_id"] for s in final] == ["a"]  # "b" finished and expired
     assert final[0]["energy_j"] > 0 and final[0]["energy_split"] == "even,exclusive"
+
+
+def test_a_quiet_runs_live_figures_stay_put_after_its_start_left_the_snapshot_history() -> None:
+    """A run that stops pushing is figured up to its last point. Once that point is older than the late
+    window's checkpoints, the count restarts from the checkpoint before the last point; it used to restart
+    from the run's start, whose snapshots had left the history: energy silently went missing."""
+    clock = Clock()
+    ledger = RunLedger(None, warmup_s=5.0, stale_after_s=150.0, late_window_s=20.0, clock=clock)
+    h = Harness(ledger, clock, {UUID_A: constant(300.0)})
+    for i in range(200):
+        _export(h, "a", T0 + i + 0.5)
+        h.snap_at(T0 + i + 1)
+    quiet = summary_of(ledger, "a")
+    assert quiet["energy_j"] == pytest.approx(300.0 * 199.0)
+    for i in range(201, 300):  # quiet for 100 s: not stale yet (150 s), past the late window (20 s)
+        h.snap_at(T0 + i)
+        now = summary_of(ledger, "a")
+        assert now["status"] == "running"
+        assert (now["energy_j"], now["tokens"], now["duration_s"]) == (
+            quiet["energy_j"], quiet["tokens"], quiet["duration_s"]), f"at {i} s"
