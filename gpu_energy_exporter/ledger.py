@@ -649,6 +649,8 @@ class _Run:
         self.written_json: str | None = None  # summary file already written (a retried write keeps it)
         self.write_failures = 0
         self.next_write_try = 0.0
+        self.changes = 0  # bumped by every point applied to the run (a part of its live summary's stamp)
+        self.live_memo: tuple[tuple[int, ...], dict[str, Any]] | None = None  # (stamp, live summary)
 
     # -- counters ------------------------------------------------------------------------------------
 
@@ -758,6 +760,10 @@ class RunLedger:
         self._carbon_error_logged = False
         self._last_reject_log = -math.inf
         self._version = 0  # bumped whenever what collect() returns may have changed
+        # Parts of each live summary's stamp (with the run's own points and _holders_gen): bumped by every
+        # snapshot counted and every expiry of finished runs.
+        self._snapshots = 0
+        self._expirations = 0
 
     # ------------------------------------------------------------------------------------------------
     # points (request threads)
@@ -849,6 +855,7 @@ class RunLedger:
     def _apply(self, run: _Run, name: str, labels: Mapping[str, str], value: float, t: float,
                count: float | None) -> None:
         rank = labels.get("rank", "")
+        run.changes += 1
         run.ranks.add(rank)
         run.last_point_received = self._clock()
         if t > run.last_point_t:
@@ -959,6 +966,7 @@ class RunLedger:
             if self._history and frame.t <= self._history[-1].t:
                 return  # a repeated or out-of-order snapshot adds nothing
             self._version += 1
+            self._snapshots += 1
             prev = self._history[-1] if self._history else None
             self._history.append(frame)
             for key, gf in gpus.items():
@@ -1086,6 +1094,10 @@ class RunLedger:
         run.acc.t = max(run.acc.t, min(f1.t, hi))
         if run.e is not None:
             return
+        # Points arrive after the snapshot that precedes them: the checkpoint of that snapshot is the last one
+        # not after the run's last point (a run that stops pushing replays from there, not from its start).
+        if run.checkpoints and run.alive_checkpoint.t < run.checkpoints[-1].t <= run.last_point_t:
+            run.alive_checkpoint = run.checkpoints[-1]
         ckpt = run.acc.copy()
         run.checkpoints.append(ckpt)
         while run.checkpoints and run.checkpoints[0].t < f1.t - self._late_window_s:
@@ -1094,9 +1106,18 @@ class RunLedger:
             run.alive_checkpoint = ckpt
 
     def _replay(self, run: _Run, acc: _Acc, lo: float, hi: float, live: bool) -> None:
-        frames = list(self._history)
+        # Intervals ending at or before lo add nothing: start at the last snapshot not after lo (a live
+        # summary replays from a recent checkpoint, so this reads the history's tail, not all of it).
+        frames: list[_Frame] = []
+        for frame in reversed(self._history):
+            frames.append(frame)
+            if frame.t <= lo:
+                break
+        frames.reverse()
         for f0, f1 in zip(frames, frames[1:], strict=False):
-            if f1.t <= lo or f0.t >= hi:
+            if f0.t >= hi:
+                break
+            if f1.t <= lo:
                 continue
             self._integrate(run, acc, f0, f1, lo, hi, live=live)
             acc.t = max(acc.t, min(f1.t, hi))
@@ -1244,6 +1265,7 @@ class RunLedger:
         if len(kept) != len(self._closed):
             self._closed = kept
             self._version += 1
+            self._expirations += 1
 
     def version(self) -> int:
         """Changes whenever ``collect()`` may return something new (for ``exposition.CachedSource``)."""
@@ -1285,7 +1307,18 @@ class RunLedger:
     def _live_summary(self, run: _Run) -> dict[str, Any]:
         """An active run's figures cut at its last point: counters are only known as of the last export,
         so counting energy up to the latest snapshot would charge the tokens of the last export interval
-        for energy they have not been reported against yet (J/token too high by up to one interval)."""
+        for energy they have not been reported against yet (J/token too high by up to one interval).
+
+        Kept until the run's stamp changes: a point of the run, a snapshot, or a change of who holds which
+        GPU (which recounts runs sharing them); so a scrape recounts only the runs that changed. Returns a
+        copy (callers may change it)."""
+        stamp = (run.changes, self._snapshots, self._holders_gen, self._expirations)
+        memo = run.live_memo
+        if memo is None or memo[0] != stamp:
+            memo = run.live_memo = (stamp, self._live_summary_now(run))
+        return dict(memo[1])
+
+    def _live_summary_now(self, run: _Run) -> dict[str, Any]:
         cut = run.last_point_t
         if run.e is None and run.s < cut < run.acc.t:
             candidates = [c for c in (*run.checkpoints, run.alive_checkpoint) if c.t <= cut]

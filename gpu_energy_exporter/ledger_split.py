@@ -76,15 +76,32 @@ class Charge:
     sharers: frozenset[str]
 
 
-def _slot(h: Holding) -> Slot:
-    return Slot(gpu_uuid="", pod=PodRef("", h.run_id, ""), mig_uuid=h.mig_uuid, slices=max(1, h.slices))
-
-
 def shares(holdings: Iterable[Holding], weights: Mapping[str, float] | None = None) -> dict[str, tuple[float, str]]:
     """Run id -> (fraction of the GPU's energy, split rule) at one instant; the holdings are the runs using
     the GPU then. The fractions sum to 1 when ``holdings`` is not empty. A run holding several instances
     of one GPU gets the sum of their parts."""
-    slots = sorted({_slot(h) for h in holdings})
+    if not weights:
+        # The split depends only on the set of (run, instance, slices): the ledger asks the same question for
+        # every GPU of every interval it counts (and recounts), so the answers are kept (bounded).
+        key = frozenset((h.run_id, h.mig_uuid, h.slices) for h in holdings)
+        cached = _SHARES_CACHE.get(key)
+        if cached is None:
+            cached = _shares(key, None)
+            if len(_SHARES_CACHE) >= _SHARES_CACHE_MAX:
+                _SHARES_CACHE.clear()
+            _SHARES_CACHE[key] = cached
+        return dict(cached)
+    return _shares(frozenset((h.run_id, h.mig_uuid, h.slices) for h in holdings), weights)
+
+
+_SHARES_CACHE: dict[frozenset[tuple[str, str, int]], dict[str, tuple[float, str]]] = {}
+_SHARES_CACHE_MAX = 4096
+
+
+def _shares(key: frozenset[tuple[str, str, int]],
+            weights: Mapping[str, float] | None) -> dict[str, tuple[float, str]]:
+    slots = sorted({Slot(gpu_uuid="", pod=PodRef("", run, ""), mig_uuid=mig, slices=max(1, slices))
+                    for run, mig, slices in key})
     pod_weights = {PodRef("", run, ""): w for run, w in (weights or {}).items()}
     out: dict[str, tuple[float, str]] = {}
     for pod, method, part in split(1.0, slots, pod_weights):
