@@ -105,12 +105,11 @@ def push_mapping_markdown() -> list[str]:
     """The --otlp.push-endpoint table: each /metrics series, the OTLP metric pushed for it, and the name
     Prometheus 3's OTLP receiver gives that metric under its default translation."""
     from gpu_energy_exporter.otlp.push import (
-        _NOT_PUSHED,
         CONVENTIONS,
         MEMORY_FRACTION,
-        PUSHED_COLLECTORS,
         RAPL_HW_TYPES,
         own_name,
+        pushed,
     )
     from gpu_energy_exporter.otlp.translate import metric_name
 
@@ -135,7 +134,7 @@ def push_mapping_markdown() -> list[str]:
         return metric_name(name, unit, "updown" if kind == "updown" else kind)  # type: ignore[arg-type]
 
     for spec in sorted(CATALOGUE.values(), key=lambda s: s.name):
-        if spec.kind == "info" or spec.name in _NOT_PUSHED or spec.collector not in PUSHED_COLLECTORS:
+        if not pushed(spec):
             continue
         conv = CONVENTIONS.get(spec.name)
         if conv is not None:

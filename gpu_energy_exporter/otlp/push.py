@@ -77,7 +77,7 @@ _UCUM = {
 PUSHED_COLLECTORS = frozenset({"exporter", "gpu", "host", "rapl", "carbon", "kubernetes"})
 #: Families never pushed: info series (their labels become attributes), and the per-process series
 #: (pid cardinality belongs on a scrape, not in a push pipeline).
-_NOT_PUSHED = {
+NOT_PUSHED = {
     "gpuenergy_gpu_info", "gpuenergy_nvml_info", "gpuenergy_carbon_info", "gpuenergy_build_info",
     "gpuenergy_gpu_process_memory_used_bytes",
 }
@@ -169,8 +169,9 @@ def _gpu_attrs(families: Iterable[Metric]) -> dict[str, _GPUAttrs]:
     return out
 
 
-def _spec_for(sample_name: str) -> MetricSpec | None:
-    return CATALOGUE.get(sample_name)
+def pushed(spec: MetricSpec) -> bool:
+    """Whether ``spec``'s series travel with ``--otlp.push-endpoint`` (the node's own readings)."""
+    return spec.kind != "info" and spec.name not in NOT_PUSHED and spec.collector in PUSHED_COLLECTORS
 
 
 def snapshot_points(
@@ -191,8 +192,8 @@ def snapshot_points(
         for s in fam.samples:
             if s.name.endswith("_created"):
                 continue
-            spec = _spec_for(s.name)
-            if spec is None or spec.name in _NOT_PUSHED or spec.collector not in PUSHED_COLLECTORS:
+            spec = CATALOGUE.get(s.name)
+            if spec is None or not pushed(spec):
                 continue
             uuid = s.labels.get("gpu_uuid")
             # A reading's own time, except for the GPU's status: a lost GPU's last reading stops moving,
@@ -560,6 +561,6 @@ class OTLPPusher:
 
 
 __all__ = [
-    "CONVENTIONS", "OTLPPoint", "OTLPPusher", "PushSettings", "build_metrics_data", "load_headers_file",
-    "own_name", "resource_attributes", "snapshot_points",
+    "CONVENTIONS", "NOT_PUSHED", "OTLPPoint", "OTLPPusher", "PushSettings", "build_metrics_data",
+    "load_headers_file", "own_name", "pushed", "resource_attributes", "snapshot_points",
 ]
