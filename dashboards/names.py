@@ -1,6 +1,6 @@
 """The metric names the dashboards and rules may select: exactly those the code produces.
 
-Nothing here is a second, hand-kept catalogue. Exporter names come from ``gpu_energy_exporter.metrics.
+Nothing here is a second, hand-kept catalogue. Exporter names come from ``gpu_energy_exporter.core.metrics.
 CATALOGUE`` after every module of the package that could define one is imported; training names come from
 the training helper's instrument table (``gpu_energy_exporter.training.instruments``) translated by the
 OTLP receiver's own naming function, exactly as they appear on /metrics. The only hand-written list is
@@ -47,7 +47,7 @@ def exporter_metric_names() -> frozenset[str]:
     """Names in the exporter's metric catalogue (as exposed: counters with ``_total``)."""
     for module in _package_modules():
         importlib.import_module(module)
-    from gpu_energy_exporter.metrics import CATALOGUE
+    from gpu_energy_exporter.core.metrics import CATALOGUE
 
     return frozenset(CATALOGUE)
 

@@ -4,6 +4,6 @@ from __future__ import annotations
 
 import sys
 
-from gpu_energy_exporter.cli import main
+from gpu_energy_exporter.daemon.cli import main
 
 sys.exit(main())

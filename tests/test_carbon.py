@@ -13,19 +13,19 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import Metric
 
-from gpu_energy_exporter import carbon
-from gpu_energy_exporter.carbon import (
+from gpu_energy_exporter.collectors.carbon import CarbonCollector
+from gpu_energy_exporter.core.config import load_config
+from gpu_energy_exporter.core.errors import ConfigError
+from gpu_energy_exporter.devices.base import ENERGY_METHOD_COUNTER, GPUIdentity
+from gpu_energy_exporter.reference import carbon
+from gpu_energy_exporter.reference.carbon import (
     WORLD_DEFAULT_G_PER_KWH,
     IntensityResolution,
     lookup_region,
     parse_intensity_text,
     resolve_intensity,
 )
-from gpu_energy_exporter.collectors.carbon import CarbonCollector
-from gpu_energy_exporter.config import load_config
-from gpu_energy_exporter.devices.base import ENERGY_METHOD_COUNTER, GPUIdentity
-from gpu_energy_exporter.errors import ConfigError
-from gpu_energy_exporter.gpu_specs import PRECISIONS, lookup_peak_flops, parse_peak_table, peak_table
+from gpu_energy_exporter.reference.gpu_specs import PRECISIONS, lookup_peak_flops, parse_peak_table, peak_table
 
 DATA = Path(carbon.__file__).parent / "data"
 LOGGER = "gpu_energy_exporter.collectors.carbon"

@@ -16,8 +16,8 @@ from typing import Any
 import pytest
 from conftest import ExporterProcess, sample_value, wait_until
 
-from gpu_energy_exporter.demo import DEMO_WARMUP, parse_args
-from gpu_energy_exporter.errors import ConfigError
+from gpu_energy_exporter.core.errors import ConfigError
+from gpu_energy_exporter.daemon.demo import DEMO_WARMUP, parse_args
 
 FAST = ["--collector.interval=200ms", "--demo.pause=1s", "--demo.run-duration=3s", "--demo.export-interval=300ms"]
 

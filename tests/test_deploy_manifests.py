@@ -22,8 +22,8 @@ import yaml
 from kubernetes_validate import utils as kv
 
 from gpu_energy_exporter import __version__
-from gpu_energy_exporter.config import COLLECTORS, DEFAULT_METRICS_PORT, DEFAULT_OTLP_PORT, FLAGS, load_config
-from gpu_energy_exporter.webconfig import parse_web_config
+from gpu_energy_exporter.core.config import COLLECTORS, DEFAULT_METRICS_PORT, DEFAULT_OTLP_PORT, FLAGS, load_config
+from gpu_energy_exporter.http.webconfig import parse_web_config
 
 REPO = Path(__file__).resolve().parent.parent
 K8S = REPO / "deploy" / "kubernetes"

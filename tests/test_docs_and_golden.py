@@ -10,17 +10,17 @@ from pathlib import Path
 import pytest
 from fakenvml import Constant, Driver, Process, Scenario, Square, a100, grace_hopper, h100, pascal_no_counter
 
-from gpu_energy_exporter import docgen
-from gpu_energy_exporter.config import Config
+from gpu_energy_exporter.core.config import Config
+from gpu_energy_exporter.core.metrics import CATALOGUE
+from gpu_energy_exporter.daemon import docgen
+from gpu_energy_exporter.daemon.exporter import Exporter
 from gpu_energy_exporter.devices.nvml import NVMLBackend
-from gpu_energy_exporter.exporter import Exporter
-from gpu_energy_exporter.metrics import CATALOGUE
 
 GOLDEN = Path(__file__).parent / "golden" / "gpu-exposition.prom"
 
 
 def test_generated_docs_are_current() -> None:
-    assert docgen.main(["--check"]) == 0, "run: python -m gpu_energy_exporter.docgen"
+    assert docgen.main(["--check"]) == 0, "run: python -m gpu_energy_exporter.daemon.docgen"
 
 
 def test_catalogue_covers_every_module_and_names_follow_conventions() -> None:

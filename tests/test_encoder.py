@@ -19,7 +19,7 @@ from prometheus_client.openmetrics import exposition as om_exposition
 from prometheus_client.samples import Sample
 from prometheus_client.utils import floatToGoString
 
-from gpu_energy_exporter import encoder
+from gpu_energy_exporter.core import encoder
 from gpu_energy_exporter.otlp.store import TrainingStore
 from gpu_energy_exporter.otlp.translate import Batch, Labels, Point, series_bytes
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from gpu_energy_exporter.energy import EnergyCounter, TrapezoidIntegrator
+from gpu_energy_exporter.core.energy import EnergyCounter, TrapezoidIntegrator
 
 
 def feed(c: EnergyCounter, readings_mj: list[float], *, dt: float = 1.0, power_w: float = 700.0,

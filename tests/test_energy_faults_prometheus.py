@@ -40,8 +40,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from gpu_energy_exporter.collectors.gpu import GPUCollector
 from gpu_energy_exporter.devices.nvml import NVMLBackend
-from gpu_energy_exporter.exposition import SnapshotCollector, new_registry
-from gpu_energy_exporter.sampler import Sampler
+from gpu_energy_exporter.engine.exposition import SnapshotCollector, new_registry
+from gpu_energy_exporter.engine.sampler import Sampler
 
 INTERVAL = 1.0  # collector interval, s; scrapes follow each sample by half of it
 DURATION = 720  # simulated seconds

@@ -12,12 +12,12 @@ import sys
 import pytest
 from conftest import ROOT
 
-from gpu_energy_exporter import demo
-from gpu_energy_exporter.config import load_config
+from gpu_energy_exporter.core.config import load_config
+from gpu_energy_exporter.core.errors import ConfigError
+from gpu_energy_exporter.daemon import demo
+from gpu_energy_exporter.daemon.endpoints import listen_text
+from gpu_energy_exporter.daemon.exporter import Exporter
 from gpu_energy_exporter.devices.simulated import SimulatedBackend
-from gpu_energy_exporter.errors import ConfigError
-from gpu_energy_exporter.exporter import Exporter
-from gpu_energy_exporter.web import listen_text
 
 
 def _cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
@@ -147,7 +147,7 @@ def test_demo_without_the_training_helper_says_what_to_install() -> None:
     code = (
         "import sys\n"
         "sys.modules['opentelemetry.exporter'] = None\n"
-        "from gpu_energy_exporter.cli import main\n"
+        "from gpu_energy_exporter.daemon.cli import main\n"
         "sys.exit(main(['demo', '--web.listen-address=127.0.0.1:0', '--otlp.listen-address=127.0.0.1:0']))\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=ROOT)
@@ -166,9 +166,9 @@ def test_a_failing_simulated_trainer_is_one_readable_log_line() -> None:
     code = (
         "import sys\n"
         "sys.modules['opentelemetry.exporter'] = None\n"
-        "from gpu_energy_exporter.demo import SimulatedTrainer\n"
+        "from gpu_energy_exporter.daemon.demo import SimulatedTrainer\n"
         "from gpu_energy_exporter.devices.simulated import SimulatedBackend\n"
-        "from gpu_energy_exporter.logsetup import setup_logging\n"
+        "from gpu_energy_exporter.daemon.logsetup import setup_logging\n"
         "setup_logging(sys.argv[1])\n"
         "b = SimulatedBackend(1)\n"
         "t = SimulatedTrainer(b, [g.uuid for g in b.devices()], 'http://127.0.0.1:9', pause=0, runs=1).start()\n"

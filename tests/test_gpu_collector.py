@@ -18,8 +18,8 @@ from prometheus_client import generate_latest
 
 from gpu_energy_exporter.collectors.gpu import GPUCollector
 from gpu_energy_exporter.devices.nvml import NVMLBackend
-from gpu_energy_exporter.exposition import SnapshotCollector, new_registry
-from gpu_energy_exporter.sampler import Sampler
+from gpu_energy_exporter.engine.exposition import SnapshotCollector, new_registry
+from gpu_energy_exporter.engine.sampler import Sampler
 
 T0 = 1_750_000_000.0
 

@@ -159,8 +159,8 @@ def test_real_gpm_and_collector_under_load() -> None:
     torch = _torch_cuda_or_skip()
     from gpu_energy_exporter.collectors.gpu import GPUCollector
     from gpu_energy_exporter.devices.nvml import NVMLBackend
-    from gpu_energy_exporter.exposition import SnapshotCollector, new_registry
-    from gpu_energy_exporter.sampler import Sampler
+    from gpu_energy_exporter.engine.exposition import SnapshotCollector, new_registry
+    from gpu_energy_exporter.engine.sampler import Sampler
 
     collector = GPUCollector(lambda: NVMLBackend(), processes=True, gpm=True)
     sampler = Sampler([collector], 1.0, gpu_states=collector.states)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from gpu_energy_exporter.gpu_specs import lookup_peak_flops
+from gpu_energy_exporter.reference.gpu_specs import lookup_peak_flops
 
 NAMES: list[tuple[str, str | None]] = [
     # Hopper

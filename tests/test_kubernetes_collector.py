@@ -33,13 +33,13 @@ from gpu_energy_exporter.collectors.kubernetes import (
     UNATTRIBUTED_ENERGY,
     KubernetesCollector,
 )
-from gpu_energy_exporter.config import load_config
+from gpu_energy_exporter.core.config import load_config
+from gpu_energy_exporter.core.metrics import CATALOGUE
 from gpu_energy_exporter.devices.base import GPUIdentity, GPUProcess, GPUReading, MIGDevice
+from gpu_energy_exporter.engine.sampler import GPUState
 from gpu_energy_exporter.kubernetes.assignments import PodRef
 from gpu_energy_exporter.kubernetes.podresources import PodResourcesWatcher
 from gpu_energy_exporter.kubernetes.testing import FakeKubelet, fake_pod
-from gpu_energy_exporter.metrics import CATALOGUE
-from gpu_energy_exporter.sampler import GPUState
 
 REPO = Path(__file__).resolve().parent.parent
 Sample = tuple[str, tuple[tuple[str, str], ...]]
@@ -220,11 +220,11 @@ DRIVER = r"""
 import json, logging, sys
 from gpu_energy_exporter.collectors.gpu import GPUCollector
 from gpu_energy_exporter.collectors.kubernetes import KubernetesCollector
-from gpu_energy_exporter.config import load_config
+from gpu_energy_exporter.core.config import load_config
 from gpu_energy_exporter.devices.nvml import NVMLBackend
 from gpu_energy_exporter.kubernetes.assignments import PodRef
 from gpu_energy_exporter.kubernetes.podresources import PodResourcesWatcher
-from gpu_energy_exporter.sampler import Sampler
+from gpu_energy_exporter.engine.sampler import Sampler
 
 logging.basicConfig(level=logging.INFO, stream=sys.stderr)
 owners = {int(pid): PodRef(*ref) for pid, ref in json.loads(sys.argv[1]).items()}

@@ -23,10 +23,13 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector as PromCollector
 
-from gpu_energy_exporter import ledger as ledger_mod
-from gpu_energy_exporter.api import api_routes
+from gpu_energy_exporter.core.metrics import CATALOGUE
+from gpu_energy_exporter.daemon.api import api_routes
+from gpu_energy_exporter.daemon.endpoints import HTTPServer
 from gpu_energy_exporter.devices.base import ENERGY_METHOD_COUNTER, GPUIdentity, GPUReading, MIGDevice
-from gpu_energy_exporter.ledger import (
+from gpu_energy_exporter.engine.sampler import GPUState, Sampler, Snapshot
+from gpu_energy_exporter.ledger import ledger as ledger_mod
+from gpu_energy_exporter.ledger.ledger import (
     COLUMN_NAMES,
     HEADER_LINE,
     RunLedger,
@@ -36,11 +39,8 @@ from gpu_energy_exporter.ledger import (
     columns_markdown,
     summary_filename,
 )
-from gpu_energy_exporter.metrics import CATALOGUE
 from gpu_energy_exporter.otlp.store import AcceptedPoint, TrainingStore
 from gpu_energy_exporter.otlp.translate import Batch, Point
-from gpu_energy_exporter.sampler import GPUState, Sampler, Snapshot
-from gpu_energy_exporter.web import HTTPServer
 
 T0 = 1_700_000_000.0
 UUID_A = "GPU-aaaaaaaa-0000-4000-8000-000000000001"

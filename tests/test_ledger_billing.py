@@ -31,8 +31,8 @@ from test_ledger import (
     trainer,
 )
 
-from gpu_energy_exporter.gpu_specs import lookup_peak_flops
-from gpu_energy_exporter.ledger import RunLedger
+from gpu_energy_exporter.ledger.ledger import RunLedger
+from gpu_energy_exporter.reference.gpu_specs import lookup_peak_flops
 
 UUID_REMOTE = "GPU-cccccccc-0000-4000-8000-000000000003"
 MIGS = tuple(f"MIG-{i:08x}-1111-2222-3333-444444444444" for i in range(7))

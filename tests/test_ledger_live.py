@@ -12,7 +12,7 @@ import pytest
 from prometheus_client.core import Metric
 from test_ledger import T0, UUID_A, UUID_B, Clock, Harness, bursty, constant, point, summary_of
 
-from gpu_energy_exporter.ledger import RunLedger, _Acc, _Run
+from gpu_energy_exporter.ledger.ledger import RunLedger, _Acc, _Run
 
 
 class CountingLedger(RunLedger):

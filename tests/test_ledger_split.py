@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from gpu_energy_exporter.ledger_split import Holding, charge, shares, unattributed
+from gpu_energy_exporter.ledger.split import Holding, charge, shares, unattributed
 
 
 def test_one_run_alone_is_charged_the_whole_gpu() -> None:

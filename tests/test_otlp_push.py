@@ -25,10 +25,10 @@ from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import (
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily
 from tlsutil import self_signed
 
-import gpu_energy_exporter.exporter  # noqa: F401 - registers every collector's specs in the catalogue
-from gpu_energy_exporter.config import load_config
-from gpu_energy_exporter.errors import ConfigError
-from gpu_energy_exporter.metrics import CATALOGUE
+import gpu_energy_exporter.daemon.exporter  # noqa: F401 - registers every collector's specs in the catalogue
+from gpu_energy_exporter.core.config import load_config
+from gpu_energy_exporter.core.errors import ConfigError
+from gpu_energy_exporter.core.metrics import CATALOGUE
 from gpu_energy_exporter.otlp.push import (
     CONVENTIONS,
     OTLPPusher,

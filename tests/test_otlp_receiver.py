@@ -35,7 +35,7 @@ from opentelemetry.sdk.resources import Resource
 from opentelemetry.util.types import AttributeValue
 from prometheus_client import CollectorRegistry, generate_latest
 
-from gpu_energy_exporter.errors import ConfigError
+from gpu_energy_exporter.core.errors import ConfigError
 from gpu_energy_exporter.otlp import AcceptedPoint, OTLPReceiver, TrainingStore, load_bearer_token
 
 DELTA = pb.AGGREGATION_TEMPORALITY_DELTA

@@ -30,10 +30,10 @@ def test_wheel_carries_the_data_files_and_the_base_dependencies(fresh_install: F
     with zipfile.ZipFile(fresh_install.wheel) as whl:
         names = set(whl.namelist())
         meta = whl.read(f"gpu_energy_exporter-{__version__}.dist-info/METADATA").decode()
-    for needed in ("gpu_energy_exporter/py.typed", "gpu_energy_exporter/data/SOURCES.md",
-                   "gpu_energy_exporter/devices/simulated.py", "gpu_energy_exporter/client.py"):
+    for needed in ("gpu_energy_exporter/py.typed", "gpu_energy_exporter/reference/data/SOURCES.md",
+                   "gpu_energy_exporter/devices/simulated.py", "gpu_energy_exporter/client/api.py"):
         assert needed in names
-    assert any(n.startswith("gpu_energy_exporter/data/") and n.endswith(".csv") for n in names)
+    assert any(n.startswith("gpu_energy_exporter/reference/data/") and n.endswith(".csv") for n in names)
     assert not any(n.startswith("tests/") for n in names)
     requires = [line.split(":", 1)[1].strip() for line in meta.splitlines() if line.startswith("Requires-Dist:")]
     base = [r for r in requires if "extra ==" not in r]

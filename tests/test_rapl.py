@@ -15,7 +15,7 @@ from prometheus_client.core import Metric
 
 from gpu_energy_exporter.collectors.base import NoData
 from gpu_energy_exporter.collectors.rapl import RaplCollector, read_sysfs
-from gpu_energy_exporter.sampler import COLLECTOR_SUCCESS, Sampler
+from gpu_energy_exporter.engine.sampler import COLLECTOR_SUCCESS, Sampler
 
 FIXTURES = Path(__file__).parent / "fixtures"
 SERVER = FIXTURES / "sysfs-rapl-server"

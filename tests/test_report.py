@@ -20,13 +20,13 @@ from conftest import ROOT, free_port, wait_until
 from PIL import Image, ImageStat
 from prom import Prometheus
 
-from gpu_energy_exporter import ledger as ledger_module
-from gpu_energy_exporter import report
-from gpu_energy_exporter.config import load_config
-from gpu_energy_exporter.demo import SimulatedTrainer
+from gpu_energy_exporter.client import report
+from gpu_energy_exporter.client.top import fmt_num
+from gpu_energy_exporter.core.config import load_config
+from gpu_energy_exporter.daemon.demo import SimulatedTrainer
+from gpu_energy_exporter.daemon.exporter import Exporter
 from gpu_energy_exporter.devices.simulated import SimulatedBackend
-from gpu_energy_exporter.exporter import Exporter
-from gpu_energy_exporter.top import fmt_num
+from gpu_energy_exporter.ledger import ledger as ledger_module
 
 EXPECTED_SIZE = (int(report.PLOT_SIZE_IN[0] * report.PLOT_DPI), int(report.PLOT_SIZE_IN[1] * report.PLOT_DPI))
 #: Figures the report prints that must be the ledger's own numbers.
@@ -195,7 +195,7 @@ def test_errors_say_what_to_do(runs: Runs, tmp_path: Path) -> None:
 
 def test_missing_matplotlib_says_how_to_install_it(tmp_path: Path) -> None:
     code = ("import sys; sys.modules['matplotlib'] = None\n"
-            "from gpu_energy_exporter.cli import main\n"
+            "from gpu_energy_exporter.daemon.cli import main\n"
             f"sys.exit(main(['report', 'r', '--out', {str(tmp_path / 'o')!r}]))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=ROOT,
                          env={**os.environ, "PYTHONPATH": str(ROOT)})

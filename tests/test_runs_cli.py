@@ -16,13 +16,13 @@ import bcrypt
 import pytest
 from conftest import free_port
 
-from gpu_energy_exporter import cli
-from gpu_energy_exporter.api import api_routes
-from gpu_energy_exporter.client import URL_ENV
-from gpu_energy_exporter.ledger import COLUMN_NAMES, RunLedger, append_csv_row
-from gpu_energy_exporter.runs_cli import CSV_ENV, main
-from gpu_energy_exporter.web import HTTPServer
-from gpu_energy_exporter.webconfig import load_web_config
+from gpu_energy_exporter.client.api import URL_ENV
+from gpu_energy_exporter.client.runs import CSV_ENV, main
+from gpu_energy_exporter.daemon import cli
+from gpu_energy_exporter.daemon.api import api_routes
+from gpu_energy_exporter.daemon.endpoints import HTTPServer
+from gpu_energy_exporter.http.webconfig import load_web_config
+from gpu_energy_exporter.ledger.ledger import COLUMN_NAMES, RunLedger, append_csv_row
 
 GIB = float(1 << 30)
 

@@ -7,7 +7,7 @@ import logging
 from prometheus_client.core import GaugeMetricFamily, Metric
 
 from gpu_energy_exporter.collectors.base import Collector, NoData
-from gpu_energy_exporter.sampler import Sampler
+from gpu_energy_exporter.engine.sampler import Sampler
 
 
 class _Fixed(Collector):

@@ -23,10 +23,10 @@ from cryptography import x509
 from fakenvml import Constant, Scenario, h100
 from test_web import issue
 
-from gpu_energy_exporter import top
-from gpu_energy_exporter.config import load_config
+from gpu_energy_exporter.client import top
+from gpu_energy_exporter.core.config import load_config
+from gpu_energy_exporter.daemon.exporter import Exporter
 from gpu_energy_exporter.devices.simulated import SimulatedBackend
-from gpu_energy_exporter.exporter import Exporter
 from gpu_energy_exporter.training import TrainingRun, start_run
 
 FAST = ["--collector.interval=200ms", "--runs.warmup=0s"]
@@ -307,7 +307,8 @@ def test_formatting() -> None:
 
 def test_runs_without_a_terminal_do_not_need_curses_or_a_tty() -> None:
     # `top` is imported by `report` for its HTTP client: importing it must not import curses.
-    code = "import sys, gpu_energy_exporter.top, gpu_energy_exporter.report; print('curses' in sys.modules)"
+    code = ("import sys, gpu_energy_exporter.client.top, gpu_energy_exporter.client.report; "
+            "print('curses' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=ROOT,
                          env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert out.stdout.strip() == "False", out.stderr

@@ -29,8 +29,8 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from gpu_energy_exporter import __version__
-from gpu_energy_exporter.errors import ConfigError
-from gpu_energy_exporter.web import (
+from gpu_energy_exporter.core.errors import ConfigError
+from gpu_energy_exporter.daemon.endpoints import (
     HTTPError,
     HTTPServer,
     Request,
@@ -39,7 +39,7 @@ from gpu_energy_exporter.web import (
     exporter_routes,
     new_exporter_server,
 )
-from gpu_energy_exporter.webconfig import WebConfig, load_web_config
+from gpu_energy_exporter.http.webconfig import WebConfig, load_web_config
 
 PROM3_ACCEPT = (
     "application/openmetrics-text;version=1.0.0;escaping=allow-utf-8;q=0.6,"
@@ -341,7 +341,7 @@ def test_handler_exception_is_a_bare_500(caplog: pytest.LogCaptureFixture) -> No
         raise RuntimeError("secret internal detail")
 
     with serving(HTTPServer(("127.0.0.1", 0), {("GET", "/boom"): boom})) as s, \
-            caplog.at_level(logging.ERROR, logger="gpu_energy_exporter.web"):
+            caplog.at_level(logging.ERROR, logger="gpu_energy_exporter.daemon.endpoints"):
         r = fetch(s, "/boom")
         assert fetch(s, "/boom").status == 500  # the server keeps serving
     assert r.status == 500

@@ -14,8 +14,8 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
-from gpu_energy_exporter.errors import ConfigError
-from gpu_energy_exporter.webconfig import (
+from gpu_energy_exporter.core.errors import ConfigError
+from gpu_energy_exporter.http.webconfig import (
     TLSServerConfig,
     WebConfig,
     load_web_config,

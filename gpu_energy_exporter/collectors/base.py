@@ -21,7 +21,7 @@ from collections.abc import Iterable
 
 from prometheus_client.core import Metric
 
-from gpu_energy_exporter.metrics import CATALOGUE, MetricSpec
+from gpu_energy_exporter.core.metrics import CATALOGUE, MetricSpec
 
 
 class NoData(Exception):

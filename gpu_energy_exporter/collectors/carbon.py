@@ -22,18 +22,18 @@ from collections.abc import Callable, Sequence
 
 from prometheus_client.core import Metric
 
-from gpu_energy_exporter import metrics
-from gpu_energy_exporter.carbon import (
+from gpu_energy_exporter.collectors.base import Collector
+from gpu_energy_exporter.core import metrics
+from gpu_energy_exporter.core.config import Config
+from gpu_energy_exporter.devices.base import GPUIdentity
+from gpu_energy_exporter.reference.carbon import (
     SOURCE_FILE,
     IntensityResolution,
     parse_intensity_text,
     reference_for,
     resolve_intensity,
 )
-from gpu_energy_exporter.collectors.base import Collector
-from gpu_energy_exporter.config import Config
-from gpu_energy_exporter.devices.base import GPUIdentity
-from gpu_energy_exporter.gpu_specs import PRECISIONS, PeakFlops, lookup_peak_flops
+from gpu_energy_exporter.reference.gpu_specs import PRECISIONS, PeakFlops, lookup_peak_flops
 
 log = logging.getLogger(__name__)
 

@@ -32,6 +32,9 @@ from prometheus_client.core import Metric
 
 from gpu_energy_exporter import __version__
 from gpu_energy_exporter.collectors.base import Collector, NoData
+from gpu_energy_exporter.core.energy import REJECT_REASONS, EnergyCounter, TrapezoidIntegrator, Verdict
+from gpu_energy_exporter.core.errors import GPULost, NVMLUnavailable
+from gpu_energy_exporter.core.metrics import GPU_LABELS, Kind, MetricSpec, add, define
 from gpu_energy_exporter.devices.base import (
     ENERGY_METHOD_COUNTER,
     ENERGY_METHOD_NONE,
@@ -39,10 +42,7 @@ from gpu_energy_exporter.devices.base import (
     GPUIdentity,
     GPUReading,
 )
-from gpu_energy_exporter.energy import REJECT_REASONS, EnergyCounter, TrapezoidIntegrator, Verdict
-from gpu_energy_exporter.errors import GPULost, NVMLUnavailable
-from gpu_energy_exporter.metrics import GPU_LABELS, Kind, MetricSpec, add, define
-from gpu_energy_exporter.sampler import GPUState
+from gpu_energy_exporter.engine.sampler import GPUState
 
 log = logging.getLogger(__name__)
 

@@ -18,8 +18,8 @@ from typing import Any
 import psutil
 from prometheus_client.core import Metric
 
-from gpu_energy_exporter import metrics
 from gpu_energy_exporter.collectors.base import Collector
+from gpu_energy_exporter.core import metrics
 
 log = logging.getLogger(__name__)
 

@@ -24,8 +24,10 @@ from typing import Protocol
 from prometheus_client.core import Metric
 
 from gpu_energy_exporter.collectors.base import Collector, NoData
-from gpu_energy_exporter.config import Config
-from gpu_energy_exporter.errors import ExporterError
+from gpu_energy_exporter.core.config import Config
+from gpu_energy_exporter.core.errors import ExporterError
+from gpu_energy_exporter.core.metrics import GPU_LABELS, add, define
+from gpu_energy_exporter.engine.sampler import GPUState
 from gpu_energy_exporter.kubernetes.assignments import (
     STATE_OK,
     STATE_RPC_ERROR,
@@ -33,8 +35,6 @@ from gpu_energy_exporter.kubernetes.assignments import (
     PodRef,
 )
 from gpu_energy_exporter.kubernetes.attribution import PodEnergyAttributor, Slot, resolve
-from gpu_energy_exporter.metrics import GPU_LABELS, add, define
-from gpu_energy_exporter.sampler import GPUState
 
 log = logging.getLogger(__name__)
 

@@ -43,8 +43,8 @@ from dataclasses import dataclass
 
 from prometheus_client.core import Metric
 
-from gpu_energy_exporter import metrics
 from gpu_energy_exporter.collectors.base import Collector, NoData
+from gpu_energy_exporter.core import metrics
 
 log = logging.getLogger(__name__)
 

@@ -26,6 +26,7 @@ from typing import Any, TypeVar
 
 import pynvml
 
+from gpu_energy_exporter.core.errors import GPULost, NotSupported, NVMLUnavailable
 from gpu_energy_exporter.devices.base import (
     ENERGY_METHOD_COUNTER,
     ENERGY_METHOD_INTEGRATED_INSTANT,
@@ -37,7 +38,6 @@ from gpu_energy_exporter.devices.base import (
     GPUReading,
     MIGDevice,
 )
-from gpu_energy_exporter.errors import GPULost, NotSupported, NVMLUnavailable
 
 log = logging.getLogger(__name__)
 

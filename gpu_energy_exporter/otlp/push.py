@@ -37,8 +37,8 @@ from prometheus_client.core import Metric
 from urllib3.exceptions import InsecureRequestWarning
 
 from gpu_energy_exporter import __version__
-from gpu_energy_exporter.errors import ConfigError
-from gpu_energy_exporter.metrics import CATALOGUE, NAMESPACE, MetricSpec, add, define
+from gpu_energy_exporter.core.errors import ConfigError
+from gpu_energy_exporter.core.metrics import CATALOGUE, NAMESPACE, MetricSpec, add, define
 
 log = logging.getLogger(__name__)
 

@@ -75,7 +75,7 @@ from types import MappingProxyType
 from prometheus_client.core import Metric
 from prometheus_client.samples import Sample
 
-from gpu_energy_exporter import encoder, metrics
+from gpu_energy_exporter.core import encoder, metrics
 from gpu_energy_exporter.otlp.translate import DEFAULT_LIMITS, Batch, Kind, Labels, Limits, Point, series_bytes
 
 log = logging.getLogger(__name__)

@@ -59,8 +59,8 @@ from typing import Any
 import bcrypt
 import yaml
 
-from gpu_energy_exporter.config import parse_duration
-from gpu_energy_exporter.errors import ConfigError
+from gpu_energy_exporter.core.config import parse_duration
+from gpu_energy_exporter.core.errors import ConfigError
 
 log = logging.getLogger(__name__)
 

@@ -2,7 +2,7 @@
 
 Interface for other modules (the OTLP receiver runs its own instance on its own port)::
 
-    from gpu_energy_exporter.web import HTTPError, HTTPServer, Request, Response
+    from gpu_energy_exporter.daemon.endpoints import HTTPError, HTTPServer, Request, Response
 
     def receive(req: Request) -> Response:
         body = req.read_body(max_bytes=8 << 20)   # already received in full; gzip decoded; limits
@@ -54,9 +54,9 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import choose_encoder
 
 from gpu_energy_exporter import __version__
-from gpu_energy_exporter.errors import ConfigError
-from gpu_energy_exporter.exposition import select_samples
-from gpu_energy_exporter.httpserver import (
+from gpu_energy_exporter.core.errors import ConfigError
+from gpu_energy_exporter.engine.exposition import select_samples
+from gpu_energy_exporter.http.server import (
     PROJECT_NAME,
     Handler,
     Headers,
@@ -68,7 +68,7 @@ from gpu_energy_exporter.httpserver import (
     decode_body,
     listen_text,
 )
-from gpu_energy_exporter.webconfig import WebConfig
+from gpu_energy_exporter.http.webconfig import WebConfig
 
 log = logging.getLogger(__name__)
 

@@ -16,18 +16,18 @@ import threading
 from collections.abc import Sequence
 
 from gpu_energy_exporter import __version__
-from gpu_energy_exporter.config import config_from_namespace
-from gpu_energy_exporter.config import new_parser as config_parser
-from gpu_energy_exporter.errors import ExporterError
+from gpu_energy_exporter.core.config import config_from_namespace
+from gpu_energy_exporter.core.config import new_parser as config_parser
+from gpu_energy_exporter.core.errors import ExporterError
 
 log = logging.getLogger(__name__)
 
 #: sub-command -> (module with ``main(argv) -> int``, one-line description)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
-    "runs": ("gpu_energy_exporter.runs_cli", "list and compare finished training runs from the run ledger"),
-    "top": ("gpu_energy_exporter.top", "live terminal view of a running exporter"),
-    "report": ("gpu_energy_exporter.report", "per-run report (Markdown + HTML) with PNG plots"),
-    "demo": ("gpu_energy_exporter.demo", "start the exporter with simulated GPUs and a simulated training run"),
+    "runs": ("gpu_energy_exporter.client.runs", "list and compare finished training runs from the run ledger"),
+    "top": ("gpu_energy_exporter.client.top", "live terminal view of a running exporter"),
+    "report": ("gpu_energy_exporter.client.report", "per-run report (Markdown + HTML) with PNG plots"),
+    "demo": ("gpu_energy_exporter.daemon.demo", "start the exporter with simulated GPUs and a simulated training run"),
 }
 
 _EPILOG = "sub-commands (each has its own --help):\n" + "\n".join(
@@ -57,8 +57,8 @@ def new_parser() -> argparse.ArgumentParser:
 
 def serve(argv: Sequence[str], *, backend_factory: object = None) -> int:
     """Parse flags, start the exporter, run until SIGTERM/SIGINT."""
-    from gpu_energy_exporter.exporter import Exporter
-    from gpu_energy_exporter.logsetup import setup_logging
+    from gpu_energy_exporter.daemon.exporter import Exporter
+    from gpu_energy_exporter.daemon.logsetup import setup_logging
 
     try:
         ns = new_parser().parse_args(list(argv))

@@ -15,24 +15,24 @@ from typing import Any
 from prometheus_client import ProcessCollector
 from prometheus_client.core import Metric
 
-from gpu_energy_exporter.api import api_routes, status_document
-from gpu_energy_exporter.carbon import resolve_intensity
 from gpu_energy_exporter.collectors.base import Collector
 from gpu_energy_exporter.collectors.carbon import CarbonCollector
 from gpu_energy_exporter.collectors.gpu import GPUCollector
 from gpu_energy_exporter.collectors.host import HostCollector
 from gpu_energy_exporter.collectors.rapl import RaplCollector
-from gpu_energy_exporter.config import Config
+from gpu_energy_exporter.core.config import Config
+from gpu_energy_exporter.core.errors import ConfigError, ExporterError
+from gpu_energy_exporter.daemon.api import api_routes, status_document
+from gpu_energy_exporter.daemon.endpoints import HTTPServer, exporter_routes
 from gpu_energy_exporter.devices.base import GPUBackend, GPUIdentity
-from gpu_energy_exporter.errors import ConfigError, ExporterError
-from gpu_energy_exporter.exposition import CachedExposition, CachedSource, SnapshotCollector, new_registry
-from gpu_energy_exporter.ledger import RunLedger
+from gpu_energy_exporter.engine.exposition import CachedExposition, CachedSource, SnapshotCollector, new_registry
+from gpu_energy_exporter.engine.sampler import Sampler
+from gpu_energy_exporter.http.webconfig import load_web_config
+from gpu_energy_exporter.ledger.ledger import RunLedger
 from gpu_energy_exporter.otlp.push import OTLPPusher, PushSettings, load_headers_file
 from gpu_energy_exporter.otlp.receiver import OTLPReceiver, load_bearer_token
 from gpu_energy_exporter.otlp.store import TrainingStore
-from gpu_energy_exporter.sampler import Sampler
-from gpu_energy_exporter.web import HTTPServer, exporter_routes
-from gpu_energy_exporter.webconfig import load_web_config
+from gpu_energy_exporter.reference.carbon import resolve_intensity
 
 log = logging.getLogger(__name__)
 

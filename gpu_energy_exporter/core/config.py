@@ -18,7 +18,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from gpu_energy_exporter.errors import ConfigError
+from gpu_energy_exporter.core.errors import ConfigError
 
 ENV_PREFIX = "GPU_ENERGY_EXPORTER_"
 

@@ -51,9 +51,9 @@ from http import HTTPStatus
 from typing import Any
 
 from gpu_energy_exporter import __version__
-from gpu_energy_exporter.errors import ConfigError
-from gpu_energy_exporter.metrics import add, define
-from gpu_energy_exporter.webconfig import AuthBusy, WebConfig
+from gpu_energy_exporter.core.errors import ConfigError
+from gpu_energy_exporter.core.metrics import add, define
+from gpu_energy_exporter.http.webconfig import AuthBusy, WebConfig
 
 log = logging.getLogger(__name__)
 

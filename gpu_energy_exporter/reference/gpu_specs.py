@@ -90,7 +90,7 @@ def parse_peak_table(text: str) -> tuple[PeakFlops, ...]:
 @functools.cache
 def peak_table() -> tuple[PeakFlops, ...]:
     """The bundled table, parsed once."""
-    text = (resources.files("gpu_energy_exporter") / "data" / PEAK_FLOPS_FILE).read_text(encoding="utf-8")
+    text = (resources.files("gpu_energy_exporter.reference") / "data" / PEAK_FLOPS_FILE).read_text(encoding="utf-8")
     return parse_peak_table(text)
 
 

@@ -17,8 +17,8 @@ from dataclasses import dataclass
 from prometheus_client.core import Metric
 
 from gpu_energy_exporter.collectors.base import Collector, NoData
+from gpu_energy_exporter.core.metrics import add, define
 from gpu_energy_exporter.devices.base import GPUIdentity, GPUReading
-from gpu_energy_exporter.metrics import add, define
 
 log = logging.getLogger(__name__)
 

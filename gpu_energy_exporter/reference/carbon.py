@@ -25,10 +25,10 @@ from dataclasses import dataclass
 from importlib import resources
 from typing import TYPE_CHECKING, NamedTuple
 
-from gpu_energy_exporter.errors import ConfigError
+from gpu_energy_exporter.core.errors import ConfigError
 
 if TYPE_CHECKING:
-    from gpu_energy_exporter.config import Config
+    from gpu_energy_exporter.core.config import Config
 
 #: World average carbon intensity of electricity generation used when nothing else is configured:
 #: Ember, "Global Electricity Review 2024", world 2023 figure (480 gCO2/kWh, lifecycle, CO2-equivalent).
@@ -79,7 +79,7 @@ class IntensityResolution(NamedTuple):
 
 def _read_data(filename: str) -> str:
     # utf-8-sig: the cloud table was published with a byte-order mark; tolerate it if it comes back.
-    return (resources.files("gpu_energy_exporter") / "data" / filename).read_text(encoding="utf-8-sig")
+    return (resources.files("gpu_energy_exporter.reference") / "data" / filename).read_text(encoding="utf-8-sig")
 
 
 def _parse_figure(raw: str, where: str) -> float:

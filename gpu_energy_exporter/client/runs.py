@@ -24,7 +24,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import IO, Any
 
-from gpu_energy_exporter.client import (
+from gpu_energy_exporter.client.api import (
     DEFAULT_URL,
     NOT_RUNNING,
     URL_ENV,
@@ -33,10 +33,10 @@ from gpu_energy_exporter.client import (
     add_client_flags,
     client_from_args,
 )
-from gpu_energy_exporter.config import FLAGS
-from gpu_energy_exporter.errors import ExporterError
-from gpu_energy_exporter.ledger import COLUMN_NAMES, NUMERIC_COLUMNS
-from gpu_energy_exporter.textfmt import fmt_num
+from gpu_energy_exporter.core.config import FLAGS
+from gpu_energy_exporter.core.errors import ExporterError
+from gpu_energy_exporter.core.textfmt import fmt_num
+from gpu_energy_exporter.ledger.ledger import COLUMN_NAMES, NUMERIC_COLUMNS
 
 #: The exporter's --runs.csv environment variable: the same file for the exporter and this command.
 CSV_ENV = next(f.env for f in FLAGS if f.name == "runs.csv")

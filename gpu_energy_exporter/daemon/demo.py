@@ -29,15 +29,15 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import IO, Any
 
-from gpu_energy_exporter.config import (
+from gpu_energy_exporter.core.config import (
     FLAGS,
     Config,
     add_exporter_flags,
     config_from_namespace,
     parse_duration,
 )
-from gpu_energy_exporter.errors import ConfigError, ExporterError
-from gpu_energy_exporter.httpserver import client_url
+from gpu_energy_exporter.core.errors import ConfigError, ExporterError
+from gpu_energy_exporter.http.server import client_url
 
 log = logging.getLogger(__name__)
 
@@ -315,9 +315,9 @@ def main(argv: list[str], *, stdout: IO[str] | None = None, environ: Mapping[str
          stop: threading.Event | None = None) -> int:
     """Run the demo until SIGTERM/SIGINT (or ``stop`` is set). ``ready`` is called with the started
     exporter (for embedding)."""
+    from gpu_energy_exporter.daemon.exporter import Exporter  # noqa: PLC0415
+    from gpu_energy_exporter.daemon.logsetup import setup_logging  # noqa: PLC0415
     from gpu_energy_exporter.devices.simulated import SimulatedBackend  # noqa: PLC0415
-    from gpu_energy_exporter.exporter import Exporter  # noqa: PLC0415
-    from gpu_energy_exporter.logsetup import setup_logging  # noqa: PLC0415
     from gpu_energy_exporter.otlp.receiver import load_bearer_token  # noqa: PLC0415
 
     out = stdout if stdout is not None else sys.stdout

@@ -54,11 +54,12 @@ from typing import IO, Any, Protocol
 
 from prometheus_client.core import Metric
 
-from gpu_energy_exporter import ledger_split, metrics
-from gpu_energy_exporter.gpu_specs import lookup_peak_flops
-from gpu_energy_exporter.ledger_split import Holding
-from gpu_energy_exporter.sampler import GPUState, Snapshot
-from gpu_energy_exporter.textfmt import json_safe
+from gpu_energy_exporter.core import metrics
+from gpu_energy_exporter.core.textfmt import json_safe
+from gpu_energy_exporter.engine.sampler import GPUState, Snapshot
+from gpu_energy_exporter.ledger import split as ledger_split
+from gpu_energy_exporter.ledger.split import Holding
+from gpu_energy_exporter.reference.gpu_specs import lookup_peak_flops
 
 log = logging.getLogger(__name__)
 

@@ -27,8 +27,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from gpu_energy_exporter.config import DEFAULT_METRICS_PORT
-from gpu_energy_exporter.errors import ExporterError
+from gpu_energy_exporter.core.config import DEFAULT_METRICS_PORT
+from gpu_energy_exporter.core.errors import ExporterError
 
 DEFAULT_URL = f"http://localhost:{DEFAULT_METRICS_PORT}"
 #: Where ``--url`` comes from when not given (``top``, ``runs`` and ``report`` alike).

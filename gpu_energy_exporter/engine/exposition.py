@@ -24,10 +24,10 @@ from prometheus_client.core import Metric
 from prometheus_client.registry import Collector as PromCollector
 from prometheus_client.registry import CollectorRegistry
 
-from gpu_energy_exporter import encoder
 from gpu_energy_exporter.collectors.gpu import GPU_SAMPLE_AGE, build_info_family
-from gpu_energy_exporter.metrics import add
-from gpu_energy_exporter.sampler import Sampler
+from gpu_energy_exporter.core import encoder
+from gpu_energy_exporter.core.metrics import add
+from gpu_energy_exporter.engine.sampler import Sampler
 
 log = logging.getLogger(__name__)
 

@@ -27,7 +27,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import IO, Any
 
-from gpu_energy_exporter.client import (
+from gpu_energy_exporter.client.api import (
     DEFAULT_URL,
     URL_ENV,
     ExporterClient,
@@ -35,8 +35,8 @@ from gpu_energy_exporter.client import (
     add_client_flags,
     client_from_args,
 )
-from gpu_energy_exporter.config import parse_duration
-from gpu_energy_exporter.textfmt import fmt_num
+from gpu_energy_exporter.core.config import parse_duration
+from gpu_energy_exporter.core.textfmt import fmt_num
 
 GIB = float(1 << 30)
 

@@ -1,7 +1,7 @@
 """Generate the reference docs from the code: ``docs/metrics.md`` (the metric catalogue) and
 ``docs/configuration.md`` (flags, environment variables, collectors, carbon regions).
 
-``python -m gpu_energy_exporter.docgen`` writes them; ``--check`` exits 1 if a committed file differs
+``python -m gpu_energy_exporter.daemon.docgen`` writes them; ``--check`` exits 1 if a committed file differs
 (the test suite runs the check, so the docs cannot drift from the code).
 """
 
@@ -12,21 +12,21 @@ import importlib
 import sys
 from pathlib import Path
 
-from gpu_energy_exporter.config import COLLECTORS, FLAGS
-from gpu_energy_exporter.metrics import CATALOGUE
+from gpu_energy_exporter.core.config import COLLECTORS, FLAGS
+from gpu_energy_exporter.core.metrics import CATALOGUE
 
 #: Every module that declares metrics; importing them fills the catalogue.
 METRIC_MODULES = (
-    "gpu_energy_exporter.sampler",
+    "gpu_energy_exporter.engine.sampler",
     "gpu_energy_exporter.collectors.gpu",
     "gpu_energy_exporter.collectors.host",
     "gpu_energy_exporter.collectors.rapl",
     "gpu_energy_exporter.collectors.carbon",
     "gpu_energy_exporter.collectors.kubernetes",
     "gpu_energy_exporter.otlp.store",
-    "gpu_energy_exporter.ledger",
+    "gpu_energy_exporter.ledger.ledger",
     "gpu_energy_exporter.otlp.push",
-    "gpu_energy_exporter.httpserver",
+    "gpu_energy_exporter.http.server",
 )
 
 _COLLECTOR_TITLES = {
@@ -59,7 +59,7 @@ def metrics_markdown() -> str:
     out = [
         "# Metric catalogue",
         "",
-        "Generated from the code by `python -m gpu_energy_exporter.docgen`; do not edit by hand.",
+        "Generated from the code by `python -m gpu_energy_exporter.daemon.docgen`; do not edit by hand.",
         "",
         "Every per-GPU series carries `gpu` (the NVML index, which is not the `CUDA_VISIBLE_DEVICES` index) and",
         "`gpu_uuid` (stable, globally unique: the join key). Prometheus adds `instance` and `job` at scrape time.",
@@ -155,8 +155,8 @@ def push_mapping_markdown() -> list[str]:
 
 
 def _http_limits() -> list[str]:
-    from gpu_energy_exporter import httpserver as h
-    from gpu_energy_exporter import webconfig as w
+    from gpu_energy_exporter.http import server as h
+    from gpu_energy_exporter.http import webconfig as w
     from gpu_energy_exporter.otlp.receiver import INLINE_MAX_BODY
 
     inline_kib = INLINE_MAX_BODY // 1024
@@ -164,7 +164,7 @@ def _http_limits() -> list[str]:
     return [
         "## HTTP servers: limits and why",
         "",
-        "Both ports (metrics and OTLP) run the same small server (`gpu_energy_exporter/httpserver.py`). One",
+        "Both ports (metrics and OTLP) run the same small server (`gpu_energy_exporter/http/server.py`). One",
         "selector thread per port accepts connections, performs TLS handshakes, reads requests and writes",
         f"responses without blocking; a fixed pool of {h.DEFAULT_WORKERS} worker threads per port runs the",
         "handlers, and only a complete request reaches it. So a client that trickles its request, sends",
@@ -207,12 +207,12 @@ def _http_limits() -> list[str]:
 
 
 def configuration_markdown() -> str:
-    from gpu_energy_exporter import carbon
+    from gpu_energy_exporter.reference import carbon
 
     out = [
         "# Configuration reference",
         "",
-        "Generated from the code by `python -m gpu_energy_exporter.docgen`; do not edit by hand.",
+        "Generated from the code by `python -m gpu_energy_exporter.daemon.docgen`; do not edit by hand.",
         "",
         "Every flag can also be set through the environment variable shown (a flag on the command line wins).",
         "Durations take Prometheus's form (`100ms`, `1s`, `5m`, `1h30m`); a bare number such as `5` is refused",
@@ -281,7 +281,7 @@ def configuration_markdown() -> str:
         "",
         f"Without a region, flag or file the exporter uses the world average, {carbon.WORLD_DEFAULT_G_PER_KWH:g} "
         f"gCO2e/kWh ({carbon.WORLD_DEFAULT_YEAR}), labelled `source=\"default\"`. Sources and licences of the "
-        "tables: `gpu_energy_exporter/data/SOURCES.md`.",
+        "tables: `gpu_energy_exporter/reference/data/SOURCES.md`.",
         "",
         "| code | region | gCO2e/kWh | year |",
         "|---|---|---|---|",
@@ -298,8 +298,8 @@ DOCS = {"metrics.md": metrics_markdown, "configuration.md": configuration_markdo
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m gpu_energy_exporter.docgen", description=__doc__)
-    parser.add_argument("--docs", default=str(Path(__file__).resolve().parent.parent / "docs"))
+    parser = argparse.ArgumentParser(prog="python -m gpu_energy_exporter.daemon.docgen", description=__doc__)
+    parser.add_argument("--docs", default=str(Path(__file__).resolve().parents[2] / "docs"))
     parser.add_argument("--check", action="store_true", help="exit 1 if a committed file is out of date")
     args = parser.parse_args(argv)
     stale = []
@@ -314,7 +314,8 @@ def main(argv: list[str] | None = None) -> int:
             path.write_text(text)
             print(f"wrote {path}")
     if stale:
-        print("out of date: " + ", ".join(stale) + " (run: python -m gpu_energy_exporter.docgen)", file=sys.stderr)
+        hint = " (run: python -m gpu_energy_exporter.daemon.docgen)"
+        print("out of date: " + ", ".join(stale) + hint, file=sys.stderr)
         return 1
     return 0
 

@@ -37,11 +37,11 @@ from dataclasses import dataclass, field
 from typing import IO, Any
 
 from gpu_energy_exporter import __version__
-from gpu_energy_exporter.client import ExporterClient, ExporterUnreachable, add_client_flags, client_from_args
-from gpu_energy_exporter.config import parse_duration
-from gpu_energy_exporter.errors import ExporterError
-from gpu_energy_exporter.textfmt import fmt_num, json_safe
-from gpu_energy_exporter.top import fmt_co2, fmt_duration
+from gpu_energy_exporter.client.api import ExporterClient, ExporterUnreachable, add_client_flags, client_from_args
+from gpu_energy_exporter.client.top import fmt_co2, fmt_duration
+from gpu_energy_exporter.core.config import parse_duration
+from gpu_energy_exporter.core.errors import ExporterError
+from gpu_energy_exporter.core.textfmt import fmt_num, json_safe
 
 
 def fmt_energy(joules: float | None) -> str:
@@ -425,13 +425,13 @@ _LEDGER_SPECS = {
 
 def _ledger_name(spec: str) -> str:
     """The Prometheus name of a ledger series, from the ledger's own catalogue entry."""
-    from gpu_energy_exporter import ledger  # noqa: PLC0415 - only the Prometheus source needs it
+    from gpu_energy_exporter.ledger import ledger  # noqa: PLC0415 - only the Prometheus source needs it
 
     return str(getattr(ledger, spec).name)
 
 
 def _ledger_series() -> dict[str, str]:
-    from gpu_energy_exporter import ledger  # noqa: PLC0415
+    from gpu_energy_exporter.ledger import ledger  # noqa: PLC0415
 
     return {key: str(getattr(ledger, spec).name) for key, spec in _LEDGER_SPECS.items() if hasattr(ledger, spec)}
 

@@ -1,0 +1,1 @@
+"""Workstation commands: clients of the exporter's JSON API and /metrics (top, runs, report)."""

@@ -1,0 +1,2 @@
+"""Core: metric specs and catalogue, energy accounting primitives, errors, configuration parsing and
+text formatting. Imports nothing else of the package."""

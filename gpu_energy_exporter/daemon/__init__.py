@@ -1,0 +1,1 @@
+"""The daemon: composition root, endpoints, JSON API, CLI, demo and docs generator."""

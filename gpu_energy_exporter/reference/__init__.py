@@ -1,0 +1,1 @@
+"""Reference data: carbon intensity and GPU specification tables (``data/``), with their lookups."""
