@@ -54,6 +54,7 @@ dashboards: $(VENV)/.test-installed
 lint: $(VENV)/.test-installed
 	$(VENV)/bin/ruff check gpu_energy_exporter tests bench dashboards deploy
 	$(VENV)/bin/mypy gpu_energy_exporter
+	$(VENV)/bin/lint-imports
 
 # The sdist and wheel in dist/ (pip install dist/gpu_energy_exporter-*.whl), metadata checked by twine.
 dist: | $(VENV)/bin/python

@@ -41,7 +41,7 @@ from grafana_foundation_sdk.models import dashboard as dm
 from grafana_foundation_sdk.models import prometheus as prometheus_models
 from grafana_foundation_sdk.models import xychart as xychart_models
 
-from gpu_energy_exporter.training.instruments import RUN_INFO_ATTRIBUTES
+from gpu_energy_exporter.core.contract import RUN_INFO_ATTRIBUTES
 
 ROOT = Path(__file__).resolve().parent.parent
 DASHBOARD_DIR = ROOT / "dashboards"

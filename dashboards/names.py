@@ -2,7 +2,7 @@
 
 Nothing here is a second, hand-kept catalogue. Exporter names come from ``gpu_energy_exporter.core.metrics.
 CATALOGUE`` after every module of the package that could define one is imported; training names come from
-the training helper's instrument table (``gpu_energy_exporter.training.instruments``) translated by the
+the training helper's instrument table (``gpu_energy_exporter.core.contract``) translated by the
 OTLP receiver's own naming function, exactly as they appear on /metrics. The only hand-written list is
 ``PENDING``: names agreed with another part of the project that the code does not produce yet.
 
@@ -56,8 +56,8 @@ def exporter_metric_names() -> frozenset[str]:
 def training_metric_names() -> frozenset[str]:
     """Names of the training series as the exporter's OTLP receiver exposes them (histograms as their
     ``_bucket``, ``_sum`` and ``_count`` series)."""
+    from gpu_energy_exporter.core.contract import ALL
     from gpu_energy_exporter.otlp.translate import metric_name
-    from gpu_energy_exporter.training.instruments import ALL
 
     names: set[str] = set()
     for instrument in ALL:

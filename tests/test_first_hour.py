@@ -15,9 +15,9 @@ from conftest import ROOT
 from gpu_energy_exporter.core.config import load_config
 from gpu_energy_exporter.core.errors import ConfigError
 from gpu_energy_exporter.daemon import demo
-from gpu_energy_exporter.daemon.endpoints import listen_text
 from gpu_energy_exporter.daemon.exporter import Exporter
 from gpu_energy_exporter.devices.simulated import SimulatedBackend
+from gpu_energy_exporter.http.server import listen_text
 
 
 def _cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:

@@ -25,9 +25,9 @@ from prometheus_client.registry import Collector as PromCollector
 
 from gpu_energy_exporter.core.metrics import CATALOGUE
 from gpu_energy_exporter.daemon.api import api_routes
-from gpu_energy_exporter.daemon.endpoints import HTTPServer
 from gpu_energy_exporter.devices.base import ENERGY_METHOD_COUNTER, GPUIdentity, GPUReading, MIGDevice
 from gpu_energy_exporter.engine.sampler import GPUState, Sampler, Snapshot
+from gpu_energy_exporter.http.server import HTTPServer
 from gpu_energy_exporter.ledger import ledger as ledger_mod
 from gpu_energy_exporter.ledger.ledger import (
     COLUMN_NAMES,

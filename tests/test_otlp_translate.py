@@ -12,6 +12,7 @@ from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import ExportM
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue, ArrayValue, KeyValue, KeyValueList
 from opentelemetry.proto.metrics.v1 import metrics_pb2 as pb
 
+from gpu_energy_exporter.core import contract as instruments
 from gpu_energy_exporter.otlp.translate import (
     attribute_value,
     format_double,
@@ -21,7 +22,6 @@ from gpu_energy_exporter.otlp.translate import (
     translate_request,
     unit_name,
 )
-from gpu_energy_exporter.training import instruments
 
 DELTA = pb.AGGREGATION_TEMPORALITY_DELTA
 CUMULATIVE = pb.AGGREGATION_TEMPORALITY_CUMULATIVE
@@ -114,6 +114,7 @@ def test_training_helper_table_translates_to_the_agreed_names() -> None:
         unit, kind, want = agreed[inst.name]
         assert (inst.unit, inst.kind) == (unit, kind), inst
         assert metric_name(inst.name, inst.unit, inst.kind) == want
+        assert inst.prometheus == want, inst  # the name the ledger, rules and docs take from the contract
 
 
 @pytest.mark.parametrize("name", ["", "@#$%", "...", "字符"])

@@ -116,7 +116,7 @@ def test_totals_attributes_and_metadata_reach_the_receiver() -> None:
     ("tf32", "tf32"), ("fp32", "fp32"), ("bf16_mixed", "bf16"), ("nf4", None), ("", None),
 ])
 def test_precision_is_normalised_for_the_peak_flops_join(given: str, precision: str | None) -> None:
-    from gpu_energy_exporter.training.instruments import PRECISIONS
+    from gpu_energy_exporter.core.contract import PRECISIONS
     from gpu_energy_exporter.training.run import normalize_precision, precision_attributes
 
     assert normalize_precision(given) == precision
@@ -510,7 +510,7 @@ def test_without_nvml_training_continues_with_one_warning() -> None:
 def test_importing_the_helper_pulls_in_nothing_heavy() -> None:
     proc = run_child("""
     import sys
-    import gpu_energy_exporter.training.instruments as names
+    import gpu_energy_exporter.core.contract as names
     assert not [m for m in sys.modules if m.startswith("opentelemetry.sdk")], "SDK imported"
     from gpu_energy_exporter.training import start_run
     heavy = [m for m in ("torch", "transformers", "lightning", "pynvml") if m in sys.modules]

@@ -14,8 +14,8 @@ from typing import Any
 from urllib.parse import parse_qs
 
 from gpu_energy_exporter import __version__
-from gpu_energy_exporter.daemon.endpoints import HTTPError, Request, Response
 from gpu_energy_exporter.engine.sampler import Sampler
+from gpu_energy_exporter.http.server import HTTPError, Request, Response
 
 
 def status_document(

@@ -53,8 +53,8 @@ def _escape(text: str) -> str:
 
 def metrics_markdown() -> str:
     load_catalogue()
+    from gpu_energy_exporter.core import contract as instruments
     from gpu_energy_exporter.otlp.translate import metric_name
-    from gpu_energy_exporter.training import instruments
 
     out = [
         "# Metric catalogue",

@@ -23,10 +23,11 @@ from gpu_energy_exporter.collectors.rapl import RaplCollector
 from gpu_energy_exporter.core.config import Config
 from gpu_energy_exporter.core.errors import ConfigError, ExporterError
 from gpu_energy_exporter.daemon.api import api_routes, status_document
-from gpu_energy_exporter.daemon.endpoints import HTTPServer, exporter_routes
+from gpu_energy_exporter.daemon.endpoints import exporter_routes
 from gpu_energy_exporter.devices.base import GPUBackend, GPUIdentity
 from gpu_energy_exporter.engine.exposition import CachedExposition, CachedSource, SnapshotCollector, new_registry
 from gpu_energy_exporter.engine.sampler import Sampler
+from gpu_energy_exporter.http.server import HTTPServer
 from gpu_energy_exporter.http.webconfig import load_web_config
 from gpu_energy_exporter.ledger.ledger import RunLedger
 from gpu_energy_exporter.otlp.push import OTLPPusher, PushSettings, load_headers_file

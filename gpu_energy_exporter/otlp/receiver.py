@@ -42,9 +42,14 @@ from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import (
 )
 
 from gpu_energy_exporter.core.errors import ConfigError
-from gpu_energy_exporter.daemon.endpoints import HTTPError, HTTPServer, Request
-from gpu_energy_exporter.daemon.endpoints import Response as WebResponse
-from gpu_energy_exporter.http.server import DEFAULT_MAX_CONNECTIONS, DEFAULT_REQUEST_TIMEOUT
+from gpu_energy_exporter.http.server import (
+    DEFAULT_MAX_CONNECTIONS,
+    DEFAULT_REQUEST_TIMEOUT,
+    HTTPError,
+    HTTPServer,
+    Request,
+)
+from gpu_energy_exporter.http.server import Response as WebResponse
 from gpu_energy_exporter.otlp.store import TrainingStore
 from gpu_energy_exporter.otlp.translate import translate_request
 

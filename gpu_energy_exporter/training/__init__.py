@@ -29,19 +29,18 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from gpu_energy_exporter.core.contract import GPU_NONE, GPU_UNKNOWN
+
 if TYPE_CHECKING:
     from gpu_energy_exporter.training.batch import count_batch, count_tokens
     from gpu_energy_exporter.training.flops import flops_per_token
     from gpu_energy_exporter.training.gpus import GPUResolution, resolve_gpus
-    from gpu_energy_exporter.training.instruments import GPU_NONE, GPU_UNKNOWN
     from gpu_energy_exporter.training.run import DEFAULT_ENDPOINT, TrainingRun, resolve_endpoint, start_run
 
-# Resolved on first use, so that ``gpu_energy_exporter.training.instruments`` (the names the receiver
-# shares) can be imported by the exporter without the OpenTelemetry SDK installed.
+# Resolved on first use, so that importing the package (or the plain-data training contract,
+# ``gpu_energy_exporter.core.contract``) never loads the OpenTelemetry SDK or torch.
 _EXPORTS = {
     "DEFAULT_ENDPOINT": "run",
-    "GPU_NONE": "instruments",
-    "GPU_UNKNOWN": "instruments",
     "GPUResolution": "gpus",
     "TrainingRun": "run",
     "count_batch": "batch",

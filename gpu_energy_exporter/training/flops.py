@@ -29,7 +29,7 @@ import logging
 import sys
 from typing import Any
 
-from gpu_energy_exporter.training.instruments import FLOPS_TOTAL, FLOPS_TRAINABLE
+from gpu_energy_exporter.core.contract import FLOPS_TOTAL, FLOPS_TRAINABLE
 
 log = logging.getLogger("gpu_energy_exporter.training")
 

@@ -49,7 +49,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from gpu_energy_exporter.training.instruments import GPU_NONE, GPU_UNKNOWN
+from gpu_energy_exporter.core.contract import GPU_NONE, GPU_UNKNOWN
 
 log = logging.getLogger("gpu_energy_exporter.training")
 

@@ -62,6 +62,7 @@ except ImportError as exc:  # pragma: no cover - depends on the installed extras
         "pip install transformers accelerate (or, in a checkout of gpu-energy-exporter, pip install '.[hf]')"
     ) from exc
 
+from gpu_energy_exporter.core.contract import FLOPS_TRAINABLE, PADDING_EXCLUDED, PADDING_INCLUDED
 from gpu_energy_exporter.training.batch import (
     add_count,
     attention_mask,
@@ -70,7 +71,6 @@ from gpu_energy_exporter.training.batch import (
     non_padding_tokens,
 )
 from gpu_energy_exporter.training.flops import check_flops_mode, flops_per_token
-from gpu_energy_exporter.training.instruments import FLOPS_TRAINABLE, PADDING_EXCLUDED, PADDING_INCLUDED
 from gpu_energy_exporter.training.run import TrainingRun, count_parameters, fp32_matmul_precision, start_run
 
 log = logging.getLogger("gpu_energy_exporter.training")

@@ -58,6 +58,7 @@ except ImportError:
             "pip install lightning (or, in a checkout of gpu-energy-exporter, pip install '.[lightning]')"
         ) from exc
 
+from gpu_energy_exporter.core.contract import FLOPS_TRAINABLE, PADDING_EXCLUDED, PADDING_INCLUDED
 from gpu_energy_exporter.training.batch import (
     add_count,
     attention_mask,
@@ -68,7 +69,6 @@ from gpu_energy_exporter.training.batch import (
 from gpu_energy_exporter.training.distributed import new_run_id
 from gpu_energy_exporter.training.flops import check_flops_mode
 from gpu_energy_exporter.training.flops import flops_per_token as model_flops_per_token
-from gpu_energy_exporter.training.instruments import FLOPS_TRAINABLE, PADDING_EXCLUDED, PADDING_INCLUDED
 from gpu_energy_exporter.training.run import (
     TrainingRun,
     count_parameters,

@@ -57,7 +57,7 @@ except ImportError as exc:  # pragma: no cover - depends on the installed extras
     ) from exc
 
 from gpu_energy_exporter import __version__
-from gpu_energy_exporter.training import instruments as I  # noqa: N812 - a namespace of constants
+from gpu_energy_exporter.core import contract as I  # noqa: N812 - a namespace of constants
 from gpu_energy_exporter.training.batch import add_count, number
 from gpu_energy_exporter.training.distributed import rank_and_world_size, shared_run_id
 from gpu_energy_exporter.training.export import GuardedExporter, ObservedSession

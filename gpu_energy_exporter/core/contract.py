@@ -1,10 +1,14 @@
-"""The OpenTelemetry instruments a training process pushes: names, kinds, units and attributes.
+"""The training contract: the OpenTelemetry instruments a training process pushes (names, kinds, units,
+attributes) and the Prometheus names they arrive under.
 
-This is the contract between the training-side helper and the exporter's OTLP receiver (and any
-OpenTelemetry Collector in between): both sides use exactly these names, so a dashboard built on the
-Prometheus translation (``training_tokens_total``, ``training_step_duration_seconds``...) works whatever
-carried the points. The module is plain data: it imports neither the OpenTelemetry SDK nor torch, so the
-receiver can import it too. It must never grow logic.
+This is the contract between the training-side helper, the exporter's OTLP receiver (and any OpenTelemetry
+Collector in between), the run ledger, the rules and dashboards builder and the docs: every one of them
+takes these names from here, none retypes them. A dashboard built on the Prometheus translation
+(``training_tokens_total``, ``training_step_duration_seconds``...) works whatever carried the points:
+``Instrument.prometheus`` is what the OpenTelemetry -> Prometheus compatibility rules give for the
+instrument (tests/test_otlp_translate.py checks each against ``otlp.translate.metric_name``). The module is
+plain data: it imports neither the OpenTelemetry SDK nor torch nor anything else of the package. It must
+never grow logic.
 """
 
 from __future__ import annotations
@@ -57,40 +61,44 @@ GPU_UNKNOWN = "unknown"
 
 @dataclass(frozen=True)
 class Instrument:
-    name: str
+    name: str  # the OpenTelemetry instrument name
     kind: InstrumentKind
     unit: str
+    prometheus: str  # the Prometheus name (counters with ``_total``; a histogram's base name)
     description: str
 
 
-TOKENS = Instrument("training.tokens", "counter", "{token}",
+TOKENS = Instrument("training.tokens", "counter", "{token}", "training_tokens_total",
                     "Tokens processed by this rank (each token counted once across ranks; padding "
                     "excluded or included as the run's padding attribute says).")
-SAMPLES = Instrument("training.samples", "counter", "{sample}",
+SAMPLES = Instrument("training.samples", "counter", "{sample}", "training_samples_total",
                      "Samples (sequences) processed by this rank.")
-STEPS = Instrument("training.steps", "counter", "{step}",
+STEPS = Instrument("training.steps", "counter", "{step}", "training_steps_total",
                    "Optimizer steps taken by this rank (in data parallelism every rank takes every step: "
                    "aggregate over ranks with max, not sum).")
-FLOPS = Instrument("training.flops", "counter", "{flop}",
+FLOPS = Instrument("training.flops", "counter", "{flop}", "training_flops_total",
                    "Model FLOPs of this rank's training steps, forward and backward, counted step by step "
                    "(the run's flops attribute says whether frozen weights' gradients are counted).")
-LOSS = Instrument("training.loss", "gauge", "", "Latest training loss.")
-VALIDATION_LOSS = Instrument("training.validation.loss", "gauge", "", "Latest validation loss.")
-LEARNING_RATE = Instrument("training.learning_rate", "gauge", "", "Latest learning rate.")
-EPOCH = Instrument("training.epoch", "gauge", "", "Epochs completed (fractional during an epoch).")
-STEP_DURATION = Instrument("training.step.duration", "histogram", "s", "Wall time of one optimizer step.")
-RUN_INFO = Instrument("training.run.info", "gauge", "",
+LOSS = Instrument("training.loss", "gauge", "", "training_loss", "Latest training loss.")
+VALIDATION_LOSS = Instrument("training.validation.loss", "gauge", "", "training_validation_loss",
+                             "Latest validation loss.")
+LEARNING_RATE = Instrument("training.learning_rate", "gauge", "", "training_learning_rate", "Latest learning rate.")
+EPOCH = Instrument("training.epoch", "gauge", "", "training_epoch", "Epochs completed (fractional during an epoch).")
+STEP_DURATION = Instrument("training.step.duration", "histogram", "s", "training_step_duration_seconds",
+                           "Wall time of one optimizer step.")
+RUN_INFO = Instrument("training.run.info", "gauge", "", "training_run_info",
                       "Always 1; the run's metadata (model, backend, optimizer, ...) as attributes.")
-RUN_GPU_INFO = Instrument("training.run.gpu.info", "gauge", "",
+RUN_GPU_INFO = Instrument("training.run.gpu.info", "gauge", "", "training_run_gpu_info",
                           "Always 1; one point per GPU this rank uses, with that GPU's gpu_uuid.")
-GLOBAL_STEP = Instrument("training.global_step", "gauge", "{step}",
+GLOBAL_STEP = Instrument("training.global_step", "gauge", "{step}", "training_global_step",
                          "The trainer's optimizer step counted from the start of training, steps taken before a "
                          "resume included (progress is this over training.run.total_steps).")
-RUN_TOTAL_STEPS = Instrument("training.run.total_steps", "gauge", "",
+RUN_TOTAL_STEPS = Instrument("training.run.total_steps", "gauge", "", "training_run_total_steps",
                              "Optimizer steps the whole training is planned to take (the trainer's max steps, "
                              "steps before a resume included), when known.")
-RUN_FINISHED = Instrument("training.run.finished", "gauge", "", "0 while the run is going, 1 after it finished.")
-MODEL_PARAMETERS = Instrument("training.model.parameters", "gauge", "{parameter}",
+RUN_FINISHED = Instrument("training.run.finished", "gauge", "", "training_run_finished",
+                          "0 while the run is going, 1 after it finished.")
+MODEL_PARAMETERS = Instrument("training.model.parameters", "gauge", "{parameter}", "training_model_parameters",
                               "Parameters of the whole model being trained (trainable or not; the same value on "
                               "every rank, aggregate with max), when known. For TT and ST (per parameter).")
 

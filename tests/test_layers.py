@@ -1,0 +1,43 @@
+"""The package's layers (issue 14): each folder is a layer and imports only point down.
+
+The contract is ``[tool.importlinter]`` in pyproject.toml (README, "Where things are"); this runs the real
+``lint-imports`` over the working tree, as ``make lint`` does, and checks that no hand-written module has
+grown past what one sitting can read.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGE = ROOT / "gpu_energy_exporter"
+#: Generated code (protoc) is not read by people.
+GENERATED = {"podresources_pb2.py", "podresources_pb2_grpc.py"}
+MAX_LINES = 500
+
+
+def test_imports_respect_the_layer_contract() -> None:
+    lint = Path(sys.executable).with_name("lint-imports")
+    done = subprocess.run([str(lint), "--no-cache"], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "broken" not in done.stdout.lower() or " 0 broken" in done.stdout, done.stdout
+
+
+def test_every_folder_of_the_package_is_a_contract_layer() -> None:
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    folders = sorted(p.parent.name for p in PACKAGE.glob("*/__init__.py"))
+    missing = [f for f in folders if f'"gpu_energy_exporter.{f}' not in pyproject]
+    assert not missing, f"folders outside the layer contract: {missing}"
+    loose = sorted(p.name for p in PACKAGE.glob("*.py") if p.name not in {"__init__.py", "__main__.py"})
+    assert not loose, f"modules at the top of the package, outside every layer: {loose}"
+
+
+def test_no_hand_written_module_is_longer_than_one_sitting() -> None:
+    sizes = {str(p.relative_to(ROOT)): len(p.read_text().splitlines())
+             for p in PACKAGE.rglob("*.py") if p.name not in GENERATED}
+    long = {name: n for name, n in sizes.items() if n > MAX_LINES}
+    assert not long, f"modules over {MAX_LINES} lines (split them by job): {long}"
