@@ -33,6 +33,7 @@ COMPARISON_PLOTS: tuple[tuple[str, str], ...] = (
     ("comparison_loss_vs_energy", "Loss against cumulative energy, all runs"),
 )
 
+
 def load_pyplot() -> Any:
     """``matplotlib.pyplot`` on the Agg backend; ReportError saying how to install it when missing."""
     try:

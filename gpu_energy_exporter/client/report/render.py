@@ -1,8 +1,8 @@
 """The documents of ``gpu-energy-exporter report``: the report as blocks (headings, tables, images,
 notes), rendered to Markdown and to a self-contained HTML page (plots embedded as base64 PNG).
 
-This module formats the ledger's figures and never computes one; it never plots and never fetches. It
-reads only the PNG files it embeds.
+This module formats the ledger's figures and computes none of its own (only the ratios between compared
+runs); it never plots and never fetches, and reads only the PNG files it embeds.
 """
 
 from __future__ import annotations

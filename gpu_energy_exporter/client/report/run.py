@@ -16,6 +16,7 @@ from gpu_energy_exporter.core.errors import ExporterError
 class ReportError(ExporterError):
     """The report cannot be made; the message says why and what to do."""
 
+
 @dataclass
 class RunData:
     """One run: the ledger's summary (column names of docs/ledger.md) and a timeline.
