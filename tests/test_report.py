@@ -21,8 +21,8 @@ from PIL import Image, ImageStat
 from prom import Prometheus
 
 from gpu_energy_exporter.client import report
-from gpu_energy_exporter.client.top import fmt_num
 from gpu_energy_exporter.core.config import load_config
+from gpu_energy_exporter.core.textfmt import fmt_num
 from gpu_energy_exporter.daemon.demo import SimulatedTrainer
 from gpu_energy_exporter.daemon.exporter import Exporter
 from gpu_energy_exporter.devices.simulated import SimulatedBackend
@@ -221,7 +221,7 @@ def test_a_run_without_energy_and_few_samples_is_drawn_honestly(tmp_path: Path) 
            "timeline": [{"t": t0 + 21 + i, "power_w": [100.0 + 10 * i], "energy_j": 0.0, "tokens": 100.0 * i,
                          "steps": float(i), "loss": 2.0 - 0.1 * i} for i in range(6)]}
     run = report.from_ledger_document(doc, "test")
-    paths = report.plot_run(run, str(tmp_path), report._matplotlib())
+    paths = report.plot_run(run, str(tmp_path), report.load_pyplot())
     assert _colour_columns(Path(paths["loss_vs_energy"]), (27, 158, 119)) == []  # no line at all
     blue = _colour_columns(Path(paths["power"]), (31, 119, 180))  # matplotlib's first line colour
     assert blue, "the power samples are drawn"

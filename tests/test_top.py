@@ -23,7 +23,7 @@ from cryptography import x509
 from fakenvml import Constant, Scenario, h100
 from test_web import issue
 
-from gpu_energy_exporter.client import top
+from gpu_energy_exporter.client import fmt, top
 from gpu_energy_exporter.core.config import load_config
 from gpu_energy_exporter.daemon.exporter import Exporter
 from gpu_energy_exporter.devices.simulated import SimulatedBackend
@@ -301,12 +301,12 @@ def test_formatting() -> None:
     # one unit in the whole view (issue 12: header in kWh, rows in kJ)
     assert top.fmt_energy(850) == "0.0002 kWh" and top.fmt_energy(12_345) == "0.0034 kWh"
     assert top.fmt_energy(7.2e6) == "2.000 kWh" and top.fmt_energy(3.6e8) == "100.0 kWh"
-    assert top.fmt_co2(4.183) == "4.18 g" and top.fmt_co2(1234) == "1.23 kg"
-    assert top.fmt_duration(3725) == "1:02:05" and top.fmt_duration(None) == "-"
+    assert fmt.fmt_co2(4.183) == "4.18 g" and fmt.fmt_co2(1234) == "1.23 kg"
+    assert fmt.fmt_duration(3725) == "1:02:05" and fmt.fmt_duration(None) == "-"
 
 
 def test_runs_without_a_terminal_do_not_need_curses_or_a_tty() -> None:
-    # `top` is imported by `report` for its HTTP client: importing it must not import curses.
+    # Importing `top` or `report` (the sub-commands load them) must not import curses.
     code = ("import sys, gpu_energy_exporter.client.top, gpu_energy_exporter.client.report; "
             "print('curses' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=ROOT,

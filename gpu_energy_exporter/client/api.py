@@ -34,6 +34,11 @@ DEFAULT_URL = f"http://localhost:{DEFAULT_METRICS_PORT}"
 #: Where ``--url`` comes from when not given (``top``, ``runs`` and ``report`` alike).
 URL_ENV = "GPU_ENERGY_EXPORTER_URL"
 
+#: The exporter's JSON API (``daemon/api.py``) that the workstation commands read.
+STATUS_PATH = "/api/v1/status"
+RUNS_PATH = "/api/v1/runs"
+RUN_PATH = "/api/v1/run"
+
 NOT_RUNNING = "not_running"
 CREDENTIALS = "credentials"
 TLS = "tls"
@@ -216,6 +221,7 @@ def client_from_args(args: argparse.Namespace, environ: Mapping[str, str] | None
 
 
 __all__ = [
-    "ANSWER", "CREDENTIALS", "DEFAULT_URL", "NOT_RUNNING", "TLS", "UNREACHABLE", "URL_ENV", "ExporterClient",
-    "ExporterUnreachable", "add_client_flags", "client_from_args", "client_url", "read_password_file",
+    "ANSWER", "CREDENTIALS", "DEFAULT_URL", "NOT_RUNNING", "RUNS_PATH", "RUN_PATH", "STATUS_PATH", "TLS", "UNREACHABLE",
+    "URL_ENV", "ExporterClient", "ExporterUnreachable", "add_client_flags", "client_from_args", "client_url",
+    "read_password_file",
 ]

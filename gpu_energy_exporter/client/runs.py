@@ -27,12 +27,14 @@ from typing import IO, Any
 from gpu_energy_exporter.client.api import (
     DEFAULT_URL,
     NOT_RUNNING,
+    RUNS_PATH,
     URL_ENV,
     ExporterClient,
     ExporterUnreachable,
     add_client_flags,
     client_from_args,
 )
+from gpu_energy_exporter.client.fmt import fmt_gib
 from gpu_energy_exporter.core.config import FLAGS
 from gpu_energy_exporter.core.errors import ExporterError
 from gpu_energy_exporter.core.textfmt import fmt_num
@@ -43,11 +45,6 @@ CSV_ENV = next(f.env for f in FLAGS if f.name == "runs.csv")
 
 #: Columns whose presence marks a CSV as the ledger's (older ledger versions may lack newer columns).
 _REQUIRED = ("run_id", "start_time", "duration_s", "tokens", "energy_j", "j_per_token")
-
-GIB = float(1 << 30)
-
-#: The exporter's JSON listing of active and recent runs (``api.py``).
-API_PATH = "/api/v1/runs"
 
 
 class RunsError(ExporterError):
@@ -103,10 +100,10 @@ def _typed(row: dict[str, Any]) -> dict[str, Any]:
 def load_url(client: ExporterClient) -> list[dict[str, Any]]:
     """Active and recent runs from a running exporter (``GET <url>/api/v1/runs``); ExporterUnreachable
     (with its cause) when it cannot be read."""
-    doc = client.get(API_PATH)
+    doc = client.get(RUNS_PATH)
     runs = doc.get("runs") if isinstance(doc, dict) else None
     if not isinstance(runs, list):
-        raise RunsError(f"{client.base_url}{API_PATH} did not answer with the run ledger's JSON: is "
+        raise RunsError(f"{client.base_url}{RUNS_PATH} did not answer with the run ledger's JSON: is "
                         f"{client.base_url} a gpu-energy-exporter (check --url)?")
     return [{k: r.get(k) for k in COLUMN_NAMES} for r in runs if isinstance(r, dict)]
 
@@ -121,10 +118,6 @@ def _int(value: float | None) -> str:
 
 def _watts(value: float | None) -> str:
     return "-" if value is None else f"{value:.0f}"
-
-
-def _gib(value: float | None) -> str:
-    return "-" if value is None else f"{value / GIB:.1f}"
 
 
 def _duration(value: float | None) -> str:
@@ -164,7 +157,7 @@ TABLE: tuple[_Col, ...] = (
     _Col("kWh", "energy_kwh", fmt_num),
     _Col("avg W", "avg_power_w", _watts),
     _Col("peak W", "peak_power_w", _watts),
-    _Col("VRAM peak GiB", "vram_peak_bytes", _gib),
+    _Col("VRAM peak GiB", "vram_peak_bytes", fmt_gib),
     _Col("gCO2", "co2_g", fmt_num),
     _Col("status", "status", _text, right=False),
 )
@@ -265,7 +258,7 @@ def comparison_text(result: dict[str, Any]) -> str:
     by = result["group_by"]
     headers = [by, "runs", "mean J/token", "mean tok/s", "mean VRAM peak GiB", "mean kWh", "mean gCO2"]
     rows = [[s["group"], str(s["runs"]), fmt_num(s["mean_j_per_token"]), fmt_num(s["mean_tokens_per_s"]),
-             _gib(s["mean_vram_peak_bytes"]), fmt_num(s["mean_energy_kwh"]), fmt_num(s["mean_co2_g"])]
+             fmt_gib(s["mean_vram_peak_bytes"]), fmt_num(s["mean_energy_kwh"]), fmt_num(s["mean_co2_g"])]
             for s in result["groups"]]
     text = render_table(headers, rows, [False, True, True, True, True, True, True])
     lines = [f"{c['group']} vs {c['baseline']}: J/token {_x(c['j_per_token_ratio'])}, "
