@@ -12,8 +12,7 @@ import sys
 import time
 from collections.abc import Callable
 
-from gpu_energy_exporter.devices.base import ENERGY_METHOD_COUNTER, GPUIdentity, GPUReading
-from gpu_energy_exporter.engine.sampler import GPUState, Snapshot
+from gpu_energy_exporter.core.state import ENERGY_METHOD_COUNTER, GPUIdentity, GPUReading, GPUState, Snapshot
 from gpu_energy_exporter.ledger.ledger import RunLedger
 
 T0 = 1_700_000_000.0
@@ -34,7 +33,7 @@ class Ledger:
             identity = GPUIdentity(index=i, uuid=uuid, name="NVIDIA H100 80GB HBM3", pci_bus_id=f"0:{i}",
                                    architecture="hopper", compute_capability="9.0",
                                    energy_method=ENERGY_METHOD_COUNTER, power_usage_is_average=True)
-            reading = GPUReading(timestamp=self.t, power_instant_mw=watts * 1000.0, memory_used_bytes=10 << 30,
+            reading = GPUReading(timestamp=self.t, power_instant_w=watts, memory_used_bytes=10 << 30,
                                  memory_total_bytes=80 << 30)
             gpus.append(GPUState(identity=identity, up=True, reading=reading, energy_j=watts * (self.t - T0),
                                  energy_resets=0, last_good=self.t, idle_power_w=100.0, idle_power_source="flag"))

@@ -16,7 +16,7 @@ from prometheus_client.core import Metric
 from gpu_energy_exporter.collectors.carbon import CarbonCollector
 from gpu_energy_exporter.core.config import load_config
 from gpu_energy_exporter.core.errors import ConfigError
-from gpu_energy_exporter.devices.base import ENERGY_METHOD_COUNTER, GPUIdentity
+from gpu_energy_exporter.core.state import ENERGY_METHOD_COUNTER, GPUIdentity
 from gpu_energy_exporter.reference import carbon
 from gpu_energy_exporter.reference.carbon import (
     WORLD_DEFAULT_G_PER_KWH,

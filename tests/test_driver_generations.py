@@ -23,7 +23,8 @@ from conftest import ExporterProcess
 from fakenvml import build_library
 from fakenvml.generations import BY_NAME, GENERATIONS, Generation
 
-from gpu_energy_exporter.collectors import gpu as g
+from gpu_energy_exporter.collectors import gpu_metrics as g
+from gpu_energy_exporter.core.state import GPU_SAMPLE_AGE
 
 GOLDEN_DIR = Path(__file__).parent / "golden" / "drivers"
 ARGS = ["--collector.interval=200ms", "--collector.processes", "--gpu.idle-power=60",
@@ -31,7 +32,7 @@ ARGS = ["--collector.interval=200ms", "--collector.processes", "--gpu.idle-power
 
 GPM = {s.name for s in g.GPM_SPECS.values()}
 #: Every GPU of every generation shows these.
-COMMON = {g.GPU_INFO.name, g.GPU_UP.name, g.GPU_SAMPLE_AGE.name, g.ENERGY.name, g.POWER_LIMIT.name,
+COMMON = {g.GPU_INFO.name, g.GPU_UP.name, GPU_SAMPLE_AGE.name, g.ENERGY.name, g.POWER_LIMIT.name,
           g.MEM_USED.name, g.MEM_TOTAL.name, g.TEMP.name, g.SM_CLOCK.name, g.MEM_CLOCK.name, g.CLOCK_EVENT.name,
           g.COMPUTE_PROCESSES.name, g.IDLE_POWER.name}
 UTIL = {g.UTIL.name, g.MEM_UTIL.name}

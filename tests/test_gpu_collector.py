@@ -165,7 +165,7 @@ def test_bad_readings_are_held_back_counted_and_logged_once(rig, caplog: pytest.
                  energy_faults=(bad_reading(12.0), bad_reading(14.0), energy_jump(16.0, 5e11)))]
     r = rig(frozen(T0 + 10, gpus))
     seen = []
-    with caplog.at_level("DEBUG", logger="gpu_energy_exporter.collectors.gpu"):
+    with caplog.at_level("DEBUG", logger="gpu_energy_exporter.collectors.gpu_tracks"):
         for t in range(10, 19):
             r.rewrite(frozen(T0 + t, gpus))
             r.sample()

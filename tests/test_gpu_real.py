@@ -75,9 +75,9 @@ def test_real_identity_and_reading() -> None:
             r = backend.read(g, processes=True, gpm=False)
             assert r.memory_total_bytes and r.memory_total_bytes > 0
             assert r.temperature_gpu_c is not None and 0 < r.temperature_gpu_c < 120
-            assert r.power_instant_mw is not None or r.power_average_mw is not None
+            assert r.power_instant_w is not None or r.power_average_w is not None
             if g.architecture in ("volta", "ampere", "ada", "hopper", "blackwell"):
-                assert g.energy_method == "counter" and r.energy_mj is not None
+                assert g.energy_method == "counter" and r.energy_j is not None
             doc["gpus"].append({"index": g.index, "name": g.name, "uuid": g.uuid, "arch": g.architecture,
                                 "energy_method": g.energy_method, "power_usage_is_average": g.power_usage_is_average,
                                 "reading": r.__dict__})

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from gpu_energy_exporter.devices.base import GPUIdentity, MIGDevice
+from gpu_energy_exporter.core.state import GPUIdentity, MIGDevice
 from gpu_energy_exporter.kubernetes.assignments import DeviceAssignment, PodRef
 from gpu_energy_exporter.kubernetes.attribution import (
     METHOD_EXCLUSIVE,

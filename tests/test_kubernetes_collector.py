@@ -35,8 +35,7 @@ from gpu_energy_exporter.collectors.kubernetes import (
 )
 from gpu_energy_exporter.core.config import load_config
 from gpu_energy_exporter.core.metrics import CATALOGUE
-from gpu_energy_exporter.devices.base import GPUIdentity, GPUProcess, GPUReading, MIGDevice
-from gpu_energy_exporter.engine.sampler import GPUState
+from gpu_energy_exporter.core.state import GPUIdentity, GPUProcess, GPUReading, GPUState, MIGDevice
 from gpu_energy_exporter.kubernetes.assignments import PodRef
 from gpu_energy_exporter.kubernetes.podresources import PodResourcesWatcher
 from gpu_energy_exporter.kubernetes.testing import FakeKubelet, fake_pod

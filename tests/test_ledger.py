@@ -24,9 +24,9 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector as PromCollector
 
 from gpu_energy_exporter.core.metrics import CATALOGUE
+from gpu_energy_exporter.core.state import ENERGY_METHOD_COUNTER, GPUIdentity, GPUReading, GPUState, MIGDevice, Snapshot
 from gpu_energy_exporter.daemon.api import api_routes
-from gpu_energy_exporter.devices.base import ENERGY_METHOD_COUNTER, GPUIdentity, GPUReading, MIGDevice
-from gpu_energy_exporter.engine.sampler import GPUState, Sampler, Snapshot
+from gpu_energy_exporter.engine.sampler import Sampler
 from gpu_energy_exporter.http.server import HTTPServer
 from gpu_energy_exporter.ledger import ledger as ledger_mod
 from gpu_energy_exporter.ledger.ledger import (
@@ -93,7 +93,7 @@ def identity(uuid: str, index: int = 0, mig: tuple[str, ...] = ()) -> GPUIdentit
 
 def gpu_state(uuid: str, t: float, trace: Trace, *, index: int = 0, mem: int = 10 * GIB,
               idle: float | None = 100.0, up: bool = True, mig: tuple[str, ...] = ()) -> GPUState:
-    reading = GPUReading(timestamp=t, power_instant_mw=trace.power(t) * 1000.0, memory_used_bytes=mem,
+    reading = GPUReading(timestamp=t, power_instant_w=trace.power(t), memory_used_bytes=mem,
                          memory_total_bytes=80 * GIB)
     return GPUState(identity=identity(uuid, index, mig), up=up, reading=reading, energy_j=trace.energy(t),
                     energy_resets=0, last_good=t, idle_power_w=idle, idle_power_source="flag" if idle else "")

@@ -21,7 +21,7 @@ from fakenvml import Driver, Process, Scenario, h100, v100
 from prometheus_client import generate_latest
 
 from gpu_energy_exporter.collectors.gpu import GPUCollector
-from gpu_energy_exporter.devices.base import GPUIdentity, GPUReading
+from gpu_energy_exporter.core.state import GPUIdentity, GPUReading
 from gpu_energy_exporter.devices.nvml import NVMLBackend
 from gpu_energy_exporter.engine.exposition import SnapshotCollector, new_registry
 from gpu_energy_exporter.engine.sampler import Sampler
@@ -256,11 +256,11 @@ def test_a_transient_field_value_error_does_not_switch_instant_power_off_for_goo
     try:
         (g,) = backend.devices()
         assert g.energy_method == "integrated_instant_power"
-        assert backend.read_power_mw(g) == 150_000.0
+        assert backend.read_power_w(g) == 150.0
         write(True)
-        assert backend.read_power_mw(g) is None
+        assert backend.read_power_w(g) is None
         write(False)
-        assert backend.read_power_mw(g) == 150_000.0
+        assert backend.read_power_w(g) == 150.0
         assert backend.field_errors()[(0, "field_values", "nvml_error")] == 1
     finally:
         backend.close()

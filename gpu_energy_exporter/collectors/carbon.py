@@ -25,7 +25,7 @@ from prometheus_client.core import Metric
 from gpu_energy_exporter.collectors.base import Collector
 from gpu_energy_exporter.core import metrics
 from gpu_energy_exporter.core.config import Config
-from gpu_energy_exporter.devices.base import GPUIdentity
+from gpu_energy_exporter.core.state import GPUIdentity
 from gpu_energy_exporter.reference.carbon import (
     SOURCE_FILE,
     IntensityResolution,

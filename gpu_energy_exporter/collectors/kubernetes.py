@@ -27,7 +27,7 @@ from gpu_energy_exporter.collectors.base import Collector, NoData
 from gpu_energy_exporter.core.config import Config
 from gpu_energy_exporter.core.errors import ExporterError
 from gpu_energy_exporter.core.metrics import GPU_LABELS, add, define
-from gpu_energy_exporter.engine.sampler import GPUState
+from gpu_energy_exporter.core.state import GPUState
 from gpu_energy_exporter.kubernetes.assignments import (
     STATE_OK,
     STATE_RPC_ERROR,

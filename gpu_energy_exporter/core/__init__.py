@@ -1,2 +1,2 @@
-"""Core: metric specs and catalogue, energy accounting primitives, errors, configuration parsing and
-text formatting. Imports nothing else of the package."""
+"""Core: metric specs and catalogue, GPU and snapshot state in base units (``state``), energy accounting
+primitives, errors, configuration parsing and text formatting. Imports nothing else of the package."""

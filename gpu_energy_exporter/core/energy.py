@@ -3,7 +3,9 @@ integration of sampled power.
 
 Pure arithmetic with explicit inputs (values in joules, times in seconds on one monotonic clock), no I/O
 and no clocks of their own, so every edge (reset, bad reading, outage, gap) is unit-testable with plain
-values. The rules are stated in docs/measurement.md ("Which readings are trusted").
+values. The rules are stated in docs/measurement.md ("Which readings are trusted"). No millijoules here:
+NVML's integer millijoule counter becomes joules once, in ``devices.base.joules`` (millijoules / 1000, the
+value /metrics has always shown), and the checks below need no more exactness than that float has.
 """
 
 from __future__ import annotations

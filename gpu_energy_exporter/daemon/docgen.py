@@ -18,6 +18,7 @@ from gpu_energy_exporter.core.metrics import CATALOGUE
 #: Every module that declares metrics; importing them fills the catalogue.
 METRIC_MODULES = (
     "gpu_energy_exporter.engine.sampler",
+    "gpu_energy_exporter.engine.exposition",
     "gpu_energy_exporter.collectors.gpu",
     "gpu_energy_exporter.collectors.host",
     "gpu_energy_exporter.collectors.rapl",

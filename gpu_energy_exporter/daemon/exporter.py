@@ -22,9 +22,10 @@ from gpu_energy_exporter.collectors.host import HostCollector
 from gpu_energy_exporter.collectors.rapl import RaplCollector
 from gpu_energy_exporter.core.config import Config
 from gpu_energy_exporter.core.errors import ConfigError, ExporterError
+from gpu_energy_exporter.core.state import GPUIdentity
 from gpu_energy_exporter.daemon.api import api_routes, status_document
 from gpu_energy_exporter.daemon.endpoints import exporter_routes
-from gpu_energy_exporter.devices.base import GPUBackend, GPUIdentity
+from gpu_energy_exporter.devices.base import GPUBackend
 from gpu_energy_exporter.engine.exposition import CachedExposition, CachedSource, SnapshotCollector, new_registry
 from gpu_energy_exporter.engine.sampler import Sampler
 from gpu_energy_exporter.http.server import HTTPServer

@@ -14,13 +14,8 @@ import threading
 import time
 from collections.abc import Callable
 
-from gpu_energy_exporter.devices.base import (
-    ENERGY_METHOD_COUNTER,
-    GPUBackend,
-    GPUIdentity,
-    GPUProcess,
-    GPUReading,
-)
+from gpu_energy_exporter.core.state import ENERGY_METHOD_COUNTER, GPUIdentity, GPUProcess, GPUReading
+from gpu_energy_exporter.devices.base import GPUBackend, joules, ratio
 
 
 class _SimGPU:
@@ -89,8 +84,8 @@ class SimulatedBackend(GPUBackend):
     def devices(self) -> list[GPUIdentity]:
         return list(self._ids)
 
-    def read_power_mw(self, gpu: GPUIdentity) -> float | None:
-        return self._gpus[gpu.index].power_at(self._clock()) * 1000.0
+    def read_power_w(self, gpu: GPUIdentity) -> float | None:
+        return self._gpus[gpu.index].power_at(self._clock())
 
     def read(self, gpu: GPUIdentity, *, processes: bool = False, process_utilization: bool = False,
              gpm: bool = False) -> GPUReading:
@@ -101,7 +96,7 @@ class SimulatedBackend(GPUBackend):
             power = g.power_at(now)
             avg = sum(g.power_at(now - (k + 0.5) * 0.05) for k in range(20)) / 20  # NVML's 1 s average
             load = g.load
-            energy_mj = int(g.energy_j * 1000)
+            energy_mj = int(g.energy_j * 1000)  # an integer millijoule counter, as NVML's
             pid = g.pid
         used = int(g.memory_total * (0.05 + 0.8 * load))
         sm = 95.0 * load if process_utilization else None
@@ -110,13 +105,16 @@ class SimulatedBackend(GPUBackend):
             if processes or process_utilization else None
         )
         return GPUReading(
-            timestamp=now, energy_mj=energy_mj, power_instant_mw=power * 1000, power_average_mw=avg * 1000,
-            power_limit_mw=g.limit_w * 1000, memory_used_bytes=used, memory_total_bytes=g.memory_total,
-            memory_reserved_bytes=512 * 1024**2, util_gpu_pct=98.0 * load, util_memory_pct=55.0 * load,
+            timestamp=now, energy_j=joules(energy_mj), power_instant_w=power, power_average_w=avg,
+            power_limit_w=g.limit_w, memory_used_bytes=used, memory_total_bytes=g.memory_total,
+            memory_reserved_bytes=512 * 1024**2,
+            util_gpu_ratio=ratio(98.0 * load), util_memory_ratio=ratio(55.0 * load),
             temperature_gpu_c=34 + 40 * load, temperature_memory_c=38 + 35 * load,
-            clock_sm_mhz=1980.0 if load else 345.0, clock_memory_mhz=2619.0,
-            clocks_event_reasons=0x1 if load == 0 else 0x0,
+            clock_sm_hz=1980e6 if load else 345e6, clock_memory_hz=2619e6,
+            clock_events=frozenset({"gpu_idle"}) if load == 0 else frozenset(),
             processes=procs,
-            gpm={"sm_active": 80.0 * load, "sm_occupancy": 45.0 * load, "tensor_active": 60.0 * load,
-                 "dram_bandwidth": 40.0 * load, "graphics_active": 98.0 * load} if gpm else {},
+            # The simulated driver speaks percent like NVML, so the ratios are the same floats as a real GPU's.
+            gpm={"sm_active": ratio(80.0 * load), "sm_occupancy": ratio(45.0 * load),
+                 "tensor_active": ratio(60.0 * load), "dram_bandwidth": ratio(40.0 * load),
+                 "graphics_active": ratio(98.0 * load)} if gpm else {},
         )

@@ -15,6 +15,7 @@ it. ``SnapshotCollector`` yields the same families for prometheus_client's regis
 from __future__ import annotations
 
 import logging
+import platform
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
@@ -24,12 +25,24 @@ from prometheus_client.core import Metric
 from prometheus_client.registry import Collector as PromCollector
 from prometheus_client.registry import CollectorRegistry
 
-from gpu_energy_exporter.collectors.gpu import GPU_SAMPLE_AGE, build_info_family
+from gpu_energy_exporter import __version__
 from gpu_energy_exporter.core import encoder
-from gpu_energy_exporter.core.metrics import add
+from gpu_energy_exporter.core.metrics import add, define
+from gpu_energy_exporter.core.state import GPU_SAMPLE_AGE
 from gpu_energy_exporter.engine.sampler import Sampler
 
 log = logging.getLogger(__name__)
+
+BUILD_INFO = define(
+    "build", "info", "info", "Exporter version and Python runtime.", ["version", "python_version"],
+    collector="exporter",
+)
+
+
+def build_info_family() -> Metric:
+    fam = BUILD_INFO.family()
+    add(fam, [], {"version": __version__, "python_version": platform.python_version()})
+    return fam
 
 LiveSource = Callable[[], Iterable[Metric]]
 

@@ -3,7 +3,8 @@
 Every ``--collector.interval`` the sampler runs each enabled collector (timing it, catching its failure so
 the others keep working), builds the self-metrics, and publishes one frozen ``Snapshot``. Publishing is a
 single reference assignment, so readers (the /metrics handler, the run ledger, ``top``) always see one
-consistent sample without locks. The scrape path must only ever read ``Sampler.snapshot``.
+consistent sample without locks. The scrape path must only ever read ``Sampler.snapshot``. The snapshot
+and the GPU states it carries are plain values (``core.state``): their readers need nothing of this module.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from prometheus_client.core import Metric
 
 from gpu_energy_exporter.collectors.base import Collector, NoData
 from gpu_energy_exporter.core.metrics import add, define
-from gpu_energy_exporter.devices.base import GPUIdentity, GPUReading
+from gpu_energy_exporter.core.state import CollectorResult, GPUState, Snapshot
 
 log = logging.getLogger(__name__)
 
@@ -35,47 +36,6 @@ SNAPSHOT_TIMESTAMP = define(
     "snapshot", "timestamp_seconds", "gauge",
     "Unix time at which the snapshot served on /metrics was taken.", collector="exporter", unit="seconds",
 )
-
-
-@dataclass(frozen=True)
-class GPUState:
-    """What the exporter knows about one GPU after a sample."""
-
-    identity: GPUIdentity
-    up: bool
-    reading: GPUReading | None  # the last good reading (kept while the GPU is down)
-    energy_j: float | None  # monotonic energy counter, joules
-    energy_resets: int
-    last_good: float | None  # unix time of the last good reading
-    idle_power_w: float | None = None
-    idle_power_source: str = ""
-    error: str = ""
-
-
-@dataclass(frozen=True)
-class CollectorResult:
-    name: str
-    success: bool
-    duration_s: float
-    error: str = ""
-
-
-@dataclass(frozen=True)
-class Snapshot:
-    seq: int
-    timestamp: float
-    families: tuple[Metric, ...]
-    results: tuple[CollectorResult, ...]
-    gpus: tuple[GPUState, ...] = ()
-
-    def value(self, name: str) -> float | None:
-        """The first sample called ``name`` in this snapshot (for unlabelled series such as host memory)."""
-        for fam in self.families:
-            for sample in fam.samples:
-                if sample.name == name:
-                    return float(sample.value)
-        return None
-
 
 _STILL_RUNNING = "update still running (slow or hung driver?); serving its last result"
 

@@ -36,7 +36,7 @@ from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-from gpu_energy_exporter.devices.base import GPUIdentity
+from gpu_energy_exporter.core.state import GPUIdentity
 from gpu_energy_exporter.kubernetes.assignments import DeviceAssignment, PodRef
 
 METHOD_EXCLUSIVE = "exclusive"

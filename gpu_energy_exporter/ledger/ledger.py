@@ -55,8 +55,8 @@ from typing import IO, Any, Protocol
 from prometheus_client.core import Metric
 
 from gpu_energy_exporter.core import metrics
+from gpu_energy_exporter.core.state import GPUState, Snapshot
 from gpu_energy_exporter.core.textfmt import json_safe
-from gpu_energy_exporter.engine.sampler import GPUState, Snapshot
 from gpu_energy_exporter.ledger import split as ledger_split
 from gpu_energy_exporter.ledger.split import Holding
 from gpu_energy_exporter.reference.gpu_specs import lookup_peak_flops
@@ -498,8 +498,7 @@ def _gpu_frame(g: GPUState) -> _GPUFrame:
     mem = total = None
     if r is not None:
         mem, total = r.memory_used_bytes, r.memory_total_bytes
-        mw = r.power_instant_mw if r.power_instant_mw is not None else r.power_average_mw
-        power = mw / 1000.0 if mw is not None else None
+        power = r.power_instant_w if r.power_instant_w is not None else r.power_average_w
     if not g.up:
         power = mem = None
     return _GPUFrame(

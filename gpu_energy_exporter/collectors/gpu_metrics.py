@@ -1,0 +1,178 @@
+"""The per-GPU series: their specs, and a reading turned into samples.
+
+Pure: ``emit_reading`` adds one ``core.state.GPUReading`` (already in base units) to the families of one
+sample; it never converts a unit, never reads a clock and never calls NVML. The energy counter's series
+are emitted by ``collectors.gpu_tracks`` (they depend on the plausibility filter), the rest of the
+collector's work (NVML availability, discovery, isolation of failures) is ``collectors.gpu``.
+"""
+
+from __future__ import annotations
+
+from prometheus_client.core import Metric
+
+from gpu_energy_exporter.core.metrics import GPU_LABELS, Kind, MetricSpec, add, define
+from gpu_energy_exporter.core.state import CLOCK_EVENT_REASONS, GPUReading
+
+_G = GPU_LABELS
+
+
+def _gpu(name: str, kind: Kind, help: str, extra: tuple[str, ...] = (), unit: str = "") -> MetricSpec:
+    return define("gpu", name, kind, help, _G + extra, collector="gpu", unit=unit)
+
+
+NVML_AVAILABLE = define(
+    "nvml", "available", "gauge",
+    "1 if NVML initialised; 0 with the reason label (driver_not_loaded, library_not_found, no_permission, "
+    "...) if not.", ["reason"], collector="gpu",
+)
+NVML_INFO = define(
+    "nvml", "info", "info", "NVML and driver versions.",
+    ["driver_version", "nvml_version", "cuda_driver_version", "backend"], collector="gpu",
+)
+GPU_INFO = _gpu(
+    "info", "info",
+    "GPU identity: model, driver, PCI bus id, architecture, how energy is measured (energy_method: counter "
+    "| integrated_instant_power | integrated_power_usage | none), MIG mode and the data source (backend: "
+    "nvml, or simulated for the demo).",
+    ("model", "driver_version", "pci_bus_id", "architecture", "compute_capability", "energy_method",
+     "mig_mode", "backend"),
+)
+GPU_UP = _gpu("up", "gauge", "1 if the GPU answered the last sample, 0 if it is lost or failing.")
+ENERGY = _gpu(
+    "energy_joules_total", "counter",
+    "Energy consumed by the GPU. NVML's energy counter as the driver keeps it (since driver load; a driver "
+    "reload restarts it, a counter reset that rate() and increase() handle), implausible readings held back; "
+    "or, without a counter, trapezoid integration of sampled instant power since exporter start.",
+    unit="joules",
+)
+ENERGY_RESETS = _gpu(
+    "energy_resets_total", "counter",
+    "Confirmed resets of the NVML energy counter (driver reload, GPU reset): it restarted near zero and "
+    "the next reading grew from there at a plausible power.",
+)
+ENERGY_REJECTED = _gpu(
+    "energy_rejected_readings_total", "counter",
+    "Energy counter readings held back as implausible, by reason: decrease (below the last accepted value "
+    "and not a restarted counter), jump (rose faster than the GPU can draw), unconfirmed (a first reading "
+    "the next one contradicted).",
+    ("reason",),
+)
+POWER = _gpu(
+    "power_watts", "gauge",
+    "Instant power draw (NVML_FI_DEV_POWER_INSTANT, or nvmlDeviceGetPowerUsage on GPUs where it is instant). "
+    "On A100/H100 it reflects ~25 ms of every 100 ms: use the energy counter for energy.",
+    unit="watts",
+)
+POWER_AVERAGE = _gpu(
+    "power_average_watts", "gauge",
+    "Power averaged by the driver over ~1 s (NVML_FI_DEV_POWER_AVERAGE, or nvmlDeviceGetPowerUsage on Ampere "
+    "and newer except GA100).",
+    unit="watts",
+)
+MODULE_POWER = _gpu(
+    "module_power_watts", "gauge",
+    "Grace Hopper module power (GPU + Grace CPU + memory). Includes the GPU's power: never add it to "
+    "gpuenergy_gpu_power_watts.",
+    unit="watts",
+)
+POWER_LIMIT = _gpu("power_limit_watts", "gauge", "Enforced power limit.", unit="watts")
+MEM_USED = _gpu("memory_used_bytes", "gauge", "Framebuffer memory in use.", unit="bytes")
+MEM_TOTAL = _gpu("memory_total_bytes", "gauge", "Framebuffer memory size.", unit="bytes")
+MEM_RESERVED = _gpu(
+    "memory_reserved_bytes", "gauge", "Framebuffer memory reserved by the driver and firmware.", unit="bytes"
+)
+UTIL = _gpu(
+    "utilization_ratio", "gauge",
+    "Fraction of the last sample period in which one or more kernels ran (NVML time-active utilisation; "
+    "not SM occupancy: see sm_active_ratio).",
+)
+MEM_UTIL = _gpu(
+    "memory_utilization_ratio", "gauge", "Fraction of the last sample period the memory controller was busy."
+)
+TEMP = _gpu("temperature_celsius", "gauge", "GPU die temperature.", unit="celsius")
+MEM_TEMP = _gpu("memory_temperature_celsius", "gauge", "HBM memory temperature.", unit="celsius")
+SM_CLOCK = _gpu("sm_clock_hertz", "gauge", "Current SM clock.", unit="hertz")
+MEM_CLOCK = _gpu("memory_clock_hertz", "gauge", "Current memory clock.", unit="hertz")
+CLOCK_EVENT = _gpu(
+    "clock_event_active", "gauge",
+    "1 while the clock-event (throttle) reason is active: gpu_idle, applications_clocks_setting, "
+    "sw_power_cap, hw_slowdown, sync_boost, sw_thermal_slowdown, hw_thermal_slowdown, "
+    "hw_power_brake_slowdown, display_clock_setting.",
+    ("reason",),
+)
+GPM_SPECS = {
+    "graphics_active": _gpu(
+        "graphics_active_ratio", "gauge", "GPM: fraction of time any graphics/compute engine was active."),
+    "sm_active": _gpu("sm_active_ratio", "gauge", "GPM: fraction of SMs busy (averaged over time and SMs)."),
+    "sm_occupancy": _gpu(
+        "sm_occupancy_ratio", "gauge", "GPM: resident warps as a fraction of the theoretical maximum."),
+    "tensor_active": _gpu(
+        "tensor_active_ratio", "gauge", "GPM: fraction of time the SMs issued any tensor-core instruction."),
+    "dram_bandwidth": _gpu(
+        "dram_bandwidth_utilization_ratio", "gauge", "GPM: DRAM bandwidth used as a fraction of the peak."),
+}
+PROCESS_MEMORY = _gpu(
+    "process_memory_used_bytes", "gauge",
+    "GPU memory used by each compute process (opt-in: --collector.processes; pid label is high-cardinality).",
+    ("pid",), unit="bytes",
+)
+COMPUTE_PROCESSES = _gpu(
+    "compute_processes", "gauge",
+    "Number of compute processes on the GPU (read while the idle baseline is learned, or with "
+    "--collector.processes).",
+)
+FIELD_ERRORS = define(
+    "nvml", "field_errors_total", "counter",
+    "NVML readings that could not be had, per GPU, field and reason. not_supported and function_not_found "
+    "(the GPU or driver lacks it, after falling back to older function versions) are asked once, so count 1; "
+    "no_data (NO_DATA, NOT_READY: nothing to read this time), nvml_error and exception are retried every "
+    "sample. The other readings go on either way.",
+    _G + ("field", "reason"), collector="gpu",
+)
+IDLE_POWER = _gpu(
+    "idle_power_watts", "gauge",
+    "Idle power baseline: learned (20th percentile of power while no compute process ran) or from "
+    "--gpu.idle-power. Dynamic energy = energy - idle power x time.",
+    ("source",), unit="watts",
+)
+
+PER_GPU_SPECS = [
+    GPU_UP, ENERGY, ENERGY_RESETS, ENERGY_REJECTED, POWER, POWER_AVERAGE, MODULE_POWER, POWER_LIMIT, MEM_USED,
+    MEM_TOTAL, MEM_RESERVED, UTIL, MEM_UTIL, TEMP, MEM_TEMP, SM_CLOCK, MEM_CLOCK, CLOCK_EVENT, *GPM_SPECS.values(),
+    PROCESS_MEMORY, COMPUTE_PROCESSES, IDLE_POWER,
+]
+
+def emit_reading(fams: dict[str, Metric], r: GPUReading, labels: list[str], *, processes: bool) -> None:
+    """The samples of one good reading (all but energy and idle power). ``processes``: with the
+    per-process memory series (``--collector.processes``)."""
+
+    def put(spec: MetricSpec, value: float | None) -> None:
+        if value is not None:
+            add(fams[spec.name], labels, value)
+
+    put(POWER, r.power_instant_w)
+    put(POWER_AVERAGE, r.power_average_w)
+    put(MODULE_POWER, r.module_power_w)
+    put(POWER_LIMIT, r.power_limit_w)
+    put(MEM_USED, r.memory_used_bytes)
+    put(MEM_TOTAL, r.memory_total_bytes)
+    put(MEM_RESERVED, r.memory_reserved_bytes)
+    put(UTIL, r.util_gpu_ratio)
+    put(MEM_UTIL, r.util_memory_ratio)
+    put(TEMP, r.temperature_gpu_c)
+    put(MEM_TEMP, r.temperature_memory_c)
+    put(SM_CLOCK, r.clock_sm_hz)
+    put(MEM_CLOCK, r.clock_memory_hz)
+    if r.clock_events is not None:
+        fam = fams[CLOCK_EVENT.name]
+        for reason in CLOCK_EVENT_REASONS:
+            add(fam, [*labels, reason], 1.0 if reason in r.clock_events else 0.0)
+    for key, spec in GPM_SPECS.items():
+        if key in r.gpm:
+            put(spec, r.gpm[key])
+    if r.processes is not None:
+        put(COMPUTE_PROCESSES, float(len(r.processes)))
+        if processes:
+            for p in r.processes:
+                if p.used_memory_bytes is not None:
+                    add(fams[PROCESS_MEMORY.name], [*labels, str(p.pid)], p.used_memory_bytes)

@@ -1,0 +1,217 @@
+"""What the GPU collector remembers per GPU between samples: its energy and its idle power.
+
+Energy comes from NVML's energy counter where the GPU has one (Volta and newer), every reading checked for
+plausibility before it is exposed (``core.energy.EnergyCounter``: bad readings are held back and counted,
+driver resets confirmed before they show); otherwise from a fast power sampler thread (``PowerSampler``)
+integrating instant power with the trapezoid rule. The idle baseline is learned from power while no compute
+process runs. Readings arrive in base units (``core.state.GPUReading``): nothing here converts a unit.
+
+Touched only by the sampler thread, except a track's integrator, which ``PowerSampler`` feeds from its own
+thread. Never called from the scrape path.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from prometheus_client.core import Metric
+
+from gpu_energy_exporter.collectors.gpu_metrics import ENERGY, ENERGY_REJECTED, ENERGY_RESETS, IDLE_POWER
+from gpu_energy_exporter.core.energy import REJECT_REASONS, EnergyCounter, TrapezoidIntegrator, Verdict
+from gpu_energy_exporter.core.metrics import add
+from gpu_energy_exporter.core.state import GPUIdentity, GPUReading, GPUState
+from gpu_energy_exporter.devices.base import GPUBackend
+
+log = logging.getLogger(__name__)
+
+
+class IdleBaseline:
+    """Learn a GPU's idle power from samples taken while no compute process runs.
+
+    Uses the 20th percentile of the most recent idle samples: a GPU that just finished a job stays at a
+    high performance state for a while, and a low percentile ignores that tail without trusting a single
+    outlier.
+    """
+
+    def __init__(self, window: int = 600, min_samples: int = 10) -> None:
+        self._samples: deque[float] = deque(maxlen=window)
+        self._min = min_samples
+        self._value: float | None = None
+        self._dirty = 0
+
+    def add(self, watts: float) -> None:
+        self._samples.append(watts)
+        self._dirty += 1
+
+    @property
+    def value(self) -> float | None:
+        if len(self._samples) < self._min:
+            return None
+        if self._value is None or self._dirty >= 10:
+            ordered = sorted(self._samples)
+            self._value = ordered[int(0.2 * (len(ordered) - 1))]
+            self._dirty = 0
+        return self._value
+
+
+def max_power_w(r: GPUReading) -> float | None:
+    """The most this reading says the GPU can draw: its enforced limit, or a power reading above it."""
+    known = [w for w in (r.power_limit_w, r.power_average_w, r.power_instant_w) if w is not None]
+    return max(known) if known else None
+
+
+@dataclass
+class GPUTrack:
+    """Mutable per-GPU state, touched only by the sampler thread (the integrator also by PowerSampler)."""
+
+    identity: GPUIdentity
+    counter: EnergyCounter = field(default_factory=EnergyCounter)
+    integrator: TrapezoidIntegrator | None = None
+    logged: set[str] = field(default_factory=set)  # rejection reasons already logged at warning level
+    fresh: bool = False  # this sample's energy counter reading was accepted
+    idle: IdleBaseline = field(default_factory=IdleBaseline)
+    reading: GPUReading | None = None
+    last_good: float | None = None
+    up: bool = False
+    error: str = ""
+
+    # ---- the energy counter
+
+    def count_energy(self, backend: GPUBackend, r: GPUReading, started: float, done: float,
+                     monotonic: Callable[[], float]) -> None:
+        """Feed the counter one reading. ``started``/``done``: the monotonic clock around the read (the
+        counter was read in between)."""
+        assert r.energy_j is not None
+        self._judge(self.counter.update(r.energy_j, done, started=started, stamp=r.timestamp,
+                                        max_power_w=max_power_w(r)))
+        if self.counter.awaiting_first:
+            # Nothing trusted yet (start-up): a second reading now confirms the first, so the counter is
+            # exposed from the first sample instead of one interval later.
+            try:
+                started = monotonic()
+                again = backend.read(self.identity)
+            except Exception:  # noqa: BLE001 - one GPU never takes the others down; the next update reports it
+                log.debug("GPU %d: confirming read of the energy counter failed", self.identity.index, exc_info=True)
+                return
+            if again.energy_j is not None:
+                self._judge(self.counter.update(again.energy_j, monotonic(), started=started,
+                                                stamp=again.timestamp, max_power_w=max_power_w(again)))
+
+    def _judge(self, v: Verdict) -> None:
+        g, c = self.identity, self.counter
+        self.fresh = v.accepted
+        for reason in v.rejected:
+            level = logging.DEBUG if reason in self.logged else logging.WARNING
+            self.logged.add(reason)
+            log.log(level, "GPU %d (%s): energy counter reading rejected as implausible (%s); the counter "
+                    "stays at %s J and has no sample until a reading is accepted. Counted in "
+                    "gpuenergy_gpu_energy_rejected_readings_total; the rules are in docs/measurement.md. "
+                    "Further ones are logged at debug level.", g.index, g.uuid, reason,
+                    "none" if c.exposed_j is None else f"{c.exposed_j:.3f}")
+        if v.reset:
+            log.info("GPU %d (%s): energy counter reset (driver reload or GPU reset) confirmed, now %.3f J; "
+                     "credited %.1f J for the part of the interval before it", g.index, g.uuid,
+                     c.exposed_j or 0.0, v.credit_j)
+
+    def _exposed(self) -> tuple[float | None, float | None]:
+        """The exposed energy (J) and the wall time it was measured at."""
+        if self.integrator is not None:
+            return (self.integrator.energy_j, self.integrator.last_t) if self.integrator.samples else (None, None)
+        return self.counter.exposed_j, self.counter.exposed_stamp
+
+    def emit_energy(self, fams: dict[str, Metric], labels: list[str], timestamps: bool) -> None:
+        energy, when = self._exposed()
+        # The counter is exposed only when this sample's reading was accepted. Held back, unreadable or lost,
+        # it is absent (Prometheus marks it stale): the next accepted value then spreads over the gap in
+        # rate()/increase(), where a held flat value would pour the gap's energy into the scrape after it
+        # and over-count any window starting inside the gap. No timestamp by default (Prometheus' exporter
+        # guidelines): the scrape time is used.
+        if energy is not None and (self.fresh or self.integrator is not None):
+            add(fams[ENERGY.name], labels, energy, timestamp=when if timestamps else None)
+        if self.integrator is None:
+            add(fams[ENERGY_RESETS.name], labels, float(self.counter.resets))
+            for reason in REJECT_REASONS:
+                add(fams[ENERGY_REJECTED.name], [*labels, reason], float(self.counter.rejected[reason]))
+
+    def energy(self) -> float | None:
+        """Monotonic energy for in-process consumers (ledger, pod attribution)."""
+        if self.integrator is not None:
+            return self.integrator.energy_j if self.integrator.samples else None
+        return self.counter.total_j
+
+    # ---- idle power
+
+    def learn_idle(self, r: GPUReading) -> None:
+        """A reading with no compute process running is an idle sample (the ~1 s average, else instant)."""
+        power = r.power_average_w if r.power_average_w is not None else r.power_instant_w
+        if r.processes is not None and not r.processes and power is not None:
+            self.idle.add(power)
+
+    def idle_power(self, flag_w: float | None) -> tuple[float | None, str]:
+        if flag_w is not None:
+            return flag_w, "flag"
+        return self.idle.value, "learned"
+
+    def emit_idle(self, fams: dict[str, Metric], labels: list[str], flag_w: float | None) -> None:
+        idle, source = self.idle_power(flag_w)
+        if idle is not None:
+            add(fams[IDLE_POWER.name], [*labels, source], idle)
+
+    def state(self, idle_flag_w: float | None) -> GPUState:
+        idle, source = self.idle_power(idle_flag_w)
+        return GPUState(
+            identity=self.identity, up=self.up, reading=self.reading, energy_j=self.energy(),
+            energy_resets=self.counter.resets, last_good=self.last_good, idle_power_w=idle,
+            idle_power_source=source, error=self.error,
+        )
+
+
+class PowerSampler:
+    """Fast sampler integrating instant power for GPUs without an energy counter (pre-Volta).
+
+    Ticks on a fixed schedule (``interval``, 20 ms at the lowest) so the trapezoid intervals stay even;
+    GPUs with an energy counter are never polled here.
+    """
+
+    def __init__(self, backend: GPUBackend, tracks: list[GPUTrack], interval: float,
+                 clock: Callable[[], float] = time.time) -> None:
+        self._backend = backend
+        self._tracks = [t for t in tracks if t.integrator is not None]
+        self._interval = max(0.02, interval)
+        self._clock = clock
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def tick(self) -> None:
+        for t in self._tracks:
+            try:
+                watts = self._backend.read_power_w(t.identity)
+            except Exception:  # noqa: BLE001 - GPULost or worse: the main sampler reports it
+                continue
+            if watts is not None and t.integrator is not None:
+                t.integrator.add(self._clock(), watts)
+
+    def _run(self) -> None:
+        next_tick = time.monotonic()
+        while not self._stop.wait(max(0.0, next_tick - time.monotonic())):
+            self.tick()
+            next_tick += self._interval
+            if next_tick < time.monotonic():
+                next_tick = time.monotonic() + self._interval
+
+    def start(self) -> None:
+        if not self._tracks:
+            return
+        self.tick()
+        self._thread = threading.Thread(target=self._run, name="power-sampler", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(2.0)

@@ -1,0 +1,136 @@
+"""What the exporter knows about its GPUs and its last sample, in base units: plain frozen values.
+
+The device backends (``devices/``) build ``GPUIdentity`` and ``GPUReading``; the GPU collector keeps one
+``GPUState`` per GPU; the sampler publishes a ``Snapshot`` that the scrape, the run ledger, pod attribution
+and the JSON API read. Every quantity is in the unit its field name says (``_j`` joules, ``_w`` watts,
+``_ratio`` 0..1, ``_hz`` hertz, ``_bytes``, ``_c`` degrees Celsius, ``_s`` seconds): vendor units (NVML's
+milliwatts, millijoules, percent, MHz, bitmasks) stop in ``devices/``, and nothing above converts again.
+
+This module holds data only: it never calls NVML, never reads a clock and never does I/O.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from prometheus_client.core import Metric
+
+from gpu_energy_exporter.core.metrics import GPU_LABELS, define
+
+#: How a GPU's energy counter is obtained (the ``energy_method`` info label).
+ENERGY_METHOD_COUNTER = "counter"  # nvmlDeviceGetTotalEnergyConsumption (Volta and newer)
+ENERGY_METHOD_INTEGRATED_INSTANT = "integrated_instant_power"  # trapezoid over NVML_FI_DEV_POWER_INSTANT
+ENERGY_METHOD_INTEGRATED_USAGE = "integrated_power_usage"  # trapezoid over nvmlDeviceGetPowerUsage
+ENERGY_METHOD_NONE = "none"  # no power reading at all
+
+#: Clock-event (throttle) reasons a reading can report, in the order the ``reason`` label is exposed.
+CLOCK_EVENT_REASONS: tuple[str, ...] = (
+    "gpu_idle", "applications_clocks_setting", "sw_power_cap", "hw_slowdown", "sync_boost",
+    "sw_thermal_slowdown", "hw_thermal_slowdown", "hw_power_brake_slowdown", "display_clock_setting",
+)
+
+#: Computed at scrape time from ``GPUState.last_good`` (the one per-GPU value the snapshot cannot hold).
+GPU_SAMPLE_AGE = define(
+    "gpu", "last_sample_age_seconds", "gauge", "Seconds since the last good sample of this GPU (computed at scrape).",
+    GPU_LABELS, collector="gpu", unit="seconds",
+)
+
+
+@dataclass(frozen=True)
+class GPUIdentity:
+    """What does not change while the driver stays loaded."""
+
+    index: int  # NVML index (not the CUDA_VISIBLE_DEVICES index)
+    uuid: str  # "GPU-..." (stable across reboots; the join key)
+    name: str  # product name, e.g. "NVIDIA H100 80GB HBM3"
+    pci_bus_id: str  # "00000000:17:00.0"
+    architecture: str  # "volta", "ampere", "hopper", ... or "unknown"
+    compute_capability: str  # "9.0" or ""
+    energy_method: str  # one of ENERGY_METHOD_*
+    #: nvmlDeviceGetPowerUsage is a 1 s average (Ampere+ except GA100) rather than instant power.
+    power_usage_is_average: bool
+    mig_enabled: bool = False
+    mig_devices: tuple[MIGDevice, ...] = ()
+
+
+@dataclass(frozen=True)
+class MIGDevice:
+    uuid: str  # "MIG-..."
+    parent_uuid: str
+    index: int  # MIG device index within the parent
+
+
+@dataclass(frozen=True)
+class GPUProcess:
+    pid: int
+    used_memory_bytes: int | None
+    #: SM utilisation of the process over the last interval (nvmlDeviceGetProcessUtilization), when known.
+    #: Percent as the driver reports it, on purpose: it is never exposed, only a relative weight for
+    #: sharing one GPU's energy between pods, and scaling it would move the last digit of that split.
+    sm_util_pct: float | None = None
+
+
+@dataclass(frozen=True)
+class GPUReading:
+    """One sample of one GPU, in base units. Every reading field may be None (not available)."""
+
+    timestamp: float  # time.time() when the sample was taken
+    energy_j: float | None = None  # the driver's energy counter, as read (may go backwards: see core.energy)
+    power_instant_w: float | None = None
+    power_average_w: float | None = None  # ~1 s average
+    module_power_w: float | None = None  # Grace Hopper module scope (GPU + CPU + memory)
+    power_limit_w: float | None = None  # enforced limit
+    memory_used_bytes: int | None = None
+    memory_total_bytes: int | None = None
+    memory_reserved_bytes: int | None = None
+    util_gpu_ratio: float | None = None  # 0..1
+    util_memory_ratio: float | None = None  # 0..1
+    temperature_gpu_c: float | None = None
+    temperature_memory_c: float | None = None
+    clock_sm_hz: float | None = None
+    clock_memory_hz: float | None = None
+    clock_events: frozenset[str] | None = None  # active CLOCK_EVENT_REASONS; None: not readable
+    processes: tuple[GPUProcess, ...] | None = None
+    gpm: dict[str, float] = field(default_factory=dict)  # GPM metric name -> ratio 0..1
+
+
+@dataclass(frozen=True)
+class GPUState:
+    """What the exporter knows about one GPU after a sample."""
+
+    identity: GPUIdentity
+    up: bool
+    reading: GPUReading | None  # the last good reading (kept while the GPU is down)
+    energy_j: float | None  # monotonic energy counter, joules
+    energy_resets: int
+    last_good: float | None  # unix time of the last good reading
+    idle_power_w: float | None = None
+    idle_power_source: str = ""
+    error: str = ""
+
+
+@dataclass(frozen=True)
+class CollectorResult:
+    name: str
+    success: bool
+    duration_s: float
+    error: str = ""
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """One published sample: the families every collector built, their results and the GPU states."""
+
+    seq: int
+    timestamp: float
+    families: tuple[Metric, ...]
+    results: tuple[CollectorResult, ...]
+    gpus: tuple[GPUState, ...] = ()
+
+    def value(self, name: str) -> float | None:
+        """The first sample called ``name`` in this snapshot (for unlabelled series such as host memory)."""
+        for fam in self.families:
+            for sample in fam.samples:
+                if sample.name == name:
+                    return float(sample.value)
+        return None
