@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from gpu_energy_exporter.http.messages import Headers
 
@@ -43,8 +43,7 @@ class ClientFault(Exception):
         self.reason = reason  # the label counted in ``HTTPServer.stats``
 
 
-@dataclass(frozen=True)
-class Framing:
+class Framing(NamedTuple):
     """What the header fields say: the headers, whether the connection stays open, and how the body is
     framed (``chunked``, else ``length`` bytes; 0 when none)."""
 
