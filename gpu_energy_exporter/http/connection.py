@@ -14,7 +14,8 @@ port's bounds on connections and buffered bytes.
 
 Everything here runs on the selector thread and never blocks: sockets are non-blocking, a complete
 request is handed to ``dispatch`` (the server's), and a response arrives as bytes through
-``start_write``. This module never runs a handler and never parses bytes itself (``parsing`` does).
+``start_write``. This module never runs a handler and never interprets request syntax itself
+(``parsing`` does).
 """
 
 from __future__ import annotations

@@ -33,7 +33,6 @@ CLIENT_AUTH_TYPES: tuple[str, ...] = (
     "VerifyClientCertIfGiven",
     "RequireAndVerifyClientCert",
 )
-# "RequireClientCert" is the old spelling exporter-toolkit still accepts.
 
 TLS_VERSIONS: dict[str, ssl.TLSVersion] = {
     "TLS10": ssl.TLSVersion.TLSv1,
@@ -59,6 +58,7 @@ CIPHER_SUITES: dict[str, str | None] = {
     "TLS_AES_256_GCM_SHA384": None,
     "TLS_CHACHA20_POLY1305_SHA256": None,
 }
+#: The curve names exporter-toolkit accepts (the loader refuses them all: Python cannot set a curve list).
 CURVES = ("CurveP256", "CurveP384", "CurveP521", "X25519")
 
 
