@@ -167,7 +167,7 @@ def _profile(ctx: Context) -> Table:
         with harness.FlameGraph(exp.pid, outdir / "flame.svg") as flame:
             points, _, _ = _push_all(exp, bodies, harness.PROTOBUF_HEADERS, duration)
         time.sleep(0.5)  # the server threads end and hand in their profiles
-    # httpserver: small pushes are handled on the selector thread (otlp-http), larger ones on a worker
+    # http.server.HTTPServer: small pushes are handled on the selector thread (otlp-http), larger ones on a worker
     for prof in (outdir / "otlp-http.prof", outdir / "otlp-worker.prof"):
         print(f"\n#### Profile of the OTLP server's {prof.stem.split('-')[-1]} threads, protobuf, 1 rank per "
               f"request: top 15 by cumulative time ({prof})\n")

@@ -104,8 +104,8 @@ def _write(outdir: Path, main_prof: cProfile.Profile) -> None:
 IDLE = (r"threading\.py:\d+\((run|_bootstrap\w*)\)|web\.py:\d+\((_serve_connection|__init__|handle_one_request)\)"
         r"|socketserver\.py|http/server\.py:\d+\(handle\)|\(readline\)|'readline'|\(readinto\)|recv_into"
         r"|'poll' of|select\.py|selectors\.py|\(serve_forever\)"
-        # httpserver: the selector loop and a worker's wait for its next job
-        r"|httpserver\.py:\d+\((_loop|_work)\)|'get' of '_queue")
+        # gpu_energy_exporter/http/server.py: the selector loop and a worker's wait for its next job
+        r"|gpu_energy_exporter/http/server\.py:\d+\((_loop|_work)\)|'get' of '_queue")
 
 
 def _short(func: tuple[str, int, str]) -> str:

@@ -17,7 +17,7 @@ from gpu_energy_exporter.core.errors import ConfigError
 from gpu_energy_exporter.daemon import demo
 from gpu_energy_exporter.daemon.exporter import Exporter
 from gpu_energy_exporter.devices.simulated import SimulatedBackend
-from gpu_energy_exporter.http.server import listen_text
+from gpu_energy_exporter.http.listen import listen_text
 
 
 def _cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:

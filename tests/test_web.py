@@ -31,7 +31,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 from gpu_energy_exporter import __version__
 from gpu_energy_exporter.core.errors import ConfigError
 from gpu_energy_exporter.daemon.endpoints import accepts_gzip, exporter_routes, new_exporter_server
-from gpu_energy_exporter.http.server import HTTPError, HTTPServer, Request, Response
+from gpu_energy_exporter.http.messages import HTTPError, Request, Response
+from gpu_energy_exporter.http.server import HTTPServer
 from gpu_energy_exporter.http.webconfig import WebConfig, load_web_config
 
 PROM3_ACCEPT = (

@@ -15,12 +15,9 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
 from gpu_energy_exporter.core.errors import ConfigError
-from gpu_energy_exporter.http.webconfig import (
-    TLSServerConfig,
-    WebConfig,
-    load_web_config,
-    parse_basic_authorization,
-)
+from gpu_energy_exporter.http.basicauth import parse_basic_authorization
+from gpu_energy_exporter.http.tls import TLSServerConfig
+from gpu_energy_exporter.http.webconfig import WebConfig, load_web_config
 
 
 def self_signed(directory: Path, name: str) -> tuple[Path, Path]:

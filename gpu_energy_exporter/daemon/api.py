@@ -15,7 +15,7 @@ from urllib.parse import parse_qs
 
 from gpu_energy_exporter import __version__
 from gpu_energy_exporter.engine.sampler import Sampler
-from gpu_energy_exporter.http.server import HTTPError, Request, Response
+from gpu_energy_exporter.http.messages import HTTPError, Request, Response
 
 
 def status_document(

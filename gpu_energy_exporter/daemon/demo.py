@@ -37,7 +37,7 @@ from gpu_energy_exporter.core.config import (
     parse_duration,
 )
 from gpu_energy_exporter.core.errors import ConfigError, ExporterError
-from gpu_energy_exporter.http.server import client_url
+from gpu_energy_exporter.http.listen import client_url
 
 log = logging.getLogger(__name__)
 

@@ -156,8 +156,9 @@ def push_mapping_markdown() -> list[str]:
 
 
 def _http_limits() -> list[str]:
+    from gpu_energy_exporter.http import connection, parsing
     from gpu_energy_exporter.http import server as h
-    from gpu_energy_exporter.http import webconfig as w
+    from gpu_energy_exporter.http.basicauth import AUTH_CACHE_MAX
     from gpu_energy_exporter.otlp.receiver import INLINE_MAX_BODY
 
     inline_kib = INLINE_MAX_BODY // 1024
@@ -185,21 +186,21 @@ def _http_limits() -> list[str]:
         "one whose answer has waited longest (over a second) for its client to read it. Requests being handled "
         "are never cut. A scraper's fresh connection is the newest, so a flood of slow, idle or non-reading "
         "connections cannot lock it out. Answers waiting for slow readers are capped at "
-        f"{h._MAX_PENDING_OUT >> 20} MiB per port (the longest-waiting is cut beyond). The exporter raises its "
+        f"{connection.MAX_PENDING_OUT >> 20} MiB per port (the longest-waiting is cut beyond). The exporter raises its "
         "open-files soft limit to the hard one at start-up (as Go programs do) and lowers the cap, with a "
         "warning, where a third of that limit would not hold it.",
-        f"- **Memory**: request heads up to {h._MAX_HEAD // 1024} KiB (431 beyond; request line "
-        f"{h._MAX_REQUEST_LINE // 1024} KiB, 414), bodies up to {h.DEFAULT_MAX_BODY_BYTES // 1024} KiB on the "
+        f"- **Memory**: request heads up to {parsing.MAX_HEAD // 1024} KiB (431 beyond; request line "
+        f"{parsing.MAX_REQUEST_LINE // 1024} KiB, 414), bodies up to {h.DEFAULT_MAX_BODY_BYTES // 1024} KiB on the "
         "metrics port and `--otlp.max-body-bytes` on the OTLP port (413), and four bodies' worth in flight "
         "per port (503 beyond).",
         "- **Strict parsing**: HTTP/1.0 and 1.1 only (HTTP/0.9 gets 400, others 505); one `Content-Length` "
         "of ASCII digits; `Transfer-Encoding: chunked` only, never with `Content-Length`; chunk sizes in hex "
-        f"(no sign), chunk lines up to {h._MAX_CHUNK_LINE} bytes, trailers up to {h._MAX_TRAILERS // 1024} "
+        f"(no sign), chunk lines up to {parsing.MAX_CHUNK_LINE} bytes, trailers up to {parsing.MAX_TRAILERS // 1024} "
         "KiB; no header line folding. Client faults are answered with 4xx and logged at debug level, "
         "without a traceback.",
-        f"- **Basic auth** (`--web.config.file`): results are cached (up to {w._AUTH_CACHE_MAX} credentials, "
+        f"- **Basic auth** (`--web.config.file`): results are cached (up to {AUTH_CACHE_MAX} credentials, "
         "keyed by an HMAC, never the password), as exporter-toolkit does. Checks that need bcrypt run on "
-        f"{h._AUTH_WORKERS} threads of their own with at most {h._AUTH_QUEUE} waiting; beyond that the "
+        f"{h.AUTH_WORKERS} threads of their own with at most {h.AUTH_QUEUE} waiting; beyond that the "
         "client gets 429 with `Retry-After: 1` at once. A password-guessing flood therefore costs at most "
         "two cores and never delays a scraper whose credentials are cached.",
         "",

@@ -1,42 +1,9 @@
-"""The HTTP layer's public face: the server (``httpserver``) re-exported, and the exporter's own endpoints.
+"""The exporter's own endpoints on its ``/metrics`` port, as routes for ``http.server.HTTPServer``.
 
-Interface for other modules (the OTLP receiver runs its own instance on its own port)::
-
-    from gpu_energy_exporter.daemon.endpoints import HTTPError, HTTPServer, Request, Response
-
-    def receive(req: Request) -> Response:
-        body = req.read_body(max_bytes=8 << 20)   # already received in full; gzip decoded; limits
-        ...                                        # raise HTTPError(413/400/415) by themselves
-        return Response(200, payload, {"Content-Type": "application/x-protobuf"})
-
-    server = HTTPServer(("localhost", 4318), {("POST", "/v1/metrics"): receive}, name="otlp",
-                        max_body_bytes=8 << 20)  # bodies larger than this never reach memory
-    server.start()              # a selector thread and a small worker pool (daemon threads); returns self
-    server.server_address       # (host, port) actually bound; port 0 gives an ephemeral port
-    server.url                  # "http://127.0.0.1:4318", for logs and tests
-    server.shutdown()           # stop accepting, let in-flight requests finish, close idle keep-alive
-                                # connections, join every thread (idempotent)
-
-- Routes are exact ``(method, path)`` pairs (no query string in the path). ``HEAD`` is answered from the
-  ``GET`` route with the body left out; a known path with another method gets 405 with ``Allow``; any
-  other path 404.
-- A handler takes a ``Request`` and returns a ``Response`` (status, body bytes, headers; the server adds
-  ``Content-Length``). It may raise ``HTTPError(status, message)`` for a plain-text error; any other
-  exception becomes a bare 500 and is logged with its traceback: a client never sees a traceback.
-- Limits (connections per port, deadlines per request, strict parsing, bounded memory) and why the server
-  is a selector thread plus a worker pool: ``httpserver``'s docstring and docs/configuration.md.
-- ``web_config`` (``webconfig.WebConfig``) adds TLS (non-blocking handshake on the selector thread, under
-  the head deadline), the ``rate_limit`` token bucket (429), basic auth (401 with ``WWW-Authenticate``;
-  429 when too many bcrypt checks wait) and the configured extra headers, on every path, health endpoints
-  included, as exporter-toolkit does. Order: rate limit, then auth, then routing (no path discovery
-  without auth).
-- Listen addresses: ``("", port)`` is every interface (IPv6 dual-stack where the host has IPv6, else
-  IPv4); ``"0.0.0.0"``, ``"::"``, ``"[::1]"``, ``"127.0.0.1"`` and host names work as expected. A bind
-  failure raises ``ConfigError`` naming the address.
-
-``exporter_routes`` / ``new_exporter_server`` build the exporter's own endpoints: the telemetry path
-(Prometheus text 0.0.4 or OpenMetrics by ``Accept``, gzip by ``Accept-Encoding``, ``name[]`` filtering cut
-from the same bytes as the unfiltered body), ``/`` (landing page), ``/-/healthy`` and ``/-/ready``.
+``exporter_routes`` / ``new_exporter_server`` build them: the telemetry path (Prometheus text 0.0.4 or
+OpenMetrics by ``Accept``, gzip by ``Accept-Encoding``, ``name[]`` filtering cut from the same bytes as the
+unfiltered body), ``/`` (landing page), ``/-/healthy`` and ``/-/ready``. The server itself, its limits and
+its interface for other modules are the ``gpu_energy_exporter.http`` package's.
 
 This module never samples anything: the metrics handler only serves bytes rendered from an in-memory
 snapshot, so a slow or hung GPU driver cannot make a scrape slow.
@@ -56,18 +23,8 @@ from prometheus_client.exposition import choose_encoder
 from gpu_energy_exporter import __version__
 from gpu_energy_exporter.core.errors import ConfigError
 from gpu_energy_exporter.engine.exposition import select_samples
-from gpu_energy_exporter.http.server import (
-    PROJECT_NAME,
-    Handler,
-    Headers,
-    HTTPError,
-    HTTPServer,
-    Request,
-    Response,
-    Routes,
-    decode_body,
-    listen_text,
-)
+from gpu_energy_exporter.http.messages import PROJECT_NAME, Handler, Request, Response
+from gpu_energy_exporter.http.server import HTTPServer
 from gpu_energy_exporter.http.webconfig import WebConfig
 
 log = logging.getLogger(__name__)
@@ -82,13 +39,8 @@ Render = Callable[[str, "frozenset[str] | None"], tuple[bytes, str]]
 _GZIP_LEVEL = 1
 
 __all__ = [
-    "PROJECT_NAME", "Handler", "Headers", "HTTPError", "HTTPServer", "Request", "Response", "Routes",
-    "decode_body", "exporter_routes", "new_exporter_server", "registry_render", "accepts_gzip", "listen_text",
+    "Render", "ReadyCheck", "accepts_gzip", "exporter_routes", "new_exporter_server", "registry_render",
 ]
-
-
-# ----------------------------------------------------------------------------------------------------
-# the exporter's endpoints
 
 
 def accepts_gzip(accept_encoding: str | None) -> bool:

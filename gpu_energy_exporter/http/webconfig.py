@@ -30,75 +30,40 @@ module can do, and both reported at start-up rather than discovered by a client:
 - ``curve_preferences`` is rejected (Python cannot set a curve list); ``http2`` is accepted and ignored
   (the server speaks HTTP/1.1 only).
 
-Certificates are re-read when their files change (checked with ``stat`` per connection), so a rotated
-certificate (cert-manager, Vault) is picked up without a restart, as exporter-toolkit does.
-
-This module never opens sockets and never logs a password or a hash.
+This module turns the file into a frozen ``WebConfig``; applying it is for ``tls`` (the server context,
+reloaded when certificate files change), ``basicauth`` (bcrypt checks and their cache) and ``ratelimit``
+(the token bucket). It never opens sockets and never logs a password or a hash.
 """
 
 from __future__ import annotations
 
-import base64
-import binascii
-import collections
-import hashlib
-import hmac
-import ipaddress
 import logging
 import os
-import re
-import secrets
 import ssl
-import tempfile
-import threading
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
-import bcrypt
 import yaml
 
 from gpu_energy_exporter.core.config import parse_duration
 from gpu_energy_exporter.core.errors import ConfigError
+from gpu_energy_exporter.http.basicauth import BCRYPT_RE, BasicAuth
+from gpu_energy_exporter.http.ratelimit import RateLimit
+from gpu_energy_exporter.http.tls import (
+    CIPHER_SUITES,
+    CLIENT_AUTH_TYPES,
+    CURVES,
+    TLS_VERSIONS,
+    ContextReloader,
+    TLSServerConfig,
+)
 
 log = logging.getLogger(__name__)
 
-CLIENT_AUTH_TYPES: tuple[str, ...] = (
-    "NoClientCert",
-    "RequestClientCert",
-    "RequireAnyClientCert",
-    "VerifyClientCertIfGiven",
-    "RequireAndVerifyClientCert",
-)
 # "RequireClientCert" is the old spelling exporter-toolkit still accepts.
 _CLIENT_AUTH_ALIASES = {"RequireClientCert": "RequireAnyClientCert", "": "NoClientCert"}
-
-TLS_VERSIONS: dict[str, ssl.TLSVersion] = {
-    "TLS10": ssl.TLSVersion.TLSv1,
-    "TLS11": ssl.TLSVersion.TLSv1_1,
-    "TLS12": ssl.TLSVersion.TLSv1_2,
-    "TLS13": ssl.TLSVersion.TLSv1_3,
-}
-
-#: Go's ``tls.CipherSuites()`` names (the only ones exporter-toolkit accepts) to OpenSSL names. The
-#: TLS 1.3 suites map to None: like Go, they are always enabled and the setting only covers TLS <= 1.2.
-CIPHER_SUITES: dict[str, str | None] = {
-    "TLS_ECDHE_ECDSA_WITH_AES_128_CBC_SHA": "ECDHE-ECDSA-AES128-SHA",
-    "TLS_ECDHE_ECDSA_WITH_AES_256_CBC_SHA": "ECDHE-ECDSA-AES256-SHA",
-    "TLS_ECDHE_RSA_WITH_AES_128_CBC_SHA": "ECDHE-RSA-AES128-SHA",
-    "TLS_ECDHE_RSA_WITH_AES_256_CBC_SHA": "ECDHE-RSA-AES256-SHA",
-    "TLS_ECDHE_ECDSA_WITH_AES_128_GCM_SHA256": "ECDHE-ECDSA-AES128-GCM-SHA256",
-    "TLS_ECDHE_ECDSA_WITH_AES_256_GCM_SHA384": "ECDHE-ECDSA-AES256-GCM-SHA384",
-    "TLS_ECDHE_RSA_WITH_AES_128_GCM_SHA256": "ECDHE-RSA-AES128-GCM-SHA256",
-    "TLS_ECDHE_RSA_WITH_AES_256_GCM_SHA384": "ECDHE-RSA-AES256-GCM-SHA384",
-    "TLS_ECDHE_ECDSA_WITH_CHACHA20_POLY1305_SHA256": "ECDHE-ECDSA-CHACHA20-POLY1305",
-    "TLS_ECDHE_RSA_WITH_CHACHA20_POLY1305_SHA256": "ECDHE-RSA-CHACHA20-POLY1305",
-    "TLS_AES_128_GCM_SHA256": None,
-    "TLS_AES_256_GCM_SHA384": None,
-    "TLS_CHACHA20_POLY1305_SHA256": None,
-}
-_CURVES = ("CurveP256", "CurveP384", "CurveP521", "X25519")
 
 #: Headers the file may set, with their allowed values (None: any). Same list as exporter-toolkit, which
 #: keeps it closed on purpose so every Prometheus exporter offers the same knobs.
@@ -119,144 +84,6 @@ _TLS_KEYS = (
 _HTTP_KEYS = ("http2", "headers")
 _RATE_KEYS = ("interval", "burst")
 
-# $2a$ (Go), $2b$ (OpenBSD, Python) and $2y$ (htpasswd) are the same algorithm for valid UTF-8.
-_BCRYPT_RE = re.compile(r"^\$2[aby]\$(\d\d)\$[./A-Za-z0-9]{53}$")
-_AUTH_CACHE_MAX = 1024
-# Two checks at a time: a guessing flood costs at most two cores' worth of bcrypt, and a new scraper's
-# first check usually gets a slot within the short wait below.
-_BCRYPT_SLOTS = 2
-_BCRYPT_WAIT_S = 0.1
-
-
-@dataclass(frozen=True)
-class TLSServerConfig:
-    """``tls_server_config`` with file paths made absolute. Inline PEM (``cert``/``key``/``client_ca``)
-    is kept as text; exactly one of each pair is set."""
-
-    cert_file: str | None = None
-    key_file: str | None = None
-    cert: str | None = field(default=None, repr=False)
-    key: str | None = field(default=None, repr=False)
-    client_auth_type: str = "NoClientCert"
-    client_ca_file: str | None = None
-    client_ca: str | None = field(default=None, repr=False)
-    client_allowed_sans: tuple[str, ...] = ()
-    min_version: str = "TLS12"
-    max_version: str = "TLS13"
-    cipher_suites: tuple[str, ...] = ()
-    prefer_server_cipher_suites: bool = True
-
-    @property
-    def verify_mode(self) -> ssl.VerifyMode:
-        if self.client_auth_type in ("RequireAnyClientCert", "RequireAndVerifyClientCert"):
-            return ssl.CERT_REQUIRED
-        if self.client_auth_type == "VerifyClientCertIfGiven":
-            return ssl.CERT_OPTIONAL
-        return ssl.CERT_NONE
-
-    def files(self) -> tuple[str, ...]:
-        return tuple(p for p in (self.cert_file, self.key_file, self.client_ca_file) if p)
-
-    def build_context(self) -> ssl.SSLContext:
-        """A fresh server context. Raises ``ConfigError`` saying which file or setting is at fault."""
-        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-        try:
-            ctx.minimum_version = TLS_VERSIONS[self.min_version]
-            ctx.maximum_version = TLS_VERSIONS[self.max_version]
-        except ValueError as exc:
-            raise ConfigError(f"tls_server_config: TLS versions not usable with this OpenSSL: {exc}") from None
-        self._load_cert_chain(ctx)
-        openssl_ciphers = [CIPHER_SUITES[c] for c in self.cipher_suites if CIPHER_SUITES[c]]
-        if openssl_ciphers:
-            try:
-                ctx.set_ciphers(":".join(c for c in openssl_ciphers if c))
-            except ssl.SSLError as exc:
-                raise ConfigError(f"tls_server_config.cipher_suites: none usable with this OpenSSL ({exc})") from None
-        if self.prefer_server_cipher_suites:
-            ctx.options |= ssl.OP_CIPHER_SERVER_PREFERENCE
-        else:
-            ctx.options &= ~ssl.OP_CIPHER_SERVER_PREFERENCE
-        ctx.verify_mode = self.verify_mode
-        if ctx.verify_mode != ssl.CERT_NONE:
-            if self.client_ca_file:
-                _check_readable(self.client_ca_file, "client_ca_file")
-                try:
-                    ctx.load_verify_locations(cafile=self.client_ca_file)
-                except ssl.SSLError as exc:
-                    raise ConfigError(
-                        f"tls_server_config.client_ca_file {self.client_ca_file!r} holds no usable PEM "
-                        f"certificate ({exc.reason or exc})"
-                    ) from None
-            elif self.client_ca:
-                try:
-                    ctx.load_verify_locations(cadata=self.client_ca)
-                except ssl.SSLError as exc:
-                    raise ConfigError(
-                        f"tls_server_config.client_ca holds no usable PEM certificate ({exc.reason or exc})"
-                    ) from None
-            else:
-                # Go verifies against the system roots when no client CA is given; do the same.
-                ctx.load_default_certs(ssl.Purpose.CLIENT_AUTH)
-        # Announce HTTP/1.1 only, so HTTP/2-capable clients do not try h2 on a server that lacks it.
-        ctx.set_alpn_protocols(["http/1.1"])
-        return ctx
-
-    def _load_cert_chain(self, ctx: ssl.SSLContext) -> None:
-        if self.cert_file:
-            cert_text = _read_text(self.cert_file, "cert_file")
-        else:
-            cert_text = self.cert or ""
-        if self.key_file:
-            key_text = _read_text(self.key_file, "key_file")
-        else:
-            key_text = self.key or ""
-        cert_name = f"cert_file {self.cert_file!r}" if self.cert_file else "cert"
-        key_name = f"key_file {self.key_file!r}" if self.key_file else "key"
-        if "-----BEGIN CERTIFICATE-----" not in cert_text:
-            raise ConfigError(f"tls_server_config.{cert_name} holds no PEM certificate")
-        if not re.search(r"-----BEGIN [A-Z ]*PRIVATE KEY-----", key_text):
-            raise ConfigError(f"tls_server_config.{key_name} holds no PEM private key")
-        if "ENCRYPTED" in key_text:
-            raise ConfigError(f"tls_server_config.{key_name} is encrypted; give an unencrypted key")
-
-        def no_password() -> bytes:
-            raise ConfigError(f"tls_server_config.{key_name} is encrypted; give an unencrypted key")
-
-        # load_cert_chain only takes paths: inline PEM goes through a private temporary directory.
-        with tempfile.TemporaryDirectory(prefix="gpuenergy-tls-") as tmp:
-            cert_path = self.cert_file or _write_private(tmp, "cert.pem", cert_text)
-            key_path = self.key_file or _write_private(tmp, "key.pem", key_text)
-            try:
-                ctx.load_cert_chain(cert_path, key_path, password=no_password)
-            except ssl.SSLError as exc:
-                raise ConfigError(
-                    f"tls_server_config: {cert_name} and {key_name} cannot be used together: the key "
-                    f"does not match the certificate or a PEM block is damaged (OpenSSL: {exc.reason or exc})"
-                ) from None
-            except OSError as exc:
-                raise ConfigError(f"tls_server_config: cannot load {cert_name} / {key_name}: {exc}") from None
-
-    def client_san_allowed(self, peercert: Mapping[str, Any] | None) -> bool:
-        """True when no ``client_allowed_sans`` are set, or the verified client certificate
-        (``SSLSocket.getpeercert()``) has one of them as a DNS, IP, e-mail or URI SAN."""
-        if not self.client_allowed_sans:
-            return True
-        if not peercert:
-            return False
-        allowed = {_normalise_san(s) for s in self.client_allowed_sans}
-        for kind, value in peercert.get("subjectAltName", ()):
-            if kind in ("DNS", "IP Address", "email", "URI") and _normalise_san(value) in allowed:
-                return True
-        return False
-
-
-@dataclass(frozen=True)
-class RateLimit:
-    """``rate_limit``: a token bucket refilled with one request per ``interval_s``, holding ``burst``."""
-
-    interval_s: float
-    burst: int
-
 
 @dataclass(frozen=True, eq=False)
 class WebConfig:
@@ -270,7 +97,11 @@ class WebConfig:
     basic_auth_users: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}), repr=False)
     headers: tuple[tuple[str, str], ...] = ()
     rate_limit: RateLimit | None = None
-    _state: _State = field(default_factory=lambda: _State(), repr=False)
+    _contexts: ContextReloader = field(default_factory=ContextReloader, repr=False)
+    _auth: BasicAuth = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_auth", BasicAuth(self.basic_auth_users))
 
     @property
     def tls_enabled(self) -> bool:
@@ -285,127 +116,17 @@ class WebConfig:
         if the new files do not load, the last good context stays in use and the error is logged."""
         if self.tls is None:
             return None
-        st = self._state
-        signature = _file_signature(self.tls.files())
-        with st.lock:
-            if st.context is not None and signature == st.signature:
-                return st.context
-            try:
-                ctx = self.tls.build_context()
-            except ConfigError as exc:
-                if st.context is None:
-                    raise
-                if signature != st.failed_signature:
-                    log.error("TLS files changed but cannot be loaded, still using the previous ones: %s", exc)
-                    st.failed_signature = signature
-                return st.context
-            if st.context is not None:
-                log.info("TLS certificate files changed: reloaded")
-            st.context, st.signature, st.failed_signature = ctx, signature, None
-            return ctx
+        return self._contexts.context(self.tls)
 
     def cached_basic_auth(self, authorization: str | None) -> bool | None:
-        """The answer ``check_basic_auth`` would give when it needs no bcrypt check (no users, a malformed
-        header, cached credentials), else None. Cheap: the server uses it to keep checks that need bcrypt
-        apart from everything else."""
-        if not self.basic_auth_users:
-            return True
-        creds = parse_basic_authorization(authorization)
-        if creds is None:
-            return False
-        with self._state.lock:
-            return self._state.auth_cache.get(self._cache_key(*creds))
-
-    def _cache_key(self, user: str, password: bytes) -> bytes:
-        u = user.encode()
-        return hmac.new(self._state.secret, b"%d:%s%s" % (len(u), u, password), hashlib.sha256).digest()
+        """``check_basic_auth``'s answer when it needs no bcrypt check, else None (``BasicAuth.cached``)."""
+        return self._auth.cached(authorization)
 
     def check_basic_auth(self, authorization: str | None) -> bool:
         """True when no users are configured, or ``authorization`` (the raw ``Authorization`` header)
-        carries the right password for a configured user.
-
-        Results, good and bad, are cached under an HMAC of (user, password) with a per-process key (as
-        exporter-toolkit does), so a scraper pays the bcrypt cost once, a client repeating a wrong password
-        pays it once, and no plaintext is kept; the cache is bounded (least recently used goes first).
-        At most ``_BCRYPT_SLOTS`` bcrypt checks run at a time; a check that finds them all busy waits
-        ``_BCRYPT_WAIT_S`` at most, then raises ``AuthBusy`` (the server answers 429), so a flood of
-        guesses can neither queue threads nor delay a scraper whose credentials are cached. An unknown
-        user is checked against a dummy hash of the same cost, so timing does not reveal which user names
-        exist.
-        """
-        if not self.basic_auth_users:
-            return True
-        creds = parse_basic_authorization(authorization)
-        if creds is None:
-            return False
-        user, password = creds
-        st = self._state
-        hashed = self.basic_auth_users.get(user)
-        key = self._cache_key(user, password)
-        with st.lock:
-            cached = st.auth_cache.get(key)
-            if cached is not None:
-                st.auth_cache.move_to_end(key)
-                return cached
-        if not st.bcrypt_slots.acquire(timeout=_BCRYPT_WAIT_S):
-            raise AuthBusy("too many password checks in progress")
-        try:
-            target = hashed if hashed is not None else self._dummy_hash()
-            try:
-                ok = bcrypt.checkpw(password, target.encode("ascii"))
-            except ValueError:  # bcrypt >= 5 refuses passwords over 72 bytes
-                ok = False
-        finally:
-            st.bcrypt_slots.release()
-        ok = ok and hashed is not None
-        with st.lock:
-            st.auth_cache[key] = ok
-            while len(st.auth_cache) > _AUTH_CACHE_MAX:
-                st.auth_cache.popitem(last=False)
-        return ok
-
-    def _dummy_hash(self) -> str:
-        st = self._state
-        with st.lock:
-            if st.dummy_hash is None:
-                cost = max(int(_BCRYPT_RE.match(h).group(1)) for h in self.basic_auth_users.values())  # type: ignore[union-attr]
-                st.dummy_hash = bcrypt.hashpw(secrets.token_bytes(16), bcrypt.gensalt(rounds=cost)).decode()
-            return st.dummy_hash
-
-
-class AuthBusy(Exception):
-    """Every bcrypt slot stayed busy: answer 429 rather than queue the check."""
-
-
-class _State:
-    """Mutable caches behind a frozen WebConfig."""
-
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.bcrypt_slots = threading.BoundedSemaphore(_BCRYPT_SLOTS)
-        self.context: ssl.SSLContext | None = None
-        self.signature: tuple[Any, ...] | None = None
-        self.failed_signature: tuple[Any, ...] | None = None
-        self.secret = secrets.token_bytes(32)
-        self.auth_cache: collections.OrderedDict[bytes, bool] = collections.OrderedDict()
-        self.dummy_hash: str | None = None
-
-
-def parse_basic_authorization(header: str | None) -> tuple[str, bytes] | None:
-    """``Basic base64(user:password)`` to (user, password bytes), or None when malformed."""
-    if not header:
-        return None
-    scheme, _, param = header.strip().partition(" ")
-    if scheme.lower() != "basic":
-        return None
-    try:
-        raw = base64.b64decode(param.strip(), validate=True)
-        user_bytes, sep, password = raw.partition(b":")
-        if not sep:
-            return None
-        return user_bytes.decode("utf-8"), password
-    except (binascii.Error, UnicodeDecodeError):
-        return None
+        carries the right password for a configured user (``BasicAuth.check``: cached, bounded, may raise
+        ``AuthBusy``)."""
+        return self._auth.check(authorization)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -513,8 +234,8 @@ def _parse_tls(raw: Any, base_dir: str) -> TLSServerConfig | None:
                               + ", ".join(CIPHER_SUITES))
     curves = _string_list(m, "curve_preferences", section)
     for c in curves:
-        if c not in _CURVES:
-            raise ConfigError(f"{section}.curve_preferences: unknown curve {c!r}; accepted: {', '.join(_CURVES)}")
+        if c not in CURVES:
+            raise ConfigError(f"{section}.curve_preferences: unknown curve {c!r}; accepted: {', '.join(CURVES)}")
     if curves:
         raise ConfigError(f"{section}.curve_preferences is not supported by this exporter (Python's ssl "
                           "module cannot set a curve list); remove it to use OpenSSL's defaults")
@@ -545,7 +266,7 @@ def _parse_users(raw: Any) -> Mapping[str, str]:
             raise ConfigError(f"{section}: user name {user!r} must be a non-empty string (quote it)")
         if ":" in user:
             raise ConfigError(f"{section}: user name {user!r} contains ':', which basic auth cannot carry")
-        match = _BCRYPT_RE.match(hashed) if isinstance(hashed, str) else None
+        match = BCRYPT_RE.match(hashed) if isinstance(hashed, str) else None
         if match is None or not 4 <= int(match.group(1)) <= 31:
             raise ConfigError(
                 f"{section}: the password of user {user!r} is not a bcrypt hash (expected something like "
@@ -633,46 +354,3 @@ def _string_list(m: Mapping[str, Any], key: str, section: str) -> list[str]:
     if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
         raise ConfigError(f"{section}.{key} must be a list of strings")
     return value
-
-
-def _check_readable(path: str, key: str) -> None:
-    try:
-        with open(path, "rb"):
-            pass
-    except OSError as exc:
-        raise ConfigError(f"tls_server_config.{key} {path!r}: cannot read: {exc.strerror or exc}") from None
-
-
-def _read_text(path: str, key: str) -> str:
-    try:
-        with open(path, encoding="ascii", errors="replace") as fh:
-            return fh.read()
-    except OSError as exc:
-        raise ConfigError(f"tls_server_config.{key} {path!r}: cannot read: {exc.strerror or exc}") from None
-
-
-def _write_private(directory: str, name: str, text: str) -> str:
-    path = os.path.join(directory, name)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "w", encoding="ascii", errors="replace") as fh:
-        fh.write(text)
-    return path
-
-
-def _file_signature(paths: tuple[str, ...]) -> tuple[Any, ...]:
-    sig: list[Any] = []
-    for p in paths:
-        try:
-            st = os.stat(p)
-            sig.append((p, st.st_ino, st.st_size, st.st_mtime_ns))
-        except OSError:
-            sig.append((p, None))
-    return tuple(sig)
-
-
-def _normalise_san(value: str) -> str:
-    # Python prints IPv6 SANs uncompressed and upper-case; Go compressed and lower-case.
-    try:
-        return str(ipaddress.ip_address(value.strip()))
-    except ValueError:
-        return value.strip()

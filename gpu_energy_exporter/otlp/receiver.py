@@ -30,7 +30,6 @@ import hmac
 import json
 import logging
 import time
-import zlib
 from collections.abc import Mapping
 from typing import Any
 
@@ -42,14 +41,10 @@ from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import (
 )
 
 from gpu_energy_exporter.core.errors import ConfigError
-from gpu_energy_exporter.http.server import (
-    DEFAULT_MAX_CONNECTIONS,
-    DEFAULT_REQUEST_TIMEOUT,
-    HTTPError,
-    HTTPServer,
-    Request,
-)
-from gpu_energy_exporter.http.server import Response as WebResponse
+from gpu_energy_exporter.http.codec import GZIP, RAW_DEFLATE, ZLIB, BodyTooLarge, MalformedBody, TruncatedBody, inflate
+from gpu_energy_exporter.http.messages import HTTPError, Request
+from gpu_energy_exporter.http.messages import Response as WebResponse
+from gpu_energy_exporter.http.server import DEFAULT_MAX_CONNECTIONS, DEFAULT_REQUEST_TIMEOUT, HTTPServer
 from gpu_energy_exporter.otlp.store import TrainingStore
 from gpu_energy_exporter.otlp.translate import translate_request
 
@@ -121,43 +116,24 @@ def status_body(status: int, message: str, content_type: str, field: str | None 
 # body decoding
 
 
-def _inflate(data: bytes, limit: int, wbits: int) -> bytes:
-    """Decompress every member of ``data``, never producing more than ``limit`` bytes."""
-    out = bytearray()
-    rest = data
-    while rest:
-        d = zlib.decompressobj(wbits)
-        buf = rest
-        while True:
-            chunk = d.decompress(buf, limit + 1 - len(out))
-            out += chunk
-            if len(out) > limit:
-                raise _Failure(413, f"request body exceeds {limit} bytes after decompression "
-                                    "(--otlp.max-body-bytes)")
-            buf = d.unconsumed_tail
-            if d.eof or (not chunk and not buf):
-                break
-        if not d.eof:
-            raise _Failure(400, "compressed body is truncated", "body")
-        rest = d.unused_data
-        if wbits != 31:  # zlib streams have no multi-member form
-            break
-    return bytes(out)
-
-
 def decompress(body: bytes, encoding: str, limit: int) -> bytes:
-    """Undo ``Content-Encoding`` with the size limit applied to the output."""
+    """Undo ``Content-Encoding`` with the size limit applied to the output (``http.codec.inflate``)."""
     try:
         if encoding in ("gzip", "x-gzip"):
-            return _inflate(body, limit, 31)
+            return inflate(body, limit, GZIP)
         if encoding == "deflate":
             # HTTP "deflate" means zlib-wrapped, but some clients send raw deflate: accept both.
             try:
-                return _inflate(body, limit, zlib.MAX_WBITS)
-            except zlib.error:
-                return _inflate(body, limit, -zlib.MAX_WBITS)
-    except zlib.error as exc:
+                return inflate(body, limit, ZLIB)
+            except MalformedBody:
+                return inflate(body, limit, RAW_DEFLATE)
+    except MalformedBody as exc:
         raise _Failure(400, f"body is not valid {encoding} data: {exc}", "body") from None
+    except TruncatedBody:
+        raise _Failure(400, "compressed body is truncated", "body") from None
+    except BodyTooLarge:
+        raise _Failure(413, f"request body exceeds {limit} bytes after decompression "
+                            "(--otlp.max-body-bytes)") from None
     return body
 
 

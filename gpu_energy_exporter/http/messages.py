@@ -1,0 +1,199 @@
+"""What a handler sees and returns: ``Request``, ``Response``, ``HTTPError``, ``Headers``, and the bytes a
+``Response`` becomes on the wire (``serialise``).
+
+A handler takes a ``Request`` (method, path without the query string, raw query, case-insensitive
+headers, client address, and the body already received in full through ``read_body``) and returns a
+``Response`` (status, body bytes, headers; ``Content-Length`` is added). It may raise ``HTTPError`` for a
+plain-text error.
+
+Pure data and formatting: this module never touches a socket, a thread or a lock (the Date header's
+once-a-second cache is a plain tuple swap).
+"""
+
+from __future__ import annotations
+
+import email.utils
+import time
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from http import HTTPStatus
+from typing import Any
+
+from gpu_energy_exporter import __version__
+from gpu_energy_exporter.http.codec import GZIP, BodyTooLarge, MalformedBody, TruncatedBody, inflate
+
+PROJECT_NAME = "gpu-energy-exporter"
+_TEXT = "text/plain; charset=utf-8"
+
+Handler = Callable[["Request"], "Response"]
+Routes = Mapping[tuple[str, str], Handler]
+
+
+class HTTPError(Exception):
+    """Raised by handlers (and ``Request.read_body``) to answer with a plain-text error."""
+
+    def __init__(self, status: int, message: str, headers: Mapping[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.headers: dict[str, str] = dict(headers or {})
+
+
+@dataclass(frozen=True)
+class Response:
+    status: int
+    body: bytes = b""
+    headers: Mapping[str, str] = field(default_factory=dict)
+
+    @classmethod
+    def text(cls, status: int, text: str, headers: Mapping[str, str] | None = None) -> Response:
+        return cls(status, text.encode("utf-8"), {"Content-Type": _TEXT, **(headers or {})})
+
+
+class Headers:
+    """Request headers in arrival order; ``get`` and ``in`` ignore case."""
+
+    def __init__(self, items: list[tuple[str, str]]) -> None:
+        self._items = items
+        self._index: dict[str, list[str]] = {}
+        for k, v in items:
+            self._index.setdefault(k.lower(), []).append(v)
+
+    def get(self, name: str, default: Any = None) -> Any:
+        values = self._index.get(name.lower())
+        return values[0] if values else default
+
+    def get_all(self, name: str) -> list[str]:
+        return list(self._index.get(name.lower(), []))
+
+    def items(self) -> list[tuple[str, str]]:
+        return list(self._items)
+
+    def __contains__(self, name: object) -> bool:
+        return isinstance(name, str) and name.lower() in self._index
+
+    def __getitem__(self, name: str) -> str | None:
+        return self.get(name)
+
+    def __iter__(self) -> Iterator[str]:
+        return (k for k, _ in self._items)
+
+
+class Request:
+    """One request as a handler sees it.
+
+    ``method`` and ``path`` (without the query string), ``query`` (raw, without ``?``), ``headers``
+    (case-insensitive ``.get``), ``client_address``; the body, already received in full, through
+    ``read_body``.
+    """
+
+    def __init__(
+        self, method: str, path: str, query: str, headers: Headers, client_address: tuple[Any, ...],
+        body: bytes = b"",
+        *,
+        refused_length: int = 0,
+        limit: int = 0,
+    ) -> None:
+        self.method = method
+        self.path = path
+        self.query = query
+        self.headers = headers
+        self.client_address = client_address
+        self._body = body
+        self._refused_length = refused_length
+        self._limit = limit
+
+    @property
+    def body_length(self) -> int:
+        """Bytes of the body as received (before any decoding)."""
+        return len(self._body)
+
+    def read_body(self, max_bytes: int, *, decode: bool = True) -> bytes:
+        """The request body, at most ``max_bytes`` both as sent and after decoding.
+
+        Raises ``HTTPError`` 413 when larger, 400 on a damaged gzip stream, 415 on a ``Content-Encoding``
+        other than gzip/identity (with ``decode=True``). Bodies over the server's ``max_body_bytes`` were
+        already refused with 413 before the handler ran.
+        """
+        if self._refused_length:
+            limit = min(max_bytes, self._limit) if self._limit else max_bytes
+            raise HTTPError(413, f"request body of {self._refused_length} bytes is larger than {limit} bytes")
+        if len(self._body) > max_bytes:
+            raise HTTPError(413, f"request body of {len(self._body)} bytes is larger than {max_bytes} bytes")
+        if not decode:
+            return self._body
+        return decode_body(self._body, self.headers.get("Content-Encoding"), max_bytes)
+
+
+
+def decode_body(data: bytes, encoding: str | None, max_bytes: int) -> bytes:
+    """Undo a gzip ``Content-Encoding`` within ``max_bytes`` (several members allowed)."""
+    enc = (encoding or "identity").strip().lower()
+    if enc in ("", "identity"):
+        return data
+    if enc not in ("gzip", "x-gzip"):
+        raise HTTPError(415, f"Content-Encoding {encoding!r} is not supported (use gzip or none)")
+    try:
+        return inflate(data, max_bytes, GZIP)
+    except MalformedBody as exc:
+        raise HTTPError(400, f"malformed gzip body: {exc}") from None
+    except BodyTooLarge:
+        raise HTTPError(413, f"request body is larger than {max_bytes} bytes once decompressed") from None
+    except TruncatedBody:
+        raise HTTPError(400, "truncated gzip body") from None
+
+
+# ----------------------------------------------------------------------------------------------------
+# a response on the wire
+
+
+def serialise(response: Response, extra_headers: tuple[tuple[str, str], ...], *, close: bool, head: bool) -> bytes:
+    """The status line, headers (``Server``, ``Date``, the response's, then ``extra_headers`` it does not
+    set, ``Content-Length``, ``Connection: close`` when ``close``) and, unless ``head``, the body."""
+    lines = [_status_line(response.status), _SERVER_LINE, _date_line()]
+    sent = set()
+    for k, v in response.headers.items():
+        lines.append(f"{k}: {v}")
+        sent.add(k.lower())
+    for k, v in extra_headers:
+        if k.lower() not in sent:
+            lines.append(f"{k}: {v}")
+    body = response.body
+    no_body = response.status in (204, 304) or response.status < 200
+    if not no_body and "content-length" not in sent:
+        lines.append(f"Content-Length: {len(body)}")
+    if close:
+        lines.append("Connection: close")
+    out = ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
+    if not head and not no_body:
+        out += body
+    return out
+
+
+_SERVER_LINE = f"Server: {PROJECT_NAME}/{__version__}"
+_STATUS_LINES: dict[int, str] = {}
+_date_cache: tuple[int, str] = (-1, "")
+
+
+def _status_line(status: int) -> str:
+    line = _STATUS_LINES.get(status)
+    if line is None:
+        try:
+            reason = HTTPStatus(status).phrase
+        except ValueError:
+            reason = ""
+        line = f"HTTP/1.1 {status} {reason}"
+        if len(_STATUS_LINES) < 1000:
+            _STATUS_LINES[status] = line
+    return line
+
+
+def _date_line() -> str:
+    """The Date header, formatted once a second."""
+    global _date_cache
+    now = int(time.time())
+    cached = _date_cache
+    if cached[0] != now:
+        cached = _date_cache = (now, "Date: " + email.utils.formatdate(now, usegmt=True))
+    return cached[1]
+
