@@ -117,7 +117,7 @@ def test_totals_attributes_and_metadata_reach_the_receiver() -> None:
 ])
 def test_precision_is_normalised_for_the_peak_flops_join(given: str, precision: str | None) -> None:
     from gpu_energy_exporter.core.contract import PRECISIONS
-    from gpu_energy_exporter.training.run import normalize_precision, precision_attributes
+    from gpu_energy_exporter.training.metadata import normalize_precision, precision_attributes
 
     assert normalize_precision(given) == precision
     assert precision is None or precision in PRECISIONS
