@@ -1,9 +1,10 @@
 """The metric names the dashboards and rules may select: exactly those the code produces.
 
 Nothing here is a second, hand-kept catalogue. Exporter names come from ``gpu_energy_exporter.core.metrics.
-CATALOGUE`` after every module of the package that could define one is imported; training names come from
-the training helper's instrument table (``gpu_energy_exporter.core.contract``) translated by the
-OTLP receiver's own naming function, exactly as they appear on /metrics. The only hand-written list is
+CATALOGUE`` after every module of the package that could define one is imported; training names are the
+Prometheus names of the training contract (``gpu_energy_exporter.core.contract``, ``Instrument.prometheus``,
+which tests/test_otlp_translate.py checks against the OTLP receiver's own naming function), exactly as they
+appear on /metrics. The only hand-written list is
 ``PENDING``: names agreed with another part of the project that the code does not produce yet.
 
 Importing this module imports the exporter package but never the training frameworks (torch,
@@ -16,6 +17,9 @@ import functools
 import importlib
 from pathlib import Path
 
+#: The series a Prometheus histogram is exposed as, after its base name.
+HISTOGRAM_SUFFIXES: tuple[str, ...] = ("bucket", "sum", "count")
+
 #: Series Prometheus itself adds to every scrape target.
 PROMETHEUS_SERIES: frozenset[str] = frozenset({"up"})
 
@@ -24,7 +28,7 @@ PROMETHEUS_SERIES: frozenset[str] = frozenset({"up"})
 PENDING: dict[str, str] = {}
 
 _PACKAGE = "gpu_energy_exporter"
-# Training modules may import torch/transformers/lightning; their names come from the instrument table.
+# Training modules may import torch/transformers/lightning; their names come from the training contract.
 _SKIP_PREFIXES = (f"{_PACKAGE}.training.", f"{_PACKAGE}.__main__")
 
 
@@ -57,15 +61,13 @@ def training_metric_names() -> frozenset[str]:
     """Names of the training series as the exporter's OTLP receiver exposes them (histograms as their
     ``_bucket``, ``_sum`` and ``_count`` series)."""
     from gpu_energy_exporter.core.contract import ALL
-    from gpu_energy_exporter.otlp.translate import metric_name
 
     names: set[str] = set()
     for instrument in ALL:
-        base = metric_name(instrument.name, instrument.unit, instrument.kind)
         if instrument.kind == "histogram":
-            names.update(f"{base}_{suffix}" for suffix in ("bucket", "sum", "count"))
+            names.update(f"{instrument.prometheus}_{suffix}" for suffix in HISTOGRAM_SUFFIXES)
         else:
-            names.add(base)
+            names.add(instrument.prometheus)
     return frozenset(names)
 
 

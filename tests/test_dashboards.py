@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from dashboards import build, names, promtool
+from dashboards import build, names, promtool, render
 from dashboards.promql import metric_names, normalize, substitute, tokens, variable_query_metric_names
 
 #: How the promtool tests spell the dashboards' variables (see the header of each dashboards/tests file).
@@ -96,7 +96,7 @@ def test_build_check_mode_reports_a_stale_file(tmp_path: Path, monkeypatch: pyte
     copy = tmp_path / "dashboards"
     copy.mkdir()
     for d in build.DASHBOARDS:
-        (copy / f"{d.name}.json").write_text(build.dashboard_json(d), encoding="utf-8")
+        (copy / f"{d.name}.json").write_text(render.dashboard_json(d), encoding="utf-8")
     edited = copy / "fleet-overview.json"
     edited.write_text(edited.read_text(encoding="utf-8").replace("GPU power now", "GPU power"), encoding="utf-8")
     docs = tmp_path / "dashboards.md"
@@ -113,8 +113,8 @@ def test_build_check_mode_reports_a_stale_file(tmp_path: Path, monkeypatch: pyte
 
 
 def test_build_is_deterministic() -> None:
-    first = [build.dashboard_json(d) for d in build.DASHBOARDS]
-    second = [build.dashboard_json(d) for d in build.DASHBOARDS]
+    first = [render.dashboard_json(d) for d in build.DASHBOARDS]
+    second = [render.dashboard_json(d) for d in build.DASHBOARDS]
     assert first == second
     for text in first:
         data = json.loads(text)
@@ -125,7 +125,7 @@ def test_build_is_deterministic() -> None:
 def test_dashboard_shape(name: str, dash: dict[str, Any]) -> None:
     assert dash["schemaVersion"] >= 41  # Grafana 11.6 schema
     assert dash["uid"].startswith("gpuenergy-") and len(dash["uid"]) <= 40
-    assert build.TAG in dash["tags"]
+    assert render.TAG in dash["tags"]
     ids = [p["id"] for p in dash["panels"]]
     assert ids == list(range(1, len(ids) + 1))
     for panel in panels(dash):

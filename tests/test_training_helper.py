@@ -7,6 +7,7 @@ project's fake ``libnvidia-ml.so.1`` in a child process (pynvml keeps process-wi
 
 from __future__ import annotations
 
+import inspect
 import json
 import logging
 import multiprocessing
@@ -117,7 +118,7 @@ def test_totals_attributes_and_metadata_reach_the_receiver() -> None:
 ])
 def test_precision_is_normalised_for_the_peak_flops_join(given: str, precision: str | None) -> None:
     from gpu_energy_exporter.core.contract import PRECISIONS
-    from gpu_energy_exporter.training.run import normalize_precision, precision_attributes
+    from gpu_energy_exporter.training.metadata import normalize_precision, precision_attributes
 
     assert normalize_precision(given) == precision
     assert precision is None or precision in PRECISIONS
@@ -125,6 +126,23 @@ def test_precision_is_normalised_for_the_peak_flops_join(given: str, precision: 
     assert attrs.get("precision") == precision
     # The raw value is kept only when it says more than the normalised one.
     assert attrs.get("precision_raw") == (given if given and given.lower() != precision else None)
+
+
+def test_run_metadata_is_what_the_caller_gave_over_what_the_framework_says() -> None:
+    from gpu_energy_exporter.core.contract import RUN_INFO_ATTRIBUTES
+    from gpu_energy_exporter.training import RunMetadata
+
+    framework = RunMetadata(model="LitGPT", optimizer="AdamW", batch_size=8, precision="bf16-mixed",
+                            precision_raw="bf16-mixed", seed=7)
+    merged = RunMetadata(model="llama-3-8b", notes="try 2").over(framework)
+    assert merged == RunMetadata(model="llama-3-8b", optimizer="AdamW", batch_size=8, precision="bf16-mixed",
+                                 precision_raw="bf16-mixed", seed=7, notes="try 2")
+    # A precision the caller gave replaces the framework's, the raw value included.
+    assert RunMetadata(precision="fp16").over(framework).precision_raw is None
+    attrs = merged.attributes()
+    assert attrs["precision"] == "bf16" and attrs["precision_raw"] == "bf16-mixed" and attrs["backend"] is None
+    assert set(attrs) <= set(RUN_INFO_ATTRIBUTES)  # every attribute is one the contract names
+    assert set(merged.keywords()) <= set(inspect.signature(start_run).parameters)
 
 
 def test_normalised_precision_and_the_raw_value_reach_the_receiver() -> None:

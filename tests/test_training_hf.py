@@ -92,6 +92,18 @@ def test_trainer_token_count_is_used_when_the_trainer_counts(tmp_path: Path) -> 
         assert total(store, "training_samples_total") == 20
 
 
+def test_metadata_keywords_are_run_metadata_fields_and_reach_the_callback() -> None:
+    import dataclasses
+    import inspect
+
+    from gpu_energy_exporter.training import RunMetadata
+
+    given = {f.name for f in dataclasses.fields(RunMetadata)} - {"precision_raw"}  # a framework's, not a keyword
+    assert given <= set(inspect.signature(EnergyCallback).parameters)
+    callback = EnergyCallback(model="llama-3-8b", notes="try 2")
+    assert callback.metadata == RunMetadata(model="llama-3-8b", notes="try 2")
+
+
 def test_even_share_adds_up_exactly() -> None:
     for delta in (0, 1, 7, 1000, 10**12 + 3):
         for world in (1, 2, 3, 8):

@@ -87,6 +87,19 @@ def test_lightning_run_is_reported() -> None:
         assert callback.run is None
 
 
+def test_metadata_keywords_are_run_metadata_fields_and_reach_the_callback() -> None:
+    import dataclasses
+    import inspect
+
+    from gpu_energy_exporter.training import RunMetadata
+    from gpu_energy_exporter.training.lightning import EnergyCallback
+
+    given = {f.name for f in dataclasses.fields(RunMetadata)} - {"precision_raw"}  # a framework's, not a keyword
+    assert given <= set(inspect.signature(EnergyCallback).parameters)
+    callback = EnergyCallback(model="llama-3-8b", notes="try 2")
+    assert callback.metadata == RunMetadata(model="llama-3-8b", notes="try 2")
+
+
 def test_missing_lightning_says_what_to_install() -> None:
     script = textwrap.dedent("""
         import sys

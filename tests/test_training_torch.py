@@ -12,7 +12,7 @@ import torch
 from training_models import TinyLM, TinyLMConfig, label_values, receiver, series, synthetic_tokens, total
 
 from gpu_energy_exporter.training import count_batch, start_run
-from gpu_energy_exporter.training.run import count_parameters
+from gpu_energy_exporter.training.metadata import count_parameters
 
 pytestmark = [
     pytest.mark.slow,
@@ -96,7 +96,7 @@ def test_tiny_lm_training_loop_totals_reach_the_receiver() -> None:
 
 
 def test_count_parameters_counts_shared_and_sharded_parameters_whole() -> None:
-    from gpu_energy_exporter.training.run import count_parameters
+    from gpu_energy_exporter.training.metadata import count_parameters
 
     model = TinyLM(CONFIG)
     assert count_parameters(model) == 2112

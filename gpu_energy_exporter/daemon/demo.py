@@ -149,7 +149,7 @@ class SimulatedTrainer:
 
     def _one_run(self, n: int, p: Profile) -> None:
         from gpu_energy_exporter.training import TrainingRun  # noqa: PLC0415 - needs the OTel SDK
-        from gpu_energy_exporter.training.run import resolve_endpoint  # noqa: PLC0415
+        from gpu_energy_exporter.training.endpoint import resolve_endpoint  # noqa: PLC0415
 
         run_id = time.strftime("demo-%Y%m%d-%H%M%S-", time.localtime()) + p.backend
         total_steps = max(1, int(self.run_duration / p.step_s))

@@ -33,20 +33,23 @@ from gpu_energy_exporter.core.contract import GPU_NONE, GPU_UNKNOWN
 
 if TYPE_CHECKING:
     from gpu_energy_exporter.training.batch import count_batch, count_tokens
+    from gpu_energy_exporter.training.endpoint import DEFAULT_ENDPOINT, resolve_endpoint
     from gpu_energy_exporter.training.flops import flops_per_token
     from gpu_energy_exporter.training.gpus import GPUResolution, resolve_gpus
-    from gpu_energy_exporter.training.run import DEFAULT_ENDPOINT, TrainingRun, resolve_endpoint, start_run
+    from gpu_energy_exporter.training.metadata import RunMetadata
+    from gpu_energy_exporter.training.run import TrainingRun, start_run
 
 # Resolved on first use, so that importing the package (or the plain-data training contract,
 # ``gpu_energy_exporter.core.contract``) never loads the OpenTelemetry SDK or torch.
 _EXPORTS = {
-    "DEFAULT_ENDPOINT": "run",
+    "DEFAULT_ENDPOINT": "endpoint",
     "GPUResolution": "gpus",
+    "RunMetadata": "metadata",
     "TrainingRun": "run",
     "count_batch": "batch",
     "count_tokens": "batch",
     "flops_per_token": "flops",
-    "resolve_endpoint": "run",
+    "resolve_endpoint": "endpoint",
     "resolve_gpus": "gpus",
     "start_run": "run",
 }
@@ -56,6 +59,7 @@ __all__ = [
     "GPU_NONE",
     "GPU_UNKNOWN",
     "GPUResolution",
+    "RunMetadata",
     "TrainingRun",
     "count_batch",
     "count_tokens",

@@ -71,7 +71,8 @@ from gpu_energy_exporter.training.batch import (
     non_padding_tokens,
 )
 from gpu_energy_exporter.training.flops import check_flops_mode, flops_per_token
-from gpu_energy_exporter.training.run import TrainingRun, count_parameters, fp32_matmul_precision, start_run
+from gpu_energy_exporter.training.metadata import RunMetadata, count_parameters, fp32_matmul_precision
+from gpu_energy_exporter.training.run import TrainingRun, start_run
 
 log = logging.getLogger("gpu_energy_exporter.training")
 
@@ -173,11 +174,9 @@ class EnergyCallback(TrainerCallback):
         self.flops = check_flops_mode(flops)
         self.flops_per_token = flops_per_token
         self.run_id = run_id
-        self.metadata: dict[str, Any] = {
-            "model": model, "backend": backend, "optimizer": optimizer, "batch_size": batch_size,
-            "grad_accum": grad_accum, "seq_len": seq_len, "precision": precision, "seed": seed,
-            "notes": notes,
-        }
+        self.metadata = RunMetadata(model=model, backend=backend, optimizer=optimizer, batch_size=batch_size,
+                                    grad_accum=grad_accum, seq_len=seq_len, precision=precision, seed=seed,
+                                    notes=notes)
         self.run_kwargs: dict[str, Any] = {
             "endpoint": endpoint, "export_interval": export_interval, "gpu_uuids": gpu_uuids, **run_kwargs,
         }
@@ -209,11 +208,11 @@ class EnergyCallback(TrainerCallback):
         self._flos_seen = float(getattr(state, "total_flos", 0.0) or 0.0)
         per_token = self.flops_per_token or flops_per_token(model, self.flops)
         self._flops_from_trainer = not per_token
-        metadata = {**self._from_args(args, model), **{k: v for k, v in self.metadata.items() if v is not None}}
+        metadata = self.metadata.over(self._from_args(args, model))
         parameters = self.parameters if self.parameters is not None else count_parameters(model)
         try:
             self.run = start_run(
-                self.run_id, **metadata, total_steps=int(state.max_steps) if state.max_steps else None,
+                self.run_id, **metadata.keywords(), total_steps=int(state.max_steps) if state.max_steps else None,
                 start_step=int(getattr(state, "global_step", 0) or 0), padding=padding,
                 flops=None if self._flops_from_trainer or self.flops_per_token else self.flops,
                 parameters=parameters,
@@ -316,7 +315,7 @@ class EnergyCallback(TrainerCallback):
     # -- metadata -----------------------------------------------------------------------------------
 
     @staticmethod
-    def _from_args(args: Any, model: Any) -> dict[str, Any]:
+    def _from_args(args: Any, model: Any) -> RunMetadata:
         name = getattr(model, "name_or_path", "") or getattr(getattr(model, "config", None), "_name_or_path", "")
         if not name and model is not None:
             name = type(model).__name__
@@ -329,11 +328,11 @@ class EnergyCallback(TrainerCallback):
         else:
             precision = fp32_matmul_precision(getattr(args, "device", None))
         optim = getattr(args, "optim", None)
-        return {
-            "model": name or None,
-            "optimizer": getattr(optim, "value", optim),
-            "batch_size": getattr(args, "per_device_train_batch_size", None),
-            "grad_accum": getattr(args, "gradient_accumulation_steps", None),
-            "precision": precision,
-            "seed": getattr(args, "seed", None),
-        }
+        return RunMetadata(
+            model=name or None,
+            optimizer=getattr(optim, "value", optim),
+            batch_size=getattr(args, "per_device_train_batch_size", None),
+            grad_accum=getattr(args, "gradient_accumulation_steps", None),
+            precision=precision,
+            seed=getattr(args, "seed", None),
+        )

@@ -69,13 +69,13 @@ from gpu_energy_exporter.training.batch import (
 from gpu_energy_exporter.training.distributed import new_run_id
 from gpu_energy_exporter.training.flops import check_flops_mode
 from gpu_energy_exporter.training.flops import flops_per_token as model_flops_per_token
-from gpu_energy_exporter.training.run import (
-    TrainingRun,
+from gpu_energy_exporter.training.metadata import (
+    RunMetadata,
     count_parameters,
     fp32_matmul_precision,
     normalize_precision,
-    start_run,
 )
+from gpu_energy_exporter.training.run import TrainingRun, start_run
 
 log = logging.getLogger("gpu_energy_exporter.training")
 
@@ -113,11 +113,9 @@ class EnergyCallback(Callback):
         **run_kwargs: Any,
     ) -> None:
         self.run_id = run_id
-        self.metadata: dict[str, Any] = {
-            "model": model, "backend": backend, "optimizer": optimizer, "batch_size": batch_size,
-            "grad_accum": grad_accum, "seq_len": seq_len, "precision": precision, "seed": seed,
-            "notes": notes,
-        }
+        self.metadata = RunMetadata(model=model, backend=backend, optimizer=optimizer, batch_size=batch_size,
+                                    grad_accum=grad_accum, seq_len=seq_len, precision=precision, seed=seed,
+                                    notes=notes)
         self.run_kwargs: dict[str, Any] = {
             "endpoint": endpoint, "export_interval": export_interval, "gpu_uuids": gpu_uuids, **run_kwargs,
         }
@@ -146,16 +144,13 @@ class EnergyCallback(Callback):
             # The strategy's broadcast works for every strategy (a no-op on one device), so the ranks
             # agree on the id without start_run needing torch.distributed.
             run_id = self.run_id or os.environ.get("GPU_ENERGY_RUN_ID") or trainer.strategy.broadcast(new_run_id())
-            metadata = {**self._from_trainer(trainer, pl_module),
-                        **{k: v for k, v in self.metadata.items() if v is not None}}
-            if self.metadata.get("precision") is not None:
-                metadata.pop("precision_raw", None)  # the caller's precision replaces the framework's
+            metadata = self.metadata.over(self._from_trainer(trainer, pl_module))
             parameters = self.parameters if self.parameters is not None else count_parameters(pl_module)
             self._flops_per_token = self.flops_per_token
             if self._flops_per_token is None:
                 self._flops_per_token = model_flops_per_token(pl_module, self.flops)
             self.run = start_run(
-                run_id, **metadata, total_steps=self._total_steps(trainer), parameters=parameters,
+                run_id, **metadata.keywords(), total_steps=self._total_steps(trainer), parameters=parameters,
                 start_step=int(trainer.global_step), padding=self.padding,
                 flops=self.flops if self.flops_per_token is None and self._flops_per_token else None,
                 device=pl_module.device,
@@ -254,7 +249,7 @@ class EnergyCallback(Callback):
         return int(estimated) if math.isfinite(estimated) else None
 
     @staticmethod
-    def _from_trainer(trainer: Any, pl_module: Any) -> dict[str, Any]:
+    def _from_trainer(trainer: Any, pl_module: Any) -> RunMetadata:
         optimizers = getattr(trainer, "optimizers", None) or []
         seed = os.environ.get("PL_GLOBAL_SEED")  # set by seed_everything
         batch_size = None
@@ -265,15 +260,15 @@ class EnergyCallback(Callback):
         precision = raw
         if normalize_precision(raw) == "fp32":
             precision = fp32_matmul_precision(getattr(pl_module, "device", None))
-        return {
-            "model": type(pl_module).__name__,
-            "optimizer": type(optimizers[0]).__name__ if optimizers else None,
-            "batch_size": batch_size,
-            "grad_accum": getattr(trainer, "accumulate_grad_batches", None),
-            "precision": precision,
-            "precision_raw": raw,
-            "seed": int(seed) if seed and seed.lstrip("-").isdigit() else None,
-        }
+        return RunMetadata(
+            model=type(pl_module).__name__,
+            optimizer=type(optimizers[0]).__name__ if optimizers else None,
+            batch_size=batch_size,
+            grad_accum=getattr(trainer, "accumulate_grad_batches", None),
+            precision=precision,
+            precision_raw=raw,
+            seed=int(seed) if seed and seed.lstrip("-").isdigit() else None,
+        )
 
 
 def _loss(outputs: Any, trainer: Any, pl_module: Any) -> Any:

@@ -1,0 +1,70 @@
+"""Where a run exports to and how often: the OTLP/HTTP metrics URL and the export interval, from the
+arguments of ``start_run`` or the standard OpenTelemetry environment variables.
+
+Pure: reads only the mapping it is given (``os.environ`` by default). It must never open a connection,
+import the OpenTelemetry SDK or raise for a malformed environment variable (one warning, then the
+default).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Mapping
+
+log = logging.getLogger("gpu_energy_exporter.training")
+
+DEFAULT_ENDPOINT = "http://localhost:4318"
+METRICS_PATH = "/v1/metrics"
+#: Default seconds between exports: live enough for a 15 s Prometheus scrape, cheap for the trainer.
+DEFAULT_EXPORT_INTERVAL = 10.0
+#: Default seconds one export may take, retries included (the SDK retries transient errors). Short on
+#: purpose: every export carries cumulative totals, so the next periodic export is the real retry.
+DEFAULT_EXPORT_TIMEOUT = 3.0
+#: Default bound on ``finish()``: the final export gets this long, then the run is closed regardless.
+DEFAULT_FINISH_TIMEOUT = 5.0
+
+
+def resolve_endpoint(endpoint: str | None, environ: Mapping[str, str] | None = None) -> str:
+    """The full ``.../v1/metrics`` URL, from the argument or the standard OpenTelemetry variables.
+
+    ``endpoint`` and ``OTEL_EXPORTER_OTLP_ENDPOINT`` are base URLs (``/v1/metrics`` is appended unless
+    already there); ``OTEL_EXPORTER_OTLP_METRICS_ENDPOINT`` is used as is, as the specification says.
+    """
+    env = os.environ if environ is None else environ
+    if endpoint:
+        return _with_path(endpoint)
+    if env.get("OTEL_EXPORTER_OTLP_METRICS_ENDPOINT"):
+        return env["OTEL_EXPORTER_OTLP_METRICS_ENDPOINT"].strip()
+    if env.get("OTEL_EXPORTER_OTLP_ENDPOINT"):
+        return _with_path(env["OTEL_EXPORTER_OTLP_ENDPOINT"])
+    return DEFAULT_ENDPOINT + METRICS_PATH
+
+
+def _with_path(base: str) -> str:
+    base = base.strip()
+    if "://" not in base:
+        base = "http://" + base
+    if base.rstrip("/").endswith(METRICS_PATH):
+        return base.rstrip("/")
+    return base.rstrip("/") + METRICS_PATH
+
+
+def export_interval_seconds(value: float | None, environ: Mapping[str, str]) -> float:
+    """Seconds between exports: ``value``, else ``OTEL_METRIC_EXPORT_INTERVAL`` (milliseconds), else
+    ``DEFAULT_EXPORT_INTERVAL``. A ``value`` that is not positive is a ValueError."""
+    if value is not None:
+        if not value > 0:
+            raise ValueError(f"export_interval must be a positive number of seconds, got {value!r}")
+        return float(value)
+    raw = environ.get("OTEL_METRIC_EXPORT_INTERVAL")  # milliseconds, per the specification
+    if raw:
+        try:
+            ms = float(raw)
+            if ms > 0:
+                return ms / 1000.0
+        except ValueError:
+            pass
+        log.warning("gpu_energy_exporter.training: ignoring OTEL_METRIC_EXPORT_INTERVAL=%r (milliseconds "
+                    "expected)", raw)
+    return DEFAULT_EXPORT_INTERVAL
