@@ -57,7 +57,7 @@ def training_metric_names() -> frozenset[str]:
     """Names of the training series as the exporter's OTLP receiver exposes them (histograms as their
     ``_bucket``, ``_sum`` and ``_count`` series)."""
     from gpu_energy_exporter.core.contract import ALL
-    from gpu_energy_exporter.otlp.translate import metric_name
+    from gpu_energy_exporter.otlp.naming import metric_name
 
     names: set[str] = set()
     for instrument in ALL:
