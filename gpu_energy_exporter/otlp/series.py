@@ -49,6 +49,8 @@ class Series(Stream):
 
 
 class Family:
+    """The series of one metric name, its metadata, the names its exposition claims and its cached lines."""
+
     __slots__ = ("name", "kind", "help", "unit", "series", "claims", "header", "cost", "gen", "block")
 
     def __init__(self, name: str, kind: Kind, help: str, unit: str) -> None:
