@@ -37,7 +37,8 @@ def _one(case: str) -> dict[str, Any]:
     from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue
     from opentelemetry.proto.metrics.v1 import metrics_pb2 as pb
 
-    from gpu_energy_exporter.otlp import ExportHandler, TrainingStore
+    from gpu_energy_exporter.otlp.receiver import ExportHandler
+    from gpu_energy_exporter.otlp.store import TrainingStore
 
     def kv(k: str, v: str) -> KeyValue:
         return KeyValue(key=k, value=AnyValue(string_value=v))

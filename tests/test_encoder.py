@@ -20,8 +20,8 @@ from prometheus_client.samples import Sample
 from prometheus_client.utils import floatToGoString
 
 from gpu_energy_exporter.core import encoder
+from gpu_energy_exporter.otlp.points import Batch, Labels, Point, series_bytes
 from gpu_energy_exporter.otlp.store import TrainingStore
-from gpu_energy_exporter.otlp.translate import Batch, Labels, Point, series_bytes
 
 ODD_VALUES = ['quote " inside', "back\\slash", "new\nline", "tab\tand ünïcødé ✓ 日本", "ends with \\", '\\"\n',
               "{braces}=,comma"]

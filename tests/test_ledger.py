@@ -39,8 +39,8 @@ from gpu_energy_exporter.ledger.ledger import (
     columns_markdown,
     summary_filename,
 )
+from gpu_energy_exporter.otlp.points import Batch, Point
 from gpu_energy_exporter.otlp.store import AcceptedPoint, TrainingStore
-from gpu_energy_exporter.otlp.translate import Batch, Point
 
 T0 = 1_700_000_000.0
 UUID_A = "GPU-aaaaaaaa-0000-4000-8000-000000000001"

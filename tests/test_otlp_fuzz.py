@@ -30,7 +30,8 @@ from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 from opentelemetry.sdk.resources import Resource
 
-from gpu_energy_exporter.otlp import ExportHandler, TrainingStore
+from gpu_energy_exporter.otlp.receiver import ExportHandler
+from gpu_energy_exporter.otlp.store import TrainingStore
 
 PB = {"Content-Type": "application/x-protobuf"}
 JSON = {"Content-Type": "application/json"}

@@ -27,7 +27,8 @@ from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import (
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue
 from opentelemetry.proto.metrics.v1 import metrics_pb2 as pb
 
-from gpu_energy_exporter.otlp import ExportHandler, TrainingStore
+from gpu_energy_exporter.otlp.receiver import ExportHandler
+from gpu_energy_exporter.otlp.store import TrainingStore
 
 PB = {"Content-Type": "application/x-protobuf"}
 CUMULATIVE = pb.AGGREGATION_TEMPORALITY_CUMULATIVE

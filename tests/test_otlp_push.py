@@ -29,16 +29,9 @@ import gpu_energy_exporter.daemon.exporter  # noqa: F401 - registers every colle
 from gpu_energy_exporter.core.config import load_config
 from gpu_energy_exporter.core.errors import ConfigError
 from gpu_energy_exporter.core.metrics import CATALOGUE
-from gpu_energy_exporter.otlp.push import (
-    CONVENTIONS,
-    OTLPPusher,
-    PushSettings,
-    load_headers_file,
-    own_name,
-    pushed,
-    snapshot_points,
-)
-from gpu_energy_exporter.otlp.translate import metric_name
+from gpu_energy_exporter.otlp.conventions import CONVENTIONS, own_name, pushed, snapshot_points
+from gpu_energy_exporter.otlp.naming import metric_name
+from gpu_energy_exporter.otlp.push import OTLPPusher, PushSettings, load_headers_file
 
 CUMULATIVE = 2
 

@@ -36,7 +36,8 @@ from opentelemetry.util.types import AttributeValue
 from prometheus_client import CollectorRegistry, generate_latest
 
 from gpu_energy_exporter.core.errors import ConfigError
-from gpu_energy_exporter.otlp import AcceptedPoint, OTLPReceiver, TrainingStore, load_bearer_token
+from gpu_energy_exporter.otlp.receiver import OTLPReceiver, load_bearer_token
+from gpu_energy_exporter.otlp.store import AcceptedPoint, TrainingStore
 
 DELTA = pb.AGGREGATION_TEMPORALITY_DELTA
 CUMULATIVE = pb.AGGREGATION_TEMPORALITY_CUMULATIVE

@@ -13,15 +13,8 @@ from opentelemetry.proto.common.v1.common_pb2 import AnyValue, ArrayValue, KeyVa
 from opentelemetry.proto.metrics.v1 import metrics_pb2 as pb
 
 from gpu_energy_exporter.core import contract as instruments
-from gpu_energy_exporter.otlp.translate import (
-    attribute_value,
-    format_double,
-    label_name,
-    metric_name,
-    translate_labels,
-    translate_request,
-    unit_name,
-)
+from gpu_energy_exporter.otlp.naming import attribute_value, format_double, label_name, metric_name, unit_name
+from gpu_energy_exporter.otlp.translate import translate_labels, translate_request
 
 DELTA = pb.AGGREGATION_TEMPORALITY_DELTA
 CUMULATIVE = pb.AGGREGATION_TEMPORALITY_CUMULATIVE

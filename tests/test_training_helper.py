@@ -24,7 +24,8 @@ import pytest
 from fakenvml import Scenario, build_library, h100, mig_uuids, v100
 from training_models import closed_port, label_values, receiver, series, total
 
-from gpu_energy_exporter.otlp import OTLPReceiver, TrainingStore
+from gpu_energy_exporter.otlp.receiver import OTLPReceiver
+from gpu_energy_exporter.otlp.store import TrainingStore
 from gpu_energy_exporter.training import count_batch, resolve_endpoint, start_run
 from gpu_energy_exporter.training.gpus import (
     NVMLGPU,

@@ -17,7 +17,8 @@ import pytest
 from tlsutil import self_signed
 from training_models import closed_port, receiver, total
 
-from gpu_energy_exporter.otlp import OTLPReceiver, TrainingStore
+from gpu_energy_exporter.otlp.receiver import OTLPReceiver
+from gpu_energy_exporter.otlp.store import TrainingStore
 from gpu_energy_exporter.training import start_run
 from gpu_energy_exporter.training.run import TrainingRun
 

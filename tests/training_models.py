@@ -18,7 +18,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from gpu_energy_exporter.otlp import OTLPReceiver, TrainingStore
+from gpu_energy_exporter.otlp.receiver import OTLPReceiver
+from gpu_energy_exporter.otlp.store import TrainingStore
 
 # Set before transformers is imported anywhere in a test process: never reach the Hub.
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")

@@ -6,7 +6,7 @@ Collector in between), the run ledger, the rules and dashboards builder and the 
 takes these names from here, none retypes them. A dashboard built on the Prometheus translation
 (``training_tokens_total``, ``training_step_duration_seconds``...) works whatever carried the points:
 ``Instrument.prometheus`` is what the OpenTelemetry -> Prometheus compatibility rules give for the
-instrument (tests/test_otlp_translate.py checks each against ``otlp.translate.metric_name``). The module is
+instrument (tests/test_otlp_translate.py checks each against ``otlp.naming.metric_name``). The module is
 plain data: it imports neither the OpenTelemetry SDK nor torch nor anything else of the package. It must
 never grow logic.
 """

@@ -24,7 +24,7 @@ METRIC_MODULES = (
     "gpu_energy_exporter.collectors.rapl",
     "gpu_energy_exporter.collectors.carbon",
     "gpu_energy_exporter.collectors.kubernetes",
-    "gpu_energy_exporter.otlp.store",
+    "gpu_energy_exporter.otlp.selfmetrics",
     "gpu_energy_exporter.ledger.ledger",
     "gpu_energy_exporter.otlp.push",
     "gpu_energy_exporter.http.server",
@@ -55,7 +55,7 @@ def _escape(text: str) -> str:
 def metrics_markdown() -> str:
     load_catalogue()
     from gpu_energy_exporter.core import contract as instruments
-    from gpu_energy_exporter.otlp.translate import metric_name
+    from gpu_energy_exporter.otlp.naming import metric_name
 
     out = [
         "# Metric catalogue",
@@ -105,14 +105,14 @@ def metrics_markdown() -> str:
 def push_mapping_markdown() -> list[str]:
     """The --otlp.push-endpoint table: each /metrics series, the OTLP metric pushed for it, and the name
     Prometheus 3's OTLP receiver gives that metric under its default translation."""
-    from gpu_energy_exporter.otlp.push import (
+    from gpu_energy_exporter.otlp.conventions import (
         CONVENTIONS,
         MEMORY_FRACTION,
         RAPL_HW_TYPES,
         own_name,
         pushed,
     )
-    from gpu_energy_exporter.otlp.translate import metric_name
+    from gpu_energy_exporter.otlp.naming import metric_name
 
     out = [
         "## Pushed over OTLP (`--otlp.push-endpoint`)",

@@ -1,26 +1,20 @@
-"""The OTLP/HTTP receiver inside the exporter: training processes push, ``/metrics`` exposes.
+"""OTLP inside the exporter: the receiver (training processes push, ``/metrics`` exposes) and the pusher
+(the node's readings pushed to an OpenTelemetry endpoint). Import the module that does the job:
 
-- ``translate``: OpenTelemetry names, units and attributes to Prometheus names and labels.
-- ``store``: ``TrainingStore``, the bounded series the pushes build, collected on the scrape path.
+- ``naming``: OpenTelemetry names, units and attribute values to Prometheus names and label values (pure).
+- ``points``: the translated ``Point`` / ``Batch``, the per-point ``Limits`` and series sizes (pure).
+- ``translate``: a decoded ``ExportMetricsServiceRequest`` to a ``Batch``, every limit applied.
+- ``folding``: delta and cumulative streams, restarts and histogram layouts into exposed values (pure).
+- ``admission``: the store's bounds and name rules, as refusals with their flag (pure).
+- ``series``: the store's families and series and their encoded exposition lines.
+- ``selfmetrics``: the receiver's ``gpuenergy_otlp_*`` counters.
+- ``store``: ``TrainingStore``, the bounded, locked series the pushes build, collected on the scrape path.
 - ``receiver``: ``POST /v1/metrics`` handling (``ExportHandler``) and a standalone server
-  (``OTLPReceiver``).
+  (``OTLPReceiver``); the only module here that imports the HTTP server.
+- ``conventions``: which of the node's series are pushed, named after the OpenTelemetry hardware
+  semantic conventions (pure).
+- ``push``: ``OTLPPusher``, the thread and the OpenTelemetry SDK exporter that push them.
 
-Importing this package starts nothing and never touches NVML.
+Importing this package imports none of them: it starts nothing, never touches NVML and never loads the
+HTTP server.
 """
-
-from __future__ import annotations
-
-from gpu_energy_exporter.otlp.receiver import ExportHandler, OTLPReceiver, load_bearer_token
-from gpu_energy_exporter.otlp.store import AcceptedPoint, TrainingStore
-from gpu_energy_exporter.otlp.translate import label_name, metric_name, unit_name
-
-__all__ = [
-    "AcceptedPoint",
-    "ExportHandler",
-    "OTLPReceiver",
-    "TrainingStore",
-    "label_name",
-    "load_bearer_token",
-    "metric_name",
-    "unit_name",
-]

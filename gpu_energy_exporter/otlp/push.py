@@ -1,5 +1,5 @@
-"""Push the node's own readings over OTLP/HTTP (``--otlp.push-endpoint``), named after the OpenTelemetry
-hardware semantic conventions where one exists.
+"""Push the node's own readings over OTLP/HTTP (``--otlp.push-endpoint``): the pushing thread, the
+OpenTelemetry SDK exporter under it, and the push's self-metrics.
 
 The pusher reads only the snapshot the sampler has published (never NVML, never a lock held by the
 scrape path), on a thread of its own, and hands the points to the OpenTelemetry SDK's OTLP/HTTP exporter
@@ -7,16 +7,8 @@ scrape path), on a thread of its own, and hands the points to the OpenTelemetry 
 so a push that fails loses nothing: the next one carries the same totals. Failed pushes are retried with
 exponential back-off; neither sampling nor scraping ever waits for a push.
 
-Conventions (semantic-conventions, ``model/hardware``): ``hw.energy`` (J, counter), ``hw.power`` (W,
-gauge), ``hw.gpu.utilization`` (1), ``hw.gpu.memory.usage`` / ``.limit`` / ``.utilization``,
-``hw.temperature`` (Cel, ``hw.type=temperature`` with the GPU as ``hw.parent``) and ``hw.status``, with
-``hw.type``, ``hw.id`` (the GPU UUID), ``hw.name``, ``hw.vendor``, ``hw.model`` and ``hw.driver_version``.
-Readings without a convention keep this project's names: ``gpuenergy.<subsystem>.<name>`` with the unit
-in the OTLP unit field, which Prometheus' OTLP translation turns back into the exact series name that
-``/metrics`` serves (``gpuenergy.gpu.power_average`` + ``W`` -> ``gpuenergy_gpu_power_average_watts``).
-
-``snapshot_points`` is pure (snapshot in, points out) so the mapping is tested on plain values; the
-``OTLPPusher`` thread and the SDK exporter are the I/O around it.
+What is pushed and under which names (the hardware semantic conventions) is ``otlp.conventions``, pure;
+this module is the I/O around it and must never decide a name or a mapping itself.
 """
 
 from __future__ import annotations
@@ -28,9 +20,9 @@ import socket
 import threading
 import time
 import warnings
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 import requests
 from prometheus_client.core import Metric
@@ -38,12 +30,12 @@ from urllib3.exceptions import InsecureRequestWarning
 
 from gpu_energy_exporter import __version__
 from gpu_energy_exporter.core.errors import ConfigError
-from gpu_energy_exporter.core.metrics import CATALOGUE, NAMESPACE, MetricSpec, add, define
+from gpu_energy_exporter.core.metrics import add, define
+from gpu_energy_exporter.otlp.conventions import OTLPPoint, snapshot_points
 
 log = logging.getLogger(__name__)
 
 SCOPE_NAME = "gpu_energy_exporter"
-GPU_VENDOR = "NVIDIA"
 
 PUSH_POINTS = define(
     "otlp", "push_points_total", "counter",
@@ -64,191 +56,8 @@ PUSH_LAST_SUCCESS = define(
     collector="otlp_push", unit="seconds",
 )
 
-PointKind = Literal["counter", "updown", "gauge"]
-
-#: Prometheus unit words (MetricSpec.unit) -> UCUM units used by OpenTelemetry.
-_UCUM = {
-    "seconds": "s", "bytes": "By", "watts": "W", "joules": "J", "celsius": "Cel", "hertz": "Hz",
-    "ratio": "1", "grams": "g",
-}
-
-#: Collectors whose series the snapshot holds (and so are pushed); training and ledger series are not
-#: the node's readings and are not re-pushed.
-PUSHED_COLLECTORS = frozenset({"exporter", "gpu", "host", "rapl", "carbon", "kubernetes"})
-#: Families never pushed: info series (their labels become attributes), and the per-process series
-#: (pid cardinality belongs on a scrape, not in a push pipeline).
-NOT_PUSHED = {
-    "gpuenergy_gpu_info", "gpuenergy_nvml_info", "gpuenergy_carbon_info", "gpuenergy_build_info",
-    "gpuenergy_gpu_process_memory_used_bytes",
-}
-
-
-@dataclass(frozen=True)
-class OTLPPoint:
-    """One data point to push, in OpenTelemetry terms."""
-
-    name: str
-    unit: str
-    kind: PointKind
-    description: str
-    attributes: tuple[tuple[str, str], ...]
-    value: float
-    time_s: float
-
-
-@dataclass(frozen=True)
-class _Convention:
-    name: str
-    unit: str
-    kind: PointKind
-
-
-#: Prometheus family (as /metrics serves it) -> the hardware semantic convention it maps onto.
-CONVENTIONS: dict[str, _Convention] = {
-    "gpuenergy_gpu_energy_joules_total": _Convention("hw.energy", "J", "counter"),
-    "gpuenergy_gpu_power_watts": _Convention("hw.power", "W", "gauge"),
-    "gpuenergy_gpu_utilization_ratio": _Convention("hw.gpu.utilization", "1", "gauge"),
-    "gpuenergy_gpu_memory_used_bytes": _Convention("hw.gpu.memory.usage", "By", "updown"),
-    "gpuenergy_gpu_memory_total_bytes": _Convention("hw.gpu.memory.limit", "By", "updown"),
-    "gpuenergy_gpu_temperature_celsius": _Convention("hw.temperature", "Cel", "gauge"),
-    "gpuenergy_gpu_memory_temperature_celsius": _Convention("hw.temperature", "Cel", "gauge"),
-    "gpuenergy_gpu_up": _Convention("hw.status", "1", "updown"),
-}
-#: Derived from used / total: the convention's "fraction of GPU memory used". (NVML's own "memory
-#: utilisation" is the memory controller's busy time and keeps this project's name.)
-MEMORY_FRACTION = _Convention("hw.gpu.memory.utilization", "1", "gauge")
-#: RAPL zones whose scope does not overlap another's: CPU packages and DRAM (docs/measurement.md).
-RAPL_HW_TYPES = {"package": "cpu", "dram": "memory"}
-
-
-def own_name(spec: MetricSpec) -> tuple[str, str]:
-    """(OTel name, UCUM unit) for a series without a convention, chosen so that Prometheus' OTLP
-    translation gives back ``spec.name``."""
-    base = spec.name
-    if spec.kind == "counter":
-        base = base.removesuffix("_total")
-    unit = ""
-    # The unit travels in the unit field only where the name carries it, so the translation (which
-    # appends the unit word) gives back exactly the same name; "_ratio" is added to gauges of unit "1".
-    for word in (spec.unit, "ratio"):
-        if word in _UCUM and base.endswith("_" + word) and (word != "ratio" or spec.kind == "gauge"):
-            base = base.removesuffix("_" + word)
-            unit = _UCUM.get(word, "")
-            break
-    rest = base.removeprefix(NAMESPACE + "_")
-    subsystem, _, name = rest.partition("_")
-    return (f"{NAMESPACE}.{subsystem}.{name}" if name else f"{NAMESPACE}.{subsystem}"), unit
-
-
-@dataclass
-class _GPUAttrs:
-    index: str
-    uuid: str
-    model: str = ""
-    driver: str = ""
-
-    def hw(self, hw_type: str = "gpu") -> list[tuple[str, str]]:
-        out = [("hw.type", hw_type), ("hw.id", self.uuid), ("hw.name", f"gpu{self.index}"),
-               ("hw.vendor", GPU_VENDOR)]
-        if self.model:
-            out.append(("hw.model", self.model))
-        if self.driver:
-            out.append(("hw.driver_version", self.driver))
-        return out
-
-
-def _gpu_attrs(families: Iterable[Metric]) -> dict[str, _GPUAttrs]:
-    out: dict[str, _GPUAttrs] = {}
-    for fam in families:
-        if fam.name != "gpuenergy_gpu":  # the info family's base name
-            continue
-        for s in fam.samples:
-            uuid = s.labels.get("gpu_uuid", "")
-            out[uuid] = _GPUAttrs(s.labels.get("gpu", ""), uuid, s.labels.get("model", ""),
-                                  s.labels.get("driver_version", ""))
-    return out
-
-
-def pushed(spec: MetricSpec) -> bool:
-    """Whether ``spec``'s series travel with ``--otlp.push-endpoint`` (the node's own readings)."""
-    return spec.kind != "info" and spec.name not in NOT_PUSHED and spec.collector in PUSHED_COLLECTORS
-
-
-def snapshot_points(
-    families: Iterable[Metric], *, taken_at: float, gpu_times: Mapping[str, float] | None = None
-) -> list[OTLPPoint]:
-    """The OTLP points for one snapshot's families.
-
-    ``taken_at`` is the snapshot's time; ``gpu_times`` maps a GPU UUID to the time of that GPU's reading
-    (which is what per-GPU points are stamped with). Pure: no clock, no I/O.
-    """
-    fams = list(families)
-    gpus = _gpu_attrs(fams)
-    gpu_times = gpu_times or {}
-    points: list[OTLPPoint] = []
-    used: dict[str, float] = {}
-    total: dict[str, float] = {}
-    for fam in fams:
-        for s in fam.samples:
-            if s.name.endswith("_created"):
-                continue
-            spec = CATALOGUE.get(s.name)
-            if spec is None or not pushed(spec):
-                continue
-            uuid = s.labels.get("gpu_uuid")
-            # A reading's own time, except for the GPU's status: a lost GPU's last reading stops moving,
-            # and its "failed" state must stay current (a stale point would clear an alert).
-            t = gpu_times.get(uuid, taken_at) if uuid and spec.name != "gpuenergy_gpu_up" else taken_at
-            gpu = gpus.get(uuid) if uuid else None
-            if gpu is None and uuid is not None:
-                gpu = _GPUAttrs(s.labels.get("gpu", ""), uuid)
-            value = float(s.value)
-            if spec.name == "gpuenergy_gpu_memory_used_bytes" and uuid:
-                used[uuid] = value
-            if spec.name == "gpuenergy_gpu_memory_total_bytes" and uuid:
-                total[uuid] = value
-            points.extend(_map(spec, dict(s.labels), value, t, gpu))
-    for uuid, u in used.items():
-        if total.get(uuid):
-            gpu = gpus.get(uuid) or _GPUAttrs("", uuid)
-            points.append(OTLPPoint(MEMORY_FRACTION.name, MEMORY_FRACTION.unit, "gauge",
-                                    "Fraction of GPU memory used.", tuple(gpu.hw()), u / total[uuid],
-                                    gpu_times.get(uuid, taken_at)))
-    return points
-
-
-def _map(spec: MetricSpec, labels: dict[str, str], value: float, t: float,
-         gpu: _GPUAttrs | None) -> list[OTLPPoint]:
-    conv = CONVENTIONS.get(spec.name)
-    if conv is not None and gpu is not None:
-        if spec.name == "gpuenergy_gpu_up":
-            attrs = [("hw.type", "gpu"), ("hw.id", gpu.uuid), ("hw.name", f"gpu{gpu.index}")]
-            return [
-                OTLPPoint(conv.name, conv.unit, conv.kind, "Operational status of the GPU.",
-                          tuple(attrs + [("hw.state", "ok")]), 1.0 if value == 1 else 0.0, t),
-                OTLPPoint(conv.name, conv.unit, conv.kind, "Operational status of the GPU.",
-                          tuple(attrs + [("hw.state", "failed")]), 0.0 if value == 1 else 1.0, t),
-            ]
-        if conv.name == "hw.temperature":
-            sensor = "memory" if "memory" in spec.name else "gpu"
-            attrs = [("hw.type", "temperature"), ("hw.id", f"{gpu.uuid}:{sensor}"),
-                     ("hw.name", f"gpu{gpu.index} {sensor}"), ("hw.parent", gpu.uuid)]
-            return [OTLPPoint(conv.name, conv.unit, conv.kind, spec.help, tuple(attrs), value, t)]
-        attrs = gpu.hw()
-        if conv.name == "hw.gpu.utilization":
-            attrs.append(("hw.gpu.task", "general"))
-        return [OTLPPoint(conv.name, conv.unit, conv.kind, spec.help, tuple(attrs), value, t)]
-    if spec.name == "gpuenergy_rapl_energy_joules_total" and labels.get("scope") in RAPL_HW_TYPES:
-        attrs = [("hw.type", RAPL_HW_TYPES[labels["scope"]]), ("hw.id", "rapl:" + labels.get("zone", "")),
-                 ("hw.name", labels.get("domain", ""))]
-        return [OTLPPoint("hw.energy", "J", "counter", spec.help, tuple(attrs), value, t)]
-    name, unit = own_name(spec)
-    kind: PointKind = "counter" if spec.kind == "counter" else "gauge"
-    return [OTLPPoint(name, unit, kind, spec.help, tuple(sorted(labels.items())), value, t)]
-
-
 # ---------------------------------------------------------------------------------------------------
-# the SDK side: OTLPPoint -> opentelemetry.sdk.metrics.export data -> OTLPMetricExporter
+# the SDK side: OTLPPoint (otlp.conventions) -> opentelemetry.sdk.metrics.export data -> OTLPMetricExporter
 
 
 def resource_attributes(environ: Mapping[str, str]) -> dict[str, str]:
@@ -561,6 +370,5 @@ class OTLPPusher:
 
 
 __all__ = [
-    "CONVENTIONS", "NOT_PUSHED", "OTLPPoint", "OTLPPusher", "PushSettings", "build_metrics_data",
-    "load_headers_file", "own_name", "pushed", "resource_attributes", "snapshot_points",
+    "OTLPPusher", "PushSettings", "build_metrics_data", "load_headers_file", "rejected_points", "resource_attributes",
 ]

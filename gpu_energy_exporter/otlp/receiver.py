@@ -2,7 +2,7 @@
 
 ``ExportHandler.handle_export(headers, body) -> (status, content_type, body)`` is the whole request
 logic as a function of bytes, so it plugs into any HTTP server; ``OTLPReceiver`` mounts it on a
-``web.HTTPServer`` of its own (``--otlp.listen-address``).
+``http.server.HTTPServer`` of its own (``--otlp.listen-address``).
 
 Protocol (OTLP specification, "OTLP/HTTP"):
 
@@ -18,7 +18,7 @@ Protocol (OTLP specification, "OTLP/HTTP"):
 - A request is decoded and translated completely before the store is touched: a rejected request stores
   nothing. Within a decoded request, points that cannot be used are counted and reported, the rest stored:
   the response's ``partial_success`` gives ``rejected_data_points`` and, per reason, the first message,
-  which names the limit and its ``--otlp.*`` flag (bounds: ``translate.Limits`` per point, the store's
+  which names the limit and its ``--otlp.*`` flag (bounds: ``points.Limits`` per point, ``admission`` and the store's
   module docstring for bytes, fair admission and name collisions).
 
 This module must never let a request crash the server: every failure becomes a response.
@@ -328,7 +328,7 @@ class ExportHandler:
 
 
 class OTLPReceiver:
-    """``POST /v1/metrics`` on its own listening socket (a ``web.HTTPServer``), feeding ``store``.
+    """``POST /v1/metrics`` on its own listening socket (a ``http.server.HTTPServer``), feeding ``store``.
 
     The address is bound when ``start()`` is called (``ConfigError`` when it cannot be used); serving runs
     on a daemon thread until ``shutdown()``. ``handle_export`` works without starting, for mounting the
@@ -359,7 +359,7 @@ class OTLPReceiver:
         return self.handler.handle_export(headers, body)
 
     def route(self, req: Request) -> WebResponse:
-        """The ``web.HTTPServer`` route handler for ``POST /v1/metrics``."""
+        """The ``http.server.HTTPServer`` route handler for ``POST /v1/metrics``."""
         headers = dict(req.headers.items())
         declared = req.headers.get("Content-Length", "").strip()
         # The server refused a declared size over max_body_bytes before buffering anything, and holds a
@@ -377,7 +377,7 @@ class OTLPReceiver:
 
     @property
     def http_server(self) -> HTTPServer | None:
-        """The running ``web.HTTPServer`` (its self-metrics), or None when not started."""
+        """The running ``http.server.HTTPServer`` (its self-metrics), or None when not started."""
         return self._server
 
     @property

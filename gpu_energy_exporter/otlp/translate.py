@@ -1,23 +1,14 @@
-"""Where an OTLP data point becomes a Prometheus sample: names, labels and values.
+"""Where a decoded OTLP request becomes ``Point``s: validation, limits and the translation of every data point.
 
-Two layers:
-
-- ``metric_name``, ``unit_name``, ``label_name`` and ``attribute_value`` translate single names and
-  values exactly as the OpenTelemetry "Prometheus and OpenMetrics Compatibility" rules give them, in
-  the flavour that Prometheus's own OTLP receiver applies with ``otlp.translation_strategy:
-  UnderscoreEscapingWithSuffixes`` (``github.com/prometheus/otlptranslator``) and the Collector's
-  prometheus exporter (``pkg/translator/prometheus``), so a dashboard written against either works
-  unchanged against this exporter.
-- ``translate_request`` walks a decoded ``ExportMetricsServiceRequest`` and turns every data point into a
-  ``Point`` (Prometheus name, sorted labels, value, temporality) or a counted rejection with a reason.
-  All validation happens here, so the store only ever sees well-formed points.
+``translate_request`` walks a decoded ``ExportMetricsServiceRequest`` and turns every data point into a
+``Point`` (Prometheus name, sorted labels, value, temporality) or a counted rejection with a reason. All
+validation happens here, so the store only ever sees well-formed points. Names and label values follow
+``otlp.naming`` (the OpenTelemetry compatibility rules); the model (``Point``, ``Batch``, ``Limits``) is
+``otlp.points``.
 
 Choices where the implementations and the spec text differ (each follows the reference implementations,
 because dashboard compatibility is the goal):
 
-- Label names are not collapsed (``a..b`` gives ``a__b``): the spec says multiple underscores MUST be
-  collapsed, but Prometheus (``label_name_preserve_multiple_underscores: true`` by default) and the
-  Collector both keep them. Leading digits give ``key_1x``, a single leading underscore ``key_x``.
 - ``otel_scope_name`` / ``otel_scope_version`` labels are not added (Prometheus's receiver default,
   ``promote_scope_metadata: false``); the training helper's labels are the join keys.
 - Resource attributes never become ``job`` / ``instance``: those are the exporter's own target labels in
@@ -34,26 +25,21 @@ counters, histogram and summary sums. Gauges (and cumulative up-down sums) may b
 Prometheus: the next point replaces them. Summary quantile values may be NaN (a summary with no
 observations). Metric descriptions longer than ``MAX_HELP_LENGTH`` are cut.
 
-This module never touches the store and never performs I/O.
+This module never touches the store, never decodes bytes (the receiver does) and never performs I/O; its
+only state is bounded caches of names and attribute lists that repeat on every export.
 """
 
 from __future__ import annotations
 
-import base64
-import json
 import math
-import re
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from decimal import Decimal
-from typing import Any, Literal
+from typing import Any
 
 from google.protobuf.message import Message
 
-Kind = Literal["counter", "gauge", "unknown", "histogram", "summary"]
-#: How a metric is classified for naming (otlptranslator's MetricType): only "counter" gets ``_total``
-#: and only "gauge" gets ``_ratio`` for unit "1"; "updown" (non-monotonic sum) gets neither.
-NameKind = Literal["counter", "gauge", "updown", "histogram", "summary", "unknown"]
+from gpu_energy_exporter.core.contract import ATTR_RUN_ID
+from gpu_energy_exporter.otlp.naming import NameKind, attribute_value, label_name, metric_name, unit_name
+from gpu_energy_exporter.otlp.points import DEFAULT_LIMITS, Batch, Kind, Labels, Limits, Point, label_chars, series_cost
 
 #: Names the exporter exposes itself; a push must never shadow them (a duplicate series breaks a scrape).
 RESERVED_PREFIXES: tuple[str, ...] = ("gpuenergy_",)
@@ -66,314 +52,6 @@ TEMPORALITY_DELTA = 1
 TEMPORALITY_CUMULATIVE = 2
 # DataPointFlags.DATA_POINT_FLAGS_NO_RECORDED_VALUE_MASK: the stream ended (Prometheus staleness).
 FLAG_NO_RECORDED_VALUE = 1
-
-# ----------------------------------------------------------------------------------------------------
-# units: otlptranslator's unitMap / perUnitMap (the UnderscoreEscapingWithSuffixes mapping)
-
-UNIT_MAP: dict[str, str] = {
-    # time
-    "d": "days", "h": "hours", "min": "minutes", "s": "seconds", "ms": "milliseconds",
-    "us": "microseconds", "ns": "nanoseconds",
-    # bytes
-    "By": "bytes", "KiBy": "kibibytes", "MiBy": "mebibytes", "GiBy": "gibibytes", "TiBy": "tibibytes",
-    "KBy": "kilobytes", "MBy": "megabytes", "GBy": "gigabytes", "TBy": "terabytes",
-    # SI
-    "m": "meters", "V": "volts", "A": "amperes", "J": "joules", "W": "watts", "g": "grams",
-    # misc
-    "Cel": "celsius", "Hz": "hertz", "1": "", "%": "percent",
-}
-PER_UNIT_MAP: dict[str, str] = {
-    "s": "second", "m": "minute", "h": "hour", "d": "day", "w": "week", "mo": "month", "y": "year",
-}
-
-# A metric name token is a run of [a-zA-Z0-9:]; everything else (underscore included) separates tokens,
-# which is how the reference implementation both replaces invalid characters and collapses "__".
-_METRIC_SEPARATORS = re.compile(r"[^a-zA-Z0-9:]+")
-_INVALID_UNIT_CHARS = re.compile(r"[^a-zA-Z0-9:]")
-_MULTI_UNDERSCORE = re.compile(r"__+")
-_INVALID_LABEL_CHARS = re.compile(r"[^a-zA-Z0-9_]")
-_SHORT_NEG_EXPONENT = re.compile(r"e-0(\d)$")
-
-
-def _unit_suffixes(unit: str) -> tuple[str, str]:
-    """(main, per) unit words before cleaning; ``{annotations}`` are dropped, "1" maps to ""."""
-    parts = unit.split("/", 1)
-    main = per = ""
-    main_otel = parts[0].strip()
-    if main_otel and "{" not in main_otel and "}" not in main_otel:
-        main = UNIT_MAP.get(main_otel, main_otel)
-    if len(parts) > 1 and parts[1]:
-        per_otel = parts[1].strip()
-        if per_otel and "{" not in per_otel and "}" not in per_otel:
-            per = PER_UNIT_MAP.get(per_otel, per_otel)
-        if per:
-            per = "per_" + per
-    return main, per
-
-
-def _clean_unit(unit: str) -> str:
-    return _MULTI_UNDERSCORE.sub("_", _INVALID_UNIT_CHARS.sub("_", unit)).removeprefix("_")
-
-
-def unit_name(unit: str) -> str:
-    """The Prometheus unit word for an OTel (UCUM) unit: ``s`` -> ``seconds``, ``By/s`` ->
-    ``bytes_per_second``, ``1`` and ``{token}`` -> ``""``."""
-    main, per = _unit_suffixes(unit)
-    main, per = _clean_unit(main), _clean_unit(per)
-    if main and per:
-        out = main + "_" + per
-    else:
-        out = main or per
-    return out.strip("_") if out else out
-
-
-def metric_name(name: str, unit: str, kind: NameKind) -> str:
-    """The Prometheus metric name for an OTel metric, with unit and type suffixes.
-
-    Returns ``""`` when nothing valid is left (the caller rejects the metric). Histogram and summary
-    names are the family base name (``_bucket`` / ``_sum`` / ``_count`` come at exposition); counters
-    include ``_total``.
-    """
-    tokens = [t for t in _METRIC_SEPARATORS.split(name) if t]
-    if not tokens:
-        return ""
-    main, per = _unit_suffixes(unit)
-    main, per = _clean_unit(main), _clean_unit(per)
-    # The unit is added unless the name already carries it as a whole token (spec: "unless the metric
-    # name already contains the unit").
-    if main in tokens:
-        main = ""
-    if per == "per_":
-        per = ""
-    else:
-        per = per.removesuffix("_")
-        if per in tokens:
-            per = ""
-    if per:
-        main = main.removesuffix("_")
-    if main:
-        tokens.append(main)
-    if per:
-        tokens.append(per)
-    if kind == "counter":
-        tokens = [t for t in tokens if t != "total"]
-        tokens.append("total")
-    # Only gauges get _ratio: some receivers wrongly use unit "1" for counts (otlptranslator's note).
-    if unit == "1" and kind == "gauge":
-        tokens = [t for t in tokens if t != "ratio"]
-        tokens.append("ratio")
-    out = "_".join(tokens)
-    if out and out[0].isdigit():
-        out = "_" + out
-    return out
-
-
-def label_name(key: str) -> str:
-    """The Prometheus label name for an attribute key; ``""`` if none is possible.
-
-    ``http.method`` -> ``http_method``, ``1st`` -> ``key_1st``, ``_x`` -> ``key_x``, ``__x`` stays (the
-    caller rejects reserved ``__`` names).
-    """
-    if not key:
-        return ""
-    out = _INVALID_LABEL_CHARS.sub("_", key)
-    if out[0].isdigit():
-        out = "key_" + out
-    elif out.startswith("_") and not out.startswith("__"):
-        out = "key" + out
-    if not out.strip("_"):
-        return ""
-    return out
-
-
-# ----------------------------------------------------------------------------------------------------
-# attribute values: the OTel attribute spec's string conversion, as pcommon.Value.AsString does it
-
-
-def format_double(value: float) -> str:
-    """A double as JSON/ES6 number text (Go's ``float64AsString``): ``1`` not ``1.0``, ``0.00001``,
-    ``1e-7``, ``1e+21``."""
-    if math.isinf(value) or math.isnan(value):
-        go = "NaN" if math.isnan(value) else ("+Inf" if value > 0 else "-Inf")
-        return "json: unsupported value: " + go
-    text = repr(value)  # shortest round-trip digits, like Go's precision -1
-    magnitude = abs(value)
-    if magnitude != 0 and (magnitude < 1e-6 or magnitude >= 1e21):
-        # repr already uses exponent form in these ranges; Go then trims "e-07" to "e-7".
-        return _SHORT_NEG_EXPONENT.sub(r"e-\1", text)
-    if "e" in text:
-        text = format(Decimal(text), "f")
-    if "." in text:
-        text = text.rstrip("0").rstrip(".")
-    return text
-
-
-def _json_text(value: Any) -> str:
-    """Go's json.Marshal of a raw attribute value (sorted keys, HTML-escaped, no spaces)."""
-    if value is None:
-        return "null"
-    if value is True:
-        return "true"
-    if value is False:
-        return "false"
-    if isinstance(value, int):
-        return str(value)
-    if isinstance(value, float):
-        return format_double(value)
-    if isinstance(value, str):
-        return _json_string(value)
-    if isinstance(value, list):
-        return "[" + ",".join(_json_text(v) for v in value) + "]"
-    if isinstance(value, dict):
-        return "{" + ",".join(_json_string(k) + ":" + _json_text(value[k]) for k in sorted(value)) + "}"
-    raise TypeError(type(value))
-
-
-def _json_string(text: str) -> str:
-    out = json.dumps(text, ensure_ascii=False)
-    return (out.replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026")
-            .replace("\u2028", "\\u2028").replace("\u2029", "\\u2029"))
-
-
-def _raw_value(any_value: Any) -> Any:
-    which = any_value.WhichOneof("value")
-    if which == "string_value":
-        return any_value.string_value
-    if which == "bool_value":
-        return any_value.bool_value
-    if which == "int_value":
-        return any_value.int_value
-    if which == "double_value":
-        return any_value.double_value
-    if which == "bytes_value":
-        return base64.b64encode(any_value.bytes_value).decode("ascii")
-    if which == "array_value":
-        return [_raw_value(v) for v in any_value.array_value.values]
-    if which == "kvlist_value":
-        return {kv.key: _raw_value(kv.value) for kv in any_value.kvlist_value.values}
-    return None
-
-
-def attribute_value(any_value: Any) -> str:
-    """An OTLP ``AnyValue`` as a label value string (strings as-is, ``true``/``false``, decimal ints,
-    ES6-style doubles, base64 bytes, JSON arrays and maps; unset is ``""``)."""
-    which = any_value.WhichOneof("value")
-    if which == "string_value":
-        return any_value.string_value
-    if which == "int_value":
-        return str(any_value.int_value)
-    if which == "bool_value":
-        return "true" if any_value.bool_value else "false"
-    if which == "double_value":
-        return format_double(any_value.double_value)
-    if which is None:
-        return ""
-    raw = _raw_value(any_value)
-    if isinstance(raw, str):  # bytes
-        return raw
-    return _json_text(raw)
-
-
-# ----------------------------------------------------------------------------------------------------
-# request translation
-
-Labels = tuple[tuple[str, str], ...]
-
-
-@dataclass(frozen=True, slots=True)
-class Limits:
-    """Per-point bounds applied at translation (see the module docstring); defaults are the flags'."""
-
-    max_label_length: int = 2048
-    max_labels_per_point: int = 32
-    max_buckets_per_point: int = 256
-    max_quantiles_per_point: int = 64
-    max_series_bytes: int = 256 * 1024
-    max_future_skew_ns: int = 300 * 10**9
-
-    def __post_init__(self) -> None:
-        for name in self.__slots__:
-            if getattr(self, name) <= 0 and name != "max_future_skew_ns":
-                raise ValueError(f"{name} must be positive")
-        if self.max_future_skew_ns < 0:
-            raise ValueError("max_future_skew_ns must not be negative")
-
-
-DEFAULT_LIMITS = Limits()
-
-#: Fixed cost of one series in ``series_bytes`` (the objects that hold it, whatever its labels) and of
-#: each of its samples (a ``Sample`` tuple and, for a bucket, its label dictionary), measured with
-#: tracemalloc on helper-like series: the estimate is within a factor 1.5 of what the store holds.
-SERIES_OVERHEAD_BYTES = 1024
-SAMPLE_OVERHEAD_BYTES = 150
-
-
-def series_bytes(name: str, labels: Labels, kind: str, buckets: int = 0, quantiles: int = 0) -> int:
-    """Estimated memory a series costs the store: its exposition lines four times over (the sample heads
-    built once per label set, the encoded lines, the family's encoded block they are joined into, and the
-    label dictionary and values they are built from), and a fixed overhead. Used for
-    ``--otlp.max-series-bytes`` and ``--otlp.max-bytes``; it grows linearly with what a push controls (label
-    sizes, bucket and quantile counts), which is what matters for a bound."""
-    return _series_cost(name, _label_chars(labels), kind, buckets, quantiles)
-
-
-def _label_chars(labels: Labels) -> int:
-    return sum(len(k) + len(v) + 4 for k, v in labels)
-
-
-def _series_cost(name: str, label_chars: int, kind: str, buckets: int = 0, quantiles: int = 0) -> int:
-    """``series_bytes`` with the labels' part already counted (``_label_chars``)."""
-    line = len(name) + label_chars + 32
-    if kind == "histogram":
-        samples = max(buckets, 1) + 2
-        lines = (samples - 2) * (line + 20) + 2 * (line + 8)
-    elif kind == "summary":
-        samples = quantiles + 2
-        lines = quantiles * (line + 24) + 2 * (line + 8)
-    else:
-        samples = 1
-        lines = line
-    return 4 * lines + SAMPLE_OVERHEAD_BYTES * samples + SERIES_OVERHEAD_BYTES
-
-
-@dataclass(slots=True)
-class Point:
-    """One data point, translated and validated, ready for the store."""
-
-    kind: Kind
-    name: str  # Prometheus family name (counters end in _total)
-    help: str
-    unit: str  # Prometheus unit metadata, "" unless the name ends with it
-    labels: Labels  # sorted by name, empty values dropped
-    run_id: str
-    start_ns: int
-    time_ns: int
-    delta: bool = False
-    value: float = 0.0
-    bounds: tuple[float, ...] = ()  # histogram upper bounds (without +Inf)
-    counts: tuple[int, ...] = ()  # histogram per-bucket counts, len(bounds) + 1 (or empty)
-    count: int = 0  # histogram / summary count
-    sum: float | None = None  # histogram / summary sum (None: not recorded)
-    quantiles: tuple[tuple[float, float], ...] = ()  # summary (quantile, value)
-    no_value: bool = False  # the sender marked the stream as ended
-    cost: int = 0  # series_bytes() of the series this point gives
-
-
-@dataclass
-class Batch:
-    """Everything one request carried, after translation."""
-
-    points: list[Point] = field(default_factory=list)
-    received: int = 0  # data points in the request (accepted + rejected)
-    rejected: dict[str, int] = field(default_factory=dict)  # reason -> count
-    messages: dict[str, str] = field(default_factory=dict)  # reason -> first human-readable message
-    resources: list[Labels] = field(default_factory=list)  # target_info label sets
-
-    def reject(self, reason: str, count: int, message: str) -> None:
-        if count <= 0:
-            return
-        self.rejected[reason] = self.rejected.get(reason, 0) + count
-        self.messages.setdefault(reason, message)
 
 
 class _Rejected(Exception):
@@ -485,7 +163,7 @@ _ATTRS_KEY_MAX = 512
 
 def _point_labels(attributes: Sequence[Any], reserved: tuple[str, ...],
                   limits: Limits) -> tuple[Labels, str, int]:
-    """``translate_labels``, the labels' ``run_id`` and ``_label_chars``, cached per attribute list."""
+    """``translate_labels``, the labels' ``run_id`` and ``label_chars``, cached per attribute list."""
     if len(attributes) <= limits.max_labels_per_point:
         parts = [kv.SerializeToString() for kv in attributes]
         if sum(map(len, parts)) <= _ATTRS_KEY_MAX:
@@ -493,18 +171,18 @@ def _point_labels(attributes: Sequence[Any], reserved: tuple[str, ...],
             out = _ATTRS_CACHE.get(key)
             if out is None:
                 labels = translate_labels(attributes, reserved, limits)  # a rejection is never cached
-                out = (labels, _run_id(labels), _label_chars(labels))
+                out = (labels, _run_id(labels), label_chars(labels))
                 if len(_ATTRS_CACHE) >= _ATTRS_CACHE_MAX:
                     _ATTRS_CACHE.clear()
                 _ATTRS_CACHE[key] = out
             return out
     labels = translate_labels(attributes, reserved, limits)
-    return labels, _run_id(labels), _label_chars(labels)
+    return labels, _run_id(labels), label_chars(labels)
 
 
 def _run_id(labels: Labels) -> str:
     for k, v in labels:
-        if k == "run_id":
+        if k == ATTR_RUN_ID:
             return v
     return ""
 
@@ -671,10 +349,10 @@ def _translate_points(points: Any, batch: Batch, received_ns: int, limits: Limit
                 continue
             if kind == "histogram":
                 _fill_histogram(point, dp, limits)
-                point.cost = _series_cost(prom_name, label_chars, kind, buckets=len(point.counts))
+                point.cost = series_cost(prom_name, label_chars, kind, buckets=len(point.counts))
             elif kind == "summary":
                 _fill_summary(point, dp, limits)
-                point.cost = _series_cost(prom_name, label_chars, kind, quantiles=len(point.quantiles))
+                point.cost = series_cost(prom_name, label_chars, kind, quantiles=len(point.quantiles))
             else:
                 value = _number(dp)
                 if value is None:
@@ -686,7 +364,7 @@ def _translate_points(points: Any, batch: Batch, received_ns: int, limits: Limit
                     if value < 0:
                         raise _Rejected("invalid_point", f"invalid counter value {value!r}")
                 point.value = value
-                point.cost = _series_cost(prom_name, label_chars, kind)
+                point.cost = series_cost(prom_name, label_chars, kind)
             if point.cost > limits.max_series_bytes:
                 raise _Rejected("series_too_large", f"series of about {point.cost} bytes, more than "
                                 f"{limits.max_series_bytes} (--otlp.max-series-bytes); use fewer or shorter "
