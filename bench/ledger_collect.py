@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 from gpu_energy_exporter.devices.base import ENERGY_METHOD_COUNTER, GPUIdentity, GPUReading
 from gpu_energy_exporter.engine.sampler import GPUState, Snapshot
-from gpu_energy_exporter.ledger.ledger import RunLedger
+from gpu_energy_exporter.ledger import RunLedger
 
 T0 = 1_700_000_000.0
 UUIDS = [f"GPU-{i:08x}-0000-4000-8000-000000000001" for i in range(8)]

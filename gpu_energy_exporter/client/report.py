@@ -39,8 +39,10 @@ from typing import IO, Any
 from gpu_energy_exporter import __version__
 from gpu_energy_exporter.client.api import ExporterClient, ExporterUnreachable, add_client_flags, client_from_args
 from gpu_energy_exporter.client.top import fmt_co2, fmt_duration
+from gpu_energy_exporter.core import runs_schema
 from gpu_energy_exporter.core.config import parse_duration
 from gpu_energy_exporter.core.errors import ExporterError
+from gpu_energy_exporter.core.runs_schema import SUMMARY_SCHEMA
 from gpu_energy_exporter.core.textfmt import fmt_num, json_safe
 
 
@@ -59,7 +61,6 @@ def fmt_energy(joules: float | None) -> str:
 PLOT_SIZE_IN = (10.0, 4.0)
 PLOT_DPI = 100
 GIB = float(1 << 30)
-SUMMARY_SCHEMA = "gpu-energy-exporter/run-summary/1"
 PLOTS: tuple[tuple[str, str], ...] = (
     ("power", "Power over time, per GPU"),
     ("energy_per_step", "Energy per optimizer step"),
@@ -414,7 +415,7 @@ class PrometheusSource:
         return summary
 
 
-#: Summary keys -> the ledger's metric specs serving them on /metrics (ledger.py).
+#: Summary keys -> the ledger's metric specs serving them on /metrics (core/runs_schema.py).
 _LEDGER_SPECS = {
     "energy_j": "RUN_ENERGY", "tokens": "RUN_TOKENS", "steps": "RUN_STEPS", "tokens_per_s": "RUN_TOKENS_PER_SECOND",
     "j_per_token": "RUN_JOULES_PER_TOKEN", "avg_power_w": "RUN_AVERAGE_POWER", "peak_power_w": "RUN_PEAK_POWER",
@@ -425,15 +426,12 @@ _LEDGER_SPECS = {
 
 def _ledger_name(spec: str) -> str:
     """The Prometheus name of a ledger series, from the ledger's own catalogue entry."""
-    from gpu_energy_exporter.ledger import ledger  # noqa: PLC0415 - only the Prometheus source needs it
-
-    return str(getattr(ledger, spec).name)
+    return str(getattr(runs_schema, spec).name)
 
 
 def _ledger_series() -> dict[str, str]:
-    from gpu_energy_exporter.ledger import ledger  # noqa: PLC0415
-
-    return {key: str(getattr(ledger, spec).name) for key, spec in _LEDGER_SPECS.items() if hasattr(ledger, spec)}
+    return {key: str(getattr(runs_schema, spec).name) for key, spec in _LEDGER_SPECS.items()
+            if hasattr(runs_schema, spec)}
 
 
 def _finite(v: float | None) -> float | None:
