@@ -178,8 +178,8 @@ class Run:
                 keys.append(k)
         return keys
 
-    def count(self, acc: Acc, f0: Frame, f1: Frame, lo: float, hi: float, holders: Holders, *,
-              live: bool) -> None:
+    def count_interval(self, acc: Acc, f0: Frame, f1: Frame, lo: float, hi: float, holders: Holders, *,
+                       live: bool) -> None:
         """Add the part of the snapshot interval (f0, f1] that lies in [lo, hi] to ``acc``; ``live``: the
         run's own accumulator moving forward, which also extends its timeline."""
         seg = integrate(acc, f0, f1, lo, hi, run_id=self.run_id, window_start=self.w,
@@ -332,7 +332,7 @@ def advance(run: Run, f0: Frame, f1: Frame, holders: Holders, late_window_s: flo
     hi = run.e if run.e is not None else math.inf
     if run.acc.t >= hi:
         return
-    run.count(run.acc, f0, f1, max(run.acc.t, run.s), hi, holders, live=True)
+    run.count_interval(run.acc, f0, f1, max(run.acc.t, run.s), hi, holders, live=True)
     run.acc.t = max(run.acc.t, min(f1.t, hi))
     if run.e is not None:
         return
@@ -366,7 +366,7 @@ def rewind(run: Run, t: float, history: Sequence[Frame], holders: Holders) -> No
     for f0, f1 in zip(frames, frames[1:], strict=False):
         if f1.t <= acc.t or f0.t >= min(hi, target):
             continue
-        run.count(acc, f0, f1, max(acc.t, run.s), min(hi, target), holders, live=False)
+        run.count_interval(acc, f0, f1, max(acc.t, run.s), min(hi, target), holders, live=False)
         acc.t = max(acc.t, min(f1.t, hi, target))
         if run.e is None:
             ckpt = acc.copy()
@@ -394,7 +394,7 @@ def replay(run: Run, acc: Acc, history: Sequence[Frame], lo: float, hi: float, h
             break
         if f1.t <= lo:
             continue
-        run.count(acc, f0, f1, lo, hi, holders, live=live)
+        run.count_interval(acc, f0, f1, lo, hi, holders, live=live)
         acc.t = max(acc.t, min(f1.t, hi))
 
 
