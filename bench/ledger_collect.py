@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable
 
 from gpu_energy_exporter.core.state import ENERGY_METHOD_COUNTER, GPUIdentity, GPUReading, GPUState, Snapshot
-from gpu_energy_exporter.ledger.ledger import RunLedger
+from gpu_energy_exporter.ledger import RunLedger
 
 T0 = 1_700_000_000.0
 UUIDS = [f"GPU-{i:08x}-0000-4000-8000-000000000001" for i in range(8)]

@@ -23,22 +23,16 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector as PromCollector
 
+from gpu_energy_exporter.core import runs_schema
 from gpu_energy_exporter.core.metrics import CATALOGUE
+from gpu_energy_exporter.core.runs_schema import COLUMN_NAMES, columns_markdown
 from gpu_energy_exporter.core.state import ENERGY_METHOD_COUNTER, GPUIdentity, GPUReading, GPUState, MIGDevice, Snapshot
 from gpu_energy_exporter.daemon.api import api_routes
 from gpu_energy_exporter.engine.sampler import Sampler
 from gpu_energy_exporter.http.server import HTTPServer
-from gpu_energy_exporter.ledger import ledger as ledger_mod
-from gpu_energy_exporter.ledger.ledger import (
-    COLUMN_NAMES,
-    HEADER_LINE,
-    RunLedger,
-    Timeline,
-    append_csv_row,
-    atomic_write,
-    columns_markdown,
-    summary_filename,
-)
+from gpu_energy_exporter.ledger import RunLedger
+from gpu_energy_exporter.ledger.accounting import Timeline
+from gpu_energy_exporter.ledger.files import HEADER_LINE, append_csv_row, atomic_write, summary_filename
 from gpu_energy_exporter.otlp.points import Batch, Point
 from gpu_energy_exporter.otlp.store import AcceptedPoint, TrainingStore
 
@@ -568,7 +562,7 @@ def test_finished_run_writes_a_csv_row_and_a_json_summary(tmp_path: Path) -> Non
     assert float(row["co2_g"]) == pytest.approx(0.4)
     assert row["summary_file"] == os.path.join("runs", "r_1.json")
     doc = json.loads((tmp_path / row["summary_file"]).read_text())
-    assert doc["schema"] == ledger_mod.SUMMARY_SCHEMA
+    assert doc["schema"] == runs_schema.SUMMARY_SCHEMA
     assert doc["run_id"] == "r/1" and doc["j_per_token"] == pytest.approx(10.0)
     assert doc["timeline"] and doc["gpus"][0]["uuid"] == UUID_A
     # A second run appends; the header is written once.
@@ -630,8 +624,8 @@ def test_summary_file_names_are_safe() -> None:
 
 def test_docs_list_the_columns_and_metrics_as_the_code_defines_them() -> None:
     doc = (Path(__file__).resolve().parent.parent / "docs" / "ledger.md").read_text()
-    assert columns_markdown() in doc, "regenerate the table in docs/ledger.md from ledger.columns_markdown()"
-    ours = [name for name, spec in CATALOGUE.items() if spec.collector == ledger_mod.COLLECTOR]
+    assert columns_markdown() in doc, "regenerate the table in docs/ledger.md from runs_schema.columns_markdown()"
+    ours = [name for name, spec in CATALOGUE.items() if spec.collector == runs_schema.COLLECTOR]
     assert len(ours) == 26
     assert [name for name in ours if f"`{name}`" not in doc] == []
 

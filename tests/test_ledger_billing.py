@@ -31,7 +31,7 @@ from test_ledger import (
     trainer,
 )
 
-from gpu_energy_exporter.ledger.ledger import RunLedger
+from gpu_energy_exporter.ledger import RunLedger
 from gpu_energy_exporter.reference.gpu_specs import lookup_peak_flops
 
 UUID_REMOTE = "GPU-cccccccc-0000-4000-8000-000000000003"

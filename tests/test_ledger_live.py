@@ -12,7 +12,9 @@ import pytest
 from prometheus_client.core import Metric
 from test_ledger import T0, UUID_A, UUID_B, Clock, Harness, bursty, constant, point, summary_of
 
-from gpu_energy_exporter.ledger.ledger import RunLedger, _Acc, _Run
+from gpu_energy_exporter.ledger import RunLedger
+from gpu_energy_exporter.ledger.accounting import Acc
+from gpu_energy_exporter.ledger.runs import Run
 
 
 class CountingLedger(RunLedger):
@@ -22,7 +24,7 @@ class CountingLedger(RunLedger):
         super().__init__(*args, **kwargs)
         self.summaries = 0
 
-    def _summary(self, run: _Run, acc: _Acc | None = None) -> dict[str, Any]:
+    def _summary(self, run: Run, acc: Acc | None = None) -> dict[str, Any]:
         self.summaries += 1
         return super()._summary(run, acc)
 
@@ -30,7 +32,7 @@ class CountingLedger(RunLedger):
 class FreshLedger(RunLedger):
     """Counts every live summary afresh at every call (the slow way, kept nothing between scrapes)."""
 
-    def _live_summary(self, run: _Run) -> dict[str, Any]:
+    def _live_summary(self, run: Run) -> dict[str, Any]:
         return self._live_summary_now(run)
 
 

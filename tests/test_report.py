@@ -21,12 +21,12 @@ from PIL import Image, ImageStat
 from prom import Prometheus
 
 from gpu_energy_exporter.client import report
+from gpu_energy_exporter.core import runs_schema
 from gpu_energy_exporter.core.config import load_config
 from gpu_energy_exporter.core.textfmt import fmt_num
 from gpu_energy_exporter.daemon.demo import SimulatedTrainer
 from gpu_energy_exporter.daemon.exporter import Exporter
 from gpu_energy_exporter.devices.simulated import SimulatedBackend
-from gpu_energy_exporter.ledger import ledger as ledger_module
 
 EXPECTED_SIZE = (int(report.PLOT_SIZE_IN[0] * report.PLOT_DPI), int(report.PLOT_SIZE_IN[1] * report.PLOT_DPI))
 #: Figures the report prints that must be the ledger's own numbers.
@@ -238,7 +238,7 @@ def test_report_from_prometheus_matches_the_ledger(runs: Runs, tmp_path: Path) -
     run_id = runs.run_ids[0]
     ledger = _ledger(runs, run_id)
     # Prometheus has the run once it scraped the ledger's final figures.
-    energy = ledger_module.RUN_ENERGY.name
+    energy = runs_schema.RUN_ENERGY.name
     wait_until(lambda: prom.value(f'{energy}{{run_id="{run_id}"}}') == ledger["energy_j"],
                timeout=20, what="Prometheus to scrape the finished run")
     out = tmp_path / "prom"

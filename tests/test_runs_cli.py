@@ -18,11 +18,13 @@ from conftest import free_port
 
 from gpu_energy_exporter.client.api import URL_ENV
 from gpu_energy_exporter.client.runs import CSV_ENV, main
+from gpu_energy_exporter.core.runs_schema import COLUMN_NAMES
 from gpu_energy_exporter.daemon import cli
 from gpu_energy_exporter.daemon.api import api_routes
 from gpu_energy_exporter.http.server import HTTPServer
 from gpu_energy_exporter.http.webconfig import load_web_config
-from gpu_energy_exporter.ledger.ledger import COLUMN_NAMES, RunLedger, append_csv_row
+from gpu_energy_exporter.ledger import RunLedger
+from gpu_energy_exporter.ledger.files import append_csv_row
 
 GIB = float(1 << 30)
 

@@ -37,8 +37,8 @@ from gpu_energy_exporter.client.api import (
 from gpu_energy_exporter.client.fmt import fmt_gib
 from gpu_energy_exporter.core.config import FLAGS
 from gpu_energy_exporter.core.errors import ExporterError
+from gpu_energy_exporter.core.runs_schema import COLUMN_NAMES, NUMERIC_COLUMNS
 from gpu_energy_exporter.core.textfmt import fmt_num
-from gpu_energy_exporter.ledger.ledger import COLUMN_NAMES, NUMERIC_COLUMNS
 
 #: The exporter's --runs.csv environment variable: the same file for the exporter and this command.
 CSV_ENV = next(f.env for f in FLAGS if f.name == "runs.csv")

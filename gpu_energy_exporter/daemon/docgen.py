@@ -25,7 +25,7 @@ METRIC_MODULES = (
     "gpu_energy_exporter.collectors.carbon",
     "gpu_energy_exporter.collectors.kubernetes",
     "gpu_energy_exporter.otlp.selfmetrics",
-    "gpu_energy_exporter.ledger.ledger",
+    "gpu_energy_exporter.ledger.specs",
     "gpu_energy_exporter.otlp.push",
     "gpu_energy_exporter.http.server",
 )

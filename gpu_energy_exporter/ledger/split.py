@@ -1,6 +1,6 @@
 """How the run ledger splits one GPU's energy between the runs using it: pure arithmetic.
 
-Plain values in, figures out: no clock, no I/O, no threads (``ledger.py`` feeds it; tests/test_ledger_split.py
+Plain values in, figures out: no clock, no I/O, no threads (``accounting.py`` uses it; tests/test_ledger_split.py
 checks it on its own). The split of one instant is the pod attributor's rule, reused
 (``kubernetes.attribution.split``), with runs in place of containers:
 

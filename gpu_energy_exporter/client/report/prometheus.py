@@ -22,6 +22,7 @@ from typing import Any
 from gpu_energy_exporter.client.api import ExporterClient, ExporterUnreachable
 from gpu_energy_exporter.client.fmt import fmt_duration
 from gpu_energy_exporter.client.report.run import ReportError, RunData
+from gpu_energy_exporter.core import runs_schema
 from gpu_energy_exporter.core.contract import (
     ATTR_GPU_UUID,
     ATTR_RANK,
@@ -264,7 +265,7 @@ class PrometheusSource:
         return summary
 
 
-#: Summary keys -> the ledger's metric specs serving them on /metrics (ledger.py).
+#: Summary keys -> the ledger's metric specs serving them on /metrics (core/runs_schema.py).
 _LEDGER_SPECS = {
     "energy_j": "RUN_ENERGY", "tokens": "RUN_TOKENS", "steps": "RUN_STEPS", "tokens_per_s": "RUN_TOKENS_PER_SECOND",
     "j_per_token": "RUN_JOULES_PER_TOKEN", "avg_power_w": "RUN_AVERAGE_POWER", "peak_power_w": "RUN_PEAK_POWER",
@@ -275,15 +276,12 @@ _LEDGER_SPECS = {
 
 def _ledger_name(spec: str) -> str:
     """The Prometheus name of a ledger series, from the ledger's own catalogue entry."""
-    from gpu_energy_exporter.ledger import ledger  # noqa: PLC0415 - only the Prometheus source needs it
-
-    return str(getattr(ledger, spec).name)
+    return str(getattr(runs_schema, spec).name)
 
 
 def _ledger_series() -> dict[str, str]:
-    from gpu_energy_exporter.ledger import ledger  # noqa: PLC0415
-
-    return {key: str(getattr(ledger, spec).name) for key, spec in _LEDGER_SPECS.items() if hasattr(ledger, spec)}
+    return {key: str(getattr(runs_schema, spec).name) for key, spec in _LEDGER_SPECS.items()
+            if hasattr(runs_schema, spec)}
 
 
 def _finite(v: float | None) -> float | None:

@@ -12,8 +12,7 @@ from typing import Any
 
 from gpu_energy_exporter.client.api import RUN_PATH, STATUS_PATH, ExporterClient, ExporterUnreachable
 from gpu_energy_exporter.client.report.run import ReportError, RunData, num
-
-SUMMARY_SCHEMA = "gpu-energy-exporter/run-summary/1"
+from gpu_energy_exporter.core.runs_schema import SUMMARY_SCHEMA
 
 
 def from_ledger_document(doc: dict[str, Any], source: str) -> RunData:

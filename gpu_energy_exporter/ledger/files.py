@@ -1,0 +1,204 @@
+"""The run ledger's files: the runs CSV and the JSON summaries beside it, written atomically, and the
+back-off of writes that failed.
+
+Readers (``runs``, ``report``, a spreadsheet) see either the old file or the new one, never a mix: every
+write goes to a temporary file in the same directory, is fsynced and renamed over the old one. These
+functions take plain values (a path, a row, a document) and raise ``OSError``; the ledger decides what a
+failure means (keep the run, retry later). Nothing here knows about runs, snapshots or locks.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import logging
+import math
+import os
+import re
+import tempfile
+import time
+from collections.abc import Callable, Iterable, Mapping
+from datetime import datetime, timezone
+from typing import IO, Any
+
+from gpu_energy_exporter.core.runs_schema import COLUMN_NAMES
+from gpu_energy_exporter.core.textfmt import json_safe
+
+log = logging.getLogger(__name__)
+
+# Back-off of failed ledger writes: 5 s, doubling, at most 5 minutes.
+_RETRY_FIRST_S = 5.0
+_RETRY_MAX_S = 300.0
+
+#: The directory of the JSON summaries, relative to the CSV's.
+RUNS_DIR = "runs"
+
+
+def atomic_write(path: str, write: Callable[[IO[bytes]], object], mode: int | None = None) -> None:
+    """Write a file so that readers see either the old content or the new, never a mix.
+
+    ``write`` fills a temporary file in the same directory; it is flushed, fsynced and renamed over
+    ``path``, then the directory is fsynced so the rename survives a power cut. If ``write`` raises,
+    the temporary file is removed and ``path`` is untouched.
+    """
+    directory = os.path.dirname(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(prefix="." + os.path.basename(path) + ".", suffix=".tmp", dir=directory)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        if mode is None:
+            try:
+                mode = os.stat(path).st_mode & 0o777
+            except FileNotFoundError:
+                mode = 0o644
+        os.chmod(tmp, mode)
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise
+    _fsync_dir(directory)
+
+
+def _fsync_dir(directory: str) -> None:
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass  # some filesystems refuse fsync on a directory; the rename itself is still atomic
+    finally:
+        os.close(fd)
+
+
+def _csv_line(values: Iterable[str]) -> bytes:
+    buf = io.StringIO()
+    csv.writer(buf, lineterminator="\n").writerow(list(values))
+    return buf.getvalue().encode("utf-8")
+
+
+HEADER_LINE: bytes = _csv_line(COLUMN_NAMES)
+
+
+def append_csv_row(path: str, row: Mapping[str, Any], clock: Callable[[], float] = time.time) -> None:
+    """Append one row to the ledger CSV, writing the header for a new file.
+
+    The whole file is rewritten to a temporary file and renamed (rows are few), so a crash never leaves a
+    half-written row. A file whose header is not ours is renamed aside (``<path>.<time>.old``, with a
+    warning), never appended to or overwritten.
+    """
+    try:
+        with open(path, "rb") as f:
+            existing = f.read()
+    except FileNotFoundError:
+        existing = b""
+    if existing and existing.split(b"\n", 1)[0].rstrip(b"\r") + b"\n" != HEADER_LINE:
+        stamp = utc_stamp(clock())
+        aside = f"{path}.{stamp}.old"
+        n = 1
+        while os.path.exists(aside):
+            n += 1
+            aside = f"{path}.{stamp}-{n}.old"
+        os.replace(path, aside)
+        log.warning(
+            "runs CSV %s has a different header (another tool's file or an older ledger version); moved "
+            "it to %s and started a new file", path, aside)
+        existing = b""
+    if not existing:
+        existing = HEADER_LINE
+    elif not existing.endswith(b"\n"):
+        existing += b"\n"
+    line = _csv_line(format_csv_value(row.get(name)) for name in COLUMN_NAMES)
+    atomic_write(path, lambda f: f.write(existing + line))
+
+
+def format_csv_value(value: Any) -> str:
+    if value is None:
+        return ""
+    if isinstance(value, bool):
+        return "1" if value else "0"
+    if isinstance(value, float):
+        if math.isnan(value) or math.isinf(value):
+            return ""
+        if value.is_integer() and abs(value) < 1e15:
+            return str(int(value))
+        return f"{value:.10g}"
+    return str(value)
+
+
+_SAFE_NAME = re.compile(r"[^A-Za-z0-9._-]+")
+
+
+def summary_filename(run_id: str) -> str:
+    """A file name for a run id (any characters may come over OTLP)."""
+    name = _SAFE_NAME.sub("_", run_id).strip("._") or "run"
+    return name[:120] + ".json"
+
+
+def iso_utc(t: float | None) -> str | None:
+    if t is None:
+        return None
+    text = datetime.fromtimestamp(t, timezone.utc).isoformat(timespec="milliseconds")
+    return text.replace("+00:00", "Z")
+
+
+
+def utc_stamp(t: float) -> str:
+    """``20231114T221320Z``: a time in a file name."""
+    return datetime.fromtimestamp(t, timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+
+
+def retry_delay(failures: int) -> float:
+    """Seconds to wait before writing again after ``failures`` failed attempts (at least 1)."""
+    return min(_RETRY_MAX_S, _RETRY_FIRST_S * 2 ** min(failures - 1, 16))
+
+
+def check_writable(path: str) -> str | None:
+    """None when the runs CSV ``path`` and its summaries directory can be written, else one line saying
+    what is wrong and what to do. Creates the directories, writes nothing else."""
+    try:
+        directory = os.path.dirname(os.path.abspath(path))
+        runs_dir = os.path.join(directory, RUNS_DIR)
+        os.makedirs(runs_dir, exist_ok=True)
+        for d in (directory, runs_dir):
+            fd, tmp = tempfile.mkstemp(prefix=".write-test.", dir=d)
+            os.close(fd)
+            os.unlink(tmp)
+        if os.path.isdir(path):
+            raise IsADirectoryError(21, "is a directory", path)
+    except OSError as exc:
+        return (f"--runs.csv {path}: cannot write there ({getattr(exc, 'filename', None) or path}: "
+                f"{exc.strerror or exc}). Finished runs stay in memory and are retried until it works; "
+                "point --runs.csv at a writable file or fix the directory.")
+    return None
+
+
+def summaries_dir(csv_path: str) -> str:
+    """The directory of the JSON summaries beside the runs CSV ``csv_path``, created if missing."""
+    runs_dir = os.path.join(os.path.dirname(os.path.abspath(csv_path)), RUNS_DIR)
+    os.makedirs(runs_dir, exist_ok=True)
+    return runs_dir
+
+
+def summary_name(runs_dir: str, run_id: str, written: str | None, start: float) -> tuple[str, bool]:
+    """The file name of a run's JSON summary in ``runs_dir`` and whether it differs from the usual one.
+
+    ``written``: the name already written for this run (a retried write keeps it). The same run id again
+    (resumed, or reused) keeps the earlier summary: the new one gets the run's start time in its name."""
+    name = written or summary_filename(run_id)
+    if written is None and os.path.exists(os.path.join(runs_dir, name)):
+        return name[: -len(".json")] + f".{utc_stamp(start)}.json", True
+    return name, False
+
+
+def write_json(path: str, doc: dict[str, Any]) -> None:
+    """Write a JSON document atomically (indented, NaN and infinities as null)."""
+    payload = (json.dumps(json_safe(doc), indent=2, sort_keys=False) + "\n").encode("utf-8")
+    atomic_write(path, lambda f: f.write(payload))

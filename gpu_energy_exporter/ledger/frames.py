@@ -1,0 +1,71 @@
+"""What one sampler snapshot says about the GPUs, as the run ledger needs it: a frame of plain values.
+
+``frame_of`` is the one place the ledger reads the sampler's snapshot and GPU state (``gpu_frame`` the one
+place it reads a GPU reading's fields); everything downstream (accounting, summaries) works on frames, so
+it can be tested with plain values. Frames are immutable and kept in the ledger's snapshot history. This
+module never calls NVML and never integrates power into energy.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from gpu_energy_exporter.collectors.host import MEMORY_AVAILABLE
+from gpu_energy_exporter.core.state import GPUState, Snapshot
+
+
+@dataclass(frozen=True, slots=True)
+class GPUFrame:
+    uuid: str
+    name: str
+    energy_j: float | None  # None: GPU down or no counter
+    power_w: float | None
+    memory_used: int | None
+    memory_total: int | None
+    idle_w: float | None
+    idle_source: str
+    index: int = -1
+
+
+@dataclass(frozen=True, slots=True)
+class Frame:
+    t: float
+    gpus: dict[str, GPUFrame]  # by uuid_key
+    mig_parent: dict[str, str]  # MIG uuid key -> parent key
+    intensity: float | None  # g/kWh
+    pue: float | None
+    host_available: float | None  # bytes
+
+
+def uuid_key(uuid: str) -> str:
+    # torch reports UUIDs without the "GPU-" prefix; NVML with it. Compare without case or prefix.
+    key = uuid.strip().lower()
+    return key[4:] if key.startswith("gpu-") else key
+
+
+def gpu_frame(g: GPUState) -> GPUFrame:
+    r = g.reading
+    power = None
+    mem = total = None
+    if r is not None:
+        mem, total = r.memory_used_bytes, r.memory_total_bytes
+        power = r.power_instant_w if r.power_instant_w is not None else r.power_average_w
+    if not g.up:
+        power = mem = None
+    return GPUFrame(
+        uuid=g.identity.uuid, name=g.identity.name,
+        energy_j=g.energy_j if g.up else None, power_w=power, memory_used=mem, memory_total=total,
+        idle_w=g.idle_power_w, idle_source=g.idle_power_source, index=g.identity.index,
+    )
+
+
+def frame_of(snapshot: Snapshot, intensity: float | None, pue: float | None) -> Frame:
+    """The frame of one snapshot, with the grid intensity (g/kWh) and PUE in force when it was taken."""
+    gpus: dict[str, GPUFrame] = {}
+    mig: dict[str, str] = {}
+    for g in snapshot.gpus:
+        key = uuid_key(g.identity.uuid)
+        gpus[key] = gpu_frame(g)
+        for m in g.identity.mig_devices:
+            mig[uuid_key(m.uuid)] = key
+    return Frame(snapshot.timestamp, gpus, mig, intensity, pue, snapshot.value(MEMORY_AVAILABLE.name))

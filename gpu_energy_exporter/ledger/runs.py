@@ -1,0 +1,428 @@
+"""A training run as the ledger tracks it: its state, the points that change it, and its accumulator kept
+in step with the snapshot history (advanced, rewound, replayed, closed).
+
+``apply_point`` is the state machine of one accepted point (a counter series, a finished flag, metadata,
+a gauge); ``advance``, ``rewind``, ``replay`` and ``close_accounts`` move a run's accumulator over frames of
+the snapshot history, given who holds which GPU (``Holders``). Point names and labels come from the training
+contract (``core.contract``). Callers hold the ledger's lock: nothing here locks, starts threads, reads a
+clock or touches files; the time a point was received is passed in.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from gpu_energy_exporter.core import contract
+from gpu_energy_exporter.ledger.accounting import Acc, Timeline, integrate
+from gpu_energy_exporter.ledger.frames import Frame, GPUFrame, uuid_key
+from gpu_energy_exporter.ledger.split import Holding
+
+#: Training progress: the counters whose first point makes a tentative run id a run (with ``HISTOGRAM``).
+COUNTERS = frozenset(i.prometheus for i in (contract.TOKENS, contract.SAMPLES, contract.STEPS, contract.FLOPS))
+HISTOGRAM = contract.STEP_DURATION.prometheus
+TOKENS = contract.TOKENS.prometheus
+SAMPLES = contract.SAMPLES.prometheus
+STEPS = contract.STEPS.prometheus
+FLOPS = contract.FLOPS.prometheus
+LOSS = contract.LOSS.prometheus
+VALIDATION_LOSS = contract.VALIDATION_LOSS.prometheus
+LEARNING_RATE = contract.LEARNING_RATE.prometheus
+EPOCH = contract.EPOCH.prometheus
+RUN_FINISHED = contract.RUN_FINISHED.prometheus
+_GAUGES = frozenset((LOSS, VALIDATION_LOSS, LEARNING_RATE, EPOCH))
+_POINT_LABELS = frozenset(contract.POINT_ATTRIBUTES)
+_NOT_GPUS = frozenset({"", contract.GPU_NONE, contract.GPU_UNKNOWN})
+
+class PointLike(Protocol):
+    """What the OTLP store hands its listeners (``otlp.store.AcceptedPoint``)."""
+
+    # read-only members, so frozen dataclasses (the store's AcceptedPoint) match
+    @property
+    def run_id(self) -> str: ...
+    @property
+    def name(self) -> str: ...
+    @property
+    def labels(self) -> Mapping[str, str]: ...
+    @property
+    def value(self) -> float: ...
+    @property
+    def time(self) -> float: ...
+
+
+#: Physical GPU key -> the runs using it, at a frame's time (``RunLedger._holders``).
+Holders = Callable[[Frame], Mapping[str, Sequence[Holding]]]
+
+
+@dataclass(slots=True)
+class SeriesState:
+    """One counter series (a metric + label set) of a run."""
+
+    name: str
+    rank: str
+    baseline: float
+    last_t: float
+    last_v: float
+    at_w: float | None = None  # value at the warm-up boundary, once a point at or after it arrived
+    count: float = 0.0  # histograms: cumulative count (value is the cumulative sum)
+    gpus: tuple[str, ...] = ()  # uuid keys of the series' gpu_uuid label (local or remote rank)
+
+
+def rank_order(rank: str) -> tuple[int, str]:
+    try:
+        return (int(rank), "")
+    except ValueError:
+        return (1 << 30, rank)
+
+
+class Run:
+    def __init__(self, run_id: str, start: float, warmup: float, fresh: bool, timeline_points: int,
+                 received: float) -> None:
+        self.run_id = run_id
+        self.s = start
+        self.w = start + warmup
+        self.e: float | None = None
+        self.status = "running"
+        self.fresh = fresh
+        self.notes: list[str] = []
+        if not fresh:
+            self.notes.append("resumed after it had finished or gone stale: counters counted from the "
+                              "first point of this resumption")
+        self.series: dict[tuple[str, tuple[tuple[str, str], ...]], SeriesState] = {}
+        self.metadata: dict[str, str] = {}
+        self.meta_rank: tuple[int, str] | None = None
+        self.ranks: set[str] = set()
+        self.finished_at: dict[str, float] = {}  # rank -> time of its first finished=1 point
+        self.gpus: dict[str, str] = {}  # uuid key -> uuid as pushed
+        self.non_gpu_labels: set[str] = set()
+        self.gpu_labels_seen: set[str] = set()  # gpu_uuid label values already noted (bounded by the series)
+        self.gauges: dict[str, tuple[tuple[int, str], float, float]] = {}  # name -> (rank order, t, value)
+        self.best_loss: float | None = None
+        self.best_loss_t = 0.0
+        self.best_loss_step: float | None = None
+        self.total_steps: float | None = None
+        self.global_steps: dict[str, tuple[float, float]] = {}  # rank -> (t, training_global_step)
+        self.last_point_t = start
+        self.last_point_received = received
+        self.acc = Acc(t=start)
+        self.checkpoints: deque[Acc] = deque()
+        self.alive_checkpoint = self.acc.copy()  # the last checkpoint not after the last point
+        self.timeline = Timeline(timeline_points)
+        self.gpu_order: list[str] = []  # frame keys in timeline order
+        self.gpu_info: dict[str, GPUFrame] = {}  # last frame of each GPU (names, idle power)
+        self.resolved: set[str] = set()  # run GPU keys found in some snapshot
+        self.summary: dict[str, Any] | None = None
+        self.closed_at: float | None = None
+        self.exposed: dict[str, float] = {}  # counter name -> highest value collect() has served
+        # Created by a point that is no training progress (run_info, run_finished, ...): not shown, never
+        # written, never charged energy, evicted first; becomes a run at its first counter point.
+        self.tentative = True
+        self.splits: set[str] = set()  # split rules used for the run's GPUs (ledger_split)
+        self.sharers: set[str] = set()  # other runs it shared a GPU with
+        self.written_json: str | None = None  # summary file already written (a retried write keeps it)
+        self.write_failures = 0
+        self.next_write_try = 0.0
+        self.changes = 0  # bumped by every point applied to the run (a part of its live summary's stamp)
+        self.live_memo: tuple[tuple[int, ...], dict[str, Any]] | None = None  # (stamp, live summary)
+
+    # -- counters ------------------------------------------------------------------------------------
+
+    def counter(self, name: str, local: Callable[[SeriesState], bool] | None = None) -> float | None:
+        """Summed over series (max for steps); ``local`` keeps only the series it accepts."""
+        values = [s.last_v - s.baseline for s in self.series.values()
+                  if s.name == name and (local is None or local(s))]
+        if not values:
+            return None
+        return max(values) if name == STEPS else sum(values)
+
+    def counter_at_w(self, name: str, local: Callable[[SeriesState], bool] | None = None) -> float | None:
+        values = [(s.at_w if s.at_w is not None else s.last_v) - s.baseline
+                  for s in self.series.values() if s.name == name and (local is None or local(s))]
+        if not values:
+            return None
+        return max(values) if name == STEPS else sum(values)
+
+    def gauge(self, name: str) -> float | None:
+        entry = self.gauges.get(name)
+        return entry[2] if entry is not None else None
+
+    def global_step(self) -> float | None:
+        """The trainer's global step (steps before a resume included): the highest rank's latest value."""
+        return max(v for _, v in self.global_steps.values()) if self.global_steps else None
+
+    # -- accounting ----------------------------------------------------------------------------------
+
+    def checkpoint_before(self, t: float) -> Acc | None:
+        """The latest checkpoint not after ``t`` (None when every one is later)."""
+        candidates = [c for c in (*self.checkpoints, self.alive_checkpoint) if c.t <= t]
+        return max(candidates, key=lambda c: c.t) if candidates else None
+
+    def parents(self, frame: Frame | None) -> set[str]:
+        """The frame's physical GPUs the run names (MIG instances -> their parent)."""
+        if frame is None:
+            return set()
+        return {frame.mig_parent.get(k, k) for k in self.gpus}
+
+    def frame_keys(self, frame: Frame) -> list[str]:
+        """The frame's keys of the run's GPUs (MIG instances -> their parent, once each); GPUs the frame
+        does not have keep their own key (they count as expected GPU-time without energy)."""
+        keys: list[str] = []
+        for key in self.gpus:
+            k = frame.mig_parent.get(key, key)
+            if k in frame.gpus:
+                self.resolved.add(key)
+            if k not in keys:
+                keys.append(k)
+        return keys
+
+    def count_interval(self, acc: Acc, f0: Frame, f1: Frame, lo: float, hi: float, holders: Holders, *,
+                       live: bool) -> None:
+        """Add the part of the snapshot interval (f0, f1] that lies in [lo, hi] to ``acc``; ``live``: the
+        run's own accumulator moving forward, which also extends its timeline."""
+        seg = integrate(acc, f0, f1, lo, hi, run_id=self.run_id, window_start=self.w,
+                        keys=self.frame_keys(f1), holders=holders(f1))
+        if seg is None:
+            return
+        for key, g1 in seg.gpus:
+            self.gpu_info[key] = g1
+            if key not in self.gpu_order:
+                self.gpu_order.append(key)
+        self.splits |= seg.splits
+        self.sharers |= seg.sharers
+        if live and seg.inside:
+            power = tuple(f1.gpus[k].power_w if k in f1.gpus else None for k in self.gpu_order)
+            self.timeline.add((
+                f1.t, power, acc.energy_j, self.counter(TOKENS), self.counter(STEPS), self.gauge(LOSS),
+                seg.vram_sum, f1.host_available,
+            ))
+
+
+# ----------------------------------------------------------------------------------------------------
+# points
+
+
+def apply_point(run: Run, name: str, labels: Mapping[str, str], value: float, t: float, count: float | None,
+                received: float) -> None:
+    """One accepted point of the run (``received``: wall time it arrived)."""
+    rank = labels.get(contract.ATTR_RANK, "")
+    run.changes += 1
+    run.ranks.add(rank)
+    run.last_point_received = received
+    if t > run.last_point_t:
+        run.last_point_t = t
+    gpu_label = labels.get(contract.ATTR_GPU_UUID, "")
+    if gpu_label not in run.gpu_labels_seen:
+        run.gpu_labels_seen.add(gpu_label)
+        for part in gpu_label.split(","):
+            _note_gpu(run, part)
+    order = rank_order(rank)
+    if name in COUNTERS or name == HISTOGRAM:
+        _apply_counter(run, name, labels, rank, value, t, count)
+        if name == STEPS and run.best_loss is not None and t <= run.best_loss_t:
+            run.best_loss_step = run.counter(name)
+    elif name == RUN_FINISHED:
+        _apply_finished(run, rank, value, t)
+    elif name == contract.RUN_INFO.prometheus:
+        if run.meta_rank is None or order <= run.meta_rank:
+            run.meta_rank = order
+            run.metadata = {k: v for k, v in labels.items() if k not in _POINT_LABELS}
+    elif name == contract.RUN_GPU_INFO.prometheus:
+        pass  # its gpu_uuid label was noted above
+    elif name == contract.RUN_TOTAL_STEPS.prometheus:
+        run.total_steps = value if run.total_steps is None else max(run.total_steps, value)
+    elif name == contract.GLOBAL_STEP.prometheus:
+        seen = run.global_steps.get(rank)
+        if seen is None or t >= seen[0]:
+            run.global_steps[rank] = (t, value)
+    elif name in _GAUGES:
+        prev = run.gauges.get(name)
+        # One rank's view (the lowest that sends it): ranks' local losses are not comparable values.
+        if prev is not None and (order > prev[0] or (order == prev[0] and t < prev[1])):
+            return
+        run.gauges[name] = (order, t, value)
+        if name == LOSS and (run.best_loss is None or value < run.best_loss):
+            run.best_loss, run.best_loss_t = value, t
+            run.best_loss_step = run.counter(STEPS)
+
+
+def resumes(closed: Run, name: str, value: float, t: float) -> bool:
+    """Whether a point of a closed run's id starts the run again."""
+    # The SDK keeps re-exporting its last values until the trainer exits: only an explicit "running again"
+    # (finished back to 0, after the end) resumes a closed run id.
+    return name == RUN_FINISHED and value == 0 and closed.e is not None and t > closed.e
+
+
+def gpu_keys(label: str) -> tuple[str, ...]:
+    """The uuid keys a ``gpu_uuid`` label names (comma-joined; ``none``/``unknown`` name no GPU)."""
+    return tuple(uuid_key(g) for g in label.split(",") if g.strip().lower() not in _NOT_GPUS)
+
+
+def _note_gpu(run: Run, uuid: str) -> None:
+    text = uuid.strip()
+    if text.lower() in _NOT_GPUS:
+        run.non_gpu_labels.add(text or "(empty)")
+        return
+    key = uuid_key(text)
+    if key not in run.gpus:
+        run.gpus[key] = text
+
+
+def _apply_counter(run: Run, name: str, labels: Mapping[str, str], rank: str, value: float, t: float,
+                   count: float | None) -> None:
+    key = (name, tuple(sorted(labels.items())))
+    s = run.series.get(key)
+    if s is None:
+        if run.fresh:
+            # A fresh run's counters started at zero at its start: interpolate from there.
+            s = SeriesState(name, rank, baseline=0.0, last_t=min(run.s, t), last_v=0.0)
+        else:
+            s = SeriesState(name, rank, baseline=value, last_t=t, last_v=value)
+        s.gpus = gpu_keys(labels.get(contract.ATTR_GPU_UUID, ""))
+        run.series[key] = s
+    if t < s.last_t:
+        return
+    if s.at_w is None and t >= run.w:
+        if s.last_t >= run.w or t == s.last_t:
+            s.at_w = s.last_v
+        else:
+            s.at_w = s.last_v + (value - s.last_v) * (run.w - s.last_t) / (t - s.last_t)
+    s.last_t, s.last_v = t, value
+    if count is not None:
+        s.count = count
+
+
+def _apply_finished(run: Run, rank: str, value: float, t: float) -> None:
+    if value >= 1:
+        run.finished_at.setdefault(rank, t)
+    else:
+        run.finished_at.pop(rank, None)
+        if run.status == "finishing":
+            run.status, run.e = "running", None
+        return
+    if run.ranks and run.ranks <= set(run.finished_at):
+        run.e = max(run.s, max(run.finished_at.values()))
+        run.status = "finishing"
+
+
+# ----------------------------------------------------------------------------------------------------
+# the accumulator over the snapshot history
+
+
+def holdings(frame: Frame, tracked: Iterable[Run]) -> dict[str, list[Holding]]:
+    """Physical GPU key -> the runs using it (with the MIG instance they name), as known now. Runs still
+    tentative hold nothing; closed runs hold their GPUs from start to end."""
+    out: dict[str, list[Holding]] = {}
+    for run in tracked:
+        if run.tentative:
+            continue
+        end = run.e if run.e is not None else math.inf
+        for key in run.gpus:
+            parent = frame.mig_parent.get(key, key)
+            if parent not in frame.gpus:
+                continue
+            out.setdefault(parent, []).append(Holding(run.run_id, run.s, end, key if parent != key else ""))
+    return out
+
+
+def advance(run: Run, f0: Frame, f1: Frame, holders: Holders, late_window_s: float) -> None:
+    """Count the newest snapshot interval (f0, f1] for the run and checkpoint its accumulator."""
+    hi = run.e if run.e is not None else math.inf
+    if run.acc.t >= hi:
+        return
+    run.count_interval(run.acc, f0, f1, max(run.acc.t, run.s), hi, holders, live=True)
+    run.acc.t = max(run.acc.t, min(f1.t, hi))
+    if run.e is not None:
+        return
+    # Points arrive after the snapshot that precedes them: the checkpoint of that snapshot is the last one
+    # not after the run's last point (a run that stops pushing replays from there, not from its start).
+    if run.checkpoints and run.alive_checkpoint.t < run.checkpoints[-1].t <= run.last_point_t:
+        run.alive_checkpoint = run.checkpoints[-1]
+    ckpt = run.acc.copy()
+    run.checkpoints.append(ckpt)
+    while run.checkpoints and run.checkpoints[0].t < f1.t - late_window_s:
+        run.checkpoints.popleft()
+    if run.last_point_t >= f1.t:
+        run.alive_checkpoint = ckpt
+
+
+def rewind(run: Run, t: float, history: Sequence[Frame], holders: Holders) -> None:
+    """Recount the run from its last checkpoint before ``t`` up to where it was (who held its GPUs changed
+    at ``t``)."""
+    target = run.acc.t
+    base = run.checkpoint_before(t)
+    if base is None:
+        note = ("another run started or ended on its GPUs earlier than the ledger can recount: the split "
+                "of that moment is approximate")
+        if note not in run.notes:
+            run.notes.append(note)
+        return
+    acc = base.copy()
+    run.checkpoints = deque(c for c in run.checkpoints if c.t <= base.t)
+    hi = run.e if run.e is not None else math.inf
+    frames = list(history)
+    for f0, f1 in zip(frames, frames[1:], strict=False):
+        if f1.t <= acc.t or f0.t >= min(hi, target):
+            continue
+        run.count_interval(acc, f0, f1, max(acc.t, run.s), min(hi, target), holders, live=False)
+        acc.t = max(acc.t, min(f1.t, hi, target))
+        if run.e is None:
+            ckpt = acc.copy()
+            run.checkpoints.append(ckpt)
+            if run.last_point_t >= f1.t:
+                run.alive_checkpoint = ckpt
+    if run.alive_checkpoint.t > acc.t:
+        run.alive_checkpoint = acc.copy()
+    run.acc = acc
+
+
+def replay(run: Run, acc: Acc, history: Sequence[Frame], lo: float, hi: float, holders: Holders, *,
+           live: bool) -> None:
+    """Count the history's intervals between ``lo`` and ``hi`` into ``acc``."""
+    # Intervals ending at or before lo add nothing: start at the last snapshot not after lo (a live
+    # summary replays from a recent checkpoint, so this reads the history's tail, not all of it).
+    frames: list[Frame] = []
+    for frame in reversed(history):
+        frames.append(frame)
+        if frame.t <= lo:
+            break
+    frames.reverse()
+    for f0, f1 in zip(frames, frames[1:], strict=False):
+        if f0.t >= hi:
+            break
+        if f1.t <= lo:
+            continue
+        run.count_interval(acc, f0, f1, lo, hi, holders, live=live)
+        acc.t = max(acc.t, min(f1.t, hi))
+
+
+def close_accounts(run: Run, status: str, history: Sequence[Frame], holders: Holders) -> None:
+    """Cut the run's accumulator and timeline at its end and give it ``status``."""
+    e = max(run.e if run.e is not None else run.acc.t, run.s)
+    if run.acc.t > e or status == "stale":
+        # The end lies before snapshots already counted: restart from the last checkpoint before it
+        # and replay the snapshot history up to the end.
+        base = run.checkpoint_before(e)
+        if base is None:
+            base = Acc(t=run.s)
+        if history and history[0].t > base.t:
+            run.notes.append("the run's end fell outside the snapshot history: energy near the end may "
+                             "be missing")
+        acc = base.copy()
+        replay(run, acc, history, max(acc.t, run.s), e, holders, live=False)
+        run.acc = acc
+    elif run.acc.t < e and status != "exporter_stopped":
+        run.notes.append("no snapshot after the run's end (exporter stopping): energy counted to the "
+                         "last snapshot")
+    run.acc.t = e
+    run.e = e
+    run.status = status
+    run.timeline.trim_after(e)
+    run.timeline.add((
+        e, tuple(run.gpu_info[k].power_w if k in run.gpu_info else None for k in run.gpu_order),
+        run.acc.energy_j, run.counter(TOKENS), run.counter(STEPS), run.gauge(LOSS), None, None,
+    ), force=True)
+    run.checkpoints.clear()
+
