@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import ROOT
+from helpers import ROOT
 
 if str(ROOT) not in sys.path:  # `pytest` run without `python -m` does not put the repository root there
     sys.path.insert(0, str(ROOT))

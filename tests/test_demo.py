@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import ExporterProcess, sample_value, wait_until
+from helpers import ExporterProcess, sample_value, wait_until
 
 from gpu_energy_exporter.core.errors import ConfigError
 from gpu_energy_exporter.daemon.demo import DEMO_WARMUP, parse_args

@@ -24,7 +24,6 @@ import shlex
 import shutil
 import signal
 import site
-import socket
 import subprocess
 import sys
 import time
@@ -33,6 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+from helpers import free_port
 
 from gpu_energy_exporter.core.config import DEFAULT_METRICS_PORT, DEFAULT_OTLP_PORT, load_config
 
@@ -288,12 +288,6 @@ class Replay:
                 self.copy(i)
             elif i.keyword == "RUN" and run:
                 self.run(i)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @pytest.fixture(scope="module")
