@@ -27,16 +27,13 @@ import traceback
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from types import TracebackType
 from typing import Any
 from urllib.parse import urlsplit
 
-ROOT = Path(__file__).resolve().parent.parent
-TESTS = ROOT / "tests"
-if str(TESTS) not in sys.path:
-    sys.path.insert(0, str(TESTS))
+import fakenvml  # tests/fakenvml (on sys.path by bench/__init__.py): the fake libnvidia-ml.so.1 and its scenarios
+from helpers import Child, ExporterProcess, samples
 
-import fakenvml  # noqa: E402  (tests/fakenvml: the fake libnvidia-ml.so.1 and its scenarios)
+ROOT = Path(__file__).resolve().parent.parent
 
 #: Where peers' virtual environments live (git-ignored; created on demand by ``bench.peer_envs``).
 PEER_VENVS = ROOT / ".bench-venvs"
@@ -256,111 +253,20 @@ class CPUWindow:
 # child processes
 
 
-class Child:
-    """A child process whose output is drained by a thread (kept: the last lines), stopped by SIGTERM."""
+def exporter(ctx: Context, args: Sequence[str] = (), scenario: Path | None = None,
+             env: Mapping[str, str] | None = None, profile: Path | None = None) -> ExporterProcess:
+    """The exporter as a child process (tests/helpers.py's wrapper, shared with the tests), on ports 0,
+    optionally on the fake NVML library with ``scenario``; ``with`` waits until it listens.
 
-    def __init__(self, cmd: Sequence[str], env: Mapping[str, str] | None = None, cwd: Path | None = None,
-                 name: str = "", on_line: Callable[[str], None] | None = None) -> None:
-        full_env = dict(os.environ)
-        full_env.pop("FAKE_NVML_SCENARIO", None)
-        full_env.update(env or {})
-        full_env["PYTHONUNBUFFERED"] = "1"
-        self.name = name or Path(cmd[0]).name
-        self.cmd = list(cmd)
-        self.lines: list[str] = []
-        self._on_line = on_line
-        self.proc = subprocess.Popen(self.cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                     env=full_env, cwd=cwd or ROOT, start_new_session=True)
-        self._reader = threading.Thread(target=self._read, daemon=True, name=f"read-{self.name}")
-        self._reader.start()
-
-    @property
-    def pid(self) -> int:
-        return self.proc.pid
-
-    def _read(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            line = line.rstrip("\n")
-            self.lines.append(line)
-            if len(self.lines) > 400:
-                del self.lines[:200]
-            if self._on_line is not None:
-                self._on_line(line)
-
-    def log(self, last: int = 40) -> str:
-        return "\n".join(self.lines[-last:])
-
-    def alive(self) -> bool:
-        return self.proc.poll() is None
-
-    def stop(self, timeout: float = 10.0) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self._reader.join(5)
-        if self.proc.stdout is not None:
-            self.proc.stdout.close()
-        return int(self.proc.returncode)
-
-    def __enter__(self) -> Child:
-        return self
-
-    def __exit__(self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None) -> None:
-        self.stop()
-
-
-_LISTEN_RE = re.compile(r"(gpu-energy-exporter|otlp) listening on (https?://[^ \"]+)")
-
-
-class Exporter(Child):
-    """``python -m gpu_energy_exporter`` on ports 0, optionally on the fake NVML library with a scenario."""
-
-    def __init__(self, ctx: Context, args: Sequence[str] = (), scenario: Path | None = None,
-                 env: Mapping[str, str] | None = None, profile: Path | None = None) -> None:
-        """``profile``: run it under ``bench.profiled`` (cProfile in every thread), writing there."""
-        self.urls: dict[str, str] = {}
-        self._ready = threading.Event()
-        # bench.profiled takes the module's name alone, then its arguments
-        launcher = ["-m", "bench.profiled", str(profile)] if profile is not None else ["-m"]
-        cmd = [sys.executable, *launcher, "gpu_energy_exporter", "--web.listen-address=127.0.0.1:0",
-               "--otlp.listen-address=127.0.0.1:0"]
-        full_env = dict(env or {})
-        if scenario is not None:
-            cmd += ["--nvml.library", str(ctx.lib)]
-            full_env[fakenvml.SCENARIO_ENV] = str(scenario)
-        cmd += list(args)
-        super().__init__(cmd, env=full_env, name="gpu-energy-exporter", on_line=self._line)
-
-    def _line(self, line: str) -> None:
-        m = _LISTEN_RE.search(line)
-        if m:
-            self.urls[m.group(1)] = m.group(2)
-            if len(self.urls) == 2:
-                self._ready.set()
-
-    def wait_ready(self, timeout: float = 60.0) -> Exporter:
-        deadline = time.monotonic() + timeout
-        while not self._ready.wait(0.1):
-            if not self.alive() or time.monotonic() > deadline:
-                self.stop()
-                raise RuntimeError("the exporter did not start:\n" + self.log())
-        return self
-
-    @property
-    def metrics_url(self) -> str:
-        return self.urls["gpu-energy-exporter"] + "/metrics"
-
-    @property
-    def otlp_url(self) -> str:
-        return self.urls["otlp"] + "/v1/metrics"
-
-    def __enter__(self) -> Exporter:
-        return self.wait_ready()
+    ``profile``: run it under ``bench.profiled`` (cProfile in every thread), writing there."""
+    # bench.profiled takes the module's name alone, then its arguments
+    runner = [sys.executable, "-m", "bench.profiled", str(profile)] if profile is not None else None
+    full_env = dict(env or {})
+    cmd: list[str] = []
+    if scenario is not None:
+        cmd += ["--nvml.library", str(ctx.lib)]
+        full_env[fakenvml.SCENARIO_ENV] = str(scenario)
+    return ExporterProcess([*cmd, *args], env=full_env, runner=runner, new_session=True)
 
 
 def py_spy() -> str | None:
@@ -462,26 +368,12 @@ class HTTPClient:
 
 def sample_total(text: str, name: str) -> float:
     """The sum of every sample of ``name`` (whatever its labels) in exposition text."""
-    total = 0.0
-    for line in text.splitlines():
-        if line.startswith(name) and len(line) > len(name) and line[len(name)] in "{ ":
-            total += float(line.rsplit(" ", 1)[1])
-    return total
+    return sum(value for _, value in samples(text, name))
 
 
 def sample_values(text: str, name: str) -> dict[str, float]:
     """``{gpu label or '': value}`` for every sample of ``name`` in exposition text."""
-    out: dict[str, float] = {}
-    prefix = name
-    for line in text.splitlines():
-        if not line.startswith(prefix) or (len(line) > len(prefix) and line[len(prefix)] not in "{ "):
-            continue
-        m = re.match(r"^[^{ ]+(?:\{(.*)\})? (\S+)", line)
-        if not m:
-            continue
-        g = re.search(r'gpu="([^"]*)"', m.group(1) or "")
-        out[g.group(1) if g else ""] = float(m.group(2))
-    return out
+    return {labels.get("gpu", ""): value for labels, value in samples(text, name)}
 
 
 # ----------------------------------------------------------------------------------------------------

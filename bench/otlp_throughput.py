@@ -23,8 +23,10 @@ import sys
 import time
 import tracemalloc
 
+from helpers import ExporterProcess
+
 from bench import harness
-from bench.harness import Context, CPUWindow, Exporter, HTTPClient, Table, fmt
+from bench.harness import Context, CPUWindow, HTTPClient, Table, exporter, fmt
 
 TITLE = "OTLP receiver throughput and memory (design target: >= 20,000 data points/s on one core, bounded memory)"
 
@@ -123,7 +125,7 @@ def _over_http(ctx: Context) -> Table:
         ("OTLP JSON, 1 rank per request", 1, js, True),
         ("protobuf, 10 ranks per request", 10, harness.PROTOBUF_HEADERS, False),
     ]
-    with Exporter(ctx) as exp:
+    with exporter(ctx) as exp:
         for label, per, headers, as_json in cases:
             bodies = _batched(_rounds(n_rounds, f"http{per}{'j' if as_json else ''}"), per)
             if as_json:
@@ -134,11 +136,11 @@ def _over_http(ctx: Context) -> Table:
     return table
 
 
-def _push_all(exp: Exporter, bodies: list[tuple[bytes, int]], headers: dict[str, str],
+def _push_all(exp: ExporterProcess, bodies: list[tuple[bytes, int]], headers: dict[str, str],
               duration: float) -> tuple[int, float, float]:
     """Push ``bodies`` in order on one keep-alive connection for at most ``duration`` s: (points, wall s,
     exporter CPU s); the first body is sent before the window opens."""
-    client = HTTPClient(exp.otlp_url)
+    client = HTTPClient(exp.push_url)
     client.request("POST", None, bodies[0][0], headers)
     points = 0
     t_end = time.monotonic() + duration
@@ -163,7 +165,7 @@ def _profile(ctx: Context) -> Table:
     outdir = ctx.profile / "otlp"
     duration = ctx.pick(1.0, 10.0)
     bodies = _batched(_rounds(ctx.pick(6, 60), "prof"), 1)
-    with Exporter(ctx, profile=outdir) as exp:
+    with exporter(ctx, profile=outdir) as exp:
         with harness.FlameGraph(exp.pid, outdir / "flame.svg") as flame:
             points, _, _ = _push_all(exp, bodies, harness.PROTOBUF_HEADERS, duration)
         time.sleep(0.5)  # the server threads end and hand in their profiles

@@ -22,8 +22,10 @@ import sys
 import time
 from pathlib import Path
 
+from helpers import Child, ExporterProcess
+
 from bench import harness
-from bench.harness import Context, Exporter, HTTPClient, Table, Trainer, fakenvml, fmt, median, ms, percentile
+from bench.harness import Context, HTTPClient, Table, Trainer, exporter, fakenvml, fmt, median, ms, percentile
 
 TITLE = "/metrics latency (design target: 8 GPUs + 1,000 training series, median < 5 ms, p99 < 20 ms)"
 
@@ -126,9 +128,9 @@ def run(ctx: Context) -> list[Table]:
     for g in gpu_counts:
         path = ctx.path(f"latency-{g}gpu.ini")
         sc = harness.write_scenario(path, harness.h100s(g))
-        with Exporter(ctx, scenario=path) as exp:
-            scrape = HTTPClient(exp.metrics_url)
-            fleet = Fleet(HTTPClient(exp.otlp_url))
+        with exporter(ctx, scenario=path) as exp:
+            scrape = HTTPClient(exp.scrape_url)
+            fleet = Fleet(HTTPClient(exp.push_url))
             for s in series_counts:
                 fleet.grow(s)
                 hit, size = scrape_series(scrape, n)
@@ -197,7 +199,7 @@ def run(ctx: Context) -> list[Table]:
     return [main, formats, load, repush_table, slow, verdict]
 
 
-def _static_server() -> tuple[harness.Child, str]:
+def _static_server() -> tuple[Child, str]:
     """``bench.static_server`` started and ready: (child, base URL)."""
     ready: list[str] = []
 
@@ -205,7 +207,7 @@ def _static_server() -> tuple[harness.Child, str]:
         if text.startswith("static listening on "):
             ready.append(text.split(" on ", 1)[1].strip())
 
-    child = harness.Child([sys.executable, "-m", "bench.static_server"], name="static-server", on_line=line)
+    child = Child([sys.executable, "-m", "bench.static_server"], name="static-server", on_line=line)
     deadline = time.monotonic() + 30
     while not ready:
         if not child.alive() or time.monotonic() > deadline:
@@ -271,9 +273,9 @@ def _profile_scrape(ctx: Context, n_series: int) -> str:
     path = ctx.path("latency-profile.ini")
     harness.write_scenario(path, harness.h100s(8))
     n = ctx.pick(10, 100)
-    with Exporter(ctx, scenario=path, profile=outdir) as exp:
-        scrape = HTTPClient(exp.metrics_url)
-        fleet = Fleet(HTTPClient(exp.otlp_url))
+    with exporter(ctx, scenario=path, profile=outdir) as exp:
+        scrape = HTTPClient(exp.scrape_url)
+        fleet = Fleet(HTTPClient(exp.push_url))
         fleet.grow(n_series)
         with harness.FlameGraph(exp.pid, outdir / "flame.svg") as flame:
             for _ in range(n):
@@ -294,10 +296,11 @@ def _profile_scrape(ctx: Context, n_series: int) -> str:
 
 
 
-def _under_load(ctx: Context, exp: Exporter, scrape: HTTPClient, table: Table, n_series: int) -> dict[str, float]:
+def _under_load(ctx: Context, exp: ExporterProcess, scrape: HTTPClient, table: Table,
+                n_series: int) -> dict[str, float]:
     """Scrapes every 100 ms while the ranks holding ``n_series`` push every 1-10 s (their real rate)."""
     duration = ctx.pick(3.0, 40.0)
-    pusher = harness.Child([sys.executable, "-m", "bench.pusher", exp.otlp_url, "--series", str(n_series),
+    pusher = Child([sys.executable, "-m", "bench.pusher", exp.push_url, "--series", str(n_series),
                             "--min-interval", "1", "--max-interval", "10", "--duration", str(duration + 2),
                             "--prefix", "run"],
                            name="pusher")
