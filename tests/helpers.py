@@ -168,6 +168,16 @@ def normalise(text: str, integrating: Iterable[str] = (), volatile: Sequence[str
     return "\n".join(lines) + "\n"
 
 
+def check_golden(got: str, golden: Path) -> None:
+    """``got`` equals the reviewed file ``golden``; with ``UPDATE_GOLDEN=1`` in the environment it is written
+    there first (review the diff before committing it)."""
+    if os.environ.get("UPDATE_GOLDEN"):
+        golden.parent.mkdir(parents=True, exist_ok=True)
+        golden.write_text(got)
+    assert golden.exists(), f"no golden file {golden}: run with UPDATE_GOLDEN=1 and review it"
+    assert got == golden.read_text(), f"the output differs from {golden}; if intended, UPDATE_GOLDEN=1 and review"
+
+
 # ----------------------------------------------------------------------------------------------------
 # child processes
 

@@ -13,7 +13,6 @@ Host and RAPL collectors are off: their values belong to the machine running the
 
 from __future__ import annotations
 
-import os
 import re
 import time
 from pathlib import Path
@@ -21,7 +20,7 @@ from pathlib import Path
 import pytest
 from fakenvml import build_library
 from fakenvml.generations import BY_NAME, GENERATIONS, Generation
-from helpers import SAMPLE_LINE, ExporterProcess, normalise
+from helpers import SAMPLE_LINE, ExporterProcess, check_golden, normalise
 
 from gpu_energy_exporter.collectors import gpu as g
 
@@ -140,10 +139,4 @@ def test_driver_generation_serves_everything_it_can(name: str, generation_librar
     for x in gen.gpus:
         assert f'gpuenergy_gpu_up{{gpu="{x.index}",gpu_uuid="{x.uuid}"}} 1.0' in text
     assert "Traceback" not in exp.log()
-    body = normalise(text, integrating=[str(i) for i in gen.integrating()])
-    golden = GOLDEN_DIR / f"{gen.name}.prom"
-    if os.environ.get("UPDATE_GOLDEN"):
-        golden.parent.mkdir(parents=True, exist_ok=True)
-        golden.write_text(body)
-    assert golden.exists(), f"no golden file {golden}: run with UPDATE_GOLDEN=1 and review it"
-    assert body == golden.read_text(), f"/metrics differs from {golden}; if intended, UPDATE_GOLDEN=1 and review"
+    check_golden(normalise(text, integrating=[str(i) for i in gen.integrating()]), GOLDEN_DIR / f"{gen.name}.prom")
