@@ -260,13 +260,13 @@ def exporter(ctx: Context, args: Sequence[str] = (), scenario: Path | None = Non
 
     ``profile``: run it under ``bench.profiled`` (cProfile in every thread), writing there."""
     # bench.profiled takes the module's name alone, then its arguments
-    runner = [sys.executable, "-m", "bench.profiled", str(profile)] if profile is not None else None
+    command = None if profile is None else [sys.executable, "-m", "bench.profiled", str(profile), "gpu_energy_exporter"]
     full_env = dict(env or {})
     cmd: list[str] = []
     if scenario is not None:
         cmd += ["--nvml.library", str(ctx.lib)]
         full_env[fakenvml.SCENARIO_ENV] = str(scenario)
-    return ExporterProcess([*cmd, *args], env=full_env, runner=runner, new_session=True)
+    return ExporterProcess([*cmd, *args], env=full_env, command=command, new_session=True)
 
 
 def py_spy() -> str | None:

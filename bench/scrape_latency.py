@@ -201,20 +201,13 @@ def run(ctx: Context) -> list[Table]:
 
 def _static_server() -> tuple[Child, str]:
     """``bench.static_server`` started and ready: (child, base URL)."""
-    ready: list[str] = []
-
-    def line(text: str) -> None:
-        if text.startswith("static listening on "):
-            ready.append(text.split(" on ", 1)[1].strip())
-
-    child = Child([sys.executable, "-m", "bench.static_server"], name="static-server", on_line=line)
-    deadline = time.monotonic() + 30
-    while not ready:
-        if not child.alive() or time.monotonic() > deadline:
-            child.stop()
-            raise RuntimeError("bench.static_server did not start:\n" + child.log())
-        time.sleep(0.05)
-    return child, ready[0]
+    child = Child([sys.executable, "-m", "bench.static_server"], name="static-server")
+    try:
+        line = child.wait_for("static listening on ", 30)
+    except AssertionError:
+        child.stop()
+        raise
+    return child, line.split(" on ", 1)[1].strip()
 
 
 def _full_repush(ctx: Context, scrape: HTTPClient, fleet: Fleet) -> dict[str, float]:

@@ -23,9 +23,9 @@ import urllib.request
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
-from typing import TypeVar
+from typing import Any, TypeVar
 
-from prometheus_client import CollectorRegistry
+from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import Metric
 
 TESTS = Path(__file__).resolve().parent
@@ -136,6 +136,34 @@ def registry_of(families: list[Metric]) -> CollectorRegistry:
     return reg
 
 
+class GPURig:
+    """The GPU collector on ``backend_factory``, its sampler and the exposition registry, in one process:
+    ``sample()`` takes snapshots, ``value()`` and ``text()`` read what /metrics would serve. ``close()``
+    shuts the backend down. (The package is imported here, not at the top: bench imports this module.)"""
+
+    def __init__(self, backend_factory: Callable[[], Any], **kw: Any) -> None:
+        from gpu_energy_exporter.collectors.gpu import GPUCollector
+        from gpu_energy_exporter.engine.exposition import SnapshotCollector, new_registry
+        from gpu_energy_exporter.engine.sampler import Sampler
+
+        self.collector = GPUCollector(backend_factory, retry_interval=0.0, **kw)
+        self.sampler = Sampler([self.collector], 1.0, gpu_states=self.collector.states)
+        self.registry = new_registry(SnapshotCollector(self.sampler))
+
+    def sample(self, n: int = 1) -> None:
+        for _ in range(n):
+            self.sampler.sample_once()
+
+    def value(self, name: str, **labels: str) -> float | None:
+        return self.registry.get_sample_value(name, labels)
+
+    def text(self) -> str:
+        return generate_latest(self.registry).decode()
+
+    def close(self) -> None:
+        self.collector.close()
+
+
 #: Families whose values depend on time, the machine or the process, not on the scenario (whole-exporter goldens).
 VOLATILE = ("gpuenergy_collector_duration_seconds", "gpuenergy_snapshot_timestamp_seconds",
             "gpuenergy_gpu_last_sample_age_seconds", "gpuenergy_process_",
@@ -186,16 +214,18 @@ class Child:
     """A child process whose stdout and stderr are drained by a thread into ``lines`` (the last 10,000
     kept, so that a long benchmark does not grow without end); ``stop()`` sends SIGTERM, then SIGKILL.
 
-    ``FAKE_NVML_SCENARIO`` of the calling environment is dropped (a child gets a scenario only when
-    ``env`` names one); ``PYTHONUNBUFFERED`` is set so that log lines arrive as they are written.
+    The child's environment is ``environ`` (default: this process's) with ``env`` on top;
+    ``FAKE_NVML_SCENARIO`` of ``environ`` is dropped (a child gets a scenario only when ``env`` names one)
+    and ``PYTHONUNBUFFERED`` is set so that log lines arrive as they are written.
     ``new_session``: the child gets its own session, so a Ctrl-C in the terminal reaches only the caller
     (which then stops it in order)."""
 
     MAX_LINES = 10_000
 
     def __init__(self, cmd: Sequence[str], env: Mapping[str, str] | None = None, cwd: Path | None = None,
-                 name: str = "", on_line: Callable[[str], None] | None = None, new_session: bool = False) -> None:
-        full_env = dict(os.environ)
+                 name: str = "", on_line: Callable[[str], None] | None = None, new_session: bool = False,
+                 environ: Mapping[str, str] | None = None) -> None:
+        full_env = dict(os.environ if environ is None else environ)
         full_env.pop("FAKE_NVML_SCENARIO", None)
         full_env.update(env or {})
         full_env["PYTHONUNBUFFERED"] = "1"
@@ -230,6 +260,19 @@ class Child:
         """The output so far (its ``last`` lines when given)."""
         return "\n".join(self.lines if last is None else self.lines[-last:])
 
+    def wait_for(self, needle: str, timeout: float = 30.0) -> str:
+        """The first output line containing ``needle``; AssertionError with the output when the child
+        ended without one or ``timeout`` s passed."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for line in list(self.lines):
+                if needle in line:
+                    return line
+            if self.proc.poll() is not None and not self._reader.is_alive():
+                break
+            time.sleep(0.05)
+        raise AssertionError(f"{self.name}: no output line with {needle!r} within {timeout:g}s:\n{self.log()}")
+
     def alive(self) -> bool:
         return self.proc.poll() is None
 
@@ -261,20 +304,20 @@ class ExporterProcess(Child):
     """``python -m gpu_energy_exporter [subcommand] --web.listen-address=127.0.0.1:0
     --otlp.listen-address=127.0.0.1:0 ARGS`` as a child process; its two URLs are read from its log.
 
-    ``runner`` is what runs the module (default ``python -m``; the benchmarks' profiler passes
-    ``python -m bench.profiled DIR``). ``wait_ready()`` (or entering a ``with`` block) waits until both
-    servers listen; ``metrics_url`` and ``otlp_url`` are the servers' base URLs, ``scrape_url`` and
-    ``push_url`` the endpoints a scraper and a trainer use."""
+    ``command`` replaces ``python -m gpu_energy_exporter`` (an installed console script; the benchmarks'
+    profiler ``python -m bench.profiled DIR gpu_energy_exporter``). ``wait_ready()`` (or entering a
+    ``with`` block) waits until both servers listen; ``metrics_url`` and ``otlp_url`` are the servers'
+    base URLs, ``scrape_url`` and ``push_url`` the endpoints a scraper and a trainer use."""
 
     def __init__(self, args: Sequence[str] = (), env: Mapping[str, str] | None = None, cwd: Path | None = None,
-                 subcommand: Sequence[str] = (), runner: Sequence[str] | None = None,
-                 new_session: bool = False) -> None:
+                 subcommand: Sequence[str] = (), command: Sequence[str] | None = None,
+                 new_session: bool = False, environ: Mapping[str, str] | None = None) -> None:
         self.urls: dict[str, str] = {}
         self._ready = threading.Event()
-        cmd = [*(runner or (sys.executable, "-m")), "gpu_energy_exporter", *subcommand,
+        cmd = [*(command or (sys.executable, "-m", "gpu_energy_exporter")), *subcommand,
                "--web.listen-address=127.0.0.1:0", "--otlp.listen-address=127.0.0.1:0", *args]
         super().__init__(cmd, env=env, cwd=cwd, name="gpu-energy-exporter", on_line=self._line,
-                         new_session=new_session)
+                         new_session=new_session, environ=environ)
 
     def _line(self, line: str) -> None:
         m = _LISTEN_RE.search(line)
