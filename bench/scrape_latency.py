@@ -25,7 +25,8 @@ from pathlib import Path
 from helpers import Child, ExporterProcess
 
 from bench import harness
-from bench.harness import Context, HTTPClient, Table, Trainer, exporter, fakenvml, fmt, median, ms, percentile
+from bench.harness import Context, HTTPClient, Table, exporter, fakenvml, fmt, median, ms, percentile
+from bench.trainers import PROTOBUF_HEADERS, SERIES_PER_RANK, Trainer, push, trainers_for
 
 TITLE = "/metrics latency (design target: 8 GPUs + 1,000 training series, median < 5 ms, p99 < 20 ms)"
 
@@ -41,14 +42,14 @@ class Fleet:
         self.ranks: dict[tuple[str, int], Trainer] = {}
 
     def grow(self, n_series: int) -> None:
-        for t in harness.trainers_for(n_series):
+        for t in trainers_for(n_series):
             key = (t.run_id, t.rank)
             if key in self.ranks:
                 self.ranks[key].n_series = t.n_series
                 t = self.ranks[key]
             else:
                 self.ranks[key] = t
-            status, _, _ = harness.push(self.client, t)
+            status, _, _ = push(self.client, t)
             if status != 200:
                 raise RuntimeError(f"push of {key} answered {status}")
 
@@ -56,16 +57,16 @@ class Fleet:
         """Every rank exports once: every training series changes (the heavy case: all trainers pushed
         since the previous scrape, as when Prometheus scrapes every 15 s and trainers export every 10 s)."""
         for t in self.ranks.values():
-            status, _, _ = harness.push(self.client, t, steps=1)
+            status, _, _ = push(self.client, t, steps=1)
             if status != 200:
                 raise RuntimeError(f"push of {(t.run_id, t.rank)} answered {status}")
 
     def touch(self) -> None:
         """One rank's export (or, with no ranks, an empty request): the store changes, the cache misses."""
         if self.ranks:
-            harness.push(self.client, next(iter(self.ranks.values())), steps=1)
+            push(self.client, next(iter(self.ranks.values())), steps=1)
         else:
-            self.client.request("POST", None, b"", harness.PROTOBUF_HEADERS)
+            self.client.request("POST", None, b"", PROTOBUF_HEADERS)
 
 
 def scrape_series(client: HTTPClient, n: int, headers: dict[str, str] | None = None,
@@ -325,7 +326,7 @@ def _under_load(ctx: Context, exp: ExporterProcess, scrape: HTTPClient, table: T
         if values:
             table.add(label, len(values), fmt(ms(median(values))), fmt(ms(percentile(values, 99))),
                       fmt(ms(max(values))))
-    ranks = -(-n_series // harness.SERIES_PER_RANK)
+    ranks = -(-n_series // SERIES_PER_RANK)
     table.note(f"{ranks} simulated ranks each pushing every U(1, 10) s (the helper exports every 10 s by "
                f"default), from a separate process: {summary.get('pushes', '?')} pushes in {duration:.0f} s. "
                "Scrapes every 100 ms so there are enough of them for a p99; 'after a push' is what a "
