@@ -2,9 +2,10 @@
 a registry around collector output, and child processes (the exporter among them).
 
 pytest fixtures live in conftest.py; this module holds plain functions and classes so that ``bench/``
-can import them too (bench puts ``tests/`` on ``sys.path`` for ``fakenvml`` already). It must never
-import pytest at module level (the benchmarks run without it) and never mocks anything: every process
-it starts is real, listens on 127.0.0.1 only, and is stopped by ``stop()`` or the ``with`` block.
+can import them too (bench/__init__.py puts ``tests/`` on ``sys.path``, as it does for ``fakenvml``).
+It must never import pytest or the package at module level (the benchmarks import it, pytest or not)
+and never mocks anything: every process it starts is real, listens on 127.0.0.1 only, and is stopped
+by ``stop()`` or the ``with`` block.
 """
 
 from __future__ import annotations
@@ -62,15 +63,16 @@ def poll(predicate: Callable[[], T], timeout: float = 30.0, interval: float = 0.
 def wait_until(predicate: Callable[[], T], timeout: float = 30.0, interval: float = 0.2,
                what: str = "condition") -> T:
     """Like ``poll``, but an AssertionError naming ``what`` (and the last answer) when time runs out."""
-    last: list[T] = []
+    last: list[object] = [None]
 
     def remembered() -> T:
-        last[:] = [predicate()]
-        return last[0]
+        got = predicate()
+        last[0] = got
+        return got
 
     got = poll(remembered, timeout, interval)
     if not got:
-        raise AssertionError(f"timed out after {timeout}s waiting for {what} (last: {(last or [None])[0]!r})")
+        raise AssertionError(f"timed out after {timeout}s waiting for {what} (last: {last[0]!r})")
     return got
 
 
