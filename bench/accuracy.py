@@ -31,8 +31,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from helpers import Child, free_port
+
 from bench import harness, peer_envs
-from bench.harness import Context, Exporter, HTTPClient, Table, fakenvml, pct
+from bench.harness import Context, HTTPClient, Table, exporter, fakenvml, pct
 
 TITLE = "Energy accuracy (design target: within 0.5% of the truth with the energy counter over windows >= 5 s)"
 
@@ -138,38 +140,38 @@ def run(ctx: Context) -> list[Table]:
     path = ctx.path("accuracy.ini")
     sc = harness.write_scenario(path, gpus, epoch=epoch)
     env = {fakenvml.SCENARIO_ENV: str(path), "LD_LIBRARY_PATH": lib_dir}
-    children: list[harness.Child] = []
+    children: list[Child] = []
     results: dict[str, Any] = {}
     try:
-        exp = Exporter(ctx, scenario=path)
+        exp = exporter(ctx, scenario=path)
         children.append(exp)
         exp.wait_ready()
         poll_out = ctx.path("polls.json")
-        poller = harness.Child([sys.executable, "-m", "bench.nvml_poller", "--gpus", str(n), "--start", repr(a0),
+        poller = Child([sys.executable, "-m", "bench.nvml_poller", "--gpus", str(n), "--start", repr(a0),
                                 "--end", repr(a1), "--out", str(poll_out)], env=env, name="poller")
         children.append(poller)
         finite = [poller]  # the children that end by themselves after a1
         nvitop_url = None
         if "nvitop-exporter" in peers:
-            port = _free_port()
-            children.append(harness.Child([str(Path(peers["nvitop-exporter"]).with_name("nvitop-exporter")),
+            port = free_port()
+            children.append(Child([str(Path(peers["nvitop-exporter"]).with_name("nvitop-exporter")),
                                            "--bind-address", "127.0.0.1", "--port", str(port)], env=env,
                                           name="nvitop-exporter"))
             nvitop_url = f"http://127.0.0.1:{port}/metrics"
         zeus = cc_children = None
         if "zeus" in peers:
-            zeus = harness.Child([str(peers["zeus"]), str(peer_envs.SCRIPTS / "zeus_probe.py"), "windows",
+            zeus = Child([str(peers["zeus"]), str(peer_envs.SCRIPTS / "zeus_probe.py"), "windows",
                                   "--gpus", str(n), "--start", repr(a0), "--end", repr(a1)], env=env, name="zeus")
             children.append(zeus)
             finite.append(zeus)
         if "codecarbon" in peers:
             cc_env = {**env, "PATH": f"{stub}{os.pathsep}{os.environ.get('PATH', '')}"}
-            cc_children = [harness.Child([str(peers["codecarbon"]), str(peer_envs.SCRIPTS / "codecarbon_probe.py"),
+            cc_children = [Child([str(peers["codecarbon"]), str(peer_envs.SCRIPTS / "codecarbon_probe.py"),
                                           "--gpu", str(i), "--start", repr(a0), "--end", repr(a1)], env=cc_env,
                                          name=f"codecarbon{i}") for i in range(n)]
             children += cc_children
             finite += cc_children
-        scrapes = _scrape_edges(exp.metrics_url, nvitop_url, a0, a1, n)
+        scrapes = _scrape_edges(exp.scrape_url, nvitop_url, a0, a1, n)
         for c in finite:
             c.proc.wait(timeout=max(30.0, a1 + 20 - time.time()))
         results["polls"] = json.loads(poll_out.read_text())
@@ -183,19 +185,11 @@ def run(ctx: Context) -> list[Table]:
     return _tables(ctx, sc, a0, a1, scrapes, results, unavailable)
 
 
-def _result(child: harness.Child) -> dict[str, Any]:
+def _result(child: Child) -> dict[str, Any]:
     for line in reversed(child.lines):
         if line.startswith("RESULT "):
             return dict(json.loads(line[len("RESULT "):]))
     raise RuntimeError(f"{child.name} gave no result:\n{child.log()}")
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _nvidia_smi_stub(ctx: Context) -> Path:

@@ -17,8 +17,10 @@ import threading
 import time
 from collections import Counter
 
+from helpers import Child
+
 from bench import harness
-from bench.harness import Context, CPUWindow, Exporter, HTTPClient, Table, fakenvml, fmt
+from bench.harness import Context, CPUWindow, HTTPClient, Table, exporter, fakenvml, fmt
 
 TITLE = ("Exporter CPU and memory (design targets: 8 GPUs at the default interval < 1% of one core, < 80 MB RSS, "
          "flat over a soak)")
@@ -39,15 +41,15 @@ def _scraper(url: str, interval: float, stop: threading.Event) -> threading.Thre
 
 
 def _pusher(url: str, series: int, duration: float, *, min_i: float, max_i: float, churn: float = 0.0,
-            prefix: str = "run") -> harness.Child:
+            prefix: str = "run") -> Child:
     cmd = [sys.executable, "-m", "bench.pusher", url, "--series", str(series), "--min-interval", str(min_i),
            "--max-interval", str(max_i), "--duration", str(duration), "--prefix", prefix]
     if churn:
         cmd += ["--churn", str(churn)]
-    return harness.Child(cmd, name="pusher")
+    return Child(cmd, name="pusher")
 
 
-def _summary(child: harness.Child) -> dict[str, object]:
+def _summary(child: Child) -> dict[str, object]:
     for line in reversed(child.lines):
         if line.startswith("{") and '"done"' in line:
             return dict(json.loads(line))
@@ -63,29 +65,29 @@ def run(ctx: Context) -> list[Table]:
         ["load", "CPU % of one core", "RSS MB", "threads", "gpu collector s/sample", "host collector s/sample"],
         [f"CPU measured over {window:.0f} s after a warm-up; RSS at the end of the window."],
     )
-    with Exporter(ctx, scenario=path) as exp:
+    with exporter(ctx, scenario=path) as exp:
         time.sleep(ctx.pick(1.0, 5.0))
         stop = threading.Event()
-        scraper = _scraper(exp.metrics_url, 15.0, stop)
+        scraper = _scraper(exp.scrape_url, 15.0, stop)
         with CPUWindow(exp.pid) as idle:
             time.sleep(window)
         stop.set()
         scraper.join()
-        _, body, _ = HTTPClient(exp.metrics_url).get()
+        _, body, _ = HTTPClient(exp.scrape_url).get()
         durations = _collector_durations(body.decode())
         cost.add("sampling only, one scrape every 15 s", fmt(idle.percent), fmt(harness.rss_bytes(exp.pid) / 1e6),
                  harness.thread_count(exp.pid), fmt(durations.get("gpu")), fmt(durations.get("host")))
 
         stop = threading.Event()
-        pusher = _pusher(exp.otlp_url, 1000, window + 60, min_i=9.0, max_i=11.0)
+        pusher = _pusher(exp.push_url, 1000, window + 60, min_i=9.0, max_i=11.0)
         with pusher:
             time.sleep(ctx.pick(0.5, 12.0))  # every rank's first export is within 11 s
-            scraper = _scraper(exp.metrics_url, 1.0, stop)
+            scraper = _scraper(exp.scrape_url, 1.0, stop)
             with CPUWindow(exp.pid) as busy:
                 time.sleep(window)
             stop.set()
             scraper.join()
-        _, body, _ = HTTPClient(exp.metrics_url).get()
+        _, body, _ = HTTPClient(exp.scrape_url).get()
         durations = _collector_durations(body.decode())
         cost.add("+ 77 ranks (1,000 series) pushing every ~10 s, scrape every 1 s", fmt(busy.percent),
                  fmt(harness.rss_bytes(exp.pid) / 1e6), harness.thread_count(exp.pid), fmt(durations.get("gpu")),
@@ -109,7 +111,7 @@ def _driver_estimate(ctx: Context, fake_percent: float) -> Table:
     log = ctx.path("nvml-calls.log")
     harness.write_scenario(path, harness.h100s(8))
     # A separate exporter: writing the log costs a syscall per call, which must not count in the CPU above.
-    with Exporter(ctx, scenario=path, env={fakenvml.CALL_LOG_ENV: str(log)}) as exp:
+    with exporter(ctx, scenario=path, env={fakenvml.CALL_LOG_ENV: str(log)}) as exp:
         time.sleep(ctx.pick(1.5, 3.0))  # past start-up (device discovery, static fields)
         t0 = time.time()
         time.sleep(window)
@@ -171,11 +173,11 @@ def _soak(ctx: Context) -> list[Table]:
     )
     rss: list[tuple[float, float]] = []
     args = [f"--otlp.series-ttl={ttl:g}s", f"--runs.stale-after={ctx.soak_stale_after}"]
-    with Exporter(ctx, scenario=path, args=args) as exp:
+    with exporter(ctx, scenario=path, args=args) as exp:
         stop = threading.Event()
-        scraper = _scraper(exp.metrics_url, 1.0, stop)
-        reader = HTTPClient(exp.metrics_url)
-        pusher = _pusher(exp.otlp_url, 1000, duration, min_i=1.0, max_i=10.0, churn=churn, prefix="soak")
+        scraper = _scraper(exp.scrape_url, 1.0, stop)
+        reader = HTTPClient(exp.scrape_url)
+        pusher = _pusher(exp.push_url, 1000, duration, min_i=1.0, max_i=10.0, churn=churn, prefix="soak")
         with pusher:
             t0 = time.monotonic()
             for i in range(points + 1):

@@ -27,16 +27,13 @@ import traceback
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from types import TracebackType
 from typing import Any
 from urllib.parse import urlsplit
 
-ROOT = Path(__file__).resolve().parent.parent
-TESTS = ROOT / "tests"
-if str(TESTS) not in sys.path:
-    sys.path.insert(0, str(TESTS))
+import fakenvml  # tests/fakenvml (on sys.path by bench/__init__.py): the fake libnvidia-ml.so.1 and its scenarios
+from helpers import Child, ExporterProcess, samples
 
-import fakenvml  # noqa: E402  (tests/fakenvml: the fake libnvidia-ml.so.1 and its scenarios)
+ROOT = Path(__file__).resolve().parent.parent
 
 #: Where peers' virtual environments live (git-ignored; created on demand by ``bench.peer_envs``).
 PEER_VENVS = ROOT / ".bench-venvs"
@@ -256,111 +253,20 @@ class CPUWindow:
 # child processes
 
 
-class Child:
-    """A child process whose output is drained by a thread (kept: the last lines), stopped by SIGTERM."""
+def exporter(ctx: Context, args: Sequence[str] = (), scenario: Path | None = None,
+             env: Mapping[str, str] | None = None, profile: Path | None = None) -> ExporterProcess:
+    """The exporter as a child process (tests/helpers.py's wrapper, shared with the tests), on ports 0,
+    optionally on the fake NVML library with ``scenario``; ``with`` waits until it listens.
 
-    def __init__(self, cmd: Sequence[str], env: Mapping[str, str] | None = None, cwd: Path | None = None,
-                 name: str = "", on_line: Callable[[str], None] | None = None) -> None:
-        full_env = dict(os.environ)
-        full_env.pop("FAKE_NVML_SCENARIO", None)
-        full_env.update(env or {})
-        full_env["PYTHONUNBUFFERED"] = "1"
-        self.name = name or Path(cmd[0]).name
-        self.cmd = list(cmd)
-        self.lines: list[str] = []
-        self._on_line = on_line
-        self.proc = subprocess.Popen(self.cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                     env=full_env, cwd=cwd or ROOT, start_new_session=True)
-        self._reader = threading.Thread(target=self._read, daemon=True, name=f"read-{self.name}")
-        self._reader.start()
-
-    @property
-    def pid(self) -> int:
-        return self.proc.pid
-
-    def _read(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            line = line.rstrip("\n")
-            self.lines.append(line)
-            if len(self.lines) > 400:
-                del self.lines[:200]
-            if self._on_line is not None:
-                self._on_line(line)
-
-    def log(self, last: int = 40) -> str:
-        return "\n".join(self.lines[-last:])
-
-    def alive(self) -> bool:
-        return self.proc.poll() is None
-
-    def stop(self, timeout: float = 10.0) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self._reader.join(5)
-        if self.proc.stdout is not None:
-            self.proc.stdout.close()
-        return int(self.proc.returncode)
-
-    def __enter__(self) -> Child:
-        return self
-
-    def __exit__(self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None) -> None:
-        self.stop()
-
-
-_LISTEN_RE = re.compile(r"(gpu-energy-exporter|otlp) listening on (https?://[^ \"]+)")
-
-
-class Exporter(Child):
-    """``python -m gpu_energy_exporter`` on ports 0, optionally on the fake NVML library with a scenario."""
-
-    def __init__(self, ctx: Context, args: Sequence[str] = (), scenario: Path | None = None,
-                 env: Mapping[str, str] | None = None, profile: Path | None = None) -> None:
-        """``profile``: run it under ``bench.profiled`` (cProfile in every thread), writing there."""
-        self.urls: dict[str, str] = {}
-        self._ready = threading.Event()
-        # bench.profiled takes the module's name alone, then its arguments
-        launcher = ["-m", "bench.profiled", str(profile)] if profile is not None else ["-m"]
-        cmd = [sys.executable, *launcher, "gpu_energy_exporter", "--web.listen-address=127.0.0.1:0",
-               "--otlp.listen-address=127.0.0.1:0"]
-        full_env = dict(env or {})
-        if scenario is not None:
-            cmd += ["--nvml.library", str(ctx.lib)]
-            full_env[fakenvml.SCENARIO_ENV] = str(scenario)
-        cmd += list(args)
-        super().__init__(cmd, env=full_env, name="gpu-energy-exporter", on_line=self._line)
-
-    def _line(self, line: str) -> None:
-        m = _LISTEN_RE.search(line)
-        if m:
-            self.urls[m.group(1)] = m.group(2)
-            if len(self.urls) == 2:
-                self._ready.set()
-
-    def wait_ready(self, timeout: float = 60.0) -> Exporter:
-        deadline = time.monotonic() + timeout
-        while not self._ready.wait(0.1):
-            if not self.alive() or time.monotonic() > deadline:
-                self.stop()
-                raise RuntimeError("the exporter did not start:\n" + self.log())
-        return self
-
-    @property
-    def metrics_url(self) -> str:
-        return self.urls["gpu-energy-exporter"] + "/metrics"
-
-    @property
-    def otlp_url(self) -> str:
-        return self.urls["otlp"] + "/v1/metrics"
-
-    def __enter__(self) -> Exporter:
-        return self.wait_ready()
+    ``profile``: run it under ``bench.profiled`` (cProfile in every thread), writing there."""
+    # bench.profiled takes the module's name alone, then its arguments
+    command = None if profile is None else [sys.executable, "-m", "bench.profiled", str(profile), "gpu_energy_exporter"]
+    full_env = dict(env or {})
+    cmd: list[str] = []
+    if scenario is not None:
+        cmd += ["--nvml.library", str(ctx.lib)]
+        full_env[fakenvml.SCENARIO_ENV] = str(scenario)
+    return ExporterProcess([*cmd, *args], env=full_env, command=command, new_session=True)
 
 
 def py_spy() -> str | None:
@@ -462,26 +368,12 @@ class HTTPClient:
 
 def sample_total(text: str, name: str) -> float:
     """The sum of every sample of ``name`` (whatever its labels) in exposition text."""
-    total = 0.0
-    for line in text.splitlines():
-        if line.startswith(name) and len(line) > len(name) and line[len(name)] in "{ ":
-            total += float(line.rsplit(" ", 1)[1])
-    return total
+    return sum(value for _, value in samples(text, name))
 
 
 def sample_values(text: str, name: str) -> dict[str, float]:
     """``{gpu label or '': value}`` for every sample of ``name`` in exposition text."""
-    out: dict[str, float] = {}
-    prefix = name
-    for line in text.splitlines():
-        if not line.startswith(prefix) or (len(line) > len(prefix) and line[len(prefix)] not in "{ "):
-            continue
-        m = re.match(r"^[^{ ]+(?:\{(.*)\})? (\S+)", line)
-        if not m:
-            continue
-        g = re.search(r'gpu="([^"]*)"', m.group(1) or "")
-        out[g.group(1) if g else ""] = float(m.group(2))
-    return out
+    return {labels.get("gpu", ""): value for labels, value in samples(text, name)}
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -499,124 +391,6 @@ def write_scenario(path: Path, gpus: Sequence[fakenvml.GPU], *, epoch: float | N
 def h100s(n: int, power: fakenvml.PowerTrace | None = None) -> list[fakenvml.GPU]:
     trace = power or fakenvml.Square(120.0, 650.0, 0.06, 0.65)
     return [fakenvml.h100(i, power=trace, util_gpu_pct=87, memory_used_bytes=60 << 30) for i in range(n)]
-
-
-# ----------------------------------------------------------------------------------------------------
-# OTLP requests shaped like the training helper's (gpu_energy_exporter/training/run.py)
-
-#: Series one helper rank pushes: 4 counters, 7 gauges, the run's GPU info and the step-duration histogram.
-SERIES_PER_RANK = 13
-
-
-class Trainer:
-    """One rank of a training run, pushing cumulative totals as the helper does (protobuf bodies)."""
-
-    def __init__(self, run_id: str, rank: int, gpu_uuid: str = "GPU-bench", n_series: int = SERIES_PER_RANK,
-                 start_ns: int | None = None) -> None:
-        from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue
-
-        self.run_id, self.rank, self.gpu_uuid = run_id, rank, gpu_uuid
-        self.n_series = max(1, min(n_series, SERIES_PER_RANK))
-        self.start_ns = start_ns if start_ns is not None else time.time_ns()
-        self.step = 0
-        self._kv = KeyValue
-        self._av = AnyValue
-        self._attrs = [KeyValue(key="run_id", value=AnyValue(string_value=run_id)),
-                       KeyValue(key="rank", value=AnyValue(int_value=rank)),
-                       KeyValue(key="gpu_uuid", value=AnyValue(string_value=gpu_uuid))]
-
-    def request(self, steps: int = 10, now_ns: int | None = None) -> tuple[bytes, int]:
-        """Advance ``steps`` training steps and return (body, data points) of one export."""
-        from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import ExportMetricsServiceRequest
-        from opentelemetry.proto.metrics.v1 import metrics_pb2 as pb
-
-        kv, av = self._kv, self._av
-        self.step += steps
-        s = self.step
-        t = now_ns if now_ns is not None else time.time_ns()
-        req = ExportMetricsServiceRequest()
-        rm = req.resource_metrics.add()
-        rm.resource.attributes.extend([
-            kv(key="service.name", value=av(string_value="gpu-energy-training")),
-            kv(key="service.instance.id", value=av(string_value=f"{self.run_id}/{self.rank}")),
-        ])
-        sm = rm.scope_metrics.add()
-        sm.scope.name = "gpu_energy_exporter.training"
-        made = 0
-
-        def counter(name: str, unit: str, value: float) -> None:
-            m = sm.metrics.add(name=name, unit=unit)
-            m.sum.is_monotonic = True
-            m.sum.aggregation_temporality = pb.AGGREGATION_TEMPORALITY_CUMULATIVE
-            dp = m.sum.data_points.add(start_time_unix_nano=self.start_ns, time_unix_nano=t, as_double=value)
-            dp.attributes.extend(self._attrs)
-
-        def gauge(name: str, value: float, extra: Sequence[tuple[str, str]] = ()) -> None:
-            m = sm.metrics.add(name=name)
-            dp = m.gauge.data_points.add(time_unix_nano=t, as_double=value)
-            dp.attributes.extend(self._attrs)
-            dp.attributes.extend(kv(key=k, value=av(string_value=v)) for k, v in extra)
-
-        builders: list[Callable[[], None]] = [
-            lambda: counter("training.tokens", "{token}", 4096.0 * s),
-            lambda: counter("training.samples", "{sample}", 8.0 * s),
-            lambda: counter("training.steps", "{step}", float(s)),
-            lambda: counter("training.flops", "{flop}", 3.1e14 * s),
-            lambda: gauge("training.loss", 2.0 + 1.0 / (1 + s)),
-            lambda: gauge("training.learning_rate", 3e-4),
-            lambda: gauge("training.epoch", s / 1000.0),
-            lambda: gauge("training.validation.loss", 2.1 + 1.0 / (1 + s)),
-            lambda: gauge("training.run.total_steps", 10000.0),
-            lambda: gauge("training.run.finished", 0.0),
-            lambda: gauge("training.run.info", 1.0, (("model", "llama-3-8b"), ("backend", "unsloth"),
-                                                     ("batch_size", "8"), ("seq_len", "2048"))),
-            lambda: gauge("training.run.gpu.info", 1.0),
-            self._histogram_builder(sm, t, s),
-        ]
-        for build in builders[: self.n_series]:
-            build()
-            made += 1
-        return req.SerializeToString(), made
-
-    def _histogram_builder(self, sm: Any, t: int, s: int) -> Callable[[], None]:
-        from opentelemetry.proto.metrics.v1 import metrics_pb2 as pb
-
-        def build() -> None:
-            bounds = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 25.0,
-                      60.0, 120.0, 300.0]
-            counts = [0] * (len(bounds) + 1)
-            counts[7] = s  # every step took 0.1-0.25 s
-            m = sm.metrics.add(name="training.step.duration", unit="s")
-            m.histogram.aggregation_temporality = pb.AGGREGATION_TEMPORALITY_CUMULATIVE
-            dp = m.histogram.data_points.add(start_time_unix_nano=self.start_ns, time_unix_nano=t, count=s,
-                                             sum=0.17 * s, bucket_counts=counts, explicit_bounds=bounds)
-            dp.attributes.extend(self._attrs)
-
-        return build
-
-
-def trainers_for(n_series: int, prefix: str = "run", ranks_per_run: int = 8) -> list[Trainer]:
-    """Enough helper-like ranks to hold ``n_series`` training series (13 per rank, 8 ranks per run)."""
-    out: list[Trainer] = []
-    left = n_series
-    i = 0
-    while left > 0:
-        n = min(left, SERIES_PER_RANK)
-        out.append(Trainer(f"{prefix}-{i // ranks_per_run}", i % ranks_per_run,
-                           gpu_uuid=fakenvml.gpu_uuid("NVIDIA H100 80GB HBM3", i % ranks_per_run), n_series=n))
-        left -= n
-        i += 1
-    return out
-
-
-PROTOBUF_HEADERS = {"Content-Type": "application/x-protobuf"}
-
-
-def push(client: HTTPClient, trainer: Trainer, steps: int = 10) -> tuple[int, int, float]:
-    """Push one export of ``trainer``; (status, points, seconds)."""
-    body, points = trainer.request(steps)
-    status, _, elapsed = client.request("POST", None, body, PROTOBUF_HEADERS)
-    return status, points, elapsed
 
 
 # ----------------------------------------------------------------------------------------------------

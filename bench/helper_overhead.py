@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import gc
 import logging
-import socket
 import sys
 import time
 from typing import Any
 
+from helpers import free_port
+
 from bench import harness
-from bench.harness import Context, Exporter, Table, fmt, median, percentile
+from bench.harness import Context, Table, exporter, fmt, median, percentile
 
 TITLE = "Training helper: added time per step() (design target: < 5 µs)"
 
@@ -30,12 +31,6 @@ class _Empty:
     def step(self, tokens: int = 0, samples: int = 0, loss: Any = None, lr: Any = None, flops: float = 0,
              duration_s: float | None = None) -> None:
         return None
-
-
-def _closed_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def batch_ns(target: Any, n: int, batches: int, loss: Any = 2.5) -> list[float]:
@@ -109,7 +104,7 @@ def run(ctx: Context) -> list[Table]:
 
     # export_timeout 0.3 s: the SDK retries a refused connection with back-off until the timeout, so a
     # short one makes the failed exports complete (and be counted) within the measurement.
-    run_ = start_bench_run(f"http://127.0.0.1:{_closed_port()}", 0.5, export_timeout=0.3)
+    run_ = start_bench_run(f"http://127.0.0.1:{free_port()}", 0.5, export_timeout=0.3)
     try:
         time.sleep(0.6)
         unreachable = row("step(), exporter unreachable (connection refused)", run_)
@@ -118,8 +113,8 @@ def run(ctx: Context) -> list[Table]:
     finally:
         run_.finish(timeout=1.0)
 
-    with Exporter(ctx) as exp:
-        base = exp.otlp_url.rsplit("/v1/metrics", 1)[0]
+    with exporter(ctx) as exp:
+        base = exp.otlp_url
         run_ = start_bench_run(base, 0.5)
         try:
             time.sleep(0.6)

@@ -14,7 +14,6 @@ This module never asserts anything and only talks to the exporter it started on 
 from __future__ import annotations
 
 import argparse
-import os
 import re
 import socket
 import subprocess
@@ -26,8 +25,9 @@ import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
 
+from helpers import ExporterProcess
+
 ROOT = Path(__file__).resolve().parent.parent
-_LISTEN_RE = re.compile(r"(gpu-energy-exporter|otlp) listening on (https?://[^ \"]+)")
 
 
 def _status(pid: int, key: str) -> int:
@@ -35,45 +35,11 @@ def _status(pid: int, key: str) -> int:
     return int(m.group(1)) if m else 0
 
 
-class Exporter:
-    def __init__(self, source: Path, args: Sequence[str]) -> None:
-        env = dict(os.environ, PYTHONPATH=str(source), PYTHONUNBUFFERED="1")
-        env.pop("FAKE_NVML_SCENARIO", None)
-        cmd = [sys.executable, "-m", "gpu_energy_exporter", "--no-collector.gpu", "--no-collector.rapl",
-               "--web.listen-address=127.0.0.1:0", "--otlp.listen-address=127.0.0.1:0", *args]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                                     cwd=source)
-        self.urls: dict[str, str] = {}
-        self.lines: list[str] = []
-        self.ready = threading.Event()
-        threading.Thread(target=self._read, daemon=True).start()
-        if not self.ready.wait(30) or len(self.urls) < 2:
-            self.stop()
-            raise RuntimeError("exporter did not start:\n" + "\n".join(self.lines[-20:]))
-
-    def _read(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            self.lines.append(line.rstrip())
-            del self.lines[:-200]
-            m = _LISTEN_RE.search(line)
-            if m:
-                self.urls[m.group(1)] = m.group(2)
-                if len(self.urls) == 2:
-                    self.ready.set()
-        self.ready.set()
-
-    def address(self, which: str) -> tuple[str, int]:
-        host, port = self.urls[which].split("//", 1)[1].rsplit(":", 1)
-        return host, int(port)
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(15)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+def _exporter(source: Path, args: Sequence[str]) -> ExporterProcess:
+    """The exporter of the checkout ``source`` (its package on PYTHONPATH, run from there), GPU and RAPL
+    collectors off, listening."""
+    return ExporterProcess(["--no-collector.gpu", "--no-collector.rapl", *args], env={"PYTHONPATH": str(source)},
+                           cwd=source).wait_ready(30)
 
 
 class Flood:
@@ -120,7 +86,7 @@ class Flood:
                 s.close()
 
 
-def _probe(exp: Exporter) -> list[tuple[bool, float]]:
+def _probe(exp: ExporterProcess) -> list[tuple[bool, float]]:
     out = []
     for url, data in ((exp.urls["gpu-energy-exporter"] + "/metrics", None),
                       (exp.urls["gpu-energy-exporter"] + "/-/healthy", None),
@@ -137,7 +103,7 @@ def _probe(exp: Exporter) -> list[tuple[bool, float]]:
     return out
 
 
-def flood_row(exp: Exporter, n: int, seconds: float, slow: bool) -> tuple[str, ...]:
+def flood_row(exp: ExporterProcess, n: int, seconds: float, slow: bool) -> tuple[str, ...]:
     floods = []
     for which, first in (("gpu-energy-exporter", b"GET /metrics HTTP/1.1\r\nHost: x\r\n"),
                          ("otlp", b"POST /v1/metrics HTTP/1.1\r\nHost: x\r\n")):
@@ -159,7 +125,7 @@ def flood_row(exp: Exporter, n: int, seconds: float, slow: bool) -> tuple[str, .
             f"{slowest * 1000:.0f}", str(threads))
 
 
-def chunk_row(exp: Exporter, seconds: float) -> tuple[str, ...]:
+def chunk_row(exp: ExporterProcess, seconds: float) -> tuple[str, ...]:
     rss0 = _status(exp.proc.pid, "VmRSS")
     peak = rss0
     sent = 0
@@ -199,12 +165,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     print("| attack | probes answered (/metrics, /-/healthy, OTLP) | slowest answer ms | peak threads |")
     print("|---|--:|--:|--:|")
     for slow in (True, False):
-        exp = Exporter(args.source, args.exporter_args)
+        exp = _exporter(args.source, args.exporter_args)
         try:
             print("| " + " | ".join(flood_row(exp, args.connections, args.seconds, slow)) + " |", flush=True)
         finally:
             exp.stop()
-    exp = Exporter(args.source, args.exporter_args)
+    exp = _exporter(args.source, args.exporter_args)
     try:
         row = chunk_row(exp, min(args.seconds, 30.0))
     finally:

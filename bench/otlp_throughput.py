@@ -23,8 +23,11 @@ import sys
 import time
 import tracemalloc
 
+from helpers import ExporterProcess
+
 from bench import harness
-from bench.harness import Context, CPUWindow, Exporter, HTTPClient, Table, fmt
+from bench.harness import Context, CPUWindow, HTTPClient, Table, exporter, fmt
+from bench.trainers import PROTOBUF_HEADERS, Trainer
 
 TITLE = "OTLP receiver throughput and memory (design target: >= 20,000 data points/s on one core, bounded memory)"
 
@@ -33,7 +36,7 @@ RANKS = 80  # 1,040 series: about the 1,000 of the latency benchmark
 
 def _rounds(n_rounds: int, prefix: str) -> list[list[tuple[bytes, int]]]:
     """``n_rounds`` successive exports of every rank: rounds[k][rank] = (body, points)."""
-    trainers = [harness.Trainer(f"{prefix}-{i // 8}", i % 8) for i in range(RANKS)]
+    trainers = [Trainer(f"{prefix}-{i // 8}", i % 8) for i in range(RANKS)]
     return [[t.request() for t in trainers] for _ in range(n_rounds)]
 
 
@@ -83,7 +86,7 @@ def run(ctx: Context) -> list[Table]:
     seconds = ctx.pick(0.15, 3.0)
     n_rounds = ctx.pick(3, 20)
     rounds = _rounds(n_rounds, "tp")
-    pb = dict(harness.PROTOBUF_HEADERS)
+    pb = dict(PROTOBUF_HEADERS)
     inproc = Table(
         "In process, one thread: decode + translate + store (1,040 series of 80 helper-like ranks)",
         ["request", "points/request", "points per CPU-second", "requests per CPU-second", "µs per point"],
@@ -119,11 +122,11 @@ def _over_http(ctx: Context) -> Table:
     )
     js = {"Content-Type": "application/json"}
     cases: list[tuple[str, int, dict[str, str], bool]] = [
-        ("protobuf, 1 rank per request (the helper's own export)", 1, harness.PROTOBUF_HEADERS, False),
+        ("protobuf, 1 rank per request (the helper's own export)", 1, PROTOBUF_HEADERS, False),
         ("OTLP JSON, 1 rank per request", 1, js, True),
-        ("protobuf, 10 ranks per request", 10, harness.PROTOBUF_HEADERS, False),
+        ("protobuf, 10 ranks per request", 10, PROTOBUF_HEADERS, False),
     ]
-    with Exporter(ctx) as exp:
+    with exporter(ctx) as exp:
         for label, per, headers, as_json in cases:
             bodies = _batched(_rounds(n_rounds, f"http{per}{'j' if as_json else ''}"), per)
             if as_json:
@@ -134,11 +137,11 @@ def _over_http(ctx: Context) -> Table:
     return table
 
 
-def _push_all(exp: Exporter, bodies: list[tuple[bytes, int]], headers: dict[str, str],
+def _push_all(exp: ExporterProcess, bodies: list[tuple[bytes, int]], headers: dict[str, str],
               duration: float) -> tuple[int, float, float]:
     """Push ``bodies`` in order on one keep-alive connection for at most ``duration`` s: (points, wall s,
     exporter CPU s); the first body is sent before the window opens."""
-    client = HTTPClient(exp.otlp_url)
+    client = HTTPClient(exp.push_url)
     client.request("POST", None, bodies[0][0], headers)
     points = 0
     t_end = time.monotonic() + duration
@@ -163,9 +166,9 @@ def _profile(ctx: Context) -> Table:
     outdir = ctx.profile / "otlp"
     duration = ctx.pick(1.0, 10.0)
     bodies = _batched(_rounds(ctx.pick(6, 60), "prof"), 1)
-    with Exporter(ctx, profile=outdir) as exp:
+    with exporter(ctx, profile=outdir) as exp:
         with harness.FlameGraph(exp.pid, outdir / "flame.svg") as flame:
-            points, _, _ = _push_all(exp, bodies, harness.PROTOBUF_HEADERS, duration)
+            points, _, _ = _push_all(exp, bodies, PROTOBUF_HEADERS, duration)
         time.sleep(0.5)  # the server threads end and hand in their profiles
     # http.server.HTTPServer: small pushes are handled on the selector thread (otlp-http), larger ones on a worker
     for prof in (outdir / "otlp-http.prof", outdir / "otlp-worker.prof"):
@@ -197,7 +200,7 @@ def _churn(ctx: Context) -> list[Table]:
     clock = _Clock()
     store = TrainingStore(series_ttl=600.0, clock=clock)
     handler = ExportHandler(store)
-    pb = harness.PROTOBUF_HEADERS
+    pb = PROTOBUF_HEADERS
     churn = Table(
         f"Memory under churn: {minutes} simulated minutes of runs starting and ending (TTL 10 min)",
         ["simulated minute", "series held", "series expired (total)", "traced MB"],
@@ -207,13 +210,13 @@ def _churn(ctx: Context) -> list[Table]:
     )
     tracemalloc.start()
     try:
-        runs: list[tuple[int, list[harness.Trainer]]] = []
+        runs: list[tuple[int, list[Trainer]]] = []
         base = tracemalloc.get_traced_memory()[0]
         for minute in range(minutes + 1):
             clock.now += 60.0
             runs = [(start, ts) for start, ts in runs if minute - start < 5]
             for j in range(2):
-                runs.append((minute, [harness.Trainer(f"m{minute}-{j}", r, start_ns=int(clock.now * 1e9))
+                runs.append((minute, [Trainer(f"m{minute}-{j}", r, start_ns=int(clock.now * 1e9))
                                       for r in range(8)]))
             for _, ranks in runs:
                 for t in ranks:
@@ -268,7 +271,7 @@ def _runaway(ctx: Context) -> Table:
             dp = m.gauge.data_points.add(time_unix_nano=now, as_double=1.0)
             dp.attributes.extend([KeyValue(key="run_id", value=AnyValue(string_value="runaway")),
                                   KeyValue(key="step", value=AnyValue(int_value=i))])
-        status, _, _ = handler.handle_export(harness.PROTOBUF_HEADERS, req.SerializeToString())
+        status, _, _ = handler.handle_export(PROTOBUF_HEADERS, req.SerializeToString())
         sent += per_request
         if sent in (total // 4, total // 2, total):
             rejected = sum(int(s.value) for fam in store.collect() if fam.name == "gpuenergy_otlp_points_rejected"

@@ -15,22 +15,17 @@ invocation. Never asserts a figure; everything listens on 127.0.0.1.
 from __future__ import annotations
 
 import json
-import socket
 import sys
 import threading
 import time
 from typing import Any
 
+from helpers import Child, free_port
+
 from bench import harness, helper_overhead, peer_envs
-from bench.harness import Context, CPUWindow, Exporter, HTTPClient, Table, fakenvml, fmt, median, ms, percentile
+from bench.harness import Context, CPUWindow, HTTPClient, Table, exporter, fakenvml, fmt, median, ms, percentile
 
 TITLE = "Peers: nvitop-exporter, Zeus, CodeCarbon, DCGM exporter"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def run(ctx: Context) -> list[Table]:
@@ -77,7 +72,7 @@ def _nvitop(ctx: Context, python: Any) -> list[Table]:
     rounds = ctx.pick(2, 10)
     n = ctx.pick(30, 100)
     window = ctx.pick(5.0, 60.0)
-    port = _free_port()
+    port = free_port()
     env = {fakenvml.SCENARIO_ENV: str(path), "LD_LIBRARY_PATH": str(ctx.lib.parent)}
     nv_cmd = [str(python.with_name("nvitop-exporter")), "--bind-address", "127.0.0.1", "--port", str(port),
               "--interval", "1.0"]
@@ -91,7 +86,7 @@ def _nvitop(ctx: Context, python: Any) -> list[Table]:
         f"Exporter cost with {gpus} fake H100s, both running at once, each scraped every 1 s for {window:.0f} s",
         ["exporter", "collection interval", "CPU % of one core", "RSS MB", "threads"],
     )
-    with Exporter(ctx, scenario=path) as ours, harness.Child(nv_cmd, env=env, name="nvitop-exporter") as nv:
+    with exporter(ctx, scenario=path) as ours, Child(nv_cmd, env=env, name="nvitop-exporter") as nv:
         nv_url = f"http://127.0.0.1:{port}/metrics"
         nv_client = HTTPClient(nv_url)
         deadline = time.monotonic() + 60
@@ -106,7 +101,7 @@ def _nvitop(ctx: Context, python: Any) -> list[Table]:
                 raise RuntimeError("nvitop-exporter did not start:\n" + nv.log())
             time.sleep(0.3)
         time.sleep(2.0)  # a couple of its update cycles
-        our_client = HTTPClient(ours.metrics_url)
+        our_client = HTTPClient(ours.scrape_url)
         times: dict[str, list[float]] = {"gpu-energy-exporter": [], "nvitop-exporter": []}
         sizes: dict[str, tuple[int, int]] = {}
         round_ratios: list[float] = []
@@ -182,7 +177,7 @@ def _zeus(ctx: Context, python: Any) -> list[Table]:
     ours_ns: list[float] = []
     zeus_s: dict[int, list[float]] = {1: [], 8: []}
     reads: dict[int, float] = {}
-    closed = f"http://127.0.0.1:{_free_port()}"
+    closed = f"http://127.0.0.1:{free_port()}"
     import logging
 
     logging.getLogger("gpu_energy_exporter.training").setLevel(logging.ERROR)
@@ -191,7 +186,7 @@ def _zeus(ctx: Context, python: Any) -> list[Table]:
         for _ in range(rounds):
             ours_ns.append(median(helper_overhead.batch_ns(run_, ctx.pick(20_000, 200_000), 3)))
             for g in zeus_s:
-                child = harness.Child([str(python), str(peer_envs.SCRIPTS / "zeus_probe.py"), "timing", "--gpus",
+                child = Child([str(python), str(peer_envs.SCRIPTS / "zeus_probe.py"), "timing", "--gpus",
                                        str(g), "--calls", str(calls), "--rounds", "3"], env=env, name="zeus")
                 child.proc.wait(120)
                 child.stop()
@@ -211,7 +206,7 @@ def _zeus(ctx: Context, python: Any) -> list[Table]:
     return [table]
 
 
-def _result(child: harness.Child) -> dict[str, Any]:
+def _result(child: Child) -> dict[str, Any]:
     for line in reversed(child.lines):
         if line.startswith("RESULT "):
             return dict(json.loads(line[len("RESULT "):]))

@@ -20,7 +20,8 @@ import sys
 import time
 from collections.abc import Sequence
 
-from bench.harness import HTTPClient, Trainer, push, trainers_for
+from bench.harness import HTTPClient
+from bench.trainers import Trainer, push, trainers_for
 
 
 class _Stopped(Exception):

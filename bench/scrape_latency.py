@@ -22,8 +22,11 @@ import sys
 import time
 from pathlib import Path
 
+from helpers import Child, ExporterProcess
+
 from bench import harness
-from bench.harness import Context, Exporter, HTTPClient, Table, Trainer, fakenvml, fmt, median, ms, percentile
+from bench.harness import Context, HTTPClient, Table, exporter, fakenvml, fmt, median, ms, percentile
+from bench.trainers import PROTOBUF_HEADERS, SERIES_PER_RANK, Trainer, push, trainers_for
 
 TITLE = "/metrics latency (design target: 8 GPUs + 1,000 training series, median < 5 ms, p99 < 20 ms)"
 
@@ -39,14 +42,14 @@ class Fleet:
         self.ranks: dict[tuple[str, int], Trainer] = {}
 
     def grow(self, n_series: int) -> None:
-        for t in harness.trainers_for(n_series):
+        for t in trainers_for(n_series):
             key = (t.run_id, t.rank)
             if key in self.ranks:
                 self.ranks[key].n_series = t.n_series
                 t = self.ranks[key]
             else:
                 self.ranks[key] = t
-            status, _, _ = harness.push(self.client, t)
+            status, _, _ = push(self.client, t)
             if status != 200:
                 raise RuntimeError(f"push of {key} answered {status}")
 
@@ -54,16 +57,16 @@ class Fleet:
         """Every rank exports once: every training series changes (the heavy case: all trainers pushed
         since the previous scrape, as when Prometheus scrapes every 15 s and trainers export every 10 s)."""
         for t in self.ranks.values():
-            status, _, _ = harness.push(self.client, t, steps=1)
+            status, _, _ = push(self.client, t, steps=1)
             if status != 200:
                 raise RuntimeError(f"push of {(t.run_id, t.rank)} answered {status}")
 
     def touch(self) -> None:
         """One rank's export (or, with no ranks, an empty request): the store changes, the cache misses."""
         if self.ranks:
-            harness.push(self.client, next(iter(self.ranks.values())), steps=1)
+            push(self.client, next(iter(self.ranks.values())), steps=1)
         else:
-            self.client.request("POST", None, b"", harness.PROTOBUF_HEADERS)
+            self.client.request("POST", None, b"", PROTOBUF_HEADERS)
 
 
 def scrape_series(client: HTTPClient, n: int, headers: dict[str, str] | None = None,
@@ -126,9 +129,9 @@ def run(ctx: Context) -> list[Table]:
     for g in gpu_counts:
         path = ctx.path(f"latency-{g}gpu.ini")
         sc = harness.write_scenario(path, harness.h100s(g))
-        with Exporter(ctx, scenario=path) as exp:
-            scrape = HTTPClient(exp.metrics_url)
-            fleet = Fleet(HTTPClient(exp.otlp_url))
+        with exporter(ctx, scenario=path) as exp:
+            scrape = HTTPClient(exp.scrape_url)
+            fleet = Fleet(HTTPClient(exp.push_url))
             for s in series_counts:
                 fleet.grow(s)
                 hit, size = scrape_series(scrape, n)
@@ -197,22 +200,15 @@ def run(ctx: Context) -> list[Table]:
     return [main, formats, load, repush_table, slow, verdict]
 
 
-def _static_server() -> tuple[harness.Child, str]:
+def _static_server() -> tuple[Child, str]:
     """``bench.static_server`` started and ready: (child, base URL)."""
-    ready: list[str] = []
-
-    def line(text: str) -> None:
-        if text.startswith("static listening on "):
-            ready.append(text.split(" on ", 1)[1].strip())
-
-    child = harness.Child([sys.executable, "-m", "bench.static_server"], name="static-server", on_line=line)
-    deadline = time.monotonic() + 30
-    while not ready:
-        if not child.alive() or time.monotonic() > deadline:
-            child.stop()
-            raise RuntimeError("bench.static_server did not start:\n" + child.log())
-        time.sleep(0.05)
-    return child, ready[0]
+    child = Child([sys.executable, "-m", "bench.static_server"], name="static-server")
+    try:
+        line = child.wait_for("static listening on ", 30)
+    except AssertionError:
+        child.stop()
+        raise
+    return child, line.split(" on ", 1)[1].strip()
 
 
 def _full_repush(ctx: Context, scrape: HTTPClient, fleet: Fleet) -> dict[str, float]:
@@ -271,9 +267,9 @@ def _profile_scrape(ctx: Context, n_series: int) -> str:
     path = ctx.path("latency-profile.ini")
     harness.write_scenario(path, harness.h100s(8))
     n = ctx.pick(10, 100)
-    with Exporter(ctx, scenario=path, profile=outdir) as exp:
-        scrape = HTTPClient(exp.metrics_url)
-        fleet = Fleet(HTTPClient(exp.otlp_url))
+    with exporter(ctx, scenario=path, profile=outdir) as exp:
+        scrape = HTTPClient(exp.scrape_url)
+        fleet = Fleet(HTTPClient(exp.push_url))
         fleet.grow(n_series)
         with harness.FlameGraph(exp.pid, outdir / "flame.svg") as flame:
             for _ in range(n):
@@ -294,10 +290,11 @@ def _profile_scrape(ctx: Context, n_series: int) -> str:
 
 
 
-def _under_load(ctx: Context, exp: Exporter, scrape: HTTPClient, table: Table, n_series: int) -> dict[str, float]:
+def _under_load(ctx: Context, exp: ExporterProcess, scrape: HTTPClient, table: Table,
+                n_series: int) -> dict[str, float]:
     """Scrapes every 100 ms while the ranks holding ``n_series`` push every 1-10 s (their real rate)."""
     duration = ctx.pick(3.0, 40.0)
-    pusher = harness.Child([sys.executable, "-m", "bench.pusher", exp.otlp_url, "--series", str(n_series),
+    pusher = Child([sys.executable, "-m", "bench.pusher", exp.push_url, "--series", str(n_series),
                             "--min-interval", "1", "--max-interval", "10", "--duration", str(duration + 2),
                             "--prefix", "run"],
                            name="pusher")
@@ -329,7 +326,7 @@ def _under_load(ctx: Context, exp: Exporter, scrape: HTTPClient, table: Table, n
         if values:
             table.add(label, len(values), fmt(ms(median(values))), fmt(ms(percentile(values, 99))),
                       fmt(ms(max(values))))
-    ranks = -(-n_series // harness.SERIES_PER_RANK)
+    ranks = -(-n_series // SERIES_PER_RANK)
     table.note(f"{ranks} simulated ranks each pushing every U(1, 10) s (the helper exports every 10 s by "
                f"default), from a separate process: {summary.get('pushes', '?')} pushes in {duration:.0f} s. "
                "Scrapes every 100 ms so there are enough of them for a p99; 'after a push' is what a "

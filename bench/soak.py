@@ -26,7 +26,7 @@ from pathlib import Path
 
 from bench import harness
 from bench.exporter_cost import _pusher, _scraper, _slope, _summary
-from bench.harness import Context, Exporter, HTTPClient, Table, fmt
+from bench.harness import Context, HTTPClient, Table, exporter, fmt
 from gpu_energy_exporter.core.config import parse_duration
 
 TITLE = "Memory soak at realistic run churn (RSS slope after warm-up)"
@@ -83,11 +83,11 @@ def soak(ctx: Context, *, duration: float, warmup: float, churn: float, sample: 
          f"{warmup:g} s excluded from the summary."],
     )
     rss: list[tuple[float, float]] = []
-    with Exporter(ctx, scenario=path, args=list(extra)) as exp:
+    with exporter(ctx, scenario=path, args=list(extra)) as exp:
         stop = threading.Event()
-        scraper = _scraper(exp.metrics_url, 15.0, stop)
-        reader = HTTPClient(exp.metrics_url)
-        pusher = _pusher(exp.otlp_url, series, duration, min_i=intervals[0], max_i=intervals[1], churn=churn,
+        scraper = _scraper(exp.scrape_url, 15.0, stop)
+        reader = HTTPClient(exp.scrape_url)
+        pusher = _pusher(exp.push_url, series, duration, min_i=intervals[0], max_i=intervals[1], churn=churn,
                          prefix="soak")
         with pusher:
             t0 = time.monotonic()

@@ -12,15 +12,13 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
 import subprocess
 import sys
-import threading
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from helpers import ExporterProcess
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -55,53 +53,20 @@ class FreshInstall:
                               timeout=timeout, cwd=self.home, env=self.env(**extra))
 
 
-class Demo:
-    """``gpu-energy-exporter demo ARGS`` of the fresh install, its log read on a thread so that every wait
-    is bounded (``wait_for``); ``stop()`` sends SIGTERM and returns the exit status."""
+class Demo(ExporterProcess):
+    """``gpu-energy-exporter demo ARGS`` of the fresh install (its console script, its environment, run from
+    its home): the tests' exporter process wrapper, so that every wait is bounded (``wait_for``)."""
 
     def __init__(self, install: FreshInstall, args: list[str]) -> None:
-        self.proc = subprocess.Popen([install.bin("gpu-energy-exporter"), "demo", *args], stdout=subprocess.DEVNULL,
-                                     stderr=subprocess.PIPE, text=True, cwd=install.home, env=install.env())
-        self.lines: list[str] = []
-        self._reader = threading.Thread(target=self._read, daemon=True)
-        self._reader.start()
-
-    def _read(self) -> None:
-        assert self.proc.stderr is not None
-        for line in self.proc.stderr:
-            self.lines.append(line)
-
-    def log(self) -> str:
-        return "".join(self.lines)
-
-    def wait_for(self, needle: str, timeout: float) -> str:
-        """The first log line containing ``needle``; AssertionError with the log after ``timeout`` s."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            for line in list(self.lines):
-                if needle in line:
-                    return line
-            if self.proc.poll() is not None and not self._reader.is_alive():
-                break
-            time.sleep(0.1)
-        raise AssertionError(f"no log line with {needle!r} within {timeout:g}s:\n{self.log()}")
+        super().__init__(args, subcommand=("demo",), command=[install.bin("gpu-energy-exporter")],
+                         environ=install.env(), cwd=install.home)
 
     def url(self) -> str:
-        line = self.wait_for("gpu-energy-exporter listening on http://", 60)
-        return line.split(" listening on ")[1].split()[0]
+        """The metrics server's base URL, once both servers listen."""
+        return self.wait_ready(60).metrics_url
 
-    def stop(self) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-        try:
-            rc = self.proc.wait(30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            rc = self.proc.wait(10)
-        self._reader.join(10)
-        if self.proc.stderr is not None:
-            self.proc.stderr.close()
-        return rc
+    def stop(self, timeout: float = 30.0) -> int:
+        return super().stop(timeout)
 
 
 def _run(cmd: list[str], timeout: float, cwd: Path) -> None:

@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import json
 import subprocess
-import time
 import urllib.parse
 import urllib.request
 from pathlib import Path
 from typing import Any
 
 import yaml
-from conftest import free_port, require_binary
+from helpers import free_port, http_ok, poll, require_binary
 
 
 class Prometheus:
@@ -35,14 +34,8 @@ class Prometheus:
              f"--web.listen-address=127.0.0.1:{self.port}", "--log.level=warn"],
             stdout=self.log, stderr=subprocess.STDOUT,
         )
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            try:
-                with urllib.request.urlopen(self.url + "/-/ready", timeout=2) as r:
-                    if r.status == 200:
-                        return
-            except OSError:
-                time.sleep(0.2)
+        if poll(lambda: http_ok(self.url + "/-/ready"), 60):
+            return
         self.stop()
         raise AssertionError("prometheus did not become ready: " + (workdir / "prometheus.log").read_text())
 

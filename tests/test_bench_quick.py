@@ -12,11 +12,10 @@ import os
 import re
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
-from conftest import ROOT
+from helpers import ROOT, Child
 
 if str(ROOT) not in sys.path:  # `pytest` run without `python -m` does not put the repository root there
     sys.path.insert(0, str(ROOT))
@@ -168,13 +167,9 @@ def test_profiled_profiles_every_thread_by_group(tmp_path: Path) -> None:
 
 
 def test_static_server_serves_the_posted_bytes() -> None:
-    child = harness.Child([sys.executable, "-m", "bench.static_server"], name="static")
+    child = Child([sys.executable, "-m", "bench.static_server"], name="static")
     with child:
-        deadline = time.monotonic() + 30
-        while not any("listening on" in line for line in child.lines):
-            assert child.alive() and time.monotonic() < deadline, child.log()
-            time.sleep(0.05)
-        url = next(line for line in child.lines if "listening on" in line).split(" on ", 1)[1]
+        url = child.wait_for("listening on", 30).split(" on ", 1)[1]
         assert url.startswith("http://127.0.0.1:")
         client = harness.HTTPClient(url + "/metrics")
         body = b"# HELP x y\nx 1\n" * 1000

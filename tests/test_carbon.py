@@ -10,8 +10,8 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from helpers import registry_of
 from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.core import Metric
 
 from gpu_energy_exporter.collectors.carbon import CarbonCollector
 from gpu_energy_exporter.core.config import load_config
@@ -30,20 +30,6 @@ from gpu_energy_exporter.reference.gpu_specs import PRECISIONS, lookup_peak_flop
 DATA = Path(carbon.__file__).parent / "data"
 LOGGER = "gpu_energy_exporter.collectors.carbon"
 INTENSITY = "gpuenergy_carbon_intensity_grams_per_kilowatt_hour"
-
-
-class _Families:
-    def __init__(self, families: list[Metric]) -> None:
-        self._families = families
-
-    def collect(self) -> list[Metric]:
-        return self._families
-
-
-def registry_of(families: list[Metric]) -> CollectorRegistry:
-    reg = CollectorRegistry()
-    reg.register(_Families(families))
-    return reg
 
 
 def intensity_of(reg: CollectorRegistry) -> tuple[float, dict[str, str]]:

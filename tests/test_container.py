@@ -27,8 +27,8 @@ from pathlib import Path
 
 import psutil
 import pytest
-from conftest import free_port, sample_value
 from fakenvml import Constant, Scenario, h100
+from helpers import free_port, poll, sample_value
 
 pytestmark = [pytest.mark.slow, pytest.mark.container]
 
@@ -157,15 +157,6 @@ def test_image_config_is_what_the_deployment_expects(image: str) -> None:
     assert {"9863/tcp", "4318/tcp"} <= set(cfg["ExposedPorts"])
 
 
-def _wait(predicate: object, timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():  # type: ignore[operator]
-            return True
-        time.sleep(0.3)
-    return False
-
-
 def _exporter_uids() -> list[int]:
     uids = []
     for p in psutil.process_iter(["cmdline", "uids"]):
@@ -220,7 +211,7 @@ def test_the_image_serves_fake_gpus_as_uid_10001_writes_only_its_volume_and_keep
             except OSError:
                 return False
 
-        if not _wait(serving, 60):
+        if not poll(serving, 60, 0.3):
             proc.terminate()
             raise AssertionError("the container did not serve the fake GPU within 60 s:\n" + proc.communicate()[0])
         assert sample_value(metrics(), "gpuenergy_gpu_power_watts", gpu="0") == pytest.approx(300.0)
@@ -237,8 +228,8 @@ def test_the_image_serves_fake_gpus_as_uid_10001_writes_only_its_volume_and_keep
             for _ in range(5):
                 run.step(tokens=1000, samples=4, loss=1.0)
                 time.sleep(0.4)
-        if not _wait(lambda: (volume / "runs.csv").exists() and "container-run" in (volume / "runs.csv").read_text(),
-                     120):
+        if not poll(lambda: (volume / "runs.csv").exists() and "container-run" in (volume / "runs.csv").read_text(),
+                    120):
             with urllib.request.urlopen(f"http://127.0.0.1:{web}/api/v1/runs", timeout=5) as resp:
                 runs = resp.read().decode()
             proc.terminate()

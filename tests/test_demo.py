@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import ExporterProcess, sample_value, wait_until
+from helpers import ExporterProcess, sample_value, wait_until
 
 from gpu_energy_exporter.core.errors import ConfigError
 from gpu_energy_exporter.daemon.demo import DEMO_WARMUP, parse_args
@@ -107,20 +107,13 @@ def test_demo_says_what_to_do_when_the_port_is_taken(tmp_path: Path) -> None:
     assert "already running" in out.stderr and "--web.listen-address" in out.stderr
 
 
-def test_demo_stops_on_sigint_during_the_idle_pause() -> None:
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "gpu_energy_exporter", "demo", "--web.listen-address=127.0.0.1:0",
-         "--otlp.listen-address=127.0.0.1:0", "--demo.pause=1m"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    assert proc.stdout is not None
-    for line in proc.stdout:
-        if "Ctrl-C stops the demo" in line:
-            break
-    proc.send_signal(signal.SIGINT)
-    assert proc.wait(20) == 0
-    rest = proc.stdout.read()
-    proc.stdout.close()
-    assert "demo stopped" in rest
+def test_demo_stops_on_sigint_during_the_idle_pause(start_exporter: type[ExporterProcess]) -> None:
+    demo = start_exporter(["--demo.pause=1m"], subcommand=("demo",))
+    demo.wait_for("Ctrl-C stops the demo", 60)
+    demo.proc.send_signal(signal.SIGINT)
+    assert demo.proc.wait(20) == 0
+    assert demo.stop() == 0
+    assert "demo stopped" in demo.log().split("Ctrl-C stops the demo", 1)[1]
 
 
 def test_flags_are_the_exporters_plus_the_demos() -> None:

@@ -22,9 +22,7 @@ import os
 import re
 import shlex
 import shutil
-import signal
 import site
-import socket
 import subprocess
 import sys
 import time
@@ -33,6 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+from helpers import Child, free_port
 
 from gpu_energy_exporter.core.config import DEFAULT_METRICS_PORT, DEFAULT_OTLP_PORT, load_config
 
@@ -290,12 +289,6 @@ class Replay:
                 self.run(i)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.fixture(scope="module")
 def replayed(tmp_path_factory: pytest.TempPathFactory, dockerfile: Parsed) -> Iterator[Replay]:
     _, stages = dockerfile
@@ -354,8 +347,7 @@ def test_replayed_image_runs_healthcheck_passes_and_writes_only_the_volume(
                 "GPU_ENERGY_EXPORTER_NVML_LIBRARY": "", "HOME": "/nonexistent"})
     env.pop("GPU_ENERGY_EXPORTER_NVML_LIBRARY")
     before = {p for p in replayed.root.rglob("*")}
-    proc = subprocess.Popen([replayed.rewrite(entrypoint[0]), *cmd], env=env, cwd=replayed.path(VOLUME),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    exporter = Child([replayed.rewrite(entrypoint[0]), *cmd], environ=env, cwd=replayed.path(VOLUME))
     health = final.last("HEALTHCHECK").args
     check = json.loads(health[health.index("CMD") + 3:].strip())
     try:
@@ -364,7 +356,7 @@ def test_replayed_image_runs_healthcheck_passes_and_writes_only_the_volume(
             result = subprocess.run(check, env=env, capture_output=True, text=True, timeout=30, check=False)
             if result.returncode == 0:
                 break
-            assert proc.poll() is None, "the exporter exited: " + (proc.stdout.read() if proc.stdout else "")
+            assert exporter.alive(), "the exporter exited: " + exporter.log()
             assert time.monotonic() < deadline, "HEALTHCHECK never passed: " + result.stderr
             time.sleep(0.2)
         conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
@@ -375,14 +367,7 @@ def test_replayed_image_runs_healthcheck_passes_and_writes_only_the_volume(
             conn.close()
         assert "gpuenergy_" in body
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        if proc.stdout:
-            proc.stdout.close()
+        exporter.stop(30)
     after = {p for p in replayed.root.rglob("*")}
     written = sorted(str(p.relative_to(replayed.root)) for p in after - before)
     assert all(w.startswith(VOLUME.lstrip("/")) for w in written), written

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import os
 import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 from fakenvml import Constant, Driver, Process, Scenario, Square, a100, grace_hopper, h100, pascal_no_counter
+from helpers import check_golden
 
 from gpu_energy_exporter.core.config import Config
 from gpu_energy_exporter.core.metrics import CATALOGUE
@@ -101,7 +101,4 @@ def test_golden_gpu_exposition(fake_nvml_lib: Path, tmp_path: Path, monkeypatch:
             or ln.startswith((f"# HELP {name} ", f"# TYPE {name} "))]
     filtered = text_filtered.splitlines()
     assert len(want) > 2 and [ln.split("} ")[0] for ln in filtered] == [ln.split("} ")[0] for ln in want]
-    if os.environ.get("UPDATE_GOLDEN"):
-        GOLDEN.write_text(got)
-    assert GOLDEN.exists(), "no golden file yet: run with UPDATE_GOLDEN=1 and review it"
-    assert got == GOLDEN.read_text()
+    check_golden(got, GOLDEN)

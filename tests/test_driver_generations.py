@@ -13,15 +13,14 @@ Host and RAPL collectors are off: their values belong to the machine running the
 
 from __future__ import annotations
 
-import os
 import re
 import time
 from pathlib import Path
 
 import pytest
-from conftest import ExporterProcess
 from fakenvml import build_library
 from fakenvml.generations import BY_NAME, GENERATIONS, Generation
+from helpers import SAMPLE_LINE, ExporterProcess, check_golden, normalise
 
 from gpu_energy_exporter.collectors import gpu_metrics as g
 from gpu_energy_exporter.core.state import GPU_SAMPLE_AGE
@@ -60,13 +59,6 @@ LACKS: dict[str, set[str]] = {
     "future": {g.MODULE_POWER.name},
 }
 
-#: Families whose values depend on time or on the machine, not on the scenario.
-_VOLATILE = ("gpuenergy_collector_duration_seconds", "gpuenergy_snapshot_timestamp_seconds",
-             "gpuenergy_gpu_last_sample_age_seconds", "gpuenergy_process_",
-             "gpuenergy_otlp_request_duration_seconds_total")
-_SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{.*\})? (\S+)( \S+)?$")
-
-
 @pytest.fixture(scope="session")
 def generation_library(fake_nvml_lib: Path, tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
     """One compiled library per (omit, extra) set, shared by the generations that need it."""
@@ -85,33 +77,11 @@ def families(text: str) -> dict[str, set[str]]:
     """Sample name -> the ``gpu`` label values it has (``""`` for series without one)."""
     out: dict[str, set[str]] = {}
     for line in text.splitlines():
-        m = _SAMPLE.match(line)
+        m = SAMPLE_LINE.match(line)
         if m and not line.startswith("#"):
             gpu = re.search(r'[{,]gpu="([^"]*)"', m.group(2) or "")
             out.setdefault(m.group(1), set()).add(gpu.group(1) if gpu else "")
     return out
-
-
-def normalise(text: str, gen: Generation) -> str:
-    """Mask what changes from run to run: sample timestamps, durations, ages, process figures, the Python
-    version, and the energy of GPUs whose energy is integrated over wall-clock time."""
-    integrating = {str(i) for i in gen.integrating()}
-    lines = []
-    for line in text.splitlines():
-        m = _SAMPLE.match(line)
-        if m is None or line.startswith("#"):
-            lines.append(line)
-            continue
-        name, labels, value, stamp = m.group(1), m.group(2) or "", m.group(3), m.group(4)
-        if name == "gpuenergy_build_info":
-            labels = re.sub(r'python_version="[^"]*"', 'python_version="<masked>"', labels)
-        if name.startswith(_VOLATILE):
-            value = "<masked>"
-        gpu = re.search(r'[{,]gpu="([^"]*)"', labels)
-        if name == g.ENERGY.name and gpu and gpu.group(1) in integrating:
-            value = "<integrated over wall time>"
-        lines.append(f"{name}{labels} {value}" + (" <timestamp>" if stamp else ""))
-    return "\n".join(lines) + "\n"
 
 
 def _missing(text: str, gen: Generation) -> list[str]:
@@ -170,10 +140,4 @@ def test_driver_generation_serves_everything_it_can(name: str, generation_librar
     for x in gen.gpus:
         assert f'gpuenergy_gpu_up{{gpu="{x.index}",gpu_uuid="{x.uuid}"}} 1.0' in text
     assert "Traceback" not in exp.log()
-    body = normalise(text, gen)
-    golden = GOLDEN_DIR / f"{gen.name}.prom"
-    if os.environ.get("UPDATE_GOLDEN"):
-        golden.parent.mkdir(parents=True, exist_ok=True)
-        golden.write_text(body)
-    assert golden.exists(), f"no golden file {golden}: run with UPDATE_GOLDEN=1 and review it"
-    assert body == golden.read_text(), f"/metrics differs from {golden}; if intended, UPDATE_GOLDEN=1 and review"
+    check_golden(normalise(text, integrating=[str(i) for i in gen.integrating()]), GOLDEN_DIR / f"{gen.name}.prom")

@@ -18,8 +18,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import ROOT, ExporterProcess, wait_until
 from fakenvml import Constant, Scenario, Square, h100, v100
+from helpers import ROOT, ExporterProcess, wait_until
 from prom import Prometheus
 
 pytestmark = pytest.mark.slow

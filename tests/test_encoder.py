@@ -13,6 +13,7 @@ import math
 import random
 import struct
 
+from helpers import registry_of
 from prometheus_client import exposition as text_exposition
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.openmetrics import exposition as om_exposition
@@ -27,18 +28,10 @@ ODD_VALUES = ['quote " inside', "back\\slash", "new\nline", "tab\tand ünïcød�
               "{braces}=,comma"]
 
 
-class _Reg:
-    def __init__(self, families: list[Metric]) -> None:
-        self.families = families
-
-    def collect(self) -> list[Metric]:
-        return self.families
-
-
 def reference(families: list[Metric], openmetrics: bool) -> bytes:
     if openmetrics:
-        return om_exposition.generate_latest(_Reg(families)).removesuffix(b"# EOF\n")
-    return text_exposition.generate_latest(_Reg(families))
+        return om_exposition.generate_latest(registry_of(families)).removesuffix(b"# EOF\n")
+    return text_exposition.generate_latest(registry_of(families))
 
 
 def _point(kind: str, name: str, labels: dict[str, str], t: int, **kw: object) -> Point:

@@ -32,8 +32,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from conftest import require_binary
 from fakenvml import GPU, Driver, Scenario, Square, bad_reading, energy_jump, energy_unreadable, h100
+from helpers import require_binary
 from prom import Prometheus
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families

@@ -9,8 +9,8 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from conftest import ExporterProcess, require_binary, sample_value, wait_until
 from fakenvml import Constant, Driver, Scenario, build_library, h100, v100
+from helpers import ExporterProcess, require_binary, sample_value, wait_until
 
 FAST = ["--collector.interval=200ms"]
 

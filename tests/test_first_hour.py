@@ -10,7 +10,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import ROOT
+from helpers import ROOT
 
 from gpu_energy_exporter.core.config import load_config
 from gpu_energy_exporter.core.errors import ConfigError

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 from fakenvml import GPU, Constant, Driver, Process, Scenario, Square, a100, grace_hopper, h100, pascal_no_counter, v100
-from prometheus_client import generate_latest
+from helpers import GPURig
 
 from gpu_energy_exporter.collectors.gpu import GPUCollector
 from gpu_energy_exporter.devices.nvml import NVMLBackend
@@ -24,7 +24,7 @@ from gpu_energy_exporter.engine.sampler import Sampler
 T0 = 1_750_000_000.0
 
 
-class Rig:
+class Rig(GPURig):
     """A scenario file, the collector on the fake library, and the exposition registry."""
 
     def __init__(self, lib: Path, path: Path, scenario: Scenario, **kw) -> None:  # type: ignore[no-untyped-def]
@@ -32,10 +32,7 @@ class Rig:
         scenario.write(path)
         # Readings carry the scenario's frozen time, so the energy counter's plausibility checks see the
         # time that passed for the fake GPU, not the milliseconds between two test samples.
-        self.collector = GPUCollector(lambda: NVMLBackend(str(lib), clock=self.now), retry_interval=0.0,
-                                      clock=self.now, monotonic=self.now, **kw)
-        self.sampler = Sampler([self.collector], 1.0, gpu_states=self.collector.states)
-        self.registry = new_registry(SnapshotCollector(self.sampler))
+        super().__init__(lambda: NVMLBackend(str(lib), clock=self.now), clock=self.now, monotonic=self.now, **kw)
 
     def now(self) -> float:
         frozen_time = self.scenario.driver.frozen_time
@@ -44,15 +41,6 @@ class Rig:
     def rewrite(self, scenario: Scenario) -> None:
         self.scenario = scenario
         scenario.write(self.path)
-
-    def sample(self) -> None:
-        self.sampler.sample_once()
-
-    def value(self, name: str, **labels: str) -> float | None:
-        return self.registry.get_sample_value(name, labels)
-
-    def text(self) -> str:
-        return generate_latest(self.registry).decode()
 
 
 @pytest.fixture
@@ -68,7 +56,7 @@ def rig(fake_nvml_lib: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) ->
 
     yield make
     for r in made:
-        r.collector.close()
+        r.close()
 
 
 def frozen(at: float, gpus: list[GPU], **driver) -> Scenario:  # type: ignore[no-untyped-def]

@@ -10,8 +10,6 @@ from __future__ import annotations
 import json
 import os
 import statistics
-import subprocess
-import sys
 import threading
 import time
 import urllib.request
@@ -19,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from helpers import ExporterProcess, poll
 
 pytestmark = pytest.mark.gpu
 
@@ -203,21 +202,9 @@ def test_real_exporter_and_training_run_ledger(tmp_path: Path) -> None:
     pytest.importorskip("opentelemetry.sdk", reason="needs the [training] extra (opentelemetry-sdk)")
     from gpu_energy_exporter.training import start_run
 
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "gpu_energy_exporter", "--web.listen-address=127.0.0.1:0",
-         "--otlp.listen-address=127.0.0.1:0", "--collector.interval=200ms", "--runs.warmup=2s",
-         f"--runs.csv={tmp_path / 'runs.csv'}"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    urls: dict[str, str] = {}
-    assert proc.stdout is not None
-    deadline = time.monotonic() + 60
-    while len(urls) < 2 and time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        for key in ("gpu-energy-exporter", "otlp"):
-            if f"{key} listening on " in line:
-                urls[key] = line.split(" listening on ")[1].split()[0]
+    exp = ExporterProcess(["--collector.interval=200ms", "--runs.warmup=2s", f"--runs.csv={tmp_path / 'runs.csv'}"])
     try:
-        assert len(urls) == 2
+        urls = exp.wait_ready().urls
         scrape_ms = []
         for _ in range(50):
             t = time.perf_counter()
@@ -253,11 +240,7 @@ def test_real_exporter_and_training_run_ledger(tmp_path: Path) -> None:
                         return dict(doc)
             return None
 
-        deadline = time.monotonic() + 30
-        summary = None
-        while summary is None and time.monotonic() < deadline:
-            summary = finished()
-            time.sleep(0.5)
+        summary = poll(finished, 30, 0.5)
         assert summary is not None, "the run did not finish in the ledger"
         _record("training_ledger", {"steps": steps, "scrape_ms_median": statistics.median(scrape_ms),
                                     "scrape_ms_p99": sorted(scrape_ms)[int(0.99 * len(scrape_ms)) - 1],
@@ -265,5 +248,4 @@ def test_real_exporter_and_training_run_ledger(tmp_path: Path) -> None:
         assert summary["tokens"] == steps * tokens_per_step
         assert summary["energy_j"] > 0 and summary["j_per_token"] > 0
     finally:
-        proc.terminate()
-        proc.wait(30)
+        exp.stop(30)

@@ -11,8 +11,8 @@ from collections.abc import Callable, Iterator
 
 import psutil
 import pytest
-from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.core import Metric
+from helpers import registry_of
+from prometheus_client import generate_latest
 
 from gpu_energy_exporter.collectors.host import DEFAULT_MEMORY_CRITICAL_BYTES, HostCollector
 
@@ -25,20 +25,6 @@ CpuTimes = namedtuple(
 )
 VMem = namedtuple("VMem", "total available percent used free")
 Swap = namedtuple("Swap", "total used free percent sin sout")
-
-
-class _Families:
-    def __init__(self, families: list[Metric]) -> None:
-        self._families = families
-
-    def collect(self) -> list[Metric]:
-        return self._families
-
-
-def registry_of(families: list[Metric]) -> CollectorRegistry:
-    reg = CollectorRegistry()
-    reg.register(_Families(families))
-    return reg
 
 
 def script(values: list[CpuTimes]) -> Callable[[], CpuTimes]:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import bcrypt
 import pytest
-from conftest import ExporterProcess, sample_value
+from helpers import ExporterProcess, sample_value
 
 BASE = ["--no-collector.gpu", "--no-collector.rapl", "--web.request-timeout=2s"]
 

@@ -12,8 +12,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import ExporterProcess, wait_until
 from fakenvml import Constant, Scenario, Square, h100
+from helpers import ExporterProcess, wait_until
 
 TOKENS_PER_STEP = 1024
 

@@ -18,50 +18,30 @@ from typing import Any
 import pynvml
 import pytest
 from fakenvml import Driver, Process, Scenario, h100, v100
-from prometheus_client import generate_latest
+from helpers import GPURig
 
-from gpu_energy_exporter.collectors.gpu import GPUCollector
 from gpu_energy_exporter.core.state import GPUIdentity, GPUReading
 from gpu_energy_exporter.devices.nvml import NVMLBackend
-from gpu_energy_exporter.engine.exposition import SnapshotCollector, new_registry
-from gpu_energy_exporter.engine.sampler import Sampler
 
 T0 = 1_750_000_000.0
 ERRORS = "gpuenergy_nvml_field_errors_total"
-
-
-class Rig:
-    def __init__(self, backend_factory: Any, **kw: Any) -> None:
-        self.collector = GPUCollector(backend_factory, retry_interval=0.0, **kw)
-        self.sampler = Sampler([self.collector], 1.0, gpu_states=self.collector.states)
-        self.registry = new_registry(SnapshotCollector(self.sampler))
-
-    def sample(self, n: int = 1) -> None:
-        for _ in range(n):
-            self.sampler.sample_once()
-
-    def value(self, name: str, **labels: str) -> float | None:
-        return self.registry.get_sample_value(name, labels)
-
-    def text(self) -> str:
-        return generate_latest(self.registry).decode()
 
 
 @pytest.fixture
 def rig(fake_nvml_lib: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
     path = tmp_path / "scenario.ini"
     monkeypatch.setenv("FAKE_NVML_SCENARIO", str(path))
-    made: list[Rig] = []
+    made: list[GPURig] = []
 
-    def make(gpus: list[Any], backend: type[NVMLBackend] = NVMLBackend, **kw: Any) -> Rig:
+    def make(gpus: list[Any], backend: type[NVMLBackend] = NVMLBackend, **kw: Any) -> GPURig:
         Scenario(epoch=T0, driver=Driver(frozen_time=T0 + 100), gpus=gpus).write(path)
-        r = Rig(lambda: backend(str(fake_nvml_lib)), **kw)
+        r = GPURig(lambda: backend(str(fake_nvml_lib)), **kw)
         made.append(r)
         return r
 
     yield make
     for r in made:
-        r.collector.close()
+        r.close()
 
 
 def L(gpu: Any, **extra: str) -> dict[str, str]:

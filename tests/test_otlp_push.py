@@ -16,8 +16,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import ExporterProcess, sample_value, wait_until
 from fakenvml import Constant, Scenario, a100, h100
+from helpers import ExporterProcess, sample_value, wait_until
 from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import (
     ExportMetricsServiceRequest,
     ExportMetricsServiceResponse,

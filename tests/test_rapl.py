@@ -10,8 +10,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from helpers import registry_of
 from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.core import Metric
 
 from gpu_energy_exporter.collectors.base import NoData
 from gpu_energy_exporter.collectors.rapl import RaplCollector, read_sysfs
@@ -20,20 +20,6 @@ from gpu_energy_exporter.engine.sampler import COLLECTOR_SUCCESS, Sampler
 FIXTURES = Path(__file__).parent / "fixtures"
 SERVER = FIXTURES / "sysfs-rapl-server"
 LOGGER = "gpu_energy_exporter.collectors.rapl"
-
-
-class _Families:
-    def __init__(self, families: list[Metric]) -> None:
-        self._families = families
-
-    def collect(self) -> list[Metric]:
-        return self._families
-
-
-def registry_of(families: list[Metric]) -> CollectorRegistry:
-    reg = CollectorRegistry()
-    reg.register(_Families(families))
-    return reg
 
 
 def energy(reg: CollectorRegistry, zone: str) -> float | None:

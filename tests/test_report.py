@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import ROOT, free_port, wait_until
+from helpers import ROOT, free_port, wait_until
 from PIL import Image, ImageStat
 from prom import Prometheus
 

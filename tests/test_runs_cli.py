@@ -14,7 +14,7 @@ from typing import Any
 
 import bcrypt
 import pytest
-from conftest import free_port
+from helpers import free_port
 
 from gpu_energy_exporter.client.api import URL_ENV
 from gpu_energy_exporter.client.runs import CSV_ENV, main

@@ -18,9 +18,9 @@ from pathlib import Path
 
 import bcrypt
 import pytest
-from conftest import ROOT, ExporterProcess, free_port, wait_until
 from cryptography import x509
 from fakenvml import Constant, Scenario, h100
+from helpers import ROOT, ExporterProcess, free_port, wait_until
 from test_web import issue
 
 from gpu_energy_exporter.client import fmt, top

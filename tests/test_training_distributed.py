@@ -22,6 +22,7 @@ import tempfile
 from pathlib import Path
 
 import pytest
+from helpers import free_port
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
@@ -92,14 +93,6 @@ def hf_worker(endpoint: str) -> dict[str, object]:
 
 # ----------------------------------------------------------------------------------------------------
 # the tests
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def launch(mode: str, endpoint: str) -> list[dict[str, object]]:
