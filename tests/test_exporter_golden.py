@@ -33,14 +33,16 @@ from gpu_energy_exporter.core import contract
 
 GOLDEN = TESTS / "golden"
 SYSFS = TESTS / "fixtures" / "sysfs-rapl-server"
+PROCFS = Path(__file__).parent / "fixtures" / "procfs-host"
 OPENMETRICS = "application/openmetrics-text; version=1.0.0; charset=utf-8"
 
 #: Families whose values read the machine running the test or the wall clock, on top of ``VOLATILE``:
-#: the host collector (psutil reads this machine's /proc: --path.procfs does not reach psutil), the open
+#: the host's logical CPU count (psutil asks the kernel, not --path.procfs, whose fixed tree gives every other
+#: host value), the open
 #: connection gauge (a scrape's connection may or may not be closed yet when the next one is counted) and
 #: the running run's figures that grow with wall time since its first point (its energy does not: the
 #: frozen driver clock keeps the GPU's energy counter still, so dynamic energy = 0 - idle power x time).
-MACHINE_OR_TIME = ("gpuenergy_host_", "gpuenergy_http_open_connections", "gpuenergy_run_duration_seconds",
+MACHINE_OR_TIME = ("gpuenergy_host_logical_cpus", "gpuenergy_http_open_connections", "gpuenergy_run_duration_seconds",
                    "gpuenergy_run_active_seconds_total", "gpuenergy_run_tokens_per_second",
                    "gpuenergy_run_mfu_ratio", "gpuenergy_run_dynamic_energy_joules")
 
@@ -114,7 +116,8 @@ def test_whole_exporter_golden_exposition(fake_nvml_lib: Path, tmp_path: Path,
     scenario = tmp_path / "scenario.ini"
     Scenario(epoch=t0, driver=Driver(frozen_time=t0 + 100.0), gpus=gpus).write(scenario)
     exp = start_exporter([f"--nvml.library={fake_nvml_lib}", "--collector.interval=200ms", "--collector.processes",
-                          "--gpu.idle-power=60", f"--path.sysfs={SYSFS}", "--carbon.region=FRA", "--carbon.pue=1.2",
+                          "--gpu.idle-power=60", f"--path.sysfs={SYSFS}",
+                          f"--path.procfs={PROCFS}", "--carbon.region=FRA", "--carbon.pue=1.2",
                           f"--runs.csv={tmp_path / 'runs.csv'}", "--runs.warmup=0s"],
                          {"FAKE_NVML_SCENARIO": str(scenario)}).wait_ready()
     now = time.time_ns()

@@ -8,10 +8,11 @@ import subprocess
 import time
 from collections import namedtuple
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import psutil
 import pytest
-from helpers import registry_of
+from helpers import ExporterProcess, registry_of, sample_value, wait_until
 from prometheus_client import generate_latest
 
 from gpu_energy_exporter.collectors.host import DEFAULT_MEMORY_CRITICAL_BYTES, HostCollector
@@ -156,3 +157,33 @@ def test_exposition_passes_promtool_lint() -> None:
     text = generate_latest(registry_of(c.update()))
     res = subprocess.run(["promtool", "check", "metrics"], input=text, capture_output=True, timeout=30)
     assert res.returncode == 0, res.stdout.decode() + res.stderr.decode()
+
+
+PROCFS = Path(__file__).parent / "fixtures" / "procfs-host"
+
+
+@pytest.fixture
+def restore_procfs() -> Iterator[None]:
+    saved = psutil.PROCFS_PATH
+    yield
+    psutil.PROCFS_PATH = saved
+
+
+@pytest.mark.usefixtures("restore_procfs")
+def test_procfs_root_is_where_host_memory_is_read() -> None:
+    # Regression: --path.procfs was parsed and documented but psutil always read this machine's /proc.
+    reg = registry_of(HostCollector(procfs=str(PROCFS)).update())
+    assert reg.get_sample_value("gpuenergy_host_memory_total_bytes") == 16 * GiB
+    assert reg.get_sample_value("gpuenergy_host_memory_available_bytes") == 4 * GiB
+
+
+def test_exporter_reads_host_memory_under_path_procfs(start_exporter: type[ExporterProcess]) -> None:
+    exp = start_exporter(["--no-collector.gpu", f"--path.procfs={PROCFS}", "--collector.interval=200ms"]).wait_ready()
+
+    def host_memory() -> str | None:
+        text = exp.get()[1]
+        return text if "gpuenergy_host_memory_total_bytes" in text else None
+
+    text = wait_until(host_memory, what="host memory series")
+    assert sample_value(text, "gpuenergy_host_memory_total_bytes") == 16 * GiB
+    assert sample_value(text, "gpuenergy_host_memory_available_bytes") == 4 * GiB

@@ -6,6 +6,10 @@ its no-interval form keeps hidden global state shared with every other caller in
 memory figures feed the "host RAM about to run out" alert and the terminal view; the critical threshold
 is exposed as a gauge so both use the same number.
 
+``--path.procfs`` (a host's /proc mounted elsewhere, as in the DaemonSet) reaches psutil through its one
+process-wide setting, ``psutil.PROCFS_PATH``: the host collector is psutil's only user in the exporter, and
+the exporter's own ``process_*`` series keep reading ``/proc/self``.
+
 Runs on the sampler thread; never called at scrape time. Reads no GPU.
 """
 
@@ -86,6 +90,7 @@ class HostCollector(Collector):
         self,
         *,
         memory_critical_bytes: int = DEFAULT_MEMORY_CRITICAL_BYTES,
+        procfs: str | None = None,
         cpu_times: Callable[[], Any] = psutil.cpu_times,
         cpu_count: Callable[[], int | None] = psutil.cpu_count,
         virtual_memory: Callable[[], Any] = psutil.virtual_memory,
@@ -94,6 +99,8 @@ class HostCollector(Collector):
         if memory_critical_bytes < 0:
             raise ValueError("memory_critical_bytes must be zero or positive")
         self._critical = memory_critical_bytes
+        if procfs is not None:
+            psutil.PROCFS_PATH = procfs  # read at every call by psutil's Linux functions
         self._cpu_times = cpu_times
         self._cpu_count = cpu_count
         self._virtual_memory = virtual_memory

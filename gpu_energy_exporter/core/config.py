@@ -258,7 +258,9 @@ FLAGS: tuple[Flag, ...] = (
     Flag("nvml.library", _existing_file, None,
          "Path of libnvidia-ml.so.1 to load instead of the one the dynamic linker finds.", "PATH"),
     Flag("path.sysfs", _existing_dir, "/sys", "sysfs mount point (RAPL powercap tree).", "PATH"),
-    Flag("path.procfs", _existing_dir, "/proc", "procfs mount point.", "PATH"),
+    Flag("path.procfs", _existing_dir, "/proc",
+         "procfs mount point: host CPU and memory are read there (the exporter's own process_* series keep "
+         "/proc/self).", "PATH"),
     Flag("carbon.intensity", _non_negative_float, None,
          "Grid carbon intensity in gCO2e/kWh. Overrides --carbon.region. Default: world average "
          "(see docs/measurement.md).", "G_PER_KWH"),

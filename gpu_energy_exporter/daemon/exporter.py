@@ -76,7 +76,8 @@ class Exporter:
             )
             collectors.append(self.gpu)
         if config.enabled("host"):
-            collectors.append(HostCollector(memory_critical_bytes=config.host_memory_critical))
+            collectors.append(HostCollector(memory_critical_bytes=config.host_memory_critical,
+                                            procfs=config.path_procfs))
         if config.enabled("rapl"):
             collectors.append(RaplCollector(sysfs=config.path_sysfs))
         # Resolved even with --no-collector.carbon: the ledger's CO2 figures need it, and a bad region
