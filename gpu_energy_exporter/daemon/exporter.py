@@ -26,7 +26,13 @@ from gpu_energy_exporter.core.state import GPUIdentity
 from gpu_energy_exporter.daemon.api import api_routes, status_document
 from gpu_energy_exporter.daemon.endpoints import exporter_routes
 from gpu_energy_exporter.devices.base import GPUBackend
-from gpu_energy_exporter.engine.exposition import CachedExposition, CachedSource, SnapshotCollector, new_registry
+from gpu_energy_exporter.engine.exposition import (
+    CachedExposition,
+    CachedSource,
+    PreparedSource,
+    SnapshotCollector,
+    new_registry,
+)
 from gpu_energy_exporter.engine.sampler import Sampler
 from gpu_energy_exporter.http.server import HTTPServer
 from gpu_energy_exporter.http.webconfig import load_web_config
@@ -131,6 +137,10 @@ class Exporter:
         if problem:
             log.error("run ledger: %s", problem)
         self.sampler.add_listener(self.ledger.on_snapshot)
+        # The ledger's series are encoded right after it counted each snapshot, on the sampler thread: a
+        # scrape serves them ready (pushes since then show at the next snapshot; docs/ledger.md).
+        self.ledger_exposition = PreparedSource(self.ledger.collect, self.ledger.version, clock=time.monotonic)
+        self.sampler.add_listener(self.ledger_exposition.prepare)
         self.store.add_batch_listener(self.ledger.on_points)
         self.snapshot_collector.add_live_source(self.ledger.collect)
         sc = self.snapshot_collector
@@ -140,7 +150,7 @@ class Exporter:
             CachedSource(sc.age_families),
             CachedSource(self.process_collector.collect),
             CachedSource(self.store.collect, version=self._store_version, encoder=self.store.render),
-            CachedSource(self.ledger.collect, version=self.ledger.version),
+            CachedSource(self.ledger.collect, encoder=self.ledger_exposition.render),
             CachedSource(self._http_families),
         ])
         token = load_bearer_token(config.otlp_bearer_token_file) if config.otlp_bearer_token_file else None
