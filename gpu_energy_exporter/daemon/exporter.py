@@ -8,6 +8,7 @@ and raises ``ConfigError`` before anything starts; ``start()`` binds the ports a
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Callable
 from typing import Any
@@ -113,6 +114,7 @@ class Exporter:
     def _build_servers(self) -> None:
         config = self.config
         self.web_config = load_web_config(config.web_config_file)
+        self._store_swept = -math.inf
         self.store = TrainingStore(
             series_ttl=config.otlp_series_ttl,
             max_series=config.otlp_max_series,
@@ -151,7 +153,7 @@ class Exporter:
             CachedSource(self.process_collector.collect),
             CachedSource(self.store.collect, version=self._store_version, encoder=self.store.render),
             CachedSource(self.ledger.collect, encoder=self.ledger_exposition.render),
-            CachedSource(self._http_families),
+            CachedSource(self._http_families, version=self._http_version),
         ])
         token = load_bearer_token(config.otlp_bearer_token_file) if config.otlp_bearer_token_file else None
         self.otlp = OTLPReceiver(
@@ -192,9 +194,16 @@ class Exporter:
             backend_kind=lambda: backend.kind if backend else "", clock=self._clock,
         )
 
+    def _http_servers(self) -> list[HTTPServer]:
+        return [s for s in (self.web, self.otlp.http_server) if s is not None]
+
+    def _http_version(self) -> object:
+        """The values ``_http_families`` serves, as they are (the bytes are encoded again when one moves)."""
+        return tuple((s.name, tuple(s.stats.values()), s.open_connections()) for s in self._http_servers())
+
     def _http_families(self) -> list[Metric]:
         """Both ports' HTTP self-metrics, one family each (series labelled by server)."""
-        servers = [s for s in (self.web, self.otlp.http_server) if s is not None]
+        servers = self._http_servers()
         if not servers:
             return []
         families = [s.collect() for s in servers]
@@ -205,7 +214,12 @@ class Exporter:
         return merged
 
     def _store_version(self) -> int:
-        self.store.expire()  # time-driven expiry bumps the version
+        # Time-driven expiry bumps the version. A sweep is O(series): at most once a second, as the store's
+        # own render sweeps, so a series is served at most a second past its TTL.
+        now = time.monotonic()
+        if not now - self._store_swept < 1.0:
+            self._store_swept = now
+            self.store.expire()
         return self.store.version
 
     # ------------------------------------------------------------------------------------------------
