@@ -9,17 +9,19 @@ from __future__ import annotations
 
 import json
 import socket
+import threading
 import time
 import urllib.request
 from collections.abc import Iterator
 
 import pytest
 from conftest import wait_until
+from prometheus_client.core import Metric
 
 from gpu_energy_exporter.core.config import Config
 from gpu_energy_exporter.daemon.exporter import Exporter
 from gpu_energy_exporter.devices.simulated import SimulatedBackend
-from gpu_energy_exporter.engine.exposition import encode
+from gpu_energy_exporter.engine.exposition import CachedSource, encode
 
 
 @pytest.fixture
@@ -92,3 +94,21 @@ def test_series_past_their_ttl_leave_cached_scrapes(exporter: Exporter) -> None:
     # Nothing pushed since: every scrape is a cache hit, and expiry still takes the series out.
     wait_until(lambda: 'training_tokens_total{run_id="run-ttl"}' not in _scrape(exporter), timeout=5.0,
                what="the series to expire")
+
+
+def test_plain_scrapes_are_served_on_the_selector_thread_gzip_and_filters_on_a_worker(exporter: Exporter) -> None:
+    threads: list[str] = []
+
+    def spy() -> list[Metric]:
+        threads.append(threading.current_thread().name)
+        return []
+
+    exporter.exposition.sources.append(CachedSource(spy))
+    assert exporter.web is not None
+    url = exporter.web.url + "/metrics"
+    for target, headers in ((url, {}), (url, {"Accept-Encoding": "gzip"}),
+                            (url + "?name[]=gpuenergy_build_info", {})):
+        with urllib.request.urlopen(urllib.request.Request(target, headers=headers), timeout=10) as resp:
+            assert resp.status == 200
+    assert [name.rsplit("-", 1)[-1] if "worker" not in name else "worker" for name in threads] == \
+        ["http", "worker", "worker"], threads

@@ -25,7 +25,7 @@ from gpu_energy_exporter.core.config import Config
 from gpu_energy_exporter.core.errors import ConfigError, ExporterError
 from gpu_energy_exporter.core.state import GPUIdentity
 from gpu_energy_exporter.daemon.api import api_routes, status_document
-from gpu_energy_exporter.daemon.endpoints import exporter_routes
+from gpu_energy_exporter.daemon.endpoints import exporter_routes, inline_scrape
 from gpu_energy_exporter.devices.base import GPUBackend
 from gpu_energy_exporter.engine.exposition import (
     CachedExposition,
@@ -238,7 +238,8 @@ class Exporter:
         try:
             web = HTTPServer(self.config.web_listen_address, self.routes, web_config=self.web_config,
                              name="gpu-energy-exporter", max_connections=self.config.web_max_connections,
-                             request_timeout=self.config.web_request_timeout)
+                             request_timeout=self.config.web_request_timeout,
+                             inline=inline_scrape(self.config.web_telemetry_path))
         except ConfigError as exc:
             raise ConfigError(_bind_message("web.listen-address", exc)) from None
         try:
