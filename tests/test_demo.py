@@ -54,9 +54,13 @@ def test_demo_serves_simulated_gpus_and_runs_then_stops_on_sigterm(
     wait_until(lambda: any("gpu-energy-exporter top" in line for line in exp.lines), what="next steps")
     assert any(f"{exp.metrics_url}/metrics" in line for line in exp.lines)
 
-    # A run pushes through OTLP: training series on /metrics, GPUs under load.
+    # A run pushes through OTLP: training series on /metrics, GPUs under load. The ledger's run series are
+    # those of the latest snapshot (prepared on the sampler thread): they follow the first push within one
+    # sampling interval.
     def running() -> str | None:
         m = exp.metrics()
+        if sample_value(m, "gpuenergy_run_active") is None:
+            return None
         for line in m.splitlines():
             if line.startswith("training_tokens_total{") and 'run_id="demo-' in line and float(line.split()[-1]) > 0:
                 return m

@@ -114,29 +114,54 @@ def header(metric: Metric, openmetrics: bool) -> bytes:
     return out
 
 
-def _direct(metric: Metric) -> bool:
-    """Whether ``encode_families`` can write ``metric`` itself."""
+#: (family name, sample name, labels as given, format) -> the sample's head; None: not for the direct path
+_HEAD_CACHE: dict[tuple[str, str, tuple[tuple[str, str], ...], bool], bytes | None] = {}
+_HEAD_CACHE_MAX = 8192
+
+
+def _head(family: str, name: str, labels: tuple[tuple[str, str], ...], openmetrics: bool) -> bytes | None:
+    """A sample's head, cached (the same series come back every scrape: self-metrics, sample ages); None for
+    a sample ``encode_families`` leaves to prometheus_client (special suffixes, names outside the legacy set)."""
+    key = (family, name, labels, openmetrics)
+    try:
+        return _HEAD_CACHE[key]
+    except KeyError:
+        pass
+    head = None
+    if name not in (family + "_created", family + "_gsum", family + "_gcount") and legacy_name(name) \
+            and legacy_labels(labels):
+        head = sample_head(name, labels, openmetrics)
+    if len(_HEAD_CACHE) >= _HEAD_CACHE_MAX:
+        _HEAD_CACHE.clear()  # bounded: label values that churn (run ids) must not grow it forever
+    _HEAD_CACHE[key] = head
+    return head
+
+
+def _direct(metric: Metric, openmetrics: bool) -> list[bytes] | None:
+    """The family's sample lines when ``encode_families`` can write them itself, else None."""
     if not legacy_name(metric.name):
-        return False
-    special = tuple(metric.name + suffix for suffix in _SPECIAL_SUFFIXES)
+        return None
+    out = []
     for s in metric.samples:
-        if s.timestamp is not None or s.exemplar is not None or s.native_histogram is not None \
-                or s.name in special or not legacy_name(s.name) or not legacy_labels(s.labels.items()):
-            return False
-    return True
+        if s.timestamp is not None or s.exemplar is not None or s.native_histogram is not None:
+            return None
+        head = _head(metric.name, s.name, tuple(s.labels.items()), openmetrics)
+        if head is None:
+            return None
+        out.append(head + go_float(s.value).encode("ascii") + b"\n")
+    return out
 
 
 def encode_families(families: Iterable[Metric], openmetrics: bool) -> bytes:
     """What prometheus_client's ``generate_latest`` gives for ``families`` (OpenMetrics without ``# EOF``)."""
     out: list[bytes] = []
     for metric in families:
-        if not _direct(metric):
+        lines = _direct(metric, openmetrics)
+        if lines is None:
             out.append(fallback([metric], openmetrics))
             continue
         out.append(header(metric, openmetrics))
-        for s in metric.samples:
-            out.append(sample_head(s.name, tuple(s.labels.items()), openmetrics)
-                       + go_float(s.value).encode("ascii") + b"\n")
+        out.extend(lines)
     return b"".join(out)
 
 

@@ -8,6 +8,7 @@ and raises ``ConfigError`` before anything starts; ``start()`` binds the ports a
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Callable
 from typing import Any
@@ -24,9 +25,15 @@ from gpu_energy_exporter.core.config import Config
 from gpu_energy_exporter.core.errors import ConfigError, ExporterError
 from gpu_energy_exporter.core.state import GPUIdentity
 from gpu_energy_exporter.daemon.api import api_routes, status_document
-from gpu_energy_exporter.daemon.endpoints import exporter_routes
+from gpu_energy_exporter.daemon.endpoints import exporter_routes, inline_scrape
 from gpu_energy_exporter.devices.base import GPUBackend
-from gpu_energy_exporter.engine.exposition import CachedExposition, CachedSource, SnapshotCollector, new_registry
+from gpu_energy_exporter.engine.exposition import (
+    CachedExposition,
+    CachedSource,
+    PreparedSource,
+    SnapshotCollector,
+    new_registry,
+)
 from gpu_energy_exporter.engine.sampler import Sampler
 from gpu_energy_exporter.http.server import HTTPServer
 from gpu_energy_exporter.http.webconfig import load_web_config
@@ -108,6 +115,7 @@ class Exporter:
     def _build_servers(self) -> None:
         config = self.config
         self.web_config = load_web_config(config.web_config_file)
+        self._store_swept = -math.inf
         self.store = TrainingStore(
             series_ttl=config.otlp_series_ttl,
             max_series=config.otlp_max_series,
@@ -132,6 +140,10 @@ class Exporter:
         if problem:
             log.error("run ledger: %s", problem)
         self.sampler.add_listener(self.ledger.on_snapshot)
+        # The ledger's series are encoded right after it counted each snapshot, on the sampler thread: a
+        # scrape serves them ready (pushes since then show at the next snapshot; docs/ledger.md).
+        self.ledger_exposition = PreparedSource(self.ledger.collect, self.ledger.version, clock=time.monotonic)
+        self.sampler.add_listener(self.ledger_exposition.prepare)
         self.store.add_batch_listener(self.ledger.on_points)
         self.snapshot_collector.add_live_source(self.ledger.collect)
         sc = self.snapshot_collector
@@ -141,8 +153,8 @@ class Exporter:
             CachedSource(sc.age_families),
             CachedSource(self.process_collector.collect),
             CachedSource(self.store.collect, version=self._store_version, encoder=self.store.render),
-            CachedSource(self.ledger.collect, version=self.ledger.version),
-            CachedSource(self._http_families),
+            CachedSource(self.ledger.collect, encoder=self.ledger_exposition.render),
+            CachedSource(self._http_families, version=self._http_version),
         ])
         token = load_bearer_token(config.otlp_bearer_token_file) if config.otlp_bearer_token_file else None
         self.otlp = OTLPReceiver(
@@ -183,9 +195,16 @@ class Exporter:
             backend_kind=lambda: backend.kind if backend else "", clock=self._clock,
         )
 
+    def _http_servers(self) -> list[HTTPServer]:
+        return [s for s in (self.web, self.otlp.http_server) if s is not None]
+
+    def _http_version(self) -> object:
+        """The values ``_http_families`` serves, as they are (the bytes are encoded again when one moves)."""
+        return tuple((s.name, tuple(s.stats.values()), s.open_connections()) for s in self._http_servers())
+
     def _http_families(self) -> list[Metric]:
         """Both ports' HTTP self-metrics, one family each (series labelled by server)."""
-        servers = [s for s in (self.web, self.otlp.http_server) if s is not None]
+        servers = self._http_servers()
         if not servers:
             return []
         families = [s.collect() for s in servers]
@@ -196,7 +215,12 @@ class Exporter:
         return merged
 
     def _store_version(self) -> int:
-        self.store.expire()  # time-driven expiry bumps the version
+        # Time-driven expiry bumps the version. A sweep is O(series): at most once a second, as the store's
+        # own render sweeps, so a series is served at most a second past its TTL.
+        now = time.monotonic()
+        if not now - self._store_swept < 1.0:
+            self._store_swept = now
+            self.store.expire()
         return self.store.version
 
     # ------------------------------------------------------------------------------------------------
@@ -215,7 +239,8 @@ class Exporter:
         try:
             web = HTTPServer(self.config.web_listen_address, self.routes, web_config=self.web_config,
                              name="gpu-energy-exporter", max_connections=self.config.web_max_connections,
-                             request_timeout=self.config.web_request_timeout)
+                             request_timeout=self.config.web_request_timeout,
+                             inline=inline_scrape(self.config.web_telemetry_path))
         except ConfigError as exc:
             raise ConfigError(_bind_message("web.listen-address", exc)) from None
         try:

@@ -7,7 +7,9 @@ sampler: a slow or hung driver cannot make a scrape slow.
 
 ``CachedExposition`` is the fast path used by the HTTP handler: each source (the snapshot, the training
 store, ...) is encoded once per version and per format, so a scrape between two changes is a
-concatenation of cached bytes plus the few values computed at scrape time. ``name[]`` filtering cuts the
+concatenation of cached bytes plus the few values computed at scrape time. ``PreparedSource`` is for a
+source that changes between most scrapes and is costly to collect (the run ledger): it is encoded on the
+sampler thread after each snapshot and the scrape serves the bytes ready. ``name[]`` filtering cuts the
 same bytes (``select_samples``): there is one exposition path, and the golden file is rendered through
 it. ``SnapshotCollector`` yields the same families for prometheus_client's registry (tests, tools).
 """
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import platform
+import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
@@ -143,6 +146,63 @@ class CachedSource:
         # Racing scrapes may both encode; either result is correct for this version.
         self._cache[openmetrics_format] = (version, body)
         return body
+
+
+class PreparedSource:
+    """A source encoded off the scrape path: the scrape serves the bytes last prepared.
+
+    ``prepare()`` runs on the sampler thread after each snapshot (a sampler listener): when ``version()``
+    changed, it collects once and encodes for each format a scrape asked for in the last ``wanted_for``
+    seconds (a format nobody asks for is neither encoded nor kept). ``render(openmetrics)`` (the scrape)
+    returns the prepared bytes; only a format with none (the first scrape in that format, a scrape before
+    the first snapshot) is encoded by the scrape itself. So the bytes served are what ``collect()``
+    returned at the latest snapshot: they lag a change made between two snapshots (a push) by at most one
+    sampling interval. Used for the run ledger, whose figures change with every push and every snapshot
+    and cost milliseconds to collect.
+
+    One lock orders the encodes (a prepare and a scrape's own encode never store older bytes over newer
+    ones: the ledger's counters must never go down); a scrape that finds bytes ready never takes it."""
+
+    def __init__(self, collect: Callable[[], Iterable[Metric]], version: Callable[[], object], *,
+                 clock: Callable[[], float] = time.monotonic, wanted_for: float = 600.0) -> None:
+        self.collect = collect
+        self._version = version
+        self._clock = clock
+        self._wanted_for = wanted_for
+        self._asked: dict[bool, float] = {}  # format -> when a scrape last asked for it
+        self._ready: dict[bool, bytes] = {}
+        self._prepared_version: object = None
+        self._lock = threading.Lock()
+
+    def render(self, openmetrics_format: bool) -> bytes:
+        self._asked[openmetrics_format] = self._clock()
+        body = self._ready.get(openmetrics_format)
+        if body is not None:
+            return body
+        with self._lock:
+            body = self._ready.get(openmetrics_format)
+            if body is None:
+                body = encode(self.collect(), openmetrics_format)
+                self._ready[openmetrics_format] = body
+            return body
+
+    def prepare(self, _snapshot: object = None) -> None:
+        """Encode the formats asked for recently, if the source changed (a sampler listener)."""
+        now = self._clock()
+        wanted = [om for om, t in list(self._asked.items()) if now - t <= self._wanted_for]
+        with self._lock:
+            for om in (False, True):
+                if om not in wanted:
+                    self._ready.pop(om, None)
+            if not wanted:
+                return
+            version = self._version()
+            if version == self._prepared_version and all(om in self._ready for om in wanted):
+                return
+            families = list(self.collect())
+            for om in wanted:
+                self._ready[om] = encode(families, om)
+            self._prepared_version = version
 
 
 class CachedExposition:
