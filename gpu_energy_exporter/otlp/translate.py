@@ -40,6 +40,7 @@ from google.protobuf.message import Message
 from gpu_energy_exporter.core.contract import ATTR_RUN_ID
 from gpu_energy_exporter.otlp.naming import NameKind, attribute_value, label_name, metric_name, unit_name
 from gpu_energy_exporter.otlp.points import DEFAULT_LIMITS, Batch, Kind, Labels, Limits, Point, label_chars, series_cost
+from gpu_energy_exporter.otlp.wire import as_wire, key_value
 
 #: Names the exporter exposes itself; a push must never shadow them (a duplicate series breaks a scrape).
 RESERVED_PREFIXES: tuple[str, ...] = ("gpuenergy_",)
@@ -153,31 +154,40 @@ def translate_labels(attributes: Sequence[Any], reserved: tuple[str, ...] = (),
     return tuple(sorted((k, v) for k, v in out.items() if v != ""))
 
 
-#: Translated data-point attributes by their serialized form: a trainer sends the same few attribute lists
-#: on every export (run id, rank, GPU), and translating them is a third of the receiver's work per point.
+#: Translated data-point attributes by their bytes as sent (``wire``): a trainer sends the same few attribute
+#: lists on every export (run id, rank, GPU), and translating them is a third of the receiver's work per point.
 #: Bounded in entries and key size (longer attribute lists are translated every time).
 _ATTRS_CACHE: dict[tuple[object, ...], tuple[Labels, str, int]] = {}  # (reserved, the two limits used, *attributes)
 _ATTRS_CACHE_MAX = 512
 _ATTRS_KEY_MAX = 512
 
 
-def _point_labels(attributes: Sequence[Any], reserved: tuple[str, ...],
+def _point_labels(attributes: Sequence[bytes], reserved: tuple[str, ...],
                   limits: Limits) -> tuple[Labels, str, int]:
-    """``translate_labels``, the labels' ``run_id`` and ``label_chars``, cached per attribute list."""
+    """``translate_labels`` of a data point's attributes (``KeyValue`` bytes, ``wire``), the labels'
+    ``run_id`` and ``label_chars``, cached per attribute list. Raises ``wire.Undecodable`` for bytes that are
+    not a ``KeyValue`` (all of them are parsed before any limit is applied, as the full parse would)."""
+    key = None
     if len(attributes) <= limits.max_labels_per_point:
-        parts = [kv.SerializeToString() for kv in attributes]
-        if sum(map(len, parts)) <= _ATTRS_KEY_MAX:
-            key = (reserved, limits.max_label_length, limits.max_labels_per_point, *parts)
-            out = _ATTRS_CACHE.get(key)
-            if out is None:
-                labels = translate_labels(attributes, reserved, limits)  # a rejection is never cached
-                out = (labels, _run_id(labels), label_chars(labels))
-                if len(_ATTRS_CACHE) >= _ATTRS_CACHE_MAX:
-                    _ATTRS_CACHE.clear()
-                _ATTRS_CACHE[key] = out
+        key = (reserved, limits.max_label_length, limits.max_labels_per_point, *attributes)
+        out = _ATTRS_CACHE.get(key)
+        if out is not None:
             return out
-    labels = translate_labels(attributes, reserved, limits)
-    return labels, _run_id(labels), label_chars(labels)
+    labels = translate_labels([key_value(raw) for raw in attributes], reserved, limits)  # a rejection is never cached
+    out = (labels, _run_id(labels), label_chars(labels))
+    if key is not None and sum(map(len, attributes)) <= _ATTRS_KEY_MAX:
+        if len(_ATTRS_CACHE) >= _ATTRS_CACHE_MAX:
+            _ATTRS_CACHE.clear()
+        _ATTRS_CACHE[key] = out
+    return out
+
+
+def _check_attributes(points: Any) -> None:
+    """Parse every attribute of ``points`` whose metric is rejected as a whole (``wire.Undecodable``): a body
+    the full parse refuses is refused whatever its metrics are."""
+    for dp in points:
+        for raw in dp.attributes:
+            key_value(raw)
 
 
 def _run_id(labels: Labels) -> str:
@@ -212,25 +222,45 @@ def _family_unit(prom_name: str, kind: Kind, unit: str) -> str:
 
 
 def translate_request(request: Message, received_ns: int, limits: Limits = DEFAULT_LIMITS) -> Batch:
-    """Translate a decoded ``ExportMetricsServiceRequest`` into a ``Batch``.
+    """Translate a decoded ``ExportMetricsServiceRequest`` (OTLP's, or ``wire.WireRequest``) into a ``Batch``.
 
-    Never raises on content: anything it cannot use becomes a counted rejection with a reason.
-    ``received_ns`` stands in for a data point's missing ``time_unix_nano`` and is the reference for
-    ``limits.max_future_skew_ns``. A resource whose attributes break a limit gets no ``target_info``.
+    Never raises on content: anything it cannot use becomes a counted rejection with a reason; only a
+    ``WireRequest`` whose attribute bytes are not ``KeyValue`` messages raises ``wire.Undecodable`` (OTLP's
+    own parser refuses such a body). ``received_ns`` stands in for a data point's missing ``time_unix_nano``
+    and is the reference for ``limits.max_future_skew_ns``. A resource whose attributes break a limit gets
+    no ``target_info``.
     """
     batch = Batch()
-    for rm in request.resource_metrics:
+    for rm in as_wire(request).resource_metrics:
         if rm.HasField("resource") and len(rm.resource.attributes):
-            try:
-                resource_labels = translate_labels(rm.resource.attributes, limits=limits)
-            except _Rejected:
-                resource_labels = ()
+            resource_labels = _resource_labels(rm.resource, limits)
             if resource_labels:
                 batch.resources.append(resource_labels)
         for sm in rm.scope_metrics:
             for metric in sm.metrics:
                 _translate_metric(metric, batch, received_ns, limits)
     return batch
+
+
+#: Translated resource attributes by the resource's bytes (every export of a process repeats them).
+_RESOURCE_CACHE: dict[tuple[int, int, bytes], Labels] = {}
+
+
+def _resource_labels(resource: Any, limits: Limits) -> Labels:
+    """The resource's labels, () when its attributes break a limit (cached like ``_point_labels``)."""
+    raw = resource.SerializeToString()
+    key = (limits.max_label_length, limits.max_labels_per_point, raw)
+    out = _RESOURCE_CACHE.get(key)
+    if out is None:
+        try:
+            out = translate_labels(resource.attributes, limits=limits)
+        except _Rejected:
+            out = ()
+        if len(raw) <= 2 * _ATTRS_KEY_MAX:
+            if len(_RESOURCE_CACHE) >= _ATTRS_CACHE_MAX:
+                _RESOURCE_CACHE.clear()
+            _RESOURCE_CACHE[key] = out
+    return out
 
 
 #: What a metric's envelope translates to (kind, name, help, unit, reserved labels, delta) or its rejection
@@ -268,6 +298,7 @@ def _translate_metric(metric: Any, batch: Batch, received_ns: int, limits: Limit
                 _DESCRIPTOR_CACHE.clear()
             _DESCRIPTOR_CACHE[key] = desc
     if len(desc) == 2:
+        _check_attributes(points)
         batch.reject(desc[0], n, desc[1])
         return
     kind, prom_name, help_text, family_unit, reserved, delta = desc
