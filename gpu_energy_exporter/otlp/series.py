@@ -96,12 +96,12 @@ def encode_changed(changed: list[Changed]) -> None:
     """Encode the series a request changed, from the heads and values taken under the lock (after it is
     released; a racing push stores its own encoding, and the store's ``render`` checks which one is current)."""
     for s, heads, values in changed:
-        text = lines(heads[0], values)
+        text = encode_lines(heads[0], values)
         entry = (values, text)
         if heads[1] is heads[0]:
             s.enc = [entry, entry]
         else:
-            s.enc = [entry, (values, lines(heads[1], values))]
+            s.enc = [entry, (values, encode_lines(heads[1], values))]
 
 
 #: ``encoder.go_float(value)`` as the end of a sample line, by value: values repeat (a histogram's buckets
@@ -111,7 +111,7 @@ _VALUE_TEXT: dict[float, bytes] = {}
 _VALUE_TEXT_MAX = 4096
 
 
-def lines(heads: tuple[bytes, ...], values: tuple[float, ...]) -> bytes:
+def encode_lines(heads: tuple[bytes, ...], values: tuple[float, ...]) -> bytes:
     """``encoder.lines(heads, values)``, the same bytes, with the values' text cached."""
     if len(heads) == 1:
         return heads[0] + _text(values[0])
@@ -163,7 +163,7 @@ def join(item: Ready, openmetrics: bool) -> bytes:
     for part in parts:
         if isinstance(part, tuple):
             s, heads, values = part
-            part = lines(heads, values)
+            part = encode_lines(heads, values)
             s.enc[k] = (values, part)  # one reference store: atomic; stale if the series changed since
         lines.append(part)
     joined = b"".join(lines)
