@@ -294,8 +294,56 @@ def _translate_metric(metric: Any, batch: Batch, received_ns: int, limits: Limit
         batch.reject(desc[0], n, desc[1])
         return
     kind, prom_name, help_text, family_unit, reserved, delta = desc
-    _translate_points(points, batch, received_ns, limits, otel_name, kind, prom_name, help_text, family_unit,
-                      reserved, delta)
+    # the points, in this function rather than one more call per metric (most metrics carry one point)
+    latest = received_ns + limits.max_future_skew_ns
+    append = batch.points.append
+    cached = _ATTRS_CACHE.get
+    max_labels = limits.max_labels_per_point
+    key_head = (reserved, limits.max_label_length, max_labels)
+    for dp in points:
+        try:
+            attributes = dp.attributes
+            # _point_labels, its cache looked up here first (one call less per point)
+            hit = cached((*key_head, *attributes)) if len(attributes) <= max_labels else None
+            labels, run_id, label_chars = hit or _point_labels(attributes, reserved, limits)
+            time_ns = dp.time_unix_nano or received_ns
+            start_ns = dp.start_time_unix_nano
+            if time_ns > latest or start_ns > latest:
+                ahead = (max(time_ns, start_ns) - received_ns) / 1e9
+                raise _Rejected("future_timestamp", f"timestamp {ahead:.0f} s after the request arrived, more "
+                                f"than {limits.max_future_skew_ns / 1e9:g} s (--otlp.max-future-skew); "
+                                "check the sender's clock")
+            if dp.flags & FLAG_NO_RECORDED_VALUE:
+                append(Point(kind, prom_name, help_text, family_unit, labels, run_id, start_ns, time_ns, delta,
+                             no_value=True))
+                continue
+            point = Point(kind, prom_name, help_text, family_unit, labels, run_id, start_ns, time_ns, delta)
+            if kind == "histogram" or kind == "summary":
+                _fill_distribution(point, dp, limits, label_chars)
+            else:
+                which = dp.WhichOneof("value")
+                if which == "as_double":
+                    value = dp.as_double
+                elif which == "as_int":
+                    value = float(dp.as_int)
+                else:
+                    raise _Rejected("invalid_point", "data point has no value")
+                if kind == "counter":
+                    if not math.isfinite(value):
+                        raise _Rejected("non_finite", f"counter value {value!r}: counters must be finite "
+                                        "(a non-finite total could never be counted on from)")
+                    if value < 0:
+                        raise _Rejected("invalid_point", f"invalid counter value {value!r}")
+                point.value = value
+                point.cost = series_cost(prom_name, label_chars, kind)
+            if point.cost > limits.max_series_bytes:
+                raise _Rejected("series_too_large", f"series of about {point.cost} bytes, more than "
+                                f"{limits.max_series_bytes} (--otlp.max-series-bytes); use fewer or shorter "
+                                "labels, buckets or quantiles")
+        except _Rejected as exc:
+            batch.reject(exc.reason, 1, f"metric {otel_name[:200]!r}: {exc.message}")
+            continue
+        append(point)
 
 
 def _describe(metric: Any, data: str, container: Any, limits: Limits) -> _Descriptor:
@@ -349,62 +397,14 @@ def _describe(metric: Any, data: str, container: Any, limits: Limits) -> _Descri
     return (kind, prom_name, help_text, family_unit, reserved, delta)
 
 
-def _translate_points(points: Any, batch: Batch, received_ns: int, limits: Limits, otel_name: str, kind: Kind,
-                      prom_name: str, help_text: str, family_unit: str, reserved: tuple[str, ...],
-                      delta: bool) -> None:
-    latest = received_ns + limits.max_future_skew_ns
-    append = batch.points.append
-    cached = _ATTRS_CACHE.get
-    max_labels = limits.max_labels_per_point
-    key_head = (reserved, limits.max_label_length, max_labels)
-    for dp in points:
-        try:
-            attributes = dp.attributes
-            # _point_labels, its cache looked up here first (one call less per point)
-            hit = cached((*key_head, *attributes)) if len(attributes) <= max_labels else None
-            labels, run_id, label_chars = hit or _point_labels(attributes, reserved, limits)
-            time_ns = dp.time_unix_nano or received_ns
-            start_ns = dp.start_time_unix_nano
-            if time_ns > latest or start_ns > latest:
-                ahead = (max(time_ns, start_ns) - received_ns) / 1e9
-                raise _Rejected("future_timestamp", f"timestamp {ahead:.0f} s after the request arrived, more "
-                                f"than {limits.max_future_skew_ns / 1e9:g} s (--otlp.max-future-skew); "
-                                "check the sender's clock")
-            if dp.flags & FLAG_NO_RECORDED_VALUE:
-                append(Point(kind, prom_name, help_text, family_unit, labels, run_id, start_ns, time_ns, delta,
-                             no_value=True))
-                continue
-            point = Point(kind, prom_name, help_text, family_unit, labels, run_id, start_ns, time_ns, delta)
-            if kind == "histogram":
-                _fill_histogram(point, dp, limits)
-                point.cost = series_cost(prom_name, label_chars, kind, buckets=len(point.counts))
-            elif kind == "summary":
-                _fill_summary(point, dp, limits)
-                point.cost = series_cost(prom_name, label_chars, kind, quantiles=len(point.quantiles))
-            else:
-                which = dp.WhichOneof("value")
-                if which == "as_double":
-                    value = dp.as_double
-                elif which == "as_int":
-                    value = float(dp.as_int)
-                else:
-                    raise _Rejected("invalid_point", "data point has no value")
-                if kind == "counter":
-                    if not math.isfinite(value):
-                        raise _Rejected("non_finite", f"counter value {value!r}: counters must be finite "
-                                        "(a non-finite total could never be counted on from)")
-                    if value < 0:
-                        raise _Rejected("invalid_point", f"invalid counter value {value!r}")
-                point.value = value
-                point.cost = series_cost(prom_name, label_chars, kind)
-            if point.cost > limits.max_series_bytes:
-                raise _Rejected("series_too_large", f"series of about {point.cost} bytes, more than "
-                                f"{limits.max_series_bytes} (--otlp.max-series-bytes); use fewer or shorter "
-                                "labels, buckets or quantiles")
-        except _Rejected as exc:
-            batch.reject(exc.reason, 1, f"metric {otel_name[:200]!r}: {exc.message}")
-            continue
-        append(point)
+def _fill_distribution(point: Point, dp: Any, limits: Limits, label_chars: int) -> None:
+    """A histogram's or summary's buckets or quantiles, and the series' cost."""
+    if point.kind == "histogram":
+        _fill_histogram(point, dp, limits)
+        point.cost = series_cost(point.name, label_chars, "histogram", buckets=len(point.counts))
+    else:
+        _fill_summary(point, dp, limits)
+        point.cost = series_cost(point.name, label_chars, "summary", quantiles=len(point.quantiles))
 
 
 def _fill_histogram(point: Point, dp: Any, limits: Limits) -> None:
