@@ -150,3 +150,42 @@ def test_serialise() -> None:
     no_body = serialise(Response(204, b"ignored"), (), close=False, head=False)
     assert no_body.endswith(b"\r\n\r\n") and b"Content-Length" not in no_body
     assert serialise(Response(200, b"hi"), (), close=False, head=True).endswith(b"Content-Length: 2\r\n\r\n")
+
+
+def test_a_read_only_response_is_reused_only_while_its_bytes_would_not_change(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from types import MappingProxyType
+
+    from gpu_energy_exporter.http import messages
+
+    constant = Response(200, b"", MappingProxyType({"Content-Type": "application/x-protobuf"}))
+    extra = (("X-Frame-Options", "deny"),)
+    now = [1_700_000_000.0]
+    monkeypatch.setattr(messages.time, "time", lambda: now[0])
+    first = serialise(constant, extra, close=False, head=False)
+    assert first == messages._serialise(constant, extra, messages._date_line(), False, False)
+    assert serialise(constant, extra, close=False, head=False) is first
+    assert serialise(constant, extra, close=True, head=False).endswith(b"Connection: close\r\n\r\n")
+    assert serialise(constant, (), close=False, head=False) == messages._serialise(
+        constant, (), messages._date_line(), False, False)
+    now[0] += 1.0  # a new Date line
+    later = serialise(constant, extra, close=False, head=False)
+    assert later != first and b"Date: Tue, 14 Nov 2023 22:13:21 GMT" in later
+    mutable = Response(200, b"", {"Content-Type": "application/x-protobuf"})
+    assert serialise(mutable, extra, close=False, head=False) == later
+    assert serialise(mutable, extra, close=False, head=False) is not serialise(mutable, extra, close=False, head=False)
+
+
+def test_cached_request_and_header_lines_parse_as_before() -> None:
+    for _ in range(2):  # parsed, then from the cache
+        assert parse_request_line(b"POST /v1/metrics HTTP/1.1") == ("POST", "/v1/metrics", (1, 1))
+        framing = parse_fields([b"Host: x\r", b"Content-Length: 12\r", b"Connection: close\r"], (1, 1))
+        assert (framing.headers.items(), framing.keep_alive, framing.length) == (
+            [("Host", "x"), ("Content-Length", "12"), ("Connection", "close")], False, 12)
+        assert parse_fields([b"Host: x\r"], (1, 0)).keep_alive is False
+        assert parse_fields([b"Connection: keep-alive\r"], (1, 0)).keep_alive is True
+        for bad in (b"POST /v1/\x7fmetrics HTTP/1.1", b"POST /v1/metrics HTTP/2.0"):
+            with pytest.raises(ClientFault):
+                parse_request_line(bad)
+        with pytest.raises(ClientFault):
+            parse_fields([b"Host: x\r", b" folded\r"], (1, 1))

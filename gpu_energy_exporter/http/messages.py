@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from http import HTTPStatus
+from types import MappingProxyType
 from typing import Any
 
 from gpu_energy_exporter import __version__
@@ -149,8 +150,25 @@ def decode_body(data: bytes, encoding: str | None, max_bytes: int) -> bytes:
 
 def serialise(response: Response, extra_headers: tuple[tuple[str, str], ...], *, close: bool, head: bool) -> bytes:
     """The status line, headers (``Server``, ``Date``, the response's, then ``extra_headers`` it does not
-    set, ``Content-Length``, ``Connection: close`` when ``close``) and, unless ``head``, the body."""
-    lines = [_status_line(response.status), _SERVER_LINE, _date_line()]
+    set, ``Content-Length``, ``Connection: close`` when ``close``) and, unless ``head``, the body.
+
+    A response whose headers are read-only (a ``MappingProxyType``: a constant answer, such as the OTLP
+    receiver's full success) is encoded once and its bytes reused while the ``Date`` line stays the same."""
+    global _memo
+    date = _date_line()
+    memo = _memo
+    if memo is not None and memo[0] is response and memo[1] is extra_headers and memo[2] is date \
+            and memo[3] == (close, head):
+        return memo[4]
+    out = _serialise(response, extra_headers, date, close, head)
+    if type(response.headers) is MappingProxyType:
+        _memo = (response, extra_headers, date, (close, head), out)
+    return out
+
+
+def _serialise(response: Response, extra_headers: tuple[tuple[str, str], ...], date: str, close: bool,
+               head: bool) -> bytes:
+    lines = [_status_line(response.status), _SERVER_LINE, date]
     sent = set()
     for k, v in response.headers.items():
         lines.append(f"{k}: {v}")
@@ -173,6 +191,8 @@ def serialise(response: Response, extra_headers: tuple[tuple[str, str], ...], *,
 _SERVER_LINE = f"Server: {PROJECT_NAME}/{__version__}"
 _STATUS_LINES: dict[int, str] = {}
 _date_cache: tuple[int, str] = (-1, "")
+#: The last read-only response encoded: (response, extra headers, Date line, (close, head), bytes).
+_memo: tuple[Response, tuple[tuple[str, str], ...], str, tuple[bool, bool], bytes] | None = None
 
 
 def _status_line(status: int) -> str:

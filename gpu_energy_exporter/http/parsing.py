@@ -6,16 +6,17 @@ Strict on purpose (RFC 9112): ``HTTP/1.0`` and ``HTTP/1.1`` only (HTTP/0.9 gets 
 chunk sizes in hex with bounded extensions and trailers, no header line folding, bounded head size. A fault
 raises ``ClientFault`` with the status to answer and the reason counted in the server's stats.
 
-Pure: functions of bytes (and bytearrays they consume from), testable without a socket. This module never
-reads a socket, never takes a lock, never knows a deadline or a memory budget (the caller's ``admit``
-decides whether a chunk may be buffered).
+Pure: functions of bytes (and bytearrays they consume from), testable without a socket; its only state is
+bounded caches of valid request lines and header lines (they repeat on every request of a client). This
+module never reads a socket, never takes a lock, never knows a deadline or a memory budget (the caller's
+``admit`` decides whether a chunk may be buffered).
 """
 
 from __future__ import annotations
 
 import re
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import NamedTuple, TypeVar
 
 from gpu_energy_exporter.http.messages import Headers
 
@@ -31,6 +32,14 @@ _DIGITS = re.compile(rb"[0-9]{1,18}")
 _HEX = re.compile(rb"[0-9A-Fa-f]{1,15}")
 _HEAD_END = re.compile(rb"\r?\n\r?\n")
 _HTTP09 = "HTTP/0.9 requests are not supported (send HTTP/1.1)"
+_CONTROL = re.compile(rb"[\x00-\x20\x7f]")
+
+_T = TypeVar("_T")
+#: Parsed request lines and header field lines by their bytes (valid ones only; see ``_remember``).
+_LINE_CACHE: dict[bytes, tuple[str, str, tuple[int, int]]] = {}
+_FIELD_CACHE: dict[bytes, tuple[str, str]] = {}
+_CACHE_MAX = 1024
+_CACHE_LINE_MAX = 256
 
 
 class ClientFault(Exception):
@@ -82,6 +91,14 @@ def take_head(buf: bytearray) -> bytes | None:
 
 def parse_request_line(line: bytes) -> tuple[str, str, tuple[int, int]]:
     """``GET /path HTTP/1.1`` (without its line end) to (method, target, version)."""
+    out = _LINE_CACHE.get(line)
+    if out is None:
+        out = _parse_request_line(line)
+        _remember(_LINE_CACHE, line, out)
+    return out
+
+
+def _parse_request_line(line: bytes) -> tuple[str, str, tuple[int, int]]:
     if len(line) > MAX_REQUEST_LINE:
         raise ClientFault(414, "request line too long", "too_large")
     parts = line.split(b" ")
@@ -97,7 +114,7 @@ def parse_request_line(line: bytes) -> tuple[str, str, tuple[int, int]]:
         raise ClientFault(505, "only HTTP/1.0 and HTTP/1.1 are supported", "bad_request")
     if not _TOKEN.fullmatch(method):
         raise ClientFault(400, "malformed method in the request line", "bad_request")
-    if not target or any(b <= 0x20 or b == 0x7F for b in target):
+    if not target or _CONTROL.search(target):
         raise ClientFault(400, "malformed request target", "bad_request")
     return method.decode("ascii"), target.decode("latin-1"), (1, int(vm.group(2)))
 
@@ -105,17 +122,20 @@ def parse_request_line(line: bytes) -> tuple[str, str, tuple[int, int]]:
 def parse_fields(lines: list[bytes], version: tuple[int, int]) -> Framing:
     """The header field lines of a request (line ends ``\\n`` already split off) to its ``Framing``."""
     items: list[tuple[str, str]] = []
+    cache = _FIELD_CACHE
     for raw in lines:
-        raw = raw.removesuffix(b"\r")
-        if raw[:1] in (b" ", b"\t"):
-            raise ClientFault(400, "obsolete header line folding is not supported", "bad_request")
-        name, sep, value = raw.partition(b":")
-        if not sep or not _TOKEN.fullmatch(name):
-            raise ClientFault(400, "malformed header line", "bad_request")
-        items.append((name.decode("ascii"), value.strip(b" \t").decode("latin-1")))
+        item = cache.get(raw)
+        if item is None:
+            item = _parse_field(raw)
+            _remember(cache, raw, item)
+        items.append(item)
     headers = Headers(items)
-    connection = {t.strip().lower() for t in ",".join(headers.get_all("Connection")).split(",")}
-    keep_alive = "close" not in connection if version == (1, 1) else "keep-alive" in connection
+    tokens = headers.get_all("Connection")
+    if tokens:
+        connection = {t.strip().lower() for t in ",".join(tokens).split(",")}
+        keep_alive = "close" not in connection if version == (1, 1) else "keep-alive" in connection
+    else:
+        keep_alive = version == (1, 1)
     te = headers.get_all("Transfer-Encoding")
     cl = headers.get_all("Content-Length")
     chunked, length = False, 0
@@ -137,6 +157,26 @@ def parse_fields(lines: list[bytes], version: tuple[int, int]) -> Framing:
         length = int(raw_cl)
     expect_continue = version == (1, 1) and headers.get("Expect", "").strip().lower() == "100-continue"
     return Framing(headers, keep_alive, chunked, length, expect_continue)
+
+
+def _parse_field(raw: bytes) -> tuple[str, str]:
+    """One header field line (its ``\\n`` split off) to (name, value)."""
+    raw = raw.removesuffix(b"\r")
+    if raw[:1] in (b" ", b"\t"):
+        raise ClientFault(400, "obsolete header line folding is not supported", "bad_request")
+    name, sep, value = raw.partition(b":")
+    if not sep or not _TOKEN.fullmatch(name):
+        raise ClientFault(400, "malformed header line", "bad_request")
+    return name.decode("ascii"), value.strip(b" \t").decode("latin-1")
+
+
+def _remember(cache: dict[bytes, _T], line: bytes, value: _T) -> None:
+    """Keep a valid line's parse (a client repeats its request line and most header lines on every request);
+    bounded in entries and line length."""
+    if len(line) <= _CACHE_LINE_MAX:
+        if len(cache) >= _CACHE_MAX:
+            cache.clear()
+        cache[line] = value
 
 
 def split_target(target: str) -> tuple[str, str]:

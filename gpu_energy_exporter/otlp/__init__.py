@@ -3,6 +3,7 @@
 
 - ``naming``: OpenTelemetry names, units and attribute values to Prometheus names and label values (pure).
 - ``points``: the translated ``Point`` / ``Batch``, the per-point ``Limits`` and series sizes (pure).
+- ``wire``: the request type protobuf pushes are parsed into (OTLP's, data-point attributes kept as bytes).
 - ``translate``: a decoded ``ExportMetricsServiceRequest`` to a ``Batch``, every limit applied.
 - ``folding``: delta and cumulative streams, restarts and histogram layouts into exposed values (pure).
 - ``admission``: the store's bounds and name rules, as refusals with their flag (pure).

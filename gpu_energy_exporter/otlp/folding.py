@@ -30,6 +30,8 @@ store (``otlp.store``) does all of that around it.
 from __future__ import annotations
 
 import math
+import operator
+from itertools import accumulate
 
 from gpu_energy_exporter.otlp.points import Kind, Point
 
@@ -181,7 +183,7 @@ def _update_histogram(p: Point, s: Stream, new: bool) -> int:
         s.start_ns = p.start_ns
     elif p.time_ns < s.time_ns:
         raise OutOfOrder("point older than the last one")
-    elif p.count < s.raw_count or any(c < r for c, r in zip(counts, s.raw_counts, strict=True)):
+    elif p.count < s.raw_count or any(map(operator.lt, counts, s.raw_counts)):  # same layout (else: above)
         _fold_histogram(s, counts, psum, float(p.count))
         restarts = 1
     else:
@@ -203,12 +205,9 @@ def exposed(kind: Kind, s: Stream) -> tuple[float, ...]:
     if kind == "counter":
         return (s.base + s.raw,)
     if kind == "histogram":
-        out: list[float] = []
-        running = 0.0
+        # the running sum of base + raw per bucket, the last (+Inf) bucket left out: it is the count
         base, raw = s.base_counts, s.raw_counts
-        for i in range(len(base) - 1):
-            running += base[i] + raw[i]
-            out.append(running)
+        out = list(accumulate(map(operator.add, base[:-1], raw[:-1]), initial=0.0))[1:]
         total = s.base_count + s.raw_count
         out.append(total)
         out.append(total)

@@ -31,9 +31,11 @@ import json
 import logging
 import time
 from collections.abc import Mapping
+from types import MappingProxyType
 from typing import Any
 
 from google.protobuf import json_format
+from google.protobuf.message import Message
 from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import (
     ExportMetricsPartialSuccess,
     ExportMetricsServiceRequest,
@@ -47,6 +49,7 @@ from gpu_energy_exporter.http.messages import Response as WebResponse
 from gpu_energy_exporter.http.server import DEFAULT_MAX_CONNECTIONS, DEFAULT_REQUEST_TIMEOUT, HTTPServer
 from gpu_energy_exporter.otlp.store import TrainingStore
 from gpu_energy_exporter.otlp.translate import translate_request
+from gpu_energy_exporter.otlp.wire import Undecodable, WireRequest
 
 log = logging.getLogger(__name__)
 
@@ -186,7 +189,28 @@ def decode(body: bytes, content_type: str) -> ExportMetricsServiceRequest:
     return request
 
 
+def decode_wire(body: bytes, content_type: str) -> Message:
+    """``decode``, protobuf bodies into a ``wire.WireRequest`` (data-point attributes left as bytes: see
+    ``otlp.wire``). A body that parses so and not as OTLP's type fails in ``translate_request``
+    (``wire.Undecodable``); ``_handle`` then answers what ``decode`` says."""
+    if content_type == JSON:
+        return decode(body, content_type)
+    request = WireRequest()
+    try:
+        request.ParseFromString(body)
+    except Exception:  # what OTLP's own type says about it
+        decode(body, content_type)
+        raise
+    return request
+
+
 def _response_body(rejected: int, message: str, content_type: str) -> bytes:
+    if not rejected and not message:
+        return _FULL_SUCCESS[content_type]
+    return _encode_response(rejected, message, content_type)
+
+
+def _encode_response(rejected: int, message: str, content_type: str) -> bytes:
     response = ExportMetricsServiceResponse()
     if rejected or message:
         response.partial_success.CopyFrom(
@@ -194,6 +218,10 @@ def _response_body(rejected: int, message: str, content_type: str) -> bytes:
     if content_type == JSON:
         return json_format.MessageToJson(response, indent=None).encode()
     return response.SerializeToString()
+
+
+#: The answer to a request whose every point was stored, by content type (the same bytes every time).
+_FULL_SUCCESS = {ct: _encode_response(0, "", ct) for ct in (PROTOBUF, JSON)}
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -272,7 +300,9 @@ class ExportHandler:
     def preflight(self, headers: Mapping[str, str], content_length: int) -> Response | None:
         """Checks a server can make before reading the body (auth, type, declared size). Returns the
         error response (already counted) or ``None``."""
-        h = self._lower(headers)
+        return self._preflight(self._lower(headers), headers, content_length)
+
+    def _preflight(self, h: Mapping[str, str], headers: Mapping[str, str], content_length: int) -> Response | None:
         try:
             self._check(h, content_length)
         except _Failure as exc:
@@ -289,8 +319,11 @@ class ExportHandler:
 
     def handle_export(self, headers: Mapping[str, str], body: bytes) -> Response:
         """Handle one ``POST /v1/metrics``. Never raises."""
+        return self._export(self._lower(headers), body)
+
+    def _export(self, h: Mapping[str, str], body: bytes) -> Response:
+        """``handle_export`` with the header names already lower-cased (``_lower``)."""
         started = time.perf_counter()
-        h = self._lower(headers)
         try:
             status, content_type, out = self._handle(h, body)
         except _Failure as exc:
@@ -310,8 +343,12 @@ class ExportHandler:
     def _handle(self, h: Mapping[str, str], body: bytes) -> Response:
         content_type = self._check(h, len(body))
         data = decompress(body, h.get("content-encoding", "").strip().lower(), self.max_body_bytes)
-        request = decode(data, content_type)
-        batch = translate_request(request, time.time_ns(), self.store.limits)
+        request = decode_wire(data, content_type)
+        try:
+            batch = translate_request(request, time.time_ns(), self.store.limits)
+        except Undecodable:
+            decode(data, content_type)  # raises the 400 OTLP's own parser gives this body
+            raise
         result = self.store.apply(batch)
         rejected = sum(result.rejected.values())
         message = ""
@@ -361,10 +398,11 @@ class OTLPReceiver:
     def route(self, req: Request) -> WebResponse:
         """The ``http.server.HTTPServer`` route handler for ``POST /v1/metrics``."""
         headers = dict(req.headers.items())
+        h = self.handler._lower(headers)
         declared = req.headers.get("Content-Length", "").strip()
         # The server refused a declared size over max_body_bytes before buffering anything, and holds a
         # bounded total of bodies per port; auth and type are checked here before the body is parsed.
-        early = self.handler.preflight(headers, int(declared) if declared.isdigit() else 0)
+        early = self.handler._preflight(h, headers, int(declared) if declared.isdigit() else 0)
         if early is not None:
             return _web_response(early)
         try:
@@ -373,7 +411,7 @@ class OTLPReceiver:
         except HTTPError as exc:
             return _web_response(self.handler.fail(exc.status, exc.message, headers,
                                                    "body" if exc.status == 400 else None))
-        return _web_response(self.handler.handle_export(headers, body))
+        return _web_response(self.handler._export(h, body))
 
     @property
     def http_server(self) -> HTTPServer | None:
@@ -438,7 +476,13 @@ def _inline(req: Request) -> bool:
 
 def _web_response(response: Response) -> WebResponse:
     status, content_type, body = response
+    if status == 200 and not body:
+        return _EMPTY_OK[content_type]  # a full success in protobuf: one object, so the server reuses its bytes
     headers = {"Content-Type": content_type}
     if status == 401:
         headers["WWW-Authenticate"] = 'Bearer realm="otlp"'
     return WebResponse(status, body, headers)
+
+
+#: The web response to a full success in protobuf (read-only headers: ``http.messages.serialise`` reuses its bytes).
+_EMPTY_OK = {ct: WebResponse(200, b"", MappingProxyType({"Content-Type": ct})) for ct in (PROTOBUF, JSON)}

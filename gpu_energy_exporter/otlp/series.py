@@ -96,12 +96,37 @@ def encode_changed(changed: list[Changed]) -> None:
     """Encode the series a request changed, from the heads and values taken under the lock (after it is
     released; a racing push stores its own encoding, and the store's ``render`` checks which one is current)."""
     for s, heads, values in changed:
-        text = encoder.lines(heads[0], values)
+        text = encode_lines(heads[0], values)
         entry = (values, text)
         if heads[1] is heads[0]:
             s.enc = [entry, entry]
         else:
-            s.enc = [entry, (values, encoder.lines(heads[1], values))]
+            s.enc = [entry, (values, encode_lines(heads[1], values))]
+
+
+#: ``encoder.go_float(value)`` as the end of a sample line, by value: values repeat (a histogram's buckets
+#: above the one its observations fall in, constant gauges). Zero is not kept (0.0 and -0.0 are one key with
+#: two texts), nor NaN (never equal to itself). Bounded: cleared when full.
+_VALUE_TEXT: dict[float, bytes] = {}
+_VALUE_TEXT_MAX = 4096
+
+
+def encode_lines(heads: tuple[bytes, ...], values: tuple[float, ...]) -> bytes:
+    """``encoder.lines(heads, values)``, the same bytes, with the values' text cached."""
+    if len(heads) == 1:
+        return heads[0] + _text(values[0])
+    return b"".join([head + _text(v) for head, v in zip(heads, values, strict=True)])
+
+
+def _text(v: float) -> bytes:
+    text = _VALUE_TEXT.get(v) if v else None
+    if text is None:
+        text = encoder.go_float(v).encode("ascii") + b"\n"
+        if v and v == v:
+            if len(_VALUE_TEXT) >= _VALUE_TEXT_MAX:
+                _VALUE_TEXT.clear()
+            _VALUE_TEXT[v] = text
+    return text
 
 
 #: What a render takes of a family under the store's lock: its cached block, or (the family, its generation,
@@ -138,7 +163,7 @@ def join(item: Ready, openmetrics: bool) -> bytes:
     for part in parts:
         if isinstance(part, tuple):
             s, heads, values = part
-            part = encoder.lines(heads, values)
+            part = encode_lines(heads, values)
             s.enc[k] = (values, part)  # one reference store: atomic; stale if the series changed since
         lines.append(part)
     joined = b"".join(lines)

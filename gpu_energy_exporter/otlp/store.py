@@ -258,48 +258,52 @@ class TrainingStore:
                      changed: list[Changed]) -> admission.Refusal | None:
         """Store one point (lock held); ``None`` or (reason, message) when it is rejected."""
         families = self._families
-        fam = families.get(p.name)
-        if fam is not None and fam.kind != p.kind:
-            return ("type_conflict", f"{p.name} is already a {fam.kind}, got a {p.kind}")
-        series = fam.series.get(p.labels) if fam is not None else None
+        name, kind, labels = p.name, p.kind, p.labels
+        fam = families.get(name)
+        if fam is not None and fam.kind != kind:
+            return ("type_conflict", f"{name} is already a {fam.kind}, got a {kind}")
+        series = fam.series.get(labels) if fam is not None else None
         if p.no_value:
             if fam is not None and series is not None:
-                self._remove(fam, p.labels, series)
+                self._remove(fam, labels, series)
             return None
         new = series is None
         if series is None:
             extra = 0
             if fam is None:
-                problem = admission.name_collision(p.name, p.kind, self._claims, families)
+                problem = admission.name_collision(name, kind, self._claims, families)
                 if problem:
                     return problem
-                extra = family_bytes(p.name, p.help)
+                extra = family_bytes(name, p.help)
             problem = self._admit(p, now, request, extra)
             if problem:
                 return problem
-            fam = families.get(p.name)  # admitting may have evicted the family's last series
-            if fam is None and not extra and self._bytes + p.cost + family_bytes(p.name, p.help) > self.max_bytes:
-                return admission.bytes_refusal(self._bytes, p.cost + family_bytes(p.name, p.help), self.max_bytes)
-            series = Series(dict(p.labels), p.run_id, p.cost)
+            fam = families.get(name)  # admitting may have evicted the family's last series
+            if fam is None and not extra and self._bytes + p.cost + family_bytes(name, p.help) > self.max_bytes:
+                return admission.bytes_refusal(self._bytes, p.cost + family_bytes(name, p.help), self.max_bytes)
+            series = Series(dict(labels), p.run_id, p.cost)
         elif p.cost != series.cost and self._bytes - series.cost + p.cost > self.max_bytes:
             return admission.bytes_refusal(self._bytes, p.cost - series.cost, self.max_bytes)
         # gauges and summaries refuse a point before changing anything; totals are checked after
-        saved = None if new or p.kind not in ("counter", "histogram") else series.state()
+        totals = kind == "counter" or kind == "histogram"
+        saved = series.state() if totals and not new else None
         try:
-            self._tally.resets += folding.update(p, series, new)
+            restarts = folding.update(p, series, new)
         except folding.OutOfOrder as exc:
             if saved is not None:
                 series.restore(saved)
-            return ("out_of_order", f"{p.name}: {exc}")
-        if p.kind in ("counter", "histogram") and not series.totals_finite():
+            return ("out_of_order", f"{name}: {exc}")
+        if restarts:
+            self._tally.resets += restarts
+        if totals and not series.totals_finite():
             if saved is not None:
                 series.restore(saved)
-            return ("non_finite", f"{p.name}: the total would no longer be a finite number")
+            return ("non_finite", f"{name}: the total would no longer be a finite number")
         if new:
             if fam is None:
                 fam = self._add_family(p)
                 request.new_bytes += fam.cost
-            fam.series[p.labels] = series
+            fam.series[labels] = series
             self._series_total += 1
             self._bytes += series.cost
             self._per_run[p.run_id] = self._per_run.get(p.run_id, 0) + 1
@@ -312,11 +316,12 @@ class TrainingStore:
         series.last_seen = now
         assert fam is not None  # found with the series, or added with it
         relayout(fam, series)
-        series.values = values = folding.exposed(fam.kind, series)
+        series.values = values = folding.exposed(kind, series)
         fam.gen += 1
         changed.append((series, series.heads, values))
         if events is not None:
-            events.append(self._event(p, series))
+            value, count = folding.reported(kind, series)
+            events.append(AcceptedPoint(p.run_id, name, series.view, value, p.time_ns / 1e9, kind, count))
         return None
 
     def _add_family(self, p: Point) -> Family:
@@ -346,10 +351,6 @@ class TrainingStore:
         return admission.store_refusal(run_id, cost, series=self._series_total, used_bytes=self._bytes,
                                        run_series=self._per_run.get(run_id, 0), max_series=self.max_series,
                                        max_bytes=self.max_bytes, max_series_per_run=self.max_series_per_run)
-
-    def _event(self, p: Point, s: Series) -> AcceptedPoint:
-        value, count = folding.reported(p.kind, s)
-        return AcceptedPoint(p.run_id, p.name, s.view, value, p.time_ns / 1e9, p.kind, count)
 
     def _note_resource(self, labels: Labels, now: float) -> None:
         entry = self._resources.get(labels)

@@ -32,6 +32,7 @@ only state is bounded caches of names and attribute lists that repeat on every e
 from __future__ import annotations
 
 import math
+import operator
 from collections.abc import Sequence
 from typing import Any
 
@@ -40,6 +41,7 @@ from google.protobuf.message import Message
 from gpu_energy_exporter.core.contract import ATTR_RUN_ID
 from gpu_energy_exporter.otlp.naming import NameKind, attribute_value, label_name, metric_name, unit_name
 from gpu_energy_exporter.otlp.points import DEFAULT_LIMITS, Batch, Kind, Labels, Limits, Point, label_chars, series_cost
+from gpu_energy_exporter.otlp.wire import as_wire, key_value
 
 #: Names the exporter exposes itself; a push must never shadow them (a duplicate series breaks a scrape).
 RESERVED_PREFIXES: tuple[str, ...] = ("gpuenergy_",)
@@ -153,31 +155,40 @@ def translate_labels(attributes: Sequence[Any], reserved: tuple[str, ...] = (),
     return tuple(sorted((k, v) for k, v in out.items() if v != ""))
 
 
-#: Translated data-point attributes by their serialized form: a trainer sends the same few attribute lists
-#: on every export (run id, rank, GPU), and translating them is a third of the receiver's work per point.
+#: Translated data-point attributes by their bytes as sent (``wire``): a trainer sends the same few attribute
+#: lists on every export (run id, rank, GPU), and translating them is a third of the receiver's work per point.
 #: Bounded in entries and key size (longer attribute lists are translated every time).
 _ATTRS_CACHE: dict[tuple[object, ...], tuple[Labels, str, int]] = {}  # (reserved, the two limits used, *attributes)
 _ATTRS_CACHE_MAX = 512
 _ATTRS_KEY_MAX = 512
 
 
-def _point_labels(attributes: Sequence[Any], reserved: tuple[str, ...],
+def _point_labels(attributes: Sequence[bytes], reserved: tuple[str, ...],
                   limits: Limits) -> tuple[Labels, str, int]:
-    """``translate_labels``, the labels' ``run_id`` and ``label_chars``, cached per attribute list."""
+    """``translate_labels`` of a data point's attributes (``KeyValue`` bytes, ``wire``), the labels'
+    ``run_id`` and ``label_chars``, cached per attribute list. Raises ``wire.Undecodable`` for bytes that are
+    not a ``KeyValue`` (all of them are parsed before any limit is applied, as the full parse would)."""
+    key = None
     if len(attributes) <= limits.max_labels_per_point:
-        parts = [kv.SerializeToString() for kv in attributes]
-        if sum(map(len, parts)) <= _ATTRS_KEY_MAX:
-            key = (reserved, limits.max_label_length, limits.max_labels_per_point, *parts)
-            out = _ATTRS_CACHE.get(key)
-            if out is None:
-                labels = translate_labels(attributes, reserved, limits)  # a rejection is never cached
-                out = (labels, _run_id(labels), label_chars(labels))
-                if len(_ATTRS_CACHE) >= _ATTRS_CACHE_MAX:
-                    _ATTRS_CACHE.clear()
-                _ATTRS_CACHE[key] = out
+        key = (reserved, limits.max_label_length, limits.max_labels_per_point, *attributes)
+        out = _ATTRS_CACHE.get(key)
+        if out is not None:
             return out
-    labels = translate_labels(attributes, reserved, limits)
-    return labels, _run_id(labels), label_chars(labels)
+    labels = translate_labels([key_value(raw) for raw in attributes], reserved, limits)  # a rejection is never cached
+    out = (labels, _run_id(labels), label_chars(labels))
+    if key is not None and sum(map(len, attributes)) <= _ATTRS_KEY_MAX:
+        if len(_ATTRS_CACHE) >= _ATTRS_CACHE_MAX:
+            _ATTRS_CACHE.clear()
+        _ATTRS_CACHE[key] = out
+    return out
+
+
+def _check_attributes(points: Any) -> None:
+    """Parse every attribute of ``points`` whose metric is rejected as a whole (``wire.Undecodable``): a body
+    the full parse refuses is refused whatever its metrics are."""
+    for dp in points:
+        for raw in dp.attributes:
+            key_value(raw)
 
 
 def _run_id(labels: Labels) -> str:
@@ -185,15 +196,6 @@ def _run_id(labels: Labels) -> str:
         if k == ATTR_RUN_ID:
             return v
     return ""
-
-
-def _number(dp: Any) -> float | None:
-    which = dp.WhichOneof("value")
-    if which == "as_double":
-        return float(dp.as_double)
-    if which == "as_int":
-        return float(dp.as_int)
-    return None
 
 
 def _metadata_type(metric: Any) -> str:
@@ -212,25 +214,45 @@ def _family_unit(prom_name: str, kind: Kind, unit: str) -> str:
 
 
 def translate_request(request: Message, received_ns: int, limits: Limits = DEFAULT_LIMITS) -> Batch:
-    """Translate a decoded ``ExportMetricsServiceRequest`` into a ``Batch``.
+    """Translate a decoded ``ExportMetricsServiceRequest`` (OTLP's, or ``wire.WireRequest``) into a ``Batch``.
 
-    Never raises on content: anything it cannot use becomes a counted rejection with a reason.
-    ``received_ns`` stands in for a data point's missing ``time_unix_nano`` and is the reference for
-    ``limits.max_future_skew_ns``. A resource whose attributes break a limit gets no ``target_info``.
+    Never raises on content: anything it cannot use becomes a counted rejection with a reason; only a
+    ``WireRequest`` whose attribute bytes are not ``KeyValue`` messages raises ``wire.Undecodable`` (OTLP's
+    own parser refuses such a body). ``received_ns`` stands in for a data point's missing ``time_unix_nano``
+    and is the reference for ``limits.max_future_skew_ns``. A resource whose attributes break a limit gets
+    no ``target_info``.
     """
     batch = Batch()
-    for rm in request.resource_metrics:
+    for rm in as_wire(request).resource_metrics:
         if rm.HasField("resource") and len(rm.resource.attributes):
-            try:
-                resource_labels = translate_labels(rm.resource.attributes, limits=limits)
-            except _Rejected:
-                resource_labels = ()
+            resource_labels = _resource_labels(rm.resource, limits)
             if resource_labels:
                 batch.resources.append(resource_labels)
         for sm in rm.scope_metrics:
             for metric in sm.metrics:
                 _translate_metric(metric, batch, received_ns, limits)
     return batch
+
+
+#: Translated resource attributes by the resource's bytes (every export of a process repeats them).
+_RESOURCE_CACHE: dict[tuple[int, int, bytes], Labels] = {}
+
+
+def _resource_labels(resource: Any, limits: Limits) -> Labels:
+    """The resource's labels, () when its attributes break a limit (cached like ``_point_labels``)."""
+    raw = resource.SerializeToString()
+    key = (limits.max_label_length, limits.max_labels_per_point, raw)
+    out = _RESOURCE_CACHE.get(key)
+    if out is None:
+        try:
+            out = translate_labels(resource.attributes, limits=limits)
+        except _Rejected:
+            out = ()
+        if len(raw) <= 2 * _ATTRS_KEY_MAX:
+            if len(_RESOURCE_CACHE) >= _ATTRS_CACHE_MAX:
+                _RESOURCE_CACHE.clear()
+            _RESOURCE_CACHE[key] = out
+    return out
 
 
 #: What a metric's envelope translates to (kind, name, help, unit, reserved labels, delta) or its rejection
@@ -268,11 +290,60 @@ def _translate_metric(metric: Any, batch: Batch, received_ns: int, limits: Limit
                 _DESCRIPTOR_CACHE.clear()
             _DESCRIPTOR_CACHE[key] = desc
     if len(desc) == 2:
+        _check_attributes(points)
         batch.reject(desc[0], n, desc[1])
         return
     kind, prom_name, help_text, family_unit, reserved, delta = desc
-    _translate_points(points, batch, received_ns, limits, otel_name, kind, prom_name, help_text, family_unit,
-                      reserved, delta)
+    # the points, in this function rather than one more call per metric (most metrics carry one point)
+    latest = received_ns + limits.max_future_skew_ns
+    append = batch.points.append
+    cached = _ATTRS_CACHE.get
+    max_labels = limits.max_labels_per_point
+    key_head = (reserved, limits.max_label_length, max_labels)
+    for dp in points:
+        try:
+            attributes = dp.attributes
+            # _point_labels, its cache looked up here first (one call less per point)
+            hit = cached((*key_head, *attributes)) if len(attributes) <= max_labels else None
+            labels, run_id, label_chars = hit or _point_labels(attributes, reserved, limits)
+            time_ns = dp.time_unix_nano or received_ns
+            start_ns = dp.start_time_unix_nano
+            if time_ns > latest or start_ns > latest:
+                ahead = (max(time_ns, start_ns) - received_ns) / 1e9
+                raise _Rejected("future_timestamp", f"timestamp {ahead:.0f} s after the request arrived, more "
+                                f"than {limits.max_future_skew_ns / 1e9:g} s (--otlp.max-future-skew); "
+                                "check the sender's clock")
+            if dp.flags & FLAG_NO_RECORDED_VALUE:
+                append(Point(kind, prom_name, help_text, family_unit, labels, run_id, start_ns, time_ns, delta,
+                             no_value=True))
+                continue
+            point = Point(kind, prom_name, help_text, family_unit, labels, run_id, start_ns, time_ns, delta)
+            if kind == "histogram" or kind == "summary":
+                _fill_distribution(point, dp, limits, label_chars)
+            else:
+                which = dp.WhichOneof("value")
+                if which == "as_double":
+                    value = dp.as_double
+                elif which == "as_int":
+                    value = float(dp.as_int)
+                else:
+                    raise _Rejected("invalid_point", "data point has no value")
+                if kind == "counter":
+                    if not math.isfinite(value):
+                        raise _Rejected("non_finite", f"counter value {value!r}: counters must be finite "
+                                        "(a non-finite total could never be counted on from)")
+                    if value < 0:
+                        raise _Rejected("invalid_point", f"invalid counter value {value!r}")
+                point.value = value
+                point.cost = series_cost(prom_name, label_chars, kind)
+            if point.cost > limits.max_series_bytes:
+                raise _Rejected("series_too_large", f"series of about {point.cost} bytes, more than "
+                                f"{limits.max_series_bytes} (--otlp.max-series-bytes); use fewer or shorter "
+                                "labels, buckets or quantiles")
+        except _Rejected as exc:
+            batch.reject(exc.reason, 1, f"metric {otel_name[:200]!r}: {exc.message}")
+            continue
+        append(point)
 
 
 def _describe(metric: Any, data: str, container: Any, limits: Limits) -> _Descriptor:
@@ -326,53 +397,14 @@ def _describe(metric: Any, data: str, container: Any, limits: Limits) -> _Descri
     return (kind, prom_name, help_text, family_unit, reserved, delta)
 
 
-def _translate_points(points: Any, batch: Batch, received_ns: int, limits: Limits, otel_name: str, kind: Kind,
-                      prom_name: str, help_text: str, family_unit: str, reserved: tuple[str, ...],
-                      delta: bool) -> None:
-    latest = received_ns + limits.max_future_skew_ns
-    append = batch.points.append
-    for dp in points:
-        try:
-            labels, run_id, label_chars = _point_labels(dp.attributes, reserved, limits)
-            time_ns = dp.time_unix_nano or received_ns
-            start_ns = dp.start_time_unix_nano
-            if time_ns > latest or start_ns > latest:
-                ahead = (max(time_ns, start_ns) - received_ns) / 1e9
-                raise _Rejected("future_timestamp", f"timestamp {ahead:.0f} s after the request arrived, more "
-                                f"than {limits.max_future_skew_ns / 1e9:g} s (--otlp.max-future-skew); "
-                                "check the sender's clock")
-            no_value = bool(dp.flags & FLAG_NO_RECORDED_VALUE)
-            point = Point(kind, prom_name, help_text, family_unit, labels, run_id,
-                          start_ns, time_ns, delta, no_value=no_value)
-            if no_value:
-                append(point)
-                continue
-            if kind == "histogram":
-                _fill_histogram(point, dp, limits)
-                point.cost = series_cost(prom_name, label_chars, kind, buckets=len(point.counts))
-            elif kind == "summary":
-                _fill_summary(point, dp, limits)
-                point.cost = series_cost(prom_name, label_chars, kind, quantiles=len(point.quantiles))
-            else:
-                value = _number(dp)
-                if value is None:
-                    raise _Rejected("invalid_point", "data point has no value")
-                if kind == "counter":
-                    if not math.isfinite(value):
-                        raise _Rejected("non_finite", f"counter value {value!r}: counters must be finite "
-                                        "(a non-finite total could never be counted on from)")
-                    if value < 0:
-                        raise _Rejected("invalid_point", f"invalid counter value {value!r}")
-                point.value = value
-                point.cost = series_cost(prom_name, label_chars, kind)
-            if point.cost > limits.max_series_bytes:
-                raise _Rejected("series_too_large", f"series of about {point.cost} bytes, more than "
-                                f"{limits.max_series_bytes} (--otlp.max-series-bytes); use fewer or shorter "
-                                "labels, buckets or quantiles")
-        except _Rejected as exc:
-            batch.reject(exc.reason, 1, f"metric {otel_name[:200]!r}: {exc.message}")
-            continue
-        append(point)
+def _fill_distribution(point: Point, dp: Any, limits: Limits, label_chars: int) -> None:
+    """A histogram's or summary's buckets or quantiles, and the series' cost."""
+    if point.kind == "histogram":
+        _fill_histogram(point, dp, limits)
+        point.cost = series_cost(point.name, label_chars, "histogram", buckets=len(point.counts))
+    else:
+        _fill_summary(point, dp, limits)
+        point.cost = series_cost(point.name, label_chars, "summary", quantiles=len(point.quantiles))
 
 
 def _fill_histogram(point: Point, dp: Any, limits: Limits) -> None:
@@ -384,20 +416,22 @@ def _fill_histogram(point: Point, dp: Any, limits: Limits) -> None:
     counts = tuple(dp.bucket_counts)
     if counts and len(counts) != len(bounds) + 1:
         raise _Rejected("invalid_point", f"{len(counts)} bucket counts for {len(bounds)} bounds (want bounds + 1)")
-    if any(math.isnan(b) or math.isinf(b) for b in bounds):
+    if not all(map(math.isfinite, bounds)):
         raise _Rejected("invalid_point", "histogram bounds must be finite")
-    if any(b2 <= b1 for b1, b2 in zip(bounds, bounds[1:], strict=False)):
+    if not all(map(operator.lt, bounds, bounds[1:])):  # finite: not b1 < b2 is b2 <= b1
         raise _Rejected("invalid_point", "histogram bounds must be strictly increasing")
-    if counts and sum(counts) != dp.count:
-        raise _Rejected("invalid_point", f"bucket counts add up to {sum(counts)}, count is {dp.count}")
-    if dp.HasField("sum") and not math.isfinite(dp.sum):
-        raise _Rejected("non_finite", f"histogram sum {dp.sum!r}: the sum must be finite")
+    count = dp.count
+    if counts and sum(counts) != count:
+        raise _Rejected("invalid_point", f"bucket counts add up to {sum(counts)}, count is {count}")
+    total = dp.sum if dp.HasField("sum") else None
+    if total is not None and not math.isfinite(total):
+        raise _Rejected("non_finite", f"histogram sum {total!r}: the sum must be finite")
     if not counts:
         bounds = ()
     point.bounds = bounds
     point.counts = counts
-    point.count = dp.count
-    point.sum = dp.sum if dp.HasField("sum") else None
+    point.count = count
+    point.sum = total
 
 
 def _fill_summary(point: Point, dp: Any, limits: Limits) -> None:
