@@ -15,7 +15,7 @@ import urllib.request
 from collections.abc import Iterator
 
 import pytest
-from conftest import wait_until
+from helpers import wait_until
 from prometheus_client.core import Metric
 
 from gpu_energy_exporter.core.config import Config
