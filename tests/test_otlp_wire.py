@@ -11,7 +11,7 @@ from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import ExportM
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue
 from opentelemetry.proto.metrics.v1 import metrics_pb2 as pb
 
-from bench import harness
+from bench import trainers as bench_trainers
 from gpu_energy_exporter.otlp import wire
 from gpu_energy_exporter.otlp.receiver import PROTOBUF, ExportHandler, status_body
 from gpu_energy_exporter.otlp.store import TrainingStore
@@ -74,7 +74,7 @@ def test_translation_is_the_same_from_otlp_and_wire_messages(kind: str) -> None:
 
 
 def test_helper_exports_translate_the_same_from_otlp_and_wire_messages() -> None:
-    trainers = [harness.Trainer("run-a", rank) for rank in range(3)]
+    trainers = [bench_trainers.Trainer("run-a", rank) for rank in range(3)]
     for _ in range(3):
         for t in trainers:
             body, n = t.request()
