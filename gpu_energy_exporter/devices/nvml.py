@@ -110,6 +110,7 @@ class NVMLBackend(GPUBackend):
         self._gpm_supported: dict[int, bool] = {}
         self._gpm_prev: dict[int, tuple[float, Any]] = {}  # the last GPM sample per GPU, and when it was taken
         self._gpm_spare: dict[int, Any] = {}  # an allocated GPM sample buffer per GPU, free to be filled
+        self._gpm_requests: dict[int, Any] = {}  # the nvmlGpmMetricsGet_t request per GPU, reused
         self._process_util_ts: dict[int, int] = {}
         self._driver = NVMLCalls.call_global("", "nvmlSystemGetDriverVersion")
         self._nvml_version = NVMLCalls.call_global("", "nvmlSystemGetNVMLVersion")
@@ -355,13 +356,15 @@ class NVMLBackend(GPUBackend):
             return {}
         out: dict[str, float] = {}
         try:
-            req = pynvml.c_nvmlGpmMetricsGet_t()
-            req.version = pynvml.NVML_GPM_METRICS_GET_VERSION
-            req.numMetrics = len(GPM_METRICS)
+            req = self._gpm_requests.get(i)
+            if req is None:  # built once per GPU: the metric ids are inputs NVML leaves as they are
+                req = self._gpm_requests[i] = pynvml.c_nvmlGpmMetricsGet_t()
+                req.version = pynvml.NVML_GPM_METRICS_GET_VERSION
+                req.numMetrics = len(GPM_METRICS)
+                for n, metric_id in enumerate(GPM_METRICS.values()):
+                    req.metrics[n].metricId = metric_id
             req.sample1 = prev[1]
             req.sample2 = sample
-            for n, metric_id in enumerate(GPM_METRICS.values()):
-                req.metrics[n].metricId = metric_id
             result = self._nvml.field(i, "gpm_metrics", "nvmlGpmMetricsGet", req)
             if result is not None:
                 for n, name in enumerate(GPM_METRICS):
