@@ -116,20 +116,28 @@ def _driver_estimate(ctx: Context, fake_percent: float) -> Table:
         t0 = time.time()
         time.sleep(window)
         t1 = time.time()
-    calls: Counter[str] = Counter()
+    # A sample is a burst of calls (a few ms) once a second: split the log at gaps and count whole bursts
+    # (the window can cut the first and the last), so calls per sample is exact, not calls / window.
+    bursts: list[list[str]] = []
+    last = float("-inf")
     for line in log.read_text().splitlines():
         parts = line.split()
         if len(parts) == 3 and parts[1] == str(exp.pid) and t0 <= float(parts[0]) < t1:
-            calls[parts[2]] += 1
+            if float(parts[0]) - last > 0.25:
+                bursts.append([])
+            bursts[-1].append(parts[2])
+            last = float(parts[0])
+    whole = bursts[1:-1] or bursts
+    calls: Counter[str] = Counter(fn for burst in whole for fn in burst)
     total = sum(calls.values())
-    per_s = total / window
-    samples = window  # --collector.interval=1s
+    samples = max(1, len(whole))
+    per_s = total / samples  # --collector.interval=1s: one sample a second
     added = per_s * CITED_CALL_S
     table = Table(
         "What a real driver would add to the sampling CPU (8 GPUs, --collector.interval=1s)",
         ["figure", "value"],
         [f"Calls counted with the fake library's call log (FAKE_NVML_CALL_LOG) over {window:g} s of a separate "
-         "exporter (the log's write per call would inflate the CPU figure above).",
+         f"exporter (the log's write per call would inflate the CPU figure above): {samples} whole samples.",
          "Cost per call: about 365 µs, from gpustat issue #76 (github.com/wookayin/gpustat/issues/76): "
          "nvmlDeviceGetPowerUsage in a tight loop answered ~2,743 times a second on a Tesla K40m. That is "
          "wall time on an old GPU and driver, so the estimate is an upper bound of the CPU added (part of a "

@@ -117,7 +117,8 @@ def run(ctx: Context) -> list[Table]:
         ["NVML", "sample age at end (s)", "body KiB", "hit median", "hit p99", "miss median", "miss p99",
          "miss cost (median)"],
         ["Slow: every NVML call sleeps 20 ms (a sample of 8 GPUs then takes seconds instead of ~15 ms). "
-         "Hung: nvmlDeviceGetTotalEnergyConsumption sleeps 30 s. The delays are switched on after start-up "
+         "Hung: reading the energy counter (nvmlDeviceGetFieldValues, nvmlDeviceGetTotalEnergyConsumption) "
+         "sleeps 30 s. The delays are switched on after start-up "
          "by rewriting the scenario; scrapes keep serving the last snapshot (the sample age grows)."],
     )
     load = Table(
@@ -341,8 +342,10 @@ def _slow_nvml(ctx: Context, sc: fakenvml.Scenario, path: Path, scrape: HTTPClie
         ("slow: 20 ms per call", fakenvml.Driver(delay_ms=20)),
     ]
     if not ctx.quick:  # a hung call also makes the exporter's shutdown wait for its sampler (3 s)
+        # the counter is read through nvmlDeviceGetFieldValues (field 83), or its own call where that fails
         cases.append(("hung: energy call 30 s",
-                      fakenvml.Driver(function_delay_ms={"nvmlDeviceGetTotalEnergyConsumption": 30000})))
+                      fakenvml.Driver(function_delay_ms={"nvmlDeviceGetTotalEnergyConsumption": 30000,
+                                                         "nvmlDeviceGetFieldValues": 30000})))
     try:
         for label, driver in cases:
             sc.driver = driver

@@ -181,7 +181,9 @@ def test_a_driver_turning_slow_does_not_make_good_readings_look_like_jumps(rig) 
     r = rig(sc)
     r.sample()
     r.sample()
-    slow = Scenario(epoch=sc.epoch, driver=Driver(function_delay_ms={"nvmlDeviceGetTotalEnergyConsumption": 600.0}),
+    # (the counter is read through nvmlDeviceGetFieldValues, field 83; its own call where that fails)
+    slow = Scenario(epoch=sc.epoch, driver=Driver(function_delay_ms={"nvmlDeviceGetTotalEnergyConsumption": 600.0,
+                                                                     "nvmlDeviceGetFieldValues": 600.0}),
                     gpus=gpus)
     r.rewrite(slow)
     r.sample()
@@ -279,7 +281,8 @@ def test_gpm_ratios_on_hopper_and_no_leaked_samples(rig, fake_nvml_lib: Path) ->
     assert r.value("gpuenergy_gpu_dram_bandwidth_utilization_ratio", **lab) == pytest.approx(0.55)
     assert r.value("gpuenergy_gpu_sm_active_ratio", **L(1, gpus)) is None  # A100: not supported = no data
     lib = ctypes.CDLL(str(fake_nvml_lib))
-    assert lib.fakeNvmlGpmSamplesOutstanding() == 1  # the one kept for the next interval
+    # two buffers per GPM GPU, reused every sample: the last sample and the one filled next
+    assert lib.fakeNvmlGpmSamplesOutstanding() == 2
     r.collector.close()
     assert lib.fakeNvmlGpmSamplesOutstanding() == 0
 

@@ -261,3 +261,24 @@ def test_a_transient_energy_error_at_discovery_keeps_the_counter(
         assert g.energy_method == "counter"
     finally:
         backend.close()
+
+
+@pytest.mark.parametrize(("fault", "lost"), [
+    ({"function_error": {"nvmlDeviceGetFieldValues": 999}}, ("field_values", "nvml_error")),  # the batched call fails
+    ({"fields_not_supported": (83,)}, ("energy_field", "not_supported")),  # a driver without field 83
+])
+def test_the_energy_counter_is_read_on_its_own_when_the_batched_field_read_cannot_give_it(
+    rig: Any, fake_nvml_lib: Path, fault: dict[str, Any], lost: tuple[str, str]
+) -> None:
+    """The counter is one of the field values a sample asks for; when that read fails or lacks it, the counter's
+    own call reads it, so a failing batched call still loses only the readings nothing else can give."""
+    gpus = [h100(0, **fault), h100(1)]
+    r = rig(gpus)
+    calls = _calls(fake_nvml_lib)
+    r.sample(3)
+    assert r.value("gpuenergy_gpu_energy_joules_total", **L(gpus[0])) == 35000.0
+    assert r.value("gpuenergy_gpu_energy_joules_total", **L(gpus[1])) == 35000.0
+    assert r.value("gpuenergy_gpu_power_average_watts", **L(gpus[0])) == 350.0  # PowerUsage: the 1 s average
+    assert r.value(ERRORS, **L(gpus[0], field=lost[0], reason=lost[1])) is not None
+    assert r.value(ERRORS, **L(gpus[0], field="energy", reason="nvml_error")) is None
+    assert calls("nvmlDeviceGetTotalEnergyConsumption") >= 3  # GPU 0's counter on its own call, every sample

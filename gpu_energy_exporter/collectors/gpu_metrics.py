@@ -8,8 +8,13 @@ collector's work (NVML availability, discovery, isolation of failures) is ``coll
 
 from __future__ import annotations
 
-from prometheus_client.core import Metric
+from dataclasses import dataclass
+from functools import lru_cache
 
+from prometheus_client.core import Metric
+from prometheus_client.samples import Sample
+
+from gpu_energy_exporter.core.energy import REJECT_REASONS
 from gpu_energy_exporter.core.metrics import GPU_LABELS, Kind, MetricSpec, add, define
 from gpu_energy_exporter.core.state import CLOCK_EVENT_REASONS, GPUReading
 
@@ -142,36 +147,65 @@ PER_GPU_SPECS = [
     PROCESS_MEMORY, COMPUTE_PROCESSES, IDLE_POWER,
 ]
 
+@dataclass(frozen=True)
+class GPULabelSets:
+    """One GPU's label sets, built once and shared by its samples in every snapshot (never mutated): the GPU
+    labels, and those with each clock-event reason and each energy rejection reason."""
+
+    base: dict[str, str]
+    clock_event: dict[str, dict[str, str]]
+    rejected: dict[str, dict[str, str]]
+
+
+@lru_cache(maxsize=256)
+def label_sets(gpu: str, uuid: str) -> GPULabelSets:
+    base = dict(zip(_G, (gpu, uuid), strict=True))
+    return GPULabelSets(base, {reason: {**base, "reason": reason} for reason in CLOCK_EVENT_REASONS},
+                        {reason: {**base, "reason": reason} for reason in REJECT_REASONS})
+
+
+def put(fams: dict[str, Metric], spec: MetricSpec, labels: dict[str, str], value: float,
+        timestamp: float | None = None) -> None:
+    """Append one sample of a gauge or counter (``spec.name`` is the exposed sample name) exactly as
+    ``core.metrics.add`` builds it, with a label set from ``label_sets``: this runs for every GPU at every
+    sample."""
+    fams[spec.name].samples.append(Sample(spec.name, labels, float(value), timestamp))
+
+
 def emit_reading(fams: dict[str, Metric], r: GPUReading, labels: list[str], *, processes: bool) -> None:
     """The samples of one good reading (all but energy and idle power). ``processes``: with the
-    per-process memory series (``--collector.processes``)."""
+    per-process memory series (``--collector.processes``).
 
-    def put(spec: MetricSpec, value: float | None) -> None:
+    Samples are appended by ``put``, with label sets made once per GPU."""
+    sets = label_sets(labels[0], labels[1])
+    base = sets.base
+
+    def put_some(spec: MetricSpec, value: float | None) -> None:
         if value is not None:
-            add(fams[spec.name], labels, value)
+            put(fams, spec, base, value)
 
-    put(POWER, r.power_instant_w)
-    put(POWER_AVERAGE, r.power_average_w)
-    put(MODULE_POWER, r.module_power_w)
-    put(POWER_LIMIT, r.power_limit_w)
-    put(MEM_USED, r.memory_used_bytes)
-    put(MEM_TOTAL, r.memory_total_bytes)
-    put(MEM_RESERVED, r.memory_reserved_bytes)
-    put(UTIL, r.util_gpu_ratio)
-    put(MEM_UTIL, r.util_memory_ratio)
-    put(TEMP, r.temperature_gpu_c)
-    put(MEM_TEMP, r.temperature_memory_c)
-    put(SM_CLOCK, r.clock_sm_hz)
-    put(MEM_CLOCK, r.clock_memory_hz)
+    put_some(POWER, r.power_instant_w)
+    put_some(POWER_AVERAGE, r.power_average_w)
+    put_some(MODULE_POWER, r.module_power_w)
+    put_some(POWER_LIMIT, r.power_limit_w)
+    put_some(MEM_USED, r.memory_used_bytes)
+    put_some(MEM_TOTAL, r.memory_total_bytes)
+    put_some(MEM_RESERVED, r.memory_reserved_bytes)
+    put_some(UTIL, r.util_gpu_ratio)
+    put_some(MEM_UTIL, r.util_memory_ratio)
+    put_some(TEMP, r.temperature_gpu_c)
+    put_some(MEM_TEMP, r.temperature_memory_c)
+    put_some(SM_CLOCK, r.clock_sm_hz)
+    put_some(MEM_CLOCK, r.clock_memory_hz)
     if r.clock_events is not None:
-        fam = fams[CLOCK_EVENT.name]
-        for reason in CLOCK_EVENT_REASONS:
-            add(fam, [*labels, reason], 1.0 if reason in r.clock_events else 0.0)
+        events = r.clock_events
+        for reason, reason_labels in sets.clock_event.items():
+            put(fams, CLOCK_EVENT, reason_labels, 1.0 if reason in events else 0.0)
     for key, spec in GPM_SPECS.items():
         if key in r.gpm:
-            put(spec, r.gpm[key])
+            put_some(spec, r.gpm[key])
     if r.processes is not None:
-        put(COMPUTE_PROCESSES, float(len(r.processes)))
+        put_some(COMPUTE_PROCESSES, float(len(r.processes)))
         if processes:
             for p in r.processes:
                 if p.used_memory_bytes is not None:

@@ -21,8 +21,15 @@ from dataclasses import dataclass, field
 
 from prometheus_client.core import Metric
 
-from gpu_energy_exporter.collectors.gpu_metrics import ENERGY, ENERGY_REJECTED, ENERGY_RESETS, IDLE_POWER
-from gpu_energy_exporter.core.energy import REJECT_REASONS, EnergyCounter, TrapezoidIntegrator, Verdict
+from gpu_energy_exporter.collectors.gpu_metrics import (
+    ENERGY,
+    ENERGY_REJECTED,
+    ENERGY_RESETS,
+    IDLE_POWER,
+    label_sets,
+    put,
+)
+from gpu_energy_exporter.core.energy import EnergyCounter, TrapezoidIntegrator, Verdict
 from gpu_energy_exporter.core.metrics import add
 from gpu_energy_exporter.core.state import GPUIdentity, GPUReading, GPUState
 from gpu_energy_exporter.devices.base import GPUBackend
@@ -131,12 +138,14 @@ class GPUTrack:
         # rate()/increase(), where a held flat value would pour the gap's energy into the scrape after it
         # and over-count any window starting inside the gap. No timestamp by default (Prometheus' exporter
         # guidelines): the scrape time is used.
+        sets = label_sets(labels[0], labels[1])
         if energy is not None and (self.fresh or self.integrator is not None):
-            add(fams[ENERGY.name], labels, energy, timestamp=when if timestamps else None)
+            put(fams, ENERGY, sets.base, energy, timestamp=when if timestamps else None)
         if self.integrator is None:
-            add(fams[ENERGY_RESETS.name], labels, float(self.counter.resets))
-            for reason in REJECT_REASONS:
-                add(fams[ENERGY_REJECTED.name], [*labels, reason], float(self.counter.rejected[reason]))
+            put(fams, ENERGY_RESETS, sets.base, float(self.counter.resets))
+            rejected = self.counter.rejected
+            for reason, reason_labels in sets.rejected.items():
+                put(fams, ENERGY_REJECTED, reason_labels, float(rejected[reason]))
 
     def energy(self) -> float | None:
         """Monotonic energy for in-process consumers (ledger, pod attribution)."""

@@ -4,8 +4,13 @@
 Every NVML call goes through ``nvml_calls.NVMLCalls`` (one call loses at most its own reading, counted per
 GPU, field and reason; only a lost GPU raises, as ``GPULost``, and the collector then marks that GPU alone).
 This module decides which readings to take and what they mean: the energy method of each GPU, the power
-fields, MIG, processes and GPM. Vendor units stop here: NVML's millijoules, milliwatts, percentages, MHz and
-clock-event bitmask become ``GPUReading`` in J, W, ratios, Hz and reason names (``devices.base``).
+fields, MIG, processes and GPM. On a real node every NVML call is a driver ioctl, so a sample makes as few as
+it can (``tests/test_nvml_call_budget.py`` holds the budget): the power readings, the memory temperature and
+the energy counter come from one ``nvmlDeviceGetFieldValues`` call, with each reading's own call where the
+driver lacks the field or the batched call fails; ``nvmlDeviceGetPowerUsage`` only where no field gives its
+reading; GPM sample buffers are allocated once per GPU and reused. Vendor units stop here: NVML's
+millijoules, milliwatts, percentages, MHz and clock-event bitmask become ``GPUReading`` in J, W, ratios, Hz
+and reason names (``devices.base``).
 
 This module must never be called from the scrape path: NVML calls can block for a long time on a sick
 driver. The sampler thread calls it; ``/metrics`` reads the snapshot.
@@ -53,6 +58,7 @@ _ARCHITECTURES = {
 _FI_POWER_INSTANT = pynvml.NVML_FI_DEV_POWER_INSTANT
 _FI_POWER_AVERAGE = pynvml.NVML_FI_DEV_POWER_AVERAGE
 _FI_MEMORY_TEMP = pynvml.NVML_FI_DEV_MEMORY_TEMP
+_FI_ENERGY = pynvml.NVML_FI_DEV_TOTAL_ENERGY_CONSUMPTION
 _SCOPE_GPU = pynvml.NVML_POWER_SCOPE_GPU
 _SCOPE_MODULE = pynvml.NVML_POWER_SCOPE_MODULE
 #: (field id, scope) -> the field name used in errors and in gpuenergy_nvml_field_errors_total.
@@ -61,7 +67,14 @@ _FIELD_NAMES: dict[tuple[Any, ...], str] = {
     (_FI_POWER_AVERAGE, _SCOPE_GPU): "power_average_field",
     (_FI_MEMORY_TEMP, 0): "memory_temperature_field",
     (_FI_POWER_INSTANT, _SCOPE_MODULE): "module_power_field",
+    (_FI_ENERGY, 0): "energy_field",
 }
+#: What one sample asks nvmlDeviceGetFieldValues for, in this order; GPUs whose energy comes from the counter
+#: also ask for the counter (field 83 is the value nvmlDeviceGetTotalEnergyConsumption returns), so a sample
+#: makes one call where it made two.
+_SAMPLE_FIELDS = [(_FI_POWER_INSTANT, _SCOPE_GPU), (_FI_POWER_AVERAGE, _SCOPE_GPU), (_FI_MEMORY_TEMP, 0),
+                  (_FI_POWER_INSTANT, _SCOPE_MODULE)]
+_SAMPLE_FIELDS_WITH_ENERGY = [*_SAMPLE_FIELDS, (_FI_ENERGY, 0)]
 
 #: A reading that fails transiently at discovery is asked this many times, this far apart.
 _DISCOVERY_TRIES = 3
@@ -96,7 +109,9 @@ class NVMLBackend(GPUBackend):
         self._nvml = NVMLCalls()
         self._closed = False
         self._gpm_supported: dict[int, bool] = {}
-        self._gpm_prev: dict[int, tuple[float, Any]] = {}
+        self._gpm_prev: dict[int, tuple[float, Any]] = {}  # the last GPM sample per GPU, and when it was taken
+        self._gpm_spare: dict[int, Any] = {}  # an allocated GPM sample buffer per GPU, free to be filled
+        self._gpm_requests: dict[int, Any] = {}  # the nvmlGpmMetricsGet_t request per GPU, reused
         self._process_util_ts: dict[int, int] = {}
         self._driver = NVMLCalls.call_global("", "nvmlSystemGetDriverVersion")
         self._nvml_version = NVMLCalls.call_global("", "nvmlSystemGetNVMLVersion")
@@ -227,16 +242,25 @@ class NVMLBackend(GPUBackend):
         i = gpu.index
         h = self._nvml.handle(i)
         now = self._clock()
-        energy = self._nvml.field(i, "energy", "nvmlDeviceGetTotalEnergyConsumption", h)
-        usage = self._nvml.field(i, "power_usage", "nvmlDeviceGetPowerUsage", h)
-        want = [(_FI_POWER_INSTANT, _SCOPE_GPU), (_FI_POWER_AVERAGE, _SCOPE_GPU), (_FI_MEMORY_TEMP, 0),
-                (_FI_POWER_INSTANT, _SCOPE_MODULE)]
-        instant, average, mem_temp, module = self._nvml.field_values(i, h, want, _FIELD_NAMES)
-        if usage is not None:
-            if gpu.power_usage_is_average:
-                average = average if average is not None else float(usage)
-            else:
-                instant = instant if instant is not None else float(usage)
+        with_energy = gpu.energy_method == ENERGY_METHOD_COUNTER and not self._nvml.unsupported(i, "energy_field")
+        values = self._nvml.field_values(i, h, _SAMPLE_FIELDS_WITH_ENERGY if with_energy else _SAMPLE_FIELDS,
+                                         _FIELD_NAMES)
+        instant, average, mem_temp, module = values[:4]
+        energy = values[4] if with_energy else None
+        if energy is None:
+            # No field values (R470), no field 83, or the batched call failed this time: the counter's own
+            # call, so one failing call still loses only its own readings. (Not asked again where the driver
+            # said it has no counter.)
+            energy = self._nvml.field(i, "energy", "nvmlDeviceGetTotalEnergyConsumption", h)
+        # nvmlDeviceGetPowerUsage is the 1 s average or the instant reading (``power_usage_is_average``): asked
+        # only when the field values did not give that reading.
+        if (average if gpu.power_usage_is_average else instant) is None:
+            usage = self._nvml.field(i, "power_usage", "nvmlDeviceGetPowerUsage", h)
+            if usage is not None:
+                if gpu.power_usage_is_average:
+                    average = float(usage)
+                else:
+                    instant = float(usage)
         limit = self._nvml.field(i, "power_limit", "nvmlDeviceGetEnforcedPowerLimit", h)
         # v2 reports reserved memory apart (R510+); v1 counts it as used.
         mem = self._nvml.get(i, "memory", ("nvmlDeviceGetMemoryInfo", h, pynvml.nvmlMemory_v2),
@@ -312,29 +336,36 @@ class NVMLBackend(GPUBackend):
         prev = self._gpm_prev.get(i)
         if prev is not None and now - prev[0] < GPM_MIN_INTERVAL_S:
             return {}
-        sample = self._nvml.field(i, "gpm_sample_alloc", "nvmlGpmSampleAlloc")
+        # Two buffers per GPU, allocated once and reused: the previous sample and the one filled now (a
+        # sample buffer is the caller's memory that nvmlGpmSampleGet overwrites), so a sample costs two NVML
+        # calls (get, metrics) instead of four (alloc, get, metrics, free).
+        sample = self._gpm_spare.pop(i, None)
         if sample is None:
-            return {}
+            sample = self._nvml.field(i, "gpm_sample_alloc", "nvmlGpmSampleAlloc")
+            if sample is None:
+                return {}
         try:
             got = self._nvml.field(i, "gpm_sample", "nvmlGpmSampleGet", h, sample)
         except GPULost:
             self._free_gpm(i, sample)
             raise
         if got is None:
-            self._free_gpm(i, sample)
+            self._gpm_spare[i] = sample
             return {}
         self._gpm_prev[i] = (now, sample)
         if prev is None:
             return {}
         out: dict[str, float] = {}
         try:
-            req = pynvml.c_nvmlGpmMetricsGet_t()
-            req.version = pynvml.NVML_GPM_METRICS_GET_VERSION
-            req.numMetrics = len(GPM_METRICS)
+            req = self._gpm_requests.get(i)
+            if req is None:  # built once per GPU: the metric ids are inputs NVML leaves as they are
+                req = self._gpm_requests[i] = pynvml.c_nvmlGpmMetricsGet_t()
+                req.version = pynvml.NVML_GPM_METRICS_GET_VERSION
+                req.numMetrics = len(GPM_METRICS)
+                for n, metric_id in enumerate(GPM_METRICS.values()):
+                    req.metrics[n].metricId = metric_id
             req.sample1 = prev[1]
             req.sample2 = sample
-            for n, metric_id in enumerate(GPM_METRICS.values()):
-                req.metrics[n].metricId = metric_id
             result = self._nvml.field(i, "gpm_metrics", "nvmlGpmMetricsGet", req)
             if result is not None:
                 for n, name in enumerate(GPM_METRICS):
@@ -342,7 +373,7 @@ class NVMLBackend(GPUBackend):
                     if m.nvmlReturn == pynvml.NVML_SUCCESS:
                         out[name] = ratio(float(m.value))
         finally:
-            self._free_gpm(i, prev[1])
+            self._gpm_spare[i] = prev[1]
         return out
 
     def _free_gpm(self, i: int, sample: Any) -> None:
@@ -355,9 +386,10 @@ class NVMLBackend(GPUBackend):
         if self._closed:
             return
         self._closed = True
-        for i, (_, sample) in self._gpm_prev.items():
+        for i, sample in [*((i, s) for i, (_, s) in self._gpm_prev.items()), *self._gpm_spare.items()]:
             self._free_gpm(i, sample)
         self._gpm_prev.clear()
+        self._gpm_spare.clear()
         try:
             pynvml.nvmlShutdown()
         except Exception as exc:  # noqa: BLE001

@@ -213,26 +213,24 @@ class NVMLCalls:
         if key in self._unsupported:
             return None
         reason, detail = REASON_EXCEPTION, "no variant"
-        start = self._variant.get(key, 0)
-        for k in range(start, len(variants)):
-            fn, *args = variants[k]
-            name = fn if isinstance(fn, str) else getattr(fn, "__name__", repr(fn))
-            if isinstance(fn, str):
-                fn = getattr(pynvml, fn, None)
+        answered = self._variant.get(key)
+        for k in range(answered or 0, len(variants)):
+            named, *args = variants[k]
+            fn = getattr(pynvml, named, None) if isinstance(named, str) else named
             if fn is None:
-                reason, detail = REASON_FUNCTION_NOT_FOUND, f"the installed pynvml has no {name}"
+                reason, detail = REASON_FUNCTION_NOT_FOUND, f"the installed pynvml has no {named}"
             else:
                 try:
                     value = fn(*args)
                 except Exception as exc:  # noqa: BLE001 - one call never takes more than its own reading
                     reason = self.classify(index, what, exc)
-                    detail = f"{name}: {type(exc).__name__}: {exc}"
+                    detail = f"{_name(named)}: {type(exc).__name__}: {exc}"
                 else:
-                    if self._variant.get(key) != k:
+                    if answered != k:
                         self._variant[key] = k
                         if k:
                             log.debug("GPU %d: %s read with %s (the newer variants are missing)", index, what,
-                                      name)
+                                      _name(named))
                     return value
             if reason not in _ASKED_ONCE:
                 break  # a real failure: the older variant would not fix it
@@ -277,6 +275,10 @@ class NVMLCalls:
                 continue
             out.append(field_value(v))
         return out
+
+
+def _name(fn: Any) -> str:
+    return fn if isinstance(fn, str) else getattr(fn, "__name__", repr(fn))
 
 
 def process_utilization(h: Any, last_seen: int) -> Any:

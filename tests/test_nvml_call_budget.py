@@ -1,0 +1,121 @@
+"""NVML calls per sample, on every driver generation: a budget a regression fails.
+
+On a real node every NVML call is a driver ioctl (tens to hundreds of microseconds; docs/benchmarks.md), so
+the number of calls one sample makes is what sampling costs there, far more than the Python around them.
+Each case runs the GPU collector at the exporter's defaults (GPM on, processes read for the learned idle
+baseline) in a fresh interpreter (pynvml keeps global state) on the fake library, takes the start-up samples
+(discovery, the read that confirms the energy counter, the first GPM sample), then counts, with the library's
+call log, the calls of the next samples.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from collections import Counter
+from pathlib import Path
+
+import pytest
+from fakenvml import Driver, Scenario, build_library, h100
+from fakenvml.generations import BY_NAME, EPOCH, GENERATIONS, Generation
+
+REPO = Path(__file__).resolve().parents[1]
+SAMPLES = 3
+
+#: Most NVML calls one sample may make, per GPU, per generation (exporter defaults; the generations' GPUs run
+#: a training process, so listing processes takes two calls: pynvml asks for the count first). Lower it when
+#: a change saves calls; raising it needs a reason (each call is an ioctl on every sample of every node).
+BUDGET_PER_GPU: dict[str, int] = {
+    # R470: no field values, so energy and power are a call each; no GPM. (A100 with a process, V100 without.)
+    "r470": 11,
+    # no energy counter, no power fields: PowerUsage is the power reading. (The power sampler that integrates
+    # it runs on its own thread, its period set out of the way here: not part of a sample.)
+    "pre_volta": 11,
+    # A10: field values (energy counter), PowerUsage for the 1 s average (no power field on this board).
+    "ampere": 11,
+    # one field-values call (power instant and average, memory temperature, module power, energy counter),
+    # limit, memory, utilisation, temperature, 2 clocks, clock events, processes (2), GPM sample + metrics.
+    "hopper": 12,
+    "grace_hopper": 12,
+    "mig": 11,  # no utilisation on the parent GPU (asked once at start-up: not supported)
+    "future": 12,
+}
+#: Never called in a steady sample where the driver has the batched reading.
+_BATCHED_AWAY = ("nvmlDeviceGetTotalEnergyConsumption", "nvmlDeviceGetPowerUsage", "nvmlGpmSampleAlloc",
+                 "nvmlGpmSampleFree")
+
+_CHILD = """
+import json, os, sys, time
+sys.path.insert(0, {repo!r})
+from gpu_energy_exporter.collectors.gpu import GPUCollector
+from gpu_energy_exporter.devices import nvml
+log = {log!r}
+collector = GPUCollector(lambda: nvml.NVMLBackend({lib!r}), retry_interval=0.0, power_interval=3600.0)
+
+def sample():
+    collector.update()
+    time.sleep(nvml.GPM_MIN_INTERVAL_S + 0.02)  # GPM reads only samples at least this far apart
+
+for _ in range(2):
+    sample()
+start = os.path.getsize(log)
+for _ in range({samples}):
+    sample()
+with open(log) as f:
+    f.seek(start)
+    calls = [line.split()[2] for line in f if line.split()[1] == str(os.getpid())]
+gpus = len(collector.identities())
+up = sum(1 for s in collector.states() if s.up)
+collector.close()
+print("@@OUT@@" + json.dumps({{"calls": calls, "gpus": gpus, "up": up}}))
+"""
+
+
+def count_calls(lib: Path, scenario: Scenario, tmp_path: Path) -> tuple[Counter[str], int]:
+    """NVML calls per sample by function (averaged over ``SAMPLES``), and the number of GPUs."""
+    path, log = tmp_path / "scenario.ini", tmp_path / "calls.log"
+    scenario.write(path)
+    log.touch()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FAKE_NVML_")}
+    env.update(FAKE_NVML_SCENARIO=str(path), FAKE_NVML_CALL_LOG=str(log))
+    script = textwrap.dedent(_CHILD.format(repo=str(REPO), lib=str(lib), log=str(log), samples=SAMPLES))
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=60,
+                          check=False)
+    assert proc.returncode == 0, f"child failed:\n{proc.stdout}\n{proc.stderr}"
+    out = json.loads(proc.stdout.split("@@OUT@@", 1)[1])
+    assert out["gpus"] == out["up"] == len(scenario.gpus), out
+    per_sample = Counter({fn: n / SAMPLES for fn, n in Counter(out["calls"]).items()})
+    return per_sample, int(out["gpus"])
+
+
+def test_the_budget_covers_every_generation() -> None:
+    assert set(BUDGET_PER_GPU) == {g.name for g in GENERATIONS}
+
+
+@pytest.mark.parametrize("name", [g.name for g in GENERATIONS])
+def test_a_sample_stays_within_its_nvml_call_budget(name: str, fake_nvml_lib: Path, tmp_path: Path) -> None:
+    gen: Generation = BY_NAME[name]
+    key = gen.library_key
+    lib = fake_nvml_lib if key == ((), ()) else build_library(tmp_path / "lib", omit=key[0], extra=key[1])
+    calls, gpus = count_calls(lib, gen.scenario(), tmp_path)
+    total = sum(calls.values())
+    assert total <= BUDGET_PER_GPU[name] * gpus, (total, dict(calls))
+    if "nvmlDeviceGetFieldValues" not in gen.omit:
+        # PowerUsage stays where no power field gives that reading (Pascal; the A10's 1 s average)
+        needed = {"nvmlDeviceGetPowerUsage"} if name in ("pre_volta", "ampere") else set()
+        assert not (set(_BATCHED_AWAY) - needed) & set(calls), dict(calls)
+
+
+def test_eight_h100s_make_at_most_eleven_calls_per_gpu_per_sample(fake_nvml_lib: Path, tmp_path: Path) -> None:
+    """The case docs/benchmarks.md measures (8 GPUs at 1 s): 120 calls per sample before they were batched."""
+    scenario = Scenario(epoch=EPOCH, driver=Driver(frozen_time=EPOCH + 100),
+                        gpus=[h100(i, util_gpu_pct=87, memory_used_bytes=60 << 30) for i in range(8)])
+    calls, gpus = count_calls(fake_nvml_lib, scenario, tmp_path)
+    assert gpus == 8
+    assert sum(calls.values()) <= 11 * 8, dict(calls)
+    assert calls["nvmlDeviceGetFieldValues"] == 8  # power, memory temperature and energy in one call per GPU
+    assert calls["nvmlGpmSampleGet"] == calls["nvmlGpmMetricsGet"] == 8
+    assert not set(_BATCHED_AWAY) & set(calls), dict(calls)
