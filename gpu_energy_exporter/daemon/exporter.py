@@ -8,7 +8,6 @@ and raises ``ConfigError`` before anything starts; ``start()`` binds the ports a
 from __future__ import annotations
 
 import logging
-import math
 import time
 from collections.abc import Callable
 from typing import Any
@@ -115,7 +114,6 @@ class Exporter:
     def _build_servers(self) -> None:
         config = self.config
         self.web_config = load_web_config(config.web_config_file)
-        self._store_swept = -math.inf
         self.store = TrainingStore(
             series_ttl=config.otlp_series_ttl,
             max_series=config.otlp_max_series,
@@ -215,12 +213,9 @@ class Exporter:
         return merged
 
     def _store_version(self) -> int:
-        # Time-driven expiry bumps the version. A sweep is O(series): at most once a second, as the store's
-        # own render sweeps, so a series is served at most a second past its TTL.
-        now = time.monotonic()
-        if not now - self._store_swept < 1.0:
-            self._store_swept = now
-            self.store.expire()
+        # Time-driven expiry bumps the version; the store sweeps at most once a second (O(series)), so a
+        # series is served at most a second past its TTL.
+        self.store.sweep()
         return self.store.version
 
     # ------------------------------------------------------------------------------------------------

@@ -412,8 +412,13 @@ class TrainingStore:
     @property
     def version(self) -> int:
         """Changes whenever ``collect()`` would return something different (exposition cache key).
-        Expiry is time-driven: call ``expire()`` first to bring it up to date."""
+        Expiry is time-driven: call ``sweep()`` (or ``expire()``) first to bring it up to date."""
         return self._version
+
+    def sweep(self) -> None:
+        """TTL expiry as the scrape path does it: at most once a second, shared with ``render``'s own."""
+        with self._lock:
+            self._sweep(self._clock())
 
     def expire(self) -> int:
         """Drop series older than the TTL now; returns how many. ``collect`` also does this."""
