@@ -134,7 +134,7 @@ class RunLedger:
                 for point in points[start:start + self.POINTS_CHUNK]:
                     count = getattr(point, "count", None)
                     self._record_locked(point.run_id, point.name, point.labels, point.value, point.time,
-                                        float(count) if count is not None else None)
+                                        float(count) if count is not None else None, getattr(point, "key", None))
 
     def record(self, run_id: str, name: str, labels: Mapping[str, str], value: float, t: float, *,
                count: float | None = None) -> None:
@@ -144,7 +144,8 @@ class RunLedger:
             self._record_locked(run_id, name, labels, value, t, count)
 
     def _record_locked(self, run_id: str, name: str, labels: Mapping[str, str], value: float, t: float,
-                       count: float | None) -> None:
+                       count: float | None, key: runs.LabelKey | None = None) -> None:
+        """``key``: ``labels`` as their sorted items when the caller has them (the store's ``AcceptedPoint.key``)."""
         if not run_id or not math.isfinite(value) or not math.isfinite(t):
             return
         progress = name in runs.COUNTERS or name == runs.HISTOGRAM
@@ -156,7 +157,7 @@ class RunLedger:
                 return
         gpus_before = len(run.gpus)
         end_before = run.e
-        runs.apply_point(run, name, labels, value, t, count, self._clock())
+        runs.apply_point(run, name, labels, value, t, count, self._clock(), key)
         if len(run.gpus) != gpus_before:
             self._holders_gen += 1  # a GPU named for the first time
         if run.tentative:

@@ -53,6 +53,9 @@ class PointLike(Protocol):
     def time(self) -> float: ...
 
 
+#: A point's labels as their sorted items: a counter series' identity within its run (with its name).
+LabelKey = tuple[tuple[str, str], ...]
+
 #: Physical GPU key -> the runs using it, at a frame's time (``RunLedger._holders``).
 Holders = Callable[[Frame], Mapping[str, Sequence[Holding]]]
 
@@ -205,8 +208,9 @@ class Run:
 
 
 def apply_point(run: Run, name: str, labels: Mapping[str, str], value: float, t: float, count: float | None,
-                received: float) -> None:
-    """One accepted point of the run (``received``: wall time it arrived)."""
+                received: float, key: LabelKey | None = None) -> None:
+    """One accepted point of the run (``received``: wall time it arrived; ``key``: ``labels`` as their sorted
+    items, ``tuple(sorted(labels.items()))``, when the caller already has them)."""
     rank = labels.get(contract.ATTR_RANK, "")
     run.changes += 1
     run.ranks.add(rank)
@@ -220,7 +224,7 @@ def apply_point(run: Run, name: str, labels: Mapping[str, str], value: float, t:
             _note_gpu(run, part)
     order = rank_order(rank)
     if name in COUNTERS or name == HISTOGRAM:
-        _apply_counter(run, name, labels, rank, value, t, count)
+        _apply_counter(run, name, labels, rank, value, t, count, key)
         if name == STEPS and run.best_loss is not None and t <= run.best_loss_t:
             run.best_loss_step = run.counter(name)
     elif name == RUN_FINISHED:
@@ -271,8 +275,8 @@ def _note_gpu(run: Run, uuid: str) -> None:
 
 
 def _apply_counter(run: Run, name: str, labels: Mapping[str, str], rank: str, value: float, t: float,
-                   count: float | None) -> None:
-    key = (name, tuple(sorted(labels.items())))
+                   count: float | None, sorted_labels: LabelKey | None) -> None:
+    key = (name, sorted_labels if sorted_labels is not None else tuple(sorted(labels.items())))
     s = run.series.get(key)
     if s is None:
         if run.fresh:

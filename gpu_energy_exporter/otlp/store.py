@@ -79,7 +79,9 @@ class AcceptedPoint:
 
     ``value`` is what ``/metrics`` now exposes for the series: the cumulative total for counters, the
     value for gauges, the cumulative ``_sum`` for histograms and summaries (``count`` their ``_count``).
-    ``time`` is the point's own timestamp in Unix seconds. ``labels`` is read-only.
+    ``time`` is the point's own timestamp in Unix seconds. ``labels`` is read-only. ``key`` is the same labels
+    as the store's sorted tuple (``tuple(sorted(labels.items()))``), so a listener need not sort them again;
+    ``None`` when the point was built elsewhere.
     """
 
     run_id: str
@@ -89,6 +91,7 @@ class AcceptedPoint:
     time: float
     kind: Kind
     count: float | None = None
+    key: Labels | None = None
 
 
 Listener = Callable[[AcceptedPoint], None]
@@ -321,7 +324,7 @@ class TrainingStore:
         changed.append((series, series.heads, values))
         if events is not None:
             value, count = folding.reported(kind, series)
-            events.append(AcceptedPoint(p.run_id, name, series.view, value, p.time_ns / 1e9, kind, count))
+            events.append(AcceptedPoint(p.run_id, name, series.view, value, p.time_ns / 1e9, kind, count, labels))
         return None
 
     def _add_family(self, p: Point) -> Family:
