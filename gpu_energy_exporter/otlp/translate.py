@@ -255,11 +255,13 @@ def _resource_labels(resource: Any, limits: Limits) -> Labels:
     return out
 
 
-#: What a metric's envelope translates to (kind, name, help, unit, reserved labels, delta) or its rejection
-#: (reason, message), by everything it depends on: a trainer sends the same envelopes on every export.
-_Descriptor = tuple[Kind, str, str, str, tuple[str, ...], bool] | tuple[str, str]
+#: What a metric's envelope translates to or its rejection (reason, message), by everything it depends on: a
+#: trainer sends the same envelopes on every export. A translation is (kind, name, help, unit, reserved labels,
+#: delta, the head of its points' ``_ATTRS_CACHE`` keys, ``series_cost`` of a scalar series with no labels).
+_Descriptor = tuple[Kind, str, str, str, tuple[str, ...], bool, tuple[object, ...], int] | tuple[str, str]
 _DESCRIPTOR_CACHE: dict[tuple[object, ...], _Descriptor] = {}
 _DESCRIPTOR_CACHE_MAX = 1024
+_isfinite = math.isfinite
 
 
 def _translate_metric(metric: Any, batch: Batch, received_ns: int, limits: Limits) -> None:
@@ -272,16 +274,19 @@ def _translate_metric(metric: Any, batch: Batch, received_ns: int, limits: Limit
     batch.received += n
     if n == 0:
         return
-    if data == "sum":
-        shape: tuple[object, ...] = (container.aggregation_temporality, container.is_monotonic)
-    elif data == "histogram":
-        shape = (container.aggregation_temporality,)
-    elif data == "gauge":
-        shape = (_metadata_type(metric),)
-    else:
-        shape = ()
     otel_name, unit, description = metric.name, metric.unit, metric.description
-    key = (data, otel_name, unit, description, limits.max_label_length, *shape)
+    if data == "sum":
+        key: tuple[object, ...] = (data, otel_name, unit, description, limits.max_label_length,
+                                   limits.max_labels_per_point, container.aggregation_temporality,
+                                   container.is_monotonic)
+    elif data == "gauge":
+        key = (data, otel_name, unit, description, limits.max_label_length, limits.max_labels_per_point,
+               _metadata_type(metric) if len(getattr(metric, "metadata", ())) else "")
+    elif data == "histogram":
+        key = (data, otel_name, unit, description, limits.max_label_length, limits.max_labels_per_point,
+               container.aggregation_temporality)
+    else:
+        key = (data, otel_name, unit, description, limits.max_label_length, limits.max_labels_per_point)
     desc = _DESCRIPTOR_CACHE.get(key)
     if desc is None:
         desc = _describe(metric, data, container, limits)
@@ -293,13 +298,15 @@ def _translate_metric(metric: Any, batch: Batch, received_ns: int, limits: Limit
         _check_attributes(points)
         batch.reject(desc[0], n, desc[1])
         return
-    kind, prom_name, help_text, family_unit, reserved, delta = desc
+    kind, prom_name, help_text, family_unit, reserved, delta, key_head, base_cost = desc
     # the points, in this function rather than one more call per metric (most metrics carry one point)
     latest = received_ns + limits.max_future_skew_ns
+    max_cost = limits.max_series_bytes
     append = batch.points.append
     cached = _ATTRS_CACHE.get
     max_labels = limits.max_labels_per_point
-    key_head = (reserved, limits.max_label_length, max_labels)
+    distribution = kind == "histogram" or kind == "summary"
+    counter = kind == "counter"
     for dp in points:
         try:
             attributes = dp.attributes
@@ -317,9 +324,10 @@ def _translate_metric(metric: Any, batch: Batch, received_ns: int, limits: Limit
                 append(Point(kind, prom_name, help_text, family_unit, labels, run_id, start_ns, time_ns, delta,
                              no_value=True))
                 continue
-            point = Point(kind, prom_name, help_text, family_unit, labels, run_id, start_ns, time_ns, delta)
-            if kind == "histogram" or kind == "summary":
+            if distribution:
+                point = Point(kind, prom_name, help_text, family_unit, labels, run_id, start_ns, time_ns, delta)
                 _fill_distribution(point, dp, limits, label_chars)
+                cost = point.cost
             else:
                 which = dp.WhichOneof("value")
                 if which == "as_double":
@@ -328,16 +336,17 @@ def _translate_metric(metric: Any, batch: Batch, received_ns: int, limits: Limit
                     value = float(dp.as_int)
                 else:
                     raise _Rejected("invalid_point", "data point has no value")
-                if kind == "counter":
-                    if not math.isfinite(value):
+                if counter:
+                    if not _isfinite(value):
                         raise _Rejected("non_finite", f"counter value {value!r}: counters must be finite "
                                         "(a non-finite total could never be counted on from)")
                     if value < 0:
                         raise _Rejected("invalid_point", f"invalid counter value {value!r}")
-                point.value = value
-                point.cost = series_cost(prom_name, label_chars, kind)
-            if point.cost > limits.max_series_bytes:
-                raise _Rejected("series_too_large", f"series of about {point.cost} bytes, more than "
+                cost = base_cost + 4 * label_chars  # series_cost(prom_name, label_chars, kind): linear in it
+                point = Point(kind, prom_name, help_text, family_unit, labels, run_id, start_ns, time_ns, delta,
+                              value, cost=cost)
+            if cost > max_cost:
+                raise _Rejected("series_too_large", f"series of about {cost} bytes, more than "
                                 f"{limits.max_series_bytes} (--otlp.max-series-bytes); use fewer or shorter "
                                 "labels, buckets or quantiles")
         except _Rejected as exc:
@@ -394,7 +403,8 @@ def _describe(metric: Any, data: str, container: Any, limits: Limits) -> _Descri
     help_text = metric.description[:MAX_HELP_LENGTH] or f"{otel_name} (received over OTLP)"
     family_unit = _family_unit(prom_name, kind, _cached_unit(unit))
     reserved = ("le",) if kind == "histogram" else ("quantile",) if kind == "summary" else ()
-    return (kind, prom_name, help_text, family_unit, reserved, delta)
+    return (kind, prom_name, help_text, family_unit, reserved, delta,
+            (reserved, limits.max_label_length, limits.max_labels_per_point), series_cost(prom_name, 0, kind))
 
 
 def _fill_distribution(point: Point, dp: Any, limits: Limits, label_chars: int) -> None:
