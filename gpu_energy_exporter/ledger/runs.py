@@ -222,7 +222,6 @@ def apply_point(run: Run, name: str, labels: Mapping[str, str], value: float, t:
         run.gpu_labels_seen.add(gpu_label)
         for part in gpu_label.split(","):
             _note_gpu(run, part)
-    order = rank_order(rank)
     if name in COUNTERS or name == HISTOGRAM:
         _apply_counter(run, name, labels, rank, value, t, count, key)
         if name == STEPS and run.best_loss is not None and t <= run.best_loss_t:
@@ -230,6 +229,7 @@ def apply_point(run: Run, name: str, labels: Mapping[str, str], value: float, t:
     elif name == RUN_FINISHED:
         _apply_finished(run, rank, value, t)
     elif name == contract.RUN_INFO.prometheus:
+        order = rank_order(rank)
         if run.meta_rank is None or order <= run.meta_rank:
             run.meta_rank = order
             run.metadata = {k: v for k, v in labels.items() if k not in _POINT_LABELS}
@@ -242,6 +242,7 @@ def apply_point(run: Run, name: str, labels: Mapping[str, str], value: float, t:
         if seen is None or t >= seen[0]:
             run.global_steps[rank] = (t, value)
     elif name in _GAUGES:
+        order = rank_order(rank)
         prev = run.gauges.get(name)
         # One rank's view (the lowest that sends it): ranks' local losses are not comparable values.
         if prev is not None and (order > prev[0] or (order == prev[0] and t < prev[1])):

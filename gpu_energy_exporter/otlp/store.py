@@ -219,6 +219,8 @@ class TrainingStore:
                 self._note_resource(labels, now)
             listeners = self._listeners
             batch_listeners = self._batch_listeners
+        told = events if listeners or batch_listeners else None
+        apply_point = self._apply_point
         for start in range(0, len(points), APPLY_CHUNK):
             if start:
                 # Let a thread waiting for the lock (a scrape) take it: a released lock is otherwise
@@ -227,9 +229,8 @@ class TrainingStore:
             with self._lock:
                 self._version += 1
                 now = self._clock()
-                for p in points[start:start + APPLY_CHUNK]:
-                    problem = self._apply_point(p, now, request, events if listeners or batch_listeners else None,
-                                                changed)
+                for p in points[start:start + APPLY_CHUNK] if len(points) > APPLY_CHUNK else points:
+                    problem = apply_point(p, now, request, told, changed)
                     if problem is None:
                         accepted += 1
                     else:
