@@ -535,6 +535,37 @@ def test_points_through_the_real_store_and_snapshots_from_the_real_sampler() -> 
     assert s["j_per_token"] == pytest.approx(250.0 * 20 / 2000.0)
 
 
+def test_a_counter_pushed_with_its_attributes_in_any_order_is_one_series_of_the_run() -> None:
+    # The store hands the ledger each point's labels already sorted (AcceptedPoint.key); the ledger must key
+    # its series exactly as it does for points recorded directly (labels sorted by itself).
+    from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import ExportMetricsServiceRequest
+    from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue
+
+    from gpu_energy_exporter.otlp.receiver import ExportHandler
+
+    clock = Clock()
+    ledger = RunLedger(None, warmup_s=0.0, stale_after_s=300.0, clock=clock)
+    store = TrainingStore(clock=clock)
+    store.add_batch_listener(ledger.on_points)
+    handler = ExportHandler(store)
+    attrs = {"run_id": "order", "rank": "0", "gpu_uuid": UUID_A}
+    orders = (("run_id", "rank", "gpu_uuid"), ("gpu_uuid", "run_id", "rank"), ("rank", "gpu_uuid", "run_id"))
+    for i, order in enumerate(orders):
+        req = ExportMetricsServiceRequest()
+        m = req.resource_metrics.add().scope_metrics.add().metrics.add(name="training.tokens")
+        m.sum.is_monotonic = True
+        m.sum.aggregation_temporality = 2
+        dp = m.sum.data_points.add(start_time_unix_nano=int(T0 * 1e9), time_unix_nano=int((T0 + i) * 1e9),
+                                   as_double=100.0 * i)
+        dp.attributes.extend(KeyValue(key=k, value=AnyValue(string_value=attrs[k])) for k in order)
+        status, _, _ = handler.handle_export({"Content-Type": "application/x-protobuf"}, req.SerializeToString())
+        assert status == 200
+    ledger.record("order", "training_tokens_total", dict(reversed(list(attrs.items()))), 300.0, T0 + 3)
+    run = ledger._active["order"]
+    assert [key for key in run.series] == [("training_tokens_total", tuple(sorted(attrs.items())))]
+    assert run.counter("training_tokens_total") == 300.0
+
+
 # ----------------------------------------------------------------------------------------------------
 # files
 
