@@ -47,6 +47,7 @@ from gpu_energy_exporter.http.codec import GZIP, RAW_DEFLATE, ZLIB, BodyTooLarge
 from gpu_energy_exporter.http.messages import HTTPError, Request
 from gpu_energy_exporter.http.messages import Response as WebResponse
 from gpu_energy_exporter.http.server import DEFAULT_MAX_CONNECTIONS, DEFAULT_REQUEST_TIMEOUT, HTTPServer
+from gpu_energy_exporter.otlp import jsonwire
 from gpu_energy_exporter.otlp.store import TrainingStore
 from gpu_energy_exporter.otlp.translate import translate_request
 from gpu_energy_exporter.otlp.wire import Undecodable, WireRequest
@@ -164,23 +165,32 @@ def _items(doc: Any, *keys: str) -> list[Any]:
     return []
 
 
+def _load_json(body: bytes) -> Any:
+    try:
+        return json.loads(body)
+    except (ValueError, RecursionError) as exc:
+        raise _Failure(400, f"body is not valid JSON: {exc}", "body") from None
+
+
+def _parse_json(doc: Any) -> ExportMetricsServiceRequest:
+    """The generic OTLP/JSON parse of a loaded document (``ParseDict``); ``_Failure(400)`` saying what is wrong."""
+    request = ExportMetricsServiceRequest()
+    if not isinstance(doc, dict):
+        raise _Failure(400, "JSON body must be an ExportMetricsServiceRequest object", "body")
+    try:
+        _strip_exemplars(doc)
+        json_format.ParseDict(doc, request, ignore_unknown_fields=True)
+    except (json_format.ParseError, ValueError, TypeError, RecursionError) as exc:
+        raise _Failure(400, f"JSON body is not an OTLP ExportMetricsServiceRequest: {exc}",
+                       "resourceMetrics") from None
+    return request
+
+
 def decode(body: bytes, content_type: str) -> ExportMetricsServiceRequest:
     """Parse an export request body; raises ``_Failure(400)`` with a message saying what is wrong."""
-    request = ExportMetricsServiceRequest()
     if content_type == JSON:
-        try:
-            doc = json.loads(body)
-        except (ValueError, RecursionError) as exc:
-            raise _Failure(400, f"body is not valid JSON: {exc}", "body") from None
-        if not isinstance(doc, dict):
-            raise _Failure(400, "JSON body must be an ExportMetricsServiceRequest object", "body")
-        try:
-            _strip_exemplars(doc)
-            json_format.ParseDict(doc, request, ignore_unknown_fields=True)
-        except (json_format.ParseError, ValueError, TypeError, RecursionError) as exc:
-            raise _Failure(400, f"JSON body is not an OTLP ExportMetricsServiceRequest: {exc}",
-                           "resourceMetrics") from None
-        return request
+        return _parse_json(_load_json(body))
+    request = ExportMetricsServiceRequest()
     try:
         request.ParseFromString(body)
     except Exception as exc:  # DecodeError, or whatever the C parser raises on garbage
@@ -190,11 +200,17 @@ def decode(body: bytes, content_type: str) -> ExportMetricsServiceRequest:
 
 
 def decode_wire(body: bytes, content_type: str) -> Message:
-    """``decode``, protobuf bodies into a ``wire.WireRequest`` (data-point attributes left as bytes: see
-    ``otlp.wire``). A body that parses so and not as OTLP's type fails in ``translate_request``
-    (``wire.Undecodable``); ``_handle`` then answers what ``decode`` says."""
+    """``decode``, into a ``wire.WireRequest`` (data-point attributes left as bytes: see ``otlp.wire``); JSON
+    bodies through ``otlp.jsonwire`` when it handles them, else the generic parser. A protobuf body that parses
+    so and not as OTLP's type fails in ``translate_request`` (``wire.Undecodable``); ``_handle`` then answers
+    what ``decode`` says."""
     if content_type == JSON:
-        return decode(body, content_type)
+        doc = _load_json(body)
+        try:
+            # the fast path (``otlp.jsonwire``): the same message as ParseDict gives, or Unsupported
+            return WireRequest.FromString(jsonwire.encode(doc))
+        except jsonwire.Unsupported:
+            return _parse_json(doc)
     request = WireRequest()
     try:
         request.ParseFromString(body)
