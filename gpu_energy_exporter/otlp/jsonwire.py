@@ -64,13 +64,21 @@ def _varint(n: int) -> bytes:
     return bytes(out)
 
 
+#: ``_varint(n)`` for the lengths of most strings and small messages.
+_SMALL = [_varint(n) for n in range(128)]
+
+
 class _Field:
-    __slots__ = ("index", "tag", "kind", "repeated", "table", "oneof", "wire", "range", "enum")
+    __slots__ = ("bit", "tag", "kind", "repeated", "table", "oneof", "wire", "range", "enum")
 
     def __init__(self, fd: FieldDescriptor, tables: dict[str, dict[str, _Field]]) -> None:
-        self.index = fd.number
+        if fd.number >= 30:
+            raise KeyError  # the masks below stay small integers (OTLP's metrics messages number fields < 30)
+        self.bit = 1 << fd.number  # in the mask of the fields a message already set (both spellings: one field)
         self.repeated = bool(fd.is_repeated) if hasattr(fd, "is_repeated") else fd.label == fd.LABEL_REPEATED
-        self.oneof = fd.containing_oneof.name if fd.containing_oneof is not None else None
+        oneof = fd.containing_oneof
+        # the oneof's members share one bit of their own, above every field number
+        self.oneof = 1 << (30 + oneof.index) if oneof is not None else 0
         self.table: dict[str, _Field] | None = None
         self.range = _RANGES.get(fd.type)
         self.enum: dict[object, int] | None = None
@@ -137,38 +145,47 @@ def _message(doc: Any, table: dict[str, _Field]) -> bytes:
     if type(doc) is not dict:
         raise Unsupported
     out: list[bytes] = []
-    seen: set[int] = set()
-    oneofs: set[str] = set()
+    append = out.append
+    seen = 0  # field bits, and one bit per oneof with a member set
     for key, value in doc.items():
         field = table.get(key)
         if field is None:
             if key == "exemplars" and id(table) in _WITH_EXEMPLARS:
                 continue
             raise Unsupported
-        if field.index in seen or value is None:
+        bits = field.bit | field.oneof
+        if seen & bits or value is None:
             raise Unsupported
-        seen.add(field.index)
-        if field.oneof is not None:
-            if field.oneof in oneofs:
-                raise Unsupported
-            oneofs.add(field.oneof)
+        seen |= bits
+        kind = field.kind
         if not field.repeated:
-            out.append(field.tag)
-            out.append(_scalar(value, field))
+            append(field.tag)
+            if kind == _MESSAGE:
+                data = _message(value, field.table)  # type: ignore[arg-type]
+            elif kind == _STRING:
+                if type(value) is not str:
+                    raise Unsupported
+                data = value.encode("utf-8")
+            else:
+                append(_raw(value, field))
+                continue
+            n = len(data)
+            append(_SMALL[n] if n < 128 else _varint(n))
+            append(data)
             continue
         if type(value) is not list:
             raise Unsupported
-        if field.kind == _MESSAGE or field.kind == _STRING:
+        if kind == _MESSAGE or kind == _STRING:
             for item in value:
                 if item is None:
                     raise Unsupported
-                out.append(field.tag)
-                out.append(_scalar(item, field))
+                append(field.tag)
+                append(_scalar(item, field))
         elif value:
             packed = b"".join([_raw(item, field) for item in value])
-            out.append(field.tag)
-            out.append(_varint(len(packed)))
-            out.append(packed)
+            append(field.tag)
+            append(_varint(len(packed)))
+            append(packed)
     return b"".join(out)
 
 
@@ -178,13 +195,14 @@ def _scalar(value: Any, field: _Field) -> bytes:
     if kind == _MESSAGE:
         assert field.table is not None
         data = _message(value, field.table)
-        return _varint(len(data)) + data
-    if kind == _STRING:
+    elif kind == _STRING:
         if type(value) is not str:
             raise Unsupported
         data = value.encode("utf-8")
-        return _varint(len(data)) + data
-    return _raw(value, field)
+    else:
+        return _raw(value, field)
+    n = len(data)
+    return (_SMALL[n] if n < 128 else _varint(n)) + data
 
 
 def _raw(value: Any, field: _Field) -> bytes:
