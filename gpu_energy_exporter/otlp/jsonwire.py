@@ -15,6 +15,8 @@ nested messages and lists. ``exemplars`` of data points are skipped (as the slow
 back on: unknown keys, ``null``, bytes and any other type or range, and ``exponentialHistogram`` (which the
 translation rejects anyway).
 
+``strip_exemplars`` prepares a document for that generic parser (in place).
+
 Pure: tables are built at import; never performs I/O and never holds state.
 """
 
@@ -250,3 +252,31 @@ def _raw(value: Any, field: _Field) -> bytes:
             raise Unsupported
         return _varint(number)
     raise Unsupported
+
+
+# ----------------------------------------------------------------------------------------------------
+# the generic parser's preparation (``otlp.receiver``)
+
+
+def strip_exemplars(doc: Any) -> None:
+    """Drop exemplars before JSON parsing: they are not exposed, and OTLP JSON encodes their trace and
+    span ids as hex where the generic protobuf JSON parser expects base64."""
+    for rm in _items(doc, "resourceMetrics", "resource_metrics"):
+        for sm in _items(rm, "scopeMetrics", "scope_metrics"):
+            for metric in _items(sm, "metrics"):
+                if not isinstance(metric, dict):
+                    continue
+                for key in ("gauge", "sum", "histogram", "exponentialHistogram", "exponential_histogram"):
+                    for dp in _items(metric.get(key), "dataPoints", "data_points"):
+                        if isinstance(dp, dict):
+                            dp.pop("exemplars", None)
+
+
+def _items(doc: Any, *keys: str) -> list[Any]:
+    if not isinstance(doc, dict):
+        return []
+    for key in keys:
+        value = doc.get(key)
+        if isinstance(value, list):
+            return value
+    return []

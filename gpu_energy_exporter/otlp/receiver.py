@@ -141,30 +141,6 @@ def decompress(body: bytes, encoding: str, limit: int) -> bytes:
     return body
 
 
-def _strip_exemplars(doc: Any) -> None:
-    """Drop exemplars before JSON parsing: they are not exposed, and OTLP JSON encodes their trace and
-    span ids as hex where the generic protobuf JSON parser expects base64."""
-    for rm in _items(doc, "resourceMetrics", "resource_metrics"):
-        for sm in _items(rm, "scopeMetrics", "scope_metrics"):
-            for metric in _items(sm, "metrics"):
-                if not isinstance(metric, dict):
-                    continue
-                for key in ("gauge", "sum", "histogram", "exponentialHistogram", "exponential_histogram"):
-                    for dp in _items(metric.get(key), "dataPoints", "data_points"):
-                        if isinstance(dp, dict):
-                            dp.pop("exemplars", None)
-
-
-def _items(doc: Any, *keys: str) -> list[Any]:
-    if not isinstance(doc, dict):
-        return []
-    for key in keys:
-        value = doc.get(key)
-        if isinstance(value, list):
-            return value
-    return []
-
-
 def _load_json(body: bytes) -> Any:
     try:
         return json.loads(body)
@@ -178,7 +154,7 @@ def _parse_json(doc: Any) -> ExportMetricsServiceRequest:
     if not isinstance(doc, dict):
         raise _Failure(400, "JSON body must be an ExportMetricsServiceRequest object", "body")
     try:
-        _strip_exemplars(doc)
+        jsonwire.strip_exemplars(doc)
         json_format.ParseDict(doc, request, ignore_unknown_fields=True)
     except (json_format.ParseError, ValueError, TypeError, RecursionError) as exc:
         raise _Failure(400, f"JSON body is not an OTLP ExportMetricsServiceRequest: {exc}",
