@@ -134,3 +134,15 @@ def test_a_json_push_through_the_fast_path_stores_what_the_protobuf_push_stores(
         renders.append([line for line in store.render(False).splitlines() if b"gpuenergy_" not in line])
     assert renders[0] == renders[1]
     assert any(line.startswith(b"training_tokens_total{") for line in renders[0])
+
+
+def test_a_remembered_attribute_never_stands_in_for_one_the_fast_path_refuses() -> None:
+    # attributes are memoised by key, value field, value and type: True == 1, but a boolean intValue falls back
+    good = _dp(attributes=[{"key": "rank", "value": {"intValue": 1}}])
+    fast = WireRequest.FromString(jsonwire.encode(good))
+    assert fast == as_wire(receiver._parse_json(copy.deepcopy(good)))
+    for value in (True, 1.0, "1.0"):
+        with pytest.raises(jsonwire.Unsupported):
+            jsonwire.encode(_dp(attributes=[{"key": "rank", "value": {"intValue": value}}]))
+    again = jsonwire.encode(_dp(attributes=[{"key": "rank", "value": {"intValue": "1"}}]))
+    assert WireRequest.FromString(again) == fast

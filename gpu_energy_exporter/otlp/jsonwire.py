@@ -129,6 +129,7 @@ def _table(desc: Descriptor, tables: dict[str, dict[str, _Field]]) -> dict[str, 
 
 _TABLES: dict[str, dict[str, _Field]] = {}
 _ROOT = _table(ExportMetricsServiceRequest.DESCRIPTOR, _TABLES)
+_KEY_VALUE = _TABLES["opentelemetry.proto.common.v1.KeyValue"]
 #: Messages whose ``exemplars`` are skipped (the slow path strips them before parsing).
 _WITH_EXEMPLARS = frozenset(id(_TABLES[name]) for name in (
     "opentelemetry.proto.metrics.v1.NumberDataPoint", "opentelemetry.proto.metrics.v1.HistogramDataPoint"))
@@ -177,7 +178,11 @@ def _message(doc: Any, table: dict[str, _Field]) -> bytes:
             continue
         if type(value) is not list:
             raise Unsupported
-        if kind == _MESSAGE or kind == _STRING:
+        if field.table is _KEY_VALUE:
+            for item in value:
+                append(field.tag)
+                append(_key_value(item, field))
+        elif kind == _MESSAGE or kind == _STRING:
             for item in value:
                 if item is None:
                     raise Unsupported
@@ -189,6 +194,36 @@ def _message(doc: Any, table: dict[str, _Field]) -> bytes:
             append(_varint(len(packed)))
             append(packed)
     return b"".join(out)
+
+
+#: Encoded attributes (``_scalar`` of a ``KeyValue``) by (key, value field, value, its type): a sender repeats
+#: the same few on every data point. Only what encoded without error is kept; bounded like translate's caches.
+_KV_MEMO: dict[tuple[str, str, object, type], bytes] = {}
+_KV_MEMO_MAX = 4096
+_KV_MEMO_KEY_MAX = 256
+
+
+def _key_value(item: Any, field: _Field) -> bytes:
+    """``_scalar(item, field)`` for one attribute, memoised when it has the usual shape (a key and a value of
+    one string, integer or boolean)."""
+    if type(item) is dict and len(item) == 2:
+        key, value = item.get("key"), item.get("value")
+        if type(key) is str and type(value) is dict and len(value) == 1:
+            ((which, v),) = value.items()
+            t = type(v)
+            if t is str or t is int or t is bool:
+                memo_key = (key, which, v, t)
+                out = _KV_MEMO.get(memo_key)
+                if out is None:
+                    out = _scalar(item, field)
+                    if len(key) + len(which) + (len(v) if t is str else 20) <= _KV_MEMO_KEY_MAX:
+                        if len(_KV_MEMO) >= _KV_MEMO_MAX:
+                            _KV_MEMO.clear()
+                        _KV_MEMO[memo_key] = out
+                return out
+    if item is None:
+        raise Unsupported
+    return _scalar(item, field)
 
 
 def _scalar(value: Any, field: _Field) -> bytes:
