@@ -61,8 +61,10 @@ def _to_json(body: bytes) -> bytes:
 
 
 def _in_process(requests: list[tuple[bytes, int]], headers: dict[str, str],
-                seconds: float) -> tuple[float, float, float]:
-    """(points per CPU second, requests per CPU second, µs per point); fresh store per pass."""
+                seconds: float, ledger: bool = False) -> tuple[float, float, float]:
+    """(points per CPU second, requests per CPU second, µs per point); fresh store per pass (and, with
+    ``ledger``, a fresh run ledger listening to it as in the exporter)."""
+    from gpu_energy_exporter.ledger import RunLedger
     from gpu_energy_exporter.otlp.receiver import ExportHandler
     from gpu_energy_exporter.otlp.store import TrainingStore
 
@@ -70,7 +72,10 @@ def _in_process(requests: list[tuple[bytes, int]], headers: dict[str, str],
     points = 0
     reqs = 0
     while cpu < seconds:
-        handler = ExportHandler(TrainingStore(max_series=10**6, max_series_per_run=10**6))
+        store = TrainingStore(max_series=10**6, max_series_per_run=10**6)
+        if ledger:
+            store.add_batch_listener(RunLedger(None).on_points)
+        handler = ExportHandler(store)
         c0 = time.thread_time()
         for body, n in requests:
             status, _, _ = handler.handle_export(headers, body)
@@ -98,6 +103,10 @@ def run(ctx: Context) -> list[Table]:
         reqs = _batched(rounds, per)
         pps, rps, us = _in_process(reqs, pb, seconds)
         inproc.add(label, reqs[0][1], fmt(pps), fmt(rps), fmt(us))
+        if per == 1:
+            pps, rps, us = _in_process(reqs, pb, seconds, ledger=True)
+            inproc.add("protobuf, 1 rank, the run ledger listening (as in the exporter)", reqs[0][1], fmt(pps),
+                       fmt(rps), fmt(us))
     gz = [(gzip.compress(b, 6), n) for b, n in _batched(rounds, 10)]
     pps, rps, us = _in_process(gz, {**pb, "Content-Encoding": "gzip"}, seconds)
     inproc.add("protobuf + gzip, 10 ranks", gz[0][1], fmt(pps), fmt(rps), fmt(us))
