@@ -21,11 +21,14 @@ reason and named, with its flag, in the request's ``partial_success``):
 - Lock hold: a batch is applied in chunks of ``APPLY_CHUNK`` points, the lock released in between, so a
   push of 100,000 series delays a scrape by one chunk, not by the whole push.
 - Encoded at ingest: every series keeps its sample-line heads (``name{labels} ``, built once per label set
-  and bucket layout) and, after each change, its encoded lines (``encoder``: the bytes prometheus_client
-  would write). The pushing thread encodes what its request changed after releasing the lock; a render
-  only copies references under the lock and joins ready bytes, one cached block per family that did not
-  change (a series whose encoding lost a race with a newer push is encoded by the render, outside the
-  lock). The cached bytes (heads, lines, family block) are counted in ``series_bytes``.
+  and bucket layout); each family keeps its series' encoded lines (``encoder``: the bytes prometheus_client
+  would write) in one list, in series order (``series.SeriesMap``). The pushing thread encodes what its
+  request changed after releasing the lock, then stores the lines under it (``_publish``: one list item per
+  series). A render copies one list per changed family under the lock (one cached block per unchanged
+  family) and joins it after releasing the lock, so its lock hold does not grow with the series that
+  changed. A series a request is still encoding shows with its previous lines (or, new, not at all) until
+  that request publishes them. The cached bytes (heads, lines, family block) are counted in
+  ``series_bytes``.
 
 Resource attributes become one ``target_info`` series per resource (labels: the sanitised attributes,
 ``service.name`` as ``service_name``), never ``job`` / ``instance``, which are the exporter's own target
@@ -61,6 +64,7 @@ from gpu_energy_exporter.otlp.series import (
     family_bytes,
     join,
     metric,
+    publish,
     ready,
     relayout,
     samples,
@@ -237,7 +241,7 @@ class TrainingStore:
             for reason, count in rejected.items():
                 counted[reason] = counted.get(reason, 0.0) + count
 
-        encode_changed(changed)
+        self._publish(changed)
         for reason, count in rejected.items():
             self._warn(reason, f"rejected {count} OTLP data point(s) ({reason}): {messages.get(reason, '')}")
         if events:
@@ -464,12 +468,20 @@ class TrainingStore:
             info.samples.append(Sample("target_info", labels, 1.0))
         return [info]
 
+    def _publish(self, changed: list[Changed]) -> None:
+        """Encode what a request changed (lock released), then store the lines in their families' lists
+        (lock held: one list item per series; ``series.publish`` keeps only current ones)."""
+        encoded = encode_changed(changed)
+        if encoded:
+            with self._lock:
+                publish(encoded)
+                self._version += 1
+
     def render(self, openmetrics: bool) -> bytes:
         """What ``collect()`` returns, already encoded (OpenMetrics without its ``# EOF``): the scrape fast
-        path. Series are encoded when a push changes them (``apply``), so under the lock a render only
-        copies references: one ready block per unchanged family, the ready lines of each series of a
-        changed one. After the lock is released it joins them (and encodes any series whose encoding a
-        racing push has not stored yet)."""
+        path. Series are encoded and their lines stored when a push changes them (``apply``), so under the
+        lock a render only copies references: one ready block per unchanged family, one list of lines per
+        changed one. After the lock is released it joins them."""
         with self._lock:
             self._sweep(self._clock())
             taken = [ready(fam, openmetrics) for fam in self._families.values()]
