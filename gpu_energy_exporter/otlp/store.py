@@ -20,15 +20,11 @@ reason and named, with its flag, in the request's ``partial_success``):
   defence against a hostile client.
 - Lock hold: a batch is applied in chunks of ``APPLY_CHUNK`` points, the lock released in between, so a
   push of 100,000 series delays a scrape by one chunk, not by the whole push.
-- Encoded at ingest: every series keeps its sample-line heads (``name{labels} ``, built once per label set
-  and bucket layout); each family keeps its series' encoded lines (``encoder``: the bytes prometheus_client
-  would write) in one list, in series order (``series.SeriesMap``). The pushing thread encodes what its
-  request changed after releasing the lock, then stores the lines under it (``_publish``: one list item per
-  series). A render copies one list per changed family under the lock (one cached block per unchanged
-  family) and joins it after releasing the lock, so its lock hold does not grow with the series that
-  changed. A series a request is still encoding shows with its previous lines (or, new, not at all) until
-  that request publishes them. The cached bytes (heads, lines, family block) are counted in
-  ``series_bytes``.
+- Encoded at ingest: each family keeps its series' encoded lines (``encoder``) in one list in series order
+  (``series.SeriesMap``); the pushing thread encodes what it changed after releasing the lock and stores
+  the lines under it (``_publish``). A render copies one list per changed family under the lock and joins
+  it after (a series still being encoded shows its previous lines until published). The cached bytes
+  (heads, lines, family block) are counted in ``series_bytes``.
 
 Resource attributes become one ``target_info`` series per resource (labels: the sanitised attributes,
 ``service.name`` as ``service_name``), never ``job`` / ``instance``, which are the exporter's own target
@@ -469,29 +465,25 @@ class TrainingStore:
         return [info]
 
     def _publish(self, changed: list[Changed]) -> None:
-        """Encode what a request changed (lock released), then store the lines in their families' lists
-        (lock held: one list item per series; ``series.publish`` keeps only current ones)."""
+        """Encode what a request changed (lock released), then store the lines (lock held; ``series.publish``)."""
         encoded = encode_changed(changed)
-        if encoded:
-            with self._lock:
-                publish(encoded)
-                self._version += 1
+        with self._lock:
+            publish(encoded)
+            self._version += 1
 
     def render(self, openmetrics: bool) -> bytes:
         """What ``collect()`` returns, already encoded (OpenMetrics without its ``# EOF``): the scrape fast
-        path. Series are encoded and their lines stored when a push changes them (``apply``), so under the
-        lock a render only copies references: one ready block per unchanged family, one list of lines per
-        changed one. After the lock is released it joins them."""
+        path. Under the lock only references are copied (a block per unchanged family, the list of lines of
+        a changed one); they are joined after."""
         with self._lock:
             self._sweep(self._clock())
             taken = [ready(fam, openmetrics) for fam in self._families.values()]
             resources = [line for _labels, _seen, _cost, line in self._resources.values()]
-            own = self._tally.families(self._series_total, self._bytes)
+            tally, held, used = self._tally.copy(), self._series_total, self._bytes
         out = [join(item, openmetrics) for item in taken]
         if resources:
-            out.append(encoder.header(TARGET_INFO, openmetrics))
-            out.extend(resources)
-        out.append(encoder.encode_families(own, openmetrics))
+            out += (encoder.header(TARGET_INFO, openmetrics), *resources)
+        out.append(tally.encode(held, used, openmetrics))
         return b"".join(out)
 
     # ------------------------------------------------------------------------------------------------
