@@ -240,12 +240,14 @@ class CachedExposition:
     def __init__(self, sources: Iterable[CachedSource]) -> None:
         self.sources = list(sources)
 
-    def render(self, accept: str, names: frozenset[str] | None = None) -> tuple[bytes, str]:
+    def render(self, accept: str, names: frozenset[str] | None = None) -> tuple[bytes | tuple[bytes, ...], str]:
         """The body served for ``accept``; with ``names`` (``?name[]=``), only those samples.
 
         This is the one exposition path: unfiltered and filtered scrapes are cut from the same cached
-        bytes, so a filter sees exactly the series an unfiltered scrape serves."""
-        _, content_type = prom_exposition.choose_encoder(accept)
+        bytes, so a filter sees exactly the series an unfiltered scrape serves. Unfiltered, the body is
+        each source's bytes in order (a tuple), written one after another without joining them (a
+        response of a few hundred KiB costs a fresh buffer, page faults included, at every join)."""
+        content_type = _content_type(accept)
         om = content_type.startswith("application/openmetrics-text")
         parts = []
         for source in self.sources:
@@ -253,12 +255,27 @@ class CachedExposition:
                 parts.append(source.render(om))
             except Exception:  # noqa: BLE001 - a broken source must not fail the scrape
                 log.exception("metrics source %r failed", source.collect)
-        body = b"".join(parts)
-        if names is not None:
-            body = select_samples(body, names)
         if om:
-            body += _OM_EOF
+            parts.append(_OM_EOF)
+        if names is None:
+            return tuple(parts), content_type
+        body = select_samples(b"".join(parts), names)
         return body, content_type
+
+
+_CONTENT_TYPES: dict[str, str] = {}
+
+
+def _content_type(accept: str) -> str:
+    """``prometheus_client``'s choice of format for an ``Accept`` header, remembered (a scraper sends the same
+    header every time)."""
+    content_type = _CONTENT_TYPES.get(accept)
+    if content_type is None:
+        content_type = prom_exposition.choose_encoder(accept)[1]
+        if len(_CONTENT_TYPES) >= 64:
+            _CONTENT_TYPES.clear()
+        _CONTENT_TYPES[accept] = content_type
+    return content_type
 
 
 def select_samples(body: bytes, names: frozenset[str]) -> bytes:
