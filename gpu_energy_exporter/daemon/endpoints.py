@@ -78,8 +78,8 @@ def _accepts_gzip(accept_encoding: str | None) -> bool:
 
 def inline_scrape(telemetry_path: str) -> Callable[[Request], bool]:
     """Which requests the /metrics server handles on its selector thread (``HTTPServer``'s ``inline``):
-    plain scrapes of the telemetry path. Their body is ready bytes joined (a fraction of a millisecond
-    between two pushes, about one after every series changed), less than the hand-off to a worker and back
+    plain scrapes of the telemetry path. Their body is ready bytes written as parts (a fraction of a
+    millisecond, also after every training series changed), less than the hand-off to a worker and back
     (a queue, a wake-up, two thread switches). A scrape asking for gzip (compressing a few hundred KiB takes
     milliseconds) or filtering with ``name[]`` (a pass over every line) goes to the worker pool, like every
     other path, so the selector never runs a long request."""

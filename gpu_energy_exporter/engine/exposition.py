@@ -6,8 +6,9 @@ OTLP, per-run series of the ledger). It never calls NVML, never reads sysfs and 
 sampler: a slow or hung driver cannot make a scrape slow.
 
 ``CachedExposition`` is the fast path used by the HTTP handler: each source (the snapshot, the training
-store, ...) is encoded once per version and per format, so a scrape between two changes is a
-concatenation of cached bytes plus the few values computed at scrape time. ``PreparedSource`` is for a
+store, ...) is encoded once per version and per format, so a scrape between two changes is cached bytes
+plus the few values computed at scrape time (the sample ages), handed to the server as parts that it writes
+one after another without joining them. ``PreparedSource`` is for a
 source that changes between most scrapes and is costly to collect (the run ledger): it is encoded on the
 sampler thread after each snapshot and the scrape serves the bytes ready. ``name[]`` filtering cuts the
 same bytes (``select_samples``): there is one exposition path, and the golden file is rendered through
