@@ -128,8 +128,9 @@ class Family:
         self.claims = claimed_names(name, kind)
         self.header: list[bytes | None] = [None, None]  # encoded # HELP / # TYPE / # UNIT lines
         self.cost = family_bytes(name, help)
-        # ``gen`` changes with any of its series (lock held); ``block`` [text, OpenMetrics]: (the series'
-        # lines ``version``, the family's encoded header and lines) for the render of an unchanged family
+        # ``gen`` changes with any of its series (lock held; no reader since the render keys its block on the
+        # lines' version); ``block`` [text, OpenMetrics]: (the series' lines ``version``, the family's
+        # encoded header and lines) for the render of an unchanged family
         self.gen = 0
         self.block: list[tuple[int, bytes] | None] = [None, None]
 
