@@ -17,6 +17,7 @@ field here), never starts a thread, never decides admission or expiry, and never
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from types import MappingProxyType
 
 from prometheus_client.core import Metric
@@ -154,6 +155,13 @@ def claimed_names(name: str, kind: Kind) -> tuple[str, ...]:
 
 TARGET_INFO = Metric("target", "Resource attributes of the processes pushing OTLP metrics "
                      "(one series per resource; never job/instance).", "info")
+
+def target_info_families(resources: Iterable[dict[str, str]]) -> list[Metric]:
+    """``target_info`` with one sample per resource's labels (none when there is no resource)."""
+    info = Metric(TARGET_INFO.name, TARGET_INFO.documentation, "info")
+    info.samples.extend(Sample("target_info", labels, 1.0) for labels in resources)
+    return [info] if info.samples else []
+
 
 #: A series' new lines, to publish: (series, the values they encode, text lines, OpenMetrics lines).
 Encoded = tuple["Series", tuple[float, ...], bytes, bytes]

@@ -45,7 +45,6 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from prometheus_client.core import Metric
-from prometheus_client.samples import Sample
 
 from gpu_energy_exporter.core import encoder
 from gpu_energy_exporter.otlp import admission, folding
@@ -64,6 +63,7 @@ from gpu_energy_exporter.otlp.series import (
     ready,
     relayout,
     samples,
+    target_info_families,
 )
 
 log = logging.getLogger(__name__)
@@ -450,19 +450,9 @@ class TrainingStore:
         return out
 
     def _collect_training(self) -> list[Metric]:
-        out: list[Metric] = []
-        for fam in self._families.values():
-            out.append(metric(fam, tuple(sample for s in fam.series.values() for sample in samples(fam, s))))
-        out.extend(self._collect_target_info())
-        return out
-
-    def _collect_target_info(self) -> list[Metric]:
-        if not self._resources:
-            return []
-        info = Metric(TARGET_INFO.name, TARGET_INFO.documentation, "info")
-        for labels, _seen, _cost, _line in self._resources.values():
-            info.samples.append(Sample("target_info", labels, 1.0))
-        return [info]
+        out = [metric(fam, tuple(sample for s in fam.series.values() for sample in samples(fam, s)))
+               for fam in self._families.values()]
+        return out + target_info_families(entry[0] for entry in self._resources.values())
 
     def _publish(self, changed: list[Changed]) -> None:
         """Encode what a request changed (lock released), then store the lines (lock held; ``series.publish``)."""
