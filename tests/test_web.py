@@ -19,6 +19,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from types import MappingProxyType
 
 import bcrypt
 import pytest
@@ -31,7 +32,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 from gpu_energy_exporter import __version__
 from gpu_energy_exporter.core.errors import ConfigError
 from gpu_energy_exporter.daemon.endpoints import accepts_gzip, exporter_routes, new_exporter_server
-from gpu_energy_exporter.http.messages import HTTPError, Request, Response
+from gpu_energy_exporter.http.messages import HTTPError, Request, Response, serialise
+from gpu_energy_exporter.http.parsing import ClientFault, parse_head
 from gpu_energy_exporter.http.server import HTTPServer
 from gpu_energy_exporter.http.webconfig import WebConfig, load_web_config
 
@@ -740,3 +742,71 @@ def test_clients_not_reading_their_answers_do_not_lock_others_out() -> None:
         for s in stalled:
             s.close()
         server.shutdown()
+
+
+# ----------------------------------------------------------------------------------------------------
+# bodies in parts (the telemetry path: each source's bytes written one after another, never joined)
+
+PARTS = (b"# HELP a A.\n# TYPE a gauge\n", b"a 1.0\n" * 3000, b"", b"b 2.0\n")
+BIG_PARTS = tuple(bytes([65 + i]) * (3 << 20) for i in range(3))  # more than a socket takes at once
+
+
+def _parts_route(parts: tuple[bytes, ...]):  # type: ignore[no-untyped-def]
+    headers = MappingProxyType({"Content-Type": "text/plain"})
+
+    def handle(req: Request) -> Response:
+        return Response(200, parts, headers)
+
+    return handle
+
+
+@pytest.fixture
+def parts_server() -> Iterator[HTTPServer]:
+    routes = {("GET", "/parts"): _parts_route(PARTS), ("GET", "/big"): _parts_route(BIG_PARTS),
+              ("GET", "/dict"): lambda req: Response(200, PARTS, {"Content-Type": "text/plain"})}
+    with serving(HTTPServer(("127.0.0.1", 0), routes, inline=lambda req: req.path == "/parts")) as s:
+        yield s
+
+
+def test_a_body_in_parts_is_served_whole_on_keep_alive_connections(parts_server: HTTPServer) -> None:
+    host, port = parts_server.server_address
+    conn = http.client.HTTPConnection(host, port, timeout=10)
+    try:
+        for path, parts in (("/parts", PARTS), ("/big", BIG_PARTS), ("/parts", PARTS), ("/dict", PARTS)):
+            conn.request("GET", path)
+            r = conn.getresponse()
+            body = r.read()
+            assert r.status == 200 and body == b"".join(parts), path
+            assert r.headers["Content-Length"] == str(len(body)) and r.headers["Content-Type"] == "text/plain"
+        conn.request("HEAD", "/parts")
+        r = conn.getresponse()
+        assert r.read() == b"" and r.headers["Content-Length"] == str(len(b"".join(PARTS)))
+    finally:
+        conn.close()
+
+
+def test_a_body_in_parts_over_tls(pki: PKI, tmp_path: Path) -> None:
+    cfg = tls_config(pki, tmp_path)
+    with serving(HTTPServer(("127.0.0.1", 0), {("GET", "/big"): _parts_route(BIG_PARTS)}, web_config=cfg)) as s:
+        r = fetch(s, "/big", context=client_context(pki))
+        assert r.status == 200 and r.body == b"".join(BIG_PARTS)
+
+
+@pytest.mark.parametrize("close", [False, True])
+@pytest.mark.parametrize("head", [False, True])
+def test_serialise_of_parts_is_the_bytes_of_the_joined_body(close: bool, head: bool) -> None:
+    extra = (("X-Extra", "1"), ("Content-Type", "ignored: the response sets it"))
+    for headers in (MappingProxyType({"Content-Type": "text/plain", "Vary": "Accept"}), {"Content-Type": "x/y"}):
+        parts = serialise(Response(200, PARTS, headers), extra, close=close, head=head)
+        joined = serialise(Response(200, b"".join(PARTS), dict(headers)), extra, close=close, head=head)
+        assert (b"".join(parts) if isinstance(parts, list) else parts) == joined
+
+
+def test_request_heads_are_parsed_once_and_faults_every_time() -> None:
+    head = b"GET /metrics HTTP/1.1\r\nHost: x\r\nAccept: text/plain\r\nConnection: close"
+    first = parse_head(head)
+    assert parse_head(bytes(head)) is first
+    assert first[:3] == ("GET", "/metrics", (1, 1)) and not first[3].keep_alive
+    for _ in range(2):
+        with pytest.raises(ClientFault):
+            parse_head(b"GET /metrics HTTP/1.1\r\nbad header line")

@@ -28,6 +28,8 @@ from prometheus_client import exposition as text_exposition
 from prometheus_client.core import Metric
 from prometheus_client.openmetrics import exposition as om_exposition
 
+from gpu_energy_exporter.core.metrics import MetricSpec
+
 _LEGACY_LABEL = re.compile(r"[a-zA-Z_][a-zA-Z0-9_]*\Z")
 _LEGACY_METRIC = re.compile(r"[a-zA-Z_:][a-zA-Z0-9_:]*\Z")
 _OM_EOF = b"# EOF\n"
@@ -162,6 +164,31 @@ def encode_families(families: Iterable[Metric], openmetrics: bool) -> bytes:
             continue
         out.append(header(metric, openmetrics))
         out.extend(lines)
+    return b"".join(out)
+
+
+#: (spec name, format) -> (the family's header, {label values: sample head}) for ``encode_spec``
+_SPEC_TEXT: dict[tuple[str, bool], tuple[bytes, dict[tuple[str, ...], bytes]]] = {}
+
+
+def encode_spec(spec: MetricSpec, rows: Iterable[tuple[Sequence[str], float]], openmetrics: bool) -> bytes:
+    """``encode_families([fam], openmetrics)`` for a gauge or counter ``fam = spec.family()`` with
+    ``metrics.add(fam, labels, value)`` for each row: the same bytes, from a header and sample heads cached by
+    label values (for families encoded on every scrape, such as the receiver's self-metrics)."""
+    key = (spec.name, openmetrics)
+    text = _SPEC_TEXT.get(key)
+    if text is None:
+        text = _SPEC_TEXT[key] = (header(spec.family(), openmetrics), {})
+    head_of = text[1]
+    out = [text[0]]
+    for values, value in rows:
+        head = head_of.get(tuple(values))
+        if head is None:
+            if len(head_of) >= _HEAD_CACHE_MAX:
+                head_of.clear()
+            head = head_of[tuple(values)] = sample_head(spec.name, tuple(zip(spec.labels, values, strict=True)),
+                                                        openmetrics)
+        out += (head, go_float(value).encode("ascii"), b"\n")
     return b"".join(out)
 
 

@@ -64,8 +64,9 @@ def metrics_markdown() -> str:
         "",
         "Every per-GPU series carries `gpu` (the NVML index, which is not the `CUDA_VISIBLE_DEVICES` index) and",
         "`gpu_uuid` (stable, globally unique: the join key). Prometheus adds `instance` and `job` at scrape time.",
-        "Also exposed: `gpuenergy_process_*` (the exporter's own CPU seconds, resident memory, open files) from",
-        "prometheus_client's process collector.",
+        "Also exposed: `gpuenergy_process_*` (the exporter's own CPU seconds, resident memory, open files): the",
+        "series of prometheus_client's process collector, read from /proc at most once a second (scrapes less",
+        "than a second apart serve the same reading).",
         "",
     ]
     by_collector: dict[str, list] = {}

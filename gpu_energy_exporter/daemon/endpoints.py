@@ -14,7 +14,8 @@ from __future__ import annotations
 import gzip
 import html
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from types import MappingProxyType
 from urllib.parse import parse_qs
 
 from prometheus_client import CollectorRegistry
@@ -32,8 +33,8 @@ log = logging.getLogger(__name__)
 #: A readiness check: True/False, or (ready, reason shown in the 503 body).
 ReadyCheck = Callable[[], "bool | tuple[bool, str]"]
 #: Renders the exposition for an ``Accept`` header and an optional set of ``name[]`` sample names:
-#: (body, content type).
-Render = Callable[[str, "frozenset[str] | None"], tuple[bytes, str]]
+#: (body, content type); the body may be parts to write one after another (a tuple of bytes).
+Render = Callable[[str, "frozenset[str] | None"], "tuple[bytes | tuple[bytes, ...], str]"]
 
 # Level 1: scrape latency matters more than the last few percent of size; text metrics compress well.
 _GZIP_LEVEL = 1
@@ -44,8 +45,22 @@ __all__ = [
 ]
 
 
+_GZIP_OK: dict[str | None, bool] = {}
+
+
 def accepts_gzip(accept_encoding: str | None) -> bool:
-    """True when an ``Accept-Encoding`` header allows gzip (``gzip;q=0`` does not)."""
+    """True when an ``Accept-Encoding`` header allows gzip (``gzip;q=0`` does not). Remembered by header value
+    (a scraper sends the same one every time)."""
+    ok = _GZIP_OK.get(accept_encoding)
+    if ok is None:
+        ok = _accepts_gzip(accept_encoding)
+        if len(_GZIP_OK) >= 64:
+            _GZIP_OK.clear()
+        _GZIP_OK[accept_encoding] = ok
+    return ok
+
+
+def _accepts_gzip(accept_encoding: str | None) -> bool:
     for part in (accept_encoding or "").split(","):
         token, *params = part.split(";")
         if token.strip().lower() not in ("gzip", "x-gzip"):
@@ -63,8 +78,8 @@ def accepts_gzip(accept_encoding: str | None) -> bool:
 
 def inline_scrape(telemetry_path: str) -> Callable[[Request], bool]:
     """Which requests the /metrics server handles on its selector thread (``HTTPServer``'s ``inline``):
-    plain scrapes of the telemetry path. Their body is ready bytes joined (a fraction of a millisecond
-    between two pushes, about one after every series changed), less than the hand-off to a worker and back
+    plain scrapes of the telemetry path. Their body is ready bytes written as parts (a fraction of a
+    millisecond, also after every training series changed), less than the hand-off to a worker and back
     (a queue, a wake-up, two thread switches). A scrape asking for gzip (compressing a few hundred KiB takes
     milliseconds) or filtering with ``name[]`` (a pass over every line) goes to the worker pool, like every
     other path, so the selector never runs a long request."""
@@ -94,15 +109,32 @@ def metrics_handler(render: Render) -> Handler:
 
     def handle(req: Request) -> Response:
         accept = req.headers.get("Accept", "")
-        names = parse_qs(req.query).get("name[]")
+        names = parse_qs(req.query).get("name[]") if req.query else None
         body, content_type = render(accept, frozenset(names) if names else None)
-        headers = {"Content-Type": content_type, "Vary": "Accept, Accept-Encoding"}
         if accepts_gzip(req.headers.get("Accept-Encoding")):
-            body = gzip.compress(body, compresslevel=_GZIP_LEVEL, mtime=0)
-            headers["Content-Encoding"] = "gzip"
-        return Response(200, body, headers)
+            data = body if isinstance(body, bytes) else b"".join(body)
+            return Response(200, gzip.compress(data, compresslevel=_GZIP_LEVEL, mtime=0),
+                            _metrics_headers(content_type, True))
+        return Response(200, body, _metrics_headers(content_type, False))
 
     return handle
+
+
+_HEADERS: dict[tuple[str, bool], Mapping[str, str]] = {}
+
+
+def _metrics_headers(content_type: str, gzipped: bool) -> Mapping[str, str]:
+    """The telemetry path's response headers, one read-only mapping per content type and encoding (the server
+    then reuses their encoded lines)."""
+    headers = _HEADERS.get((content_type, gzipped))
+    if headers is None:
+        fields = {"Content-Type": content_type, "Vary": "Accept, Accept-Encoding"}
+        if gzipped:
+            fields["Content-Encoding"] = "gzip"
+        if len(_HEADERS) >= 64:
+            _HEADERS.clear()
+        headers = _HEADERS[(content_type, gzipped)] = MappingProxyType(fields)
+    return headers
 
 
 def landing_page_handler(

@@ -33,6 +33,7 @@ from gpu_energy_exporter.engine.exposition import (
     SnapshotCollector,
     new_registry,
 )
+from gpu_energy_exporter.engine.process import ProcessExposition
 from gpu_energy_exporter.engine.sampler import Sampler
 from gpu_energy_exporter.http.server import HTTPServer
 from gpu_energy_exporter.http.webconfig import load_web_config
@@ -106,6 +107,7 @@ class Exporter:
         self.snapshot_collector = SnapshotCollector(self.sampler, clock=clock)
         self.registry = new_registry(self.snapshot_collector)
         self.process_collector = ProcessCollector(namespace="gpuenergy", registry=self.registry)
+        self.process_exposition = ProcessExposition("gpuenergy")  # the same series, encoded directly
         self._build_servers()
 
     def _identities(self) -> tuple[GPUIdentity, ...]:
@@ -148,8 +150,8 @@ class Exporter:
         self.exposition = CachedExposition([
             CachedSource(sc.static_families, version=lambda: 0),
             CachedSource(sc.snapshot_families, version=sc.snapshot_version),
-            CachedSource(sc.age_families),
-            CachedSource(self.process_collector.collect),
+            CachedSource(sc.age_families, encoder=sc.age_render),
+            CachedSource(self.process_collector.collect, encoder=self.process_exposition.render),
             CachedSource(self.store.collect, version=self._store_version, encoder=self.store.render),
             CachedSource(self.ledger.collect, encoder=self.ledger_exposition.render),
             CachedSource(self._http_families, version=self._http_version),

@@ -6,8 +6,9 @@ OTLP, per-run series of the ledger). It never calls NVML, never reads sysfs and 
 sampler: a slow or hung driver cannot make a scrape slow.
 
 ``CachedExposition`` is the fast path used by the HTTP handler: each source (the snapshot, the training
-store, ...) is encoded once per version and per format, so a scrape between two changes is a
-concatenation of cached bytes plus the few values computed at scrape time. ``PreparedSource`` is for a
+store, ...) is encoded once per version and per format, so a scrape between two changes is cached bytes
+plus the few values computed at scrape time (the sample ages), handed to the server as parts that it writes
+one after another without joining them. ``PreparedSource`` is for a
 source that changes between most scrapes and is costly to collect (the run ledger): it is encoded on the
 sampler thread after each snapshot and the scrape serves the bytes ready. ``name[]`` filtering cuts the
 same bytes (``select_samples``): there is one exposition path, and the golden file is rendered through
@@ -57,6 +58,8 @@ class SnapshotCollector(PromCollector):
         self._live = list(live_sources)
         self._clock = clock
         self._build_info = build_info_family()
+        self._age_heads: dict[tuple[int, str, bool], bytes] = {}
+        self._age_headers: dict[bool, bytes] = {}
 
     def add_live_source(self, source: LiveSource) -> None:
         self._live.append(source)
@@ -84,6 +87,33 @@ class SnapshotCollector(PromCollector):
             if g.last_good is not None:
                 add(age, [str(g.identity.index), g.identity.uuid], max(0.0, now - g.last_good))
         return [age]
+
+    def age_render(self, openmetrics: bool) -> bytes:
+        """``encode(self.age_families(), openmetrics)``, the same bytes, written from cached sample heads."""
+        snap = self._sampler.snapshot
+        if snap is None or not snap.gpus:
+            return b""
+        now = self._clock()
+        out = [self._age_header(openmetrics)]
+        heads = self._age_heads
+        for g in snap.gpus:
+            if g.last_good is not None:
+                key = (g.identity.index, g.identity.uuid, openmetrics)
+                head = heads.get(key)
+                if head is None:
+                    if len(heads) > 1024:
+                        heads.clear()
+                    head = heads[key] = encoder.sample_head(
+                        GPU_SAMPLE_AGE.name, (("gpu", str(g.identity.index)), ("gpu_uuid", g.identity.uuid)),
+                        openmetrics)
+                out += (head, encoder.go_float(max(0.0, now - g.last_good)).encode("ascii"), b"\n")
+        return b"".join(out)
+
+    def _age_header(self, openmetrics: bool) -> bytes:
+        header = self._age_headers.get(openmetrics)
+        if header is None:
+            header = self._age_headers[openmetrics] = encoder.header(GPU_SAMPLE_AGE.family(), openmetrics)
+        return header
 
     def static_families(self) -> list[Metric]:
         return [self._build_info]
@@ -211,12 +241,14 @@ class CachedExposition:
     def __init__(self, sources: Iterable[CachedSource]) -> None:
         self.sources = list(sources)
 
-    def render(self, accept: str, names: frozenset[str] | None = None) -> tuple[bytes, str]:
+    def render(self, accept: str, names: frozenset[str] | None = None) -> tuple[bytes | tuple[bytes, ...], str]:
         """The body served for ``accept``; with ``names`` (``?name[]=``), only those samples.
 
         This is the one exposition path: unfiltered and filtered scrapes are cut from the same cached
-        bytes, so a filter sees exactly the series an unfiltered scrape serves."""
-        _, content_type = prom_exposition.choose_encoder(accept)
+        bytes, so a filter sees exactly the series an unfiltered scrape serves. Unfiltered, the body is
+        each source's bytes in order (a tuple), written one after another without joining them (a
+        response of a few hundred KiB costs a fresh buffer, page faults included, at every join)."""
+        content_type = _content_type(accept)
         om = content_type.startswith("application/openmetrics-text")
         parts = []
         for source in self.sources:
@@ -224,12 +256,27 @@ class CachedExposition:
                 parts.append(source.render(om))
             except Exception:  # noqa: BLE001 - a broken source must not fail the scrape
                 log.exception("metrics source %r failed", source.collect)
-        body = b"".join(parts)
-        if names is not None:
-            body = select_samples(body, names)
         if om:
-            body += _OM_EOF
+            parts.append(_OM_EOF)
+        if names is None:
+            return tuple(parts), content_type
+        body = select_samples(b"".join(parts), names)
         return body, content_type
+
+
+_CONTENT_TYPES: dict[str, str] = {}
+
+
+def _content_type(accept: str) -> str:
+    """``prometheus_client``'s choice of format for an ``Accept`` header, remembered (a scraper sends the same
+    header every time)."""
+    content_type = _CONTENT_TYPES.get(accept)
+    if content_type is None:
+        content_type = prom_exposition.choose_encoder(accept)[1]
+        if len(_CONTENT_TYPES) >= 64:
+            _CONTENT_TYPES.clear()
+        _CONTENT_TYPES[accept] = content_type
+    return content_type
 
 
 def select_samples(body: bytes, names: frozenset[str]) -> bytes:

@@ -34,8 +34,7 @@ from gpu_energy_exporter.http.parsing import (
     MAX_HEAD,
     ChunkedReader,
     ClientFault,
-    parse_fields,
-    parse_request_line,
+    parse_head,
     skip_blank_lines,
     take_head,
 )
@@ -343,9 +342,7 @@ class Connections:
             self._dispatch(conn)
 
     def _start_request(self, conn: Conn, head: bytes) -> None:
-        lines = head.split(b"\n")
-        conn.method, conn.target, conn.version = parse_request_line(lines[0].removesuffix(b"\r"))
-        framing = parse_fields(lines[1:], conn.version)
+        conn.method, conn.target, conn.version, framing = parse_head(head)
         conn.headers = framing.headers
         conn.keep_alive = framing.keep_alive
         conn.length = framing.length
@@ -396,7 +393,9 @@ class Connections:
         self.release(conn)
         self.start_write(conn, data, close=True)
 
-    def start_write(self, conn: Conn, data: bytes, close: bool) -> None:
+    def start_write(self, conn: Conn, data: bytes | list[bytes], close: bool) -> None:
+        if isinstance(data, list):
+            data = self._send_parts(conn, data)
         self._out_pending += len(data)
         if self._out_pending > MAX_PENDING_OUT:
             self._cut_stalled_writers(conn)
@@ -410,6 +409,25 @@ class Connections:
         self._flush(conn)
         if conn.state == WRITE and conn.out:
             self.want(conn, selectors.EVENT_WRITE)
+
+    def _send_parts(self, conn: Conn, parts: list[bytes]) -> bytes:
+        """Write a response given in parts (head, then the body's parts) with one ``sendmsg``, without joining
+        them; returns what the socket did not take, to write the usual way (joined only then). TLS sockets
+        have no ``sendmsg``: joined."""
+        sock = conn.sock
+        if isinstance(sock, ssl.SSLSocket) or len(parts) > 512:
+            return b"".join(parts)
+        try:
+            sent = sock.sendmsg(parts)
+        except (BlockingIOError, InterruptedError):
+            sent = 0
+        except OSError:
+            return b"".join(parts)  # ``_flush`` meets the error again and closes the connection
+        for i, part in enumerate(parts):
+            if sent < len(part):
+                return b"".join([part[sent:], *parts[i + 1:]])
+            sent -= len(part)
+        return b""
 
     def _flush(self, conn: Conn) -> None:
         sock = conn.sock

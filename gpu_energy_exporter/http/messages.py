@@ -3,8 +3,8 @@
 
 A handler takes a ``Request`` (method, path without the query string, raw query, case-insensitive
 headers, client address, and the body already received in full through ``read_body``) and returns a
-``Response`` (status, body bytes, headers; ``Content-Length`` is added). It may raise ``HTTPError`` for a
-plain-text error.
+``Response`` (status, body bytes or a tuple of parts written one after another, headers; ``Content-Length``
+is added). It may raise ``HTTPError`` for a plain-text error.
 
 Pure data and formatting: this module never touches a socket, a thread or a lock (the Date header's
 once-a-second cache is a plain tuple swap).
@@ -43,7 +43,8 @@ class HTTPError(Exception):
 @dataclass(frozen=True)
 class Response:
     status: int
-    body: bytes = b""
+    #: the body, or its parts in order (written without being joined: see ``serialise``)
+    body: bytes | tuple[bytes, ...] = b""
     headers: Mapping[str, str] = field(default_factory=dict)
 
     @classmethod
@@ -148,14 +149,18 @@ def decode_body(data: bytes, encoding: str | None, max_bytes: int) -> bytes:
 # a response on the wire
 
 
-def serialise(response: Response, extra_headers: tuple[tuple[str, str], ...], *, close: bool, head: bool) -> bytes:
+def serialise(response: Response, extra_headers: tuple[tuple[str, str], ...], *, close: bool,
+              head: bool) -> bytes | list[bytes]:
     """The status line, headers (``Server``, ``Date``, the response's, then ``extra_headers`` it does not
     set, ``Content-Length``, ``Connection: close`` when ``close``) and, unless ``head``, the body.
 
     A response whose headers are read-only (a ``MappingProxyType``: a constant answer, such as the OTLP
-    receiver's full success) is encoded once and its bytes reused while the ``Date`` line stays the same."""
+    receiver's full success) is encoded once and its bytes reused while the ``Date`` line stays the same.
+    A body in parts gives a list: the head, then the parts (for the connection to write without joining)."""
     global _memo
     date = _date_line()
+    if type(response.body) is tuple:
+        return _serialise_parts(response, response.body, extra_headers, date, close, head)
     memo = _memo
     if memo is not None and memo[0] is response and memo[1] is extra_headers and memo[2] is date \
             and memo[3] == (close, head):
@@ -166,8 +171,36 @@ def serialise(response: Response, extra_headers: tuple[tuple[str, str], ...], *,
     return out
 
 
-def _serialise(response: Response, extra_headers: tuple[tuple[str, str], ...], date: str, close: bool,
-               head: bool) -> bytes:
+#: (status, id of read-only headers, extra headers, Date line) -> (those headers, the head up to
+#: ``Content-Length``, or None where it cannot be reused): the telemetry path's answers differ only in their
+#: length within a second. The entry holds the headers, so their id is not reused while it is there.
+_prefixes: dict[tuple[int, int, tuple[tuple[str, str], ...], str], tuple[Mapping[str, str], bytes | None]] = {}
+
+
+def _serialise_parts(response: Response, parts: tuple[bytes, ...], extra_headers: tuple[tuple[str, str], ...],
+                     date: str, close: bool, head: bool) -> bytes | list[bytes]:
+    headers = response.headers
+    prefix = None
+    if type(headers) is MappingProxyType:
+        key = (response.status, id(headers), extra_headers, date)
+        entry = _prefixes.get(key)
+        if entry is None or entry[0] is not headers:
+            if len(_prefixes) >= 16:
+                _prefixes.clear()  # a new second (or a new content type): the old lines are done
+            text, sent = _head_lines(response, extra_headers, date)
+            plain = "content-length" not in sent and 200 <= response.status and response.status not in (204, 304)
+            entry = _prefixes[key] = (headers, text.encode("latin-1") if plain else None)
+        prefix = entry[1]
+    if prefix is None:  # the general path, on the joined body
+        return _serialise(Response(response.status, b"".join(parts), headers), extra_headers, date, close, head)
+    length = sum(map(len, parts))
+    out = prefix + (f"Content-Length: {length}\r\nConnection: close\r\n\r\n" if close
+                    else f"Content-Length: {length}\r\n\r\n").encode("ascii")
+    return out if head else [out, *parts]
+
+
+def _head_lines(response: Response, extra_headers: tuple[tuple[str, str], ...], date: str) -> tuple[str, set[str]]:
+    """The head's lines before ``Content-Length``, each ended by CRLF, and the header names set (lower case)."""
     lines = [_status_line(response.status), _SERVER_LINE, date]
     sent = set()
     for k, v in response.headers.items():
@@ -176,13 +209,20 @@ def _serialise(response: Response, extra_headers: tuple[tuple[str, str], ...], d
     for k, v in extra_headers:
         if k.lower() not in sent:
             lines.append(f"{k}: {v}")
+    return "\r\n".join(lines) + "\r\n", sent
+
+
+def _serialise(response: Response, extra_headers: tuple[tuple[str, str], ...], date: str, close: bool,
+               head: bool) -> bytes:
     body = response.body
+    assert isinstance(body, bytes)
+    text, sent = _head_lines(response, extra_headers, date)
     no_body = response.status in (204, 304) or response.status < 200
     if not no_body and "content-length" not in sent:
-        lines.append(f"Content-Length: {len(body)}")
+        text += f"Content-Length: {len(body)}\r\n"
     if close:
-        lines.append("Connection: close")
-    out = ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
+        text += "Connection: close\r\n"
+    out = (text + "\r\n").encode("latin-1")
     if not head and not no_body:
         out += body
     return out

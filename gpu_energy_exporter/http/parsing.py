@@ -89,6 +89,27 @@ def take_head(buf: bytearray) -> bytes | None:
     return head
 
 
+#: Whole request heads already parsed (a scraper sends the same head on every request of its connection).
+_HEAD_CACHE: dict[bytes, tuple[str, str, tuple[int, int], Framing]] = {}
+_HEAD_CACHE_MAX = 256
+_HEAD_CACHE_BYTES = 2048
+
+
+def parse_head(head: bytes) -> tuple[str, str, tuple[int, int], Framing]:
+    """A request head from ``take_head`` to (method, target, version, ``Framing``); valid heads are remembered
+    whole (bounded in entries and size; the ``Headers`` they hold are shared, and only ever read)."""
+    out = _HEAD_CACHE.get(head)
+    if out is None:
+        lines = head.split(b"\n")
+        method, target, version = parse_request_line(lines[0].removesuffix(b"\r"))
+        out = (method, target, version, parse_fields(lines[1:], version))
+        if len(head) <= _HEAD_CACHE_BYTES:
+            if len(_HEAD_CACHE) >= _HEAD_CACHE_MAX:
+                _HEAD_CACHE.clear()
+            _HEAD_CACHE[head] = out
+    return out
+
+
 def parse_request_line(line: bytes) -> tuple[str, str, tuple[int, int]]:
     """``GET /path HTTP/1.1`` (without its line end) to (method, target, version)."""
     out = _LINE_CACHE.get(line)

@@ -154,7 +154,7 @@ class HTTPServer:
         # flood of password guesses never delays a request that needs none (cached or no credentials).
         self._auth_jobs: queue.SimpleQueue[tuple[Conn, Request] | None] = queue.SimpleQueue()
         self._auth_pending = 0
-        self._done: collections.deque[tuple[Conn, bytes, bool]] = collections.deque()
+        self._done: collections.deque[tuple[Conn, bytes | list[bytes], bool]] = collections.deque()
         self._refused_logged = False
         self._listener = bind(address)  # first: a bind error leaves nothing open behind
         self._listener.setblocking(False)
@@ -449,5 +449,5 @@ class HTTPServer:
             log.exception("%s: %s %s failed", self.name, req.method, req.path)
             return Response.text(500, "Internal Server Error\n")
 
-    def _serialise(self, response: Response, *, close: bool, head: bool) -> bytes:
+    def _serialise(self, response: Response, *, close: bool, head: bool) -> bytes | list[bytes]:
         return serialise(response, self._extra_headers, close=close, head=head)

@@ -1,15 +1,16 @@
 """The OTLP receiver's self-metrics: what is counted about requests, points, series and restarts, and how
 it is exposed (``gpuenergy_otlp_*``, collector ``otlp``).
 
-``Tally`` is plain counters; the store changes them under its own lock and calls ``families`` while holding
-it. This module never decides whether a point is accepted, never takes a lock and never reads a clock.
+``Tally`` is plain counters; the store changes them under its own lock and copies them under it (``copy``)
+for a scrape to encode after (``encode``: the bytes of ``families``, written from cached sample heads). This
+module never decides whether a point is accepted, never takes a lock and never reads a clock.
 """
 
 from __future__ import annotations
 
 from prometheus_client.core import Metric
 
-from gpu_energy_exporter.core import metrics
+from gpu_energy_exporter.core import encoder, metrics
 
 COLLECTOR = "otlp"
 
@@ -99,3 +100,26 @@ class Tally:
         resets = STREAM_RESTARTS.family()
         metrics.add(resets, (), self.resets)
         return [requests, received, rejected, held, used, expired, evicted, duration, resets]
+
+    def copy(self) -> Tally:
+        """A copy to encode outside the store's lock (two dict copies)."""
+        out = Tally.__new__(Tally)
+        out.requests, out.rejected = dict(self.requests), dict(self.rejected)
+        out.request_seconds, out.received, out.expired = self.request_seconds, self.received, self.expired
+        out.evicted, out.resets = self.evicted, self.resets
+        return out
+
+    def encode(self, series: int, store_bytes: int, openmetrics: bool) -> bytes:
+        """``encoder.encode_families(self.families(series, store_bytes), openmetrics)``, the same bytes."""
+        spec = encoder.encode_spec
+        return b"".join([
+            spec(REQUESTS, [((status,), n) for status, n in sorted(self.requests.items())], openmetrics),
+            spec(POINTS_RECEIVED, [((), self.received)], openmetrics),
+            spec(POINTS_REJECTED, [((reason,), n) for reason, n in sorted(self.rejected.items())], openmetrics),
+            spec(SERIES, [((), series)], openmetrics),
+            spec(STORE_BYTES, [((), store_bytes)], openmetrics),
+            spec(SERIES_EXPIRED, [((), self.expired)], openmetrics),
+            spec(SERIES_EVICTED, [((), self.evicted)], openmetrics),
+            spec(REQUEST_DURATION, [((), self.request_seconds)], openmetrics),
+            spec(STREAM_RESTARTS, [((), self.resets)], openmetrics),
+        ])

@@ -3,13 +3,21 @@ heads (``name{labels} ``) built once per label set and layout, the encoded lines
 ``prometheus_client`` samples for ``collect()``.
 
 A ``Series`` is a folding ``Stream`` (``otlp.folding``) with its labels, its cost in the store's bytes and
-its encoding caches; a ``Family`` holds the series of one metric name and the names its exposition claims.
+its sample heads; a ``Family`` holds the series of one metric name (a ``SeriesMap``: the series and, in the
+same order, their encoded lines) and the names its exposition claims.
+
+How a render stays a copy of references: the pushing thread encodes what its request changed after the
+store's lock is released (``encode_changed``), then stores the lines in the family's list under the lock
+(``publish``: one list item per series, only if no newer push changed the series since). A render takes each
+changed family's list (a C copy of references) and joins it after the lock is released; it never visits a
+series. A series added or removed takes or frees its place in the list as the store adds or deletes it.
 Plain objects and pure functions: this module never takes a lock (the store's lock guards every mutable
 field here), never starts a thread, never decides admission or expiry, and never reads a clock.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from types import MappingProxyType
 
 from prometheus_client.core import Metric
@@ -28,7 +36,7 @@ Changed = tuple["Series", Heads, tuple[float, ...]]
 class Series(Stream):
     """One metric + label set: its folding state (``Stream``), labels, cost and encoded lines."""
 
-    __slots__ = ("labels", "run_id", "last_seen", "layout", "heads", "values", "enc", "cost", "view")
+    __slots__ = ("labels", "run_id", "last_seen", "layout", "heads", "values", "cost", "view", "home", "pos")
 
     def __init__(self, labels: dict[str, str], run_id: str, cost: int) -> None:
         super().__init__()
@@ -42,10 +50,69 @@ class Series(Stream):
         # ``name{labels} `` per sample.
         self.layout: object = None
         self.heads: Heads = ((), ())
-        # the exposed values (a new tuple at every change: the identity is the version) and the encoded
-        # lines [text, OpenMetrics], each (the values it encodes, bytes), valid while ``enc[k][0] is values``
+        # the exposed values (a new tuple at every change: the identity is the version)
         self.values: tuple[float, ...] = ()
-        self.enc: list[tuple[tuple[float, ...], bytes] | None] = [None, None]
+        # where its encoded lines are: the ``SeriesMap`` holding it and its index in the map's lines
+        self.home: SeriesMap | None = None
+        self.pos = -1
+
+
+class SeriesMap(dict[Labels, "Series"]):
+    """A family's series by labels, in insertion order (the exposition's order), and their encoded lines in
+    the same order: ``lines`` [text, OpenMetrics] (one list twice unless the name has a ':'), a series' lines
+    at its ``pos`` (None until its first encoding is published, or where a removed series was). ``version``
+    changes whenever a list changes (the key of the family's cached block). The store's lock guards all of it.
+
+    Adding and deleting a series (``m[k] = s``, ``del m[k]``, the only mutations the store makes) keep the
+    lists in step: an added series takes the next place, a deleted one leaves a hole, and the lists are
+    compacted when holes are more than half of them (bounded, amortised O(1) per deletion)."""
+
+    __slots__ = ("lines", "holes", "version")
+
+    def __init__(self, split: bool) -> None:
+        super().__init__()
+        text: list[bytes | None] = []
+        self.lines: tuple[list[bytes | None], list[bytes | None]] = (text, [] if split else text)
+        self.holes = 0
+        self.version = 0
+
+    def __setitem__(self, key: Labels, s: Series) -> None:
+        old = self.get(key)
+        if old is not None:  # a replacement keeps the key's place (the store never does this)
+            s.pos, old.pos, old.home = old.pos, -1, None
+            for lines in self._formats():
+                lines[s.pos] = None
+        else:
+            s.pos = len(self.lines[0])
+            for lines in self._formats():
+                lines.append(None)
+        s.home = self
+        dict.__setitem__(self, key, s)
+        self.version += 1
+
+    def __delitem__(self, key: Labels) -> None:
+        s = self[key]
+        dict.__delitem__(self, key)
+        for lines in self._formats():
+            lines[s.pos] = None
+        s.home, s.pos = None, -1
+        self.holes += 1
+        self.version += 1
+        if self.holes > 8 and 2 * self.holes > len(self.lines[0]):
+            self._compact()
+
+    def _formats(self) -> tuple[list[bytes | None], ...]:
+        text, om = self.lines
+        return (text,) if om is text else (text, om)
+
+    def _compact(self) -> None:
+        old = self.lines
+        text = [old[0][s.pos] for s in self.values()]
+        om = text if old[1] is old[0] else [old[1][s.pos] for s in self.values()]
+        for i, s in enumerate(self.values()):
+            s.pos = i
+        self.lines = (text, om)
+        self.holes = 0
 
 
 class Family:
@@ -58,12 +125,13 @@ class Family:
         self.kind = kind
         self.help = help
         self.unit = unit
-        self.series: dict[Labels, Series] = {}
+        self.series = SeriesMap(":" in name)
         self.claims = claimed_names(name, kind)
         self.header: list[bytes | None] = [None, None]  # encoded # HELP / # TYPE / # UNIT lines
         self.cost = family_bytes(name, help)
-        # ``gen`` changes with any of its series (lock held); ``block`` [text, OpenMetrics]: (gen, the
-        # family's encoded header and lines) for the render of an unchanged family
+        # ``gen`` changes with any of its series (lock held; no reader since the render keys its block on the
+        # lines' version); ``block`` [text, OpenMetrics]: (the series' lines ``version``, the family's
+        # encoded header and lines) for the render of an unchanged family
         self.gen = 0
         self.block: list[tuple[int, bytes] | None] = [None, None]
 
@@ -85,23 +153,43 @@ def claimed_names(name: str, kind: Kind) -> tuple[str, ...]:
     return (name,)
 
 
-#: a series' ready lines, or (series, its heads in the format, values) to encode them from
-Part = bytes | tuple[Series, tuple[bytes, ...], tuple[float, ...]]
-
 TARGET_INFO = Metric("target", "Resource attributes of the processes pushing OTLP metrics "
                      "(one series per resource; never job/instance).", "info")
 
+def target_info_families(resources: Iterable[dict[str, str]]) -> list[Metric]:
+    """``target_info`` with one sample per resource's labels (none when there is no resource)."""
+    info = Metric(TARGET_INFO.name, TARGET_INFO.documentation, "info")
+    info.samples.extend(Sample("target_info", labels, 1.0) for labels in resources)
+    return [info] if info.samples else []
 
-def encode_changed(changed: list[Changed]) -> None:
+
+#: A series' new lines, to publish: (series, the values they encode, text lines, OpenMetrics lines).
+Encoded = tuple["Series", tuple[float, ...], bytes, bytes]
+
+
+def encode_changed(changed: list[Changed]) -> list[Encoded]:
     """Encode the series a request changed, from the heads and values taken under the lock (after it is
-    released; a racing push stores its own encoding, and the store's ``render`` checks which one is current)."""
+    released); ``publish`` stores them."""
+    out: list[Encoded] = []
     for s, heads, values in changed:
         text = encode_lines(heads[0], values)
-        entry = (values, text)
-        if heads[1] is heads[0]:
-            s.enc = [entry, entry]
-        else:
-            s.enc = [entry, (values, encode_lines(heads[1], values))]
+        out.append((s, values, text, text if heads[1] is heads[0] else encode_lines(heads[1], values)))
+    return out
+
+
+def publish(encoded: list[Encoded]) -> None:
+    """Store encoded lines in their families' lists (the store's lock held): only lines of a series' current
+    values, so a request that encoded after a newer push to the same series never stores older bytes over
+    newer ones (the last push to change a series always finds its values current)."""
+    for s, values, text, om in encoded:
+        home = s.home
+        if home is None or s.values is not values:
+            continue  # removed, or changed again since (that push publishes its own lines)
+        pos = s.pos
+        lines = home.lines
+        lines[0][pos] = text
+        lines[1][pos] = om
+        home.version += 1
 
 
 #: ``encoder.go_float(value)`` as the end of a sample line, by value: values repeat (a histogram's buckets
@@ -129,45 +217,33 @@ def _text(v: float) -> bytes:
     return text
 
 
-#: What a render takes of a family under the store's lock: its cached block, or (the family, its generation,
-#: header, parts) to join after the lock is released.
-Ready = bytes | tuple[Family, int, bytes, list[Part]]
+#: What a render takes of a family under the store's lock: its cached block, or (the family, the lines'
+#: version, its header, a copy of its lines list) to join after the lock is released.
+Ready = bytes | tuple[Family, int, bytes, list[bytes | None]]
 
 
 def ready(fam: Family, openmetrics: bool) -> Ready:
-    """References only (the store's lock held): the family's block when unchanged, else its header and each
-    series' ready lines or what to encode them from."""
+    """References only (the store's lock held): the family's block when unchanged, else its header and a
+    copy of its lines list."""
     k = 1 if openmetrics else 0
     block = fam.block[k]
-    if block is not None and block[0] == fam.gen:
+    version = fam.series.version
+    if block is not None and block[0] == version:
         return block[1]
     header = fam.header[k]
     if header is None:
         header = fam.header[k] = encode_header(fam, openmetrics)
-    parts: list[Part] = []
-    for s in fam.series.values():
-        enc = s.enc[k]
-        values = s.values
-        parts.append(enc[1] if enc is not None and enc[0] is values else (s, s.heads[k], values))
-    return (fam, fam.gen, header, parts)
+    return (fam, version, header, fam.series.lines[k].copy())
 
 
 def join(item: Ready, openmetrics: bool) -> bytes:
-    """A family's lines (after the lock is released): encodes any series whose encoding a racing push has
-    not stored yet, and keeps the block for the next render of the unchanged family."""
+    """A family's header and lines (after the lock is released; holes and series not published yet left
+    out), kept as its block for the next render while the lines do not change."""
     if isinstance(item, bytes):
         return item
-    k = 1 if openmetrics else 0
-    fam, gen, header, parts = item
-    lines: list[bytes] = [header]
-    for part in parts:
-        if isinstance(part, tuple):
-            s, heads, values = part
-            part = encode_lines(heads, values)
-            s.enc[k] = (values, part)  # one reference store: atomic; stale if the series changed since
-        lines.append(part)
-    joined = b"".join(lines)
-    fam.block[k] = (gen, joined)
+    fam, version, header, lines = item
+    joined = b"".join([header, *filter(None, lines)])
+    fam.block[1 if openmetrics else 0] = (version, joined)
     return joined
 
 

@@ -20,12 +20,11 @@ reason and named, with its flag, in the request's ``partial_success``):
   defence against a hostile client.
 - Lock hold: a batch is applied in chunks of ``APPLY_CHUNK`` points, the lock released in between, so a
   push of 100,000 series delays a scrape by one chunk, not by the whole push.
-- Encoded at ingest: every series keeps its sample-line heads (``name{labels} ``, built once per label set
-  and bucket layout) and, after each change, its encoded lines (``encoder``: the bytes prometheus_client
-  would write). The pushing thread encodes what its request changed after releasing the lock; a render
-  only copies references under the lock and joins ready bytes, one cached block per family that did not
-  change (a series whose encoding lost a race with a newer push is encoded by the render, outside the
-  lock). The cached bytes (heads, lines, family block) are counted in ``series_bytes``.
+- Encoded at ingest: each family keeps its series' encoded lines (``encoder``) in one list in series order
+  (``series.SeriesMap``); the pushing thread encodes what it changed after releasing the lock and stores
+  the lines under it (``_publish``). A render copies one list per changed family under the lock and joins
+  it after (a series still being encoded shows its previous lines until published). The cached bytes
+  (heads, lines, family block) are counted in ``series_bytes``.
 
 Resource attributes become one ``target_info`` series per resource (labels: the sanitised attributes,
 ``service.name`` as ``service_name``), never ``job`` / ``instance``, which are the exporter's own target
@@ -46,7 +45,6 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from prometheus_client.core import Metric
-from prometheus_client.samples import Sample
 
 from gpu_energy_exporter.core import encoder
 from gpu_energy_exporter.otlp import admission, folding
@@ -61,9 +59,11 @@ from gpu_energy_exporter.otlp.series import (
     family_bytes,
     join,
     metric,
+    publish,
     ready,
     relayout,
     samples,
+    target_info_families,
 )
 
 log = logging.getLogger(__name__)
@@ -241,7 +241,7 @@ class TrainingStore:
             for reason, count in rejected.items():
                 counted[reason] = counted.get(reason, 0.0) + count
 
-        encode_changed(changed)
+        self._publish(changed)
         for reason, count in rejected.items():
             self._warn(reason, f"rejected {count} OTLP data point(s) ({reason}): {messages.get(reason, '')}")
         if events:
@@ -454,36 +454,30 @@ class TrainingStore:
         return out
 
     def _collect_training(self) -> list[Metric]:
-        out: list[Metric] = []
-        for fam in self._families.values():
-            out.append(metric(fam, tuple(sample for s in fam.series.values() for sample in samples(fam, s))))
-        out.extend(self._collect_target_info())
-        return out
+        out = [metric(fam, tuple(sample for s in fam.series.values() for sample in samples(fam, s)))
+               for fam in self._families.values()]
+        return out + target_info_families(entry[0] for entry in self._resources.values())
 
-    def _collect_target_info(self) -> list[Metric]:
-        if not self._resources:
-            return []
-        info = Metric(TARGET_INFO.name, TARGET_INFO.documentation, "info")
-        for labels, _seen, _cost, _line in self._resources.values():
-            info.samples.append(Sample("target_info", labels, 1.0))
-        return [info]
+    def _publish(self, changed: list[Changed]) -> None:
+        """Encode what a request changed (lock released), then store the lines (lock held; ``series.publish``)."""
+        encoded = encode_changed(changed)
+        with self._lock:
+            publish(encoded)
+            self._version += 1
 
     def render(self, openmetrics: bool) -> bytes:
         """What ``collect()`` returns, already encoded (OpenMetrics without its ``# EOF``): the scrape fast
-        path. Series are encoded when a push changes them (``apply``), so under the lock a render only
-        copies references: one ready block per unchanged family, the ready lines of each series of a
-        changed one. After the lock is released it joins them (and encodes any series whose encoding a
-        racing push has not stored yet)."""
+        path. Under the lock only references are copied (a block per unchanged family, the list of lines of
+        a changed one); they are joined after."""
         with self._lock:
             self._sweep(self._clock())
             taken = [ready(fam, openmetrics) for fam in self._families.values()]
             resources = [line for _labels, _seen, _cost, line in self._resources.values()]
-            own = self._tally.families(self._series_total, self._bytes)
+            tally, held, used = self._tally.copy(), self._series_total, self._bytes
         out = [join(item, openmetrics) for item in taken]
         if resources:
-            out.append(encoder.header(TARGET_INFO, openmetrics))
-            out.extend(resources)
-        out.append(encoder.encode_families(own, openmetrics))
+            out += (encoder.header(TARGET_INFO, openmetrics), *resources)
+        out.append(tally.encode(held, used, openmetrics))
         return b"".join(out)
 
     # ------------------------------------------------------------------------------------------------
