@@ -8,7 +8,8 @@ fields, MIG, processes and GPM. On a real node every NVML call is a driver ioctl
 it can (``tests/test_nvml_call_budget.py`` holds the budget): the power readings, the memory temperature and
 the energy counter come from one ``nvmlDeviceGetFieldValues`` call, with each reading's own call where the
 driver lacks the field or the batched call fails; ``nvmlDeviceGetPowerUsage`` only where no field gives its
-reading; GPM sample buffers are allocated once per GPU and reused. Vendor units stop here: NVML's
+reading; the running-process list in one call with a buffer kept per GPU (``nvml_calls.RunningProcesses``;
+pynvml's wrapper makes two); GPM sample buffers are allocated once per GPU and reused. Vendor units stop here: NVML's
 millijoules, milliwatts, percentages, MHz and clock-event bitmask become ``GPUReading`` in J, W, ratios, Hz
 and reason names (``devices.base``).
 
@@ -41,6 +42,7 @@ from gpu_energy_exporter.devices.base import GPUBackend, hertz, joules, ratio, w
 from gpu_energy_exporter.devices.nvml_calls import (
     REASON_EXCEPTION,
     NVMLCalls,
+    RunningProcesses,
     decode,
     init,
     load_library,
@@ -113,6 +115,7 @@ class NVMLBackend(GPUBackend):
         self._gpm_spare: dict[int, Any] = {}  # an allocated GPM sample buffer per GPU, free to be filled
         self._gpm_requests: dict[int, Any] = {}  # the nvmlGpmMetricsGet_t request per GPU, reused
         self._process_util_ts: dict[int, int] = {}
+        self._process_lists: dict[int, tuple[RunningProcesses, RunningProcesses]] = {}  # _v3, _v2 per GPU
         self._driver = NVMLCalls.call_global("", "nvmlSystemGetDriverVersion")
         self._nvml_version = NVMLCalls.call_global("", "nvmlSystemGetNVMLVersion")
         cuda = NVMLCalls.call_global(0, "nvmlSystemGetCudaDriverVersion_v2", "nvmlSystemGetCudaDriverVersion")
@@ -300,10 +303,12 @@ class NVMLBackend(GPUBackend):
         )
 
     def _processes(self, i: int, h: Any, utilization: bool) -> tuple[GPUProcess, ...] | None:
-        # pynvml's unversioned wrapper calls _v3 (R510+) and raises NVMLLibraryMismatchError without it.
-        procs = self._nvml.get(i, "processes", ("nvmlDeviceGetComputeRunningProcesses", h),
-                          ("nvmlDeviceGetComputeRunningProcesses_v3", h),
-                          ("nvmlDeviceGetComputeRunningProcesses_v2", h))
+        # _v3 (R510+), else _v2, each in one call with a buffer kept per GPU (pynvml's wrappers make two).
+        lists = self._process_lists.get(i)
+        if lists is None:
+            lists = self._process_lists[i] = (RunningProcesses("nvmlDeviceGetComputeRunningProcesses_v3"),
+                                              RunningProcesses("nvmlDeviceGetComputeRunningProcesses_v2"))
+        procs = self._nvml.get(i, "processes", (lists[0], h), (lists[1], h))
         if procs is None:
             return None
         sm: dict[int, float] = {}
