@@ -41,6 +41,7 @@ from gpu_energy_exporter.core.state import (
 from gpu_energy_exporter.devices.base import GPUBackend, hertz, joules, ratio, watts
 from gpu_energy_exporter.devices.nvml_calls import (
     REASON_EXCEPTION,
+    FieldValues,
     NVMLCalls,
     RunningProcesses,
     decode,
@@ -115,6 +116,7 @@ class NVMLBackend(GPUBackend):
         self._gpm_spare: dict[int, Any] = {}  # an allocated GPM sample buffer per GPU, free to be filled
         self._gpm_requests: dict[int, Any] = {}  # the nvmlGpmMetricsGet_t request per GPU, reused
         self._process_util_ts: dict[int, int] = {}
+        self._field_requests: dict[tuple[int, bool], FieldValues] = {}  # read()'s field values, per GPU
         self._process_lists: dict[int, tuple[RunningProcesses, RunningProcesses]] = {}  # _v3, _v2 per GPU
         self._driver = NVMLCalls.call_global("", "nvmlSystemGetDriverVersion")
         self._nvml_version = NVMLCalls.call_global("", "nvmlSystemGetNVMLVersion")
@@ -246,8 +248,11 @@ class NVMLBackend(GPUBackend):
         h = self._nvml.handle(i)
         now = self._clock()
         with_energy = gpu.energy_method == ENERGY_METHOD_COUNTER and not self._nvml.unsupported(i, "energy_field")
-        values = self._nvml.field_values(i, h, _SAMPLE_FIELDS_WITH_ENERGY if with_energy else _SAMPLE_FIELDS,
-                                         _FIELD_NAMES)
+        fields = _SAMPLE_FIELDS_WITH_ENERGY if with_energy else _SAMPLE_FIELDS
+        request = self._field_requests.get((i, with_energy))
+        if request is None:
+            request = self._field_requests[(i, with_energy)] = FieldValues(fields)
+        values = self._nvml.field_values(i, h, fields, _FIELD_NAMES, request)
         instant, average, mem_temp, module = values[:4]
         energy = values[4] if with_energy else None
         if energy is None:

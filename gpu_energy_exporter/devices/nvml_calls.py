@@ -256,9 +256,12 @@ class NVMLCalls:
             self._handles[index] = handle
         return handle
 
-    def field_values(self, index: int, h: Any, ids: list[Any], names: dict[tuple[Any, ...], str]) -> list[float | None]:
-        """Read several field values in one call; per-field failures are None."""
-        values = self.field(index, "field_values", "nvmlDeviceGetFieldValues", h, ids)
+    def field_values(self, index: int, h: Any, ids: list[Any], names: dict[tuple[Any, ...], str],
+                     request: FieldValues | None = None) -> list[float | None]:
+        """Read several field values in one call; per-field failures are None. ``request``: the same ``ids``
+        as a ``FieldValues`` kept by the caller (asked every sample), instead of pynvml's wrapper."""
+        values = (self.field(index, "field_values", "nvmlDeviceGetFieldValues", h, ids) if request is None
+                  else self.field(index, "field_values", request, h))
         if values is None:
             return [None] * len(ids)
         out: list[float | None] = []
@@ -279,6 +282,34 @@ class NVMLCalls:
 
 def _name(fn: Any) -> str:
     return fn if isinstance(fn, str) else getattr(fn, "__name__", repr(fn))
+
+
+class _FieldValue(ctypes.Structure):
+    """``nvmlFieldValue_t`` (pynvml's layout), read without pynvml's Python-level attribute hooks."""
+
+    _fields_ = pynvml.c_nvmlFieldValue_t._fields_
+
+
+class FieldValues:
+    """``nvmlDeviceGetFieldValues`` for a list of ``(field id, scope)`` asked at every sample of one GPU: the
+    array is built once, and before each call reset to what pynvml's wrapper builds anew (the ids, every
+    output zero), so the driver sees the same request and the answer is read the same way, without a
+    Python-level hook per field read or written. One caller thread per instance (the array is reused)."""
+
+    def __init__(self, ids: list[tuple[int, int]]) -> None:
+        self.__name__ = "nvmlDeviceGetFieldValues"  # what NVMLCalls names in its messages
+        self._template = (_FieldValue * len(ids))()
+        for v, (field_id, scope) in zip(self._template, ids, strict=True):
+            v.fieldId, v.scopeId = field_id, scope
+        self._values = (_FieldValue * len(ids))()
+        self._size = ctypes.sizeof(self._values)
+        self._count = ctypes.c_int32(len(ids))
+
+    def __call__(self, h: Any) -> Any:
+        fn = pynvml._nvmlGetFunctionPointer("nvmlDeviceGetFieldValues")  # noqa: SLF001 - as pynvml's wrapper
+        ctypes.memmove(self._values, self._template, self._size)
+        pynvml._nvmlCheckReturn(fn(h, self._count, ctypes.byref(self._values)))  # noqa: SLF001
+        return self._values
 
 
 class _ProcessInfo(ctypes.Structure):
