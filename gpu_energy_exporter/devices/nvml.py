@@ -9,9 +9,9 @@ it can (``tests/test_nvml_call_budget.py`` holds the budget): the power readings
 the energy counter come from one ``nvmlDeviceGetFieldValues`` call, with each reading's own call where the
 driver lacks the field or the batched call fails; ``nvmlDeviceGetPowerUsage`` only where no field gives its
 reading; the running-process list in one call with a buffer kept per GPU (``nvml_calls.RunningProcesses``;
-pynvml's wrapper makes two); GPM sample buffers are allocated once per GPU and reused. Vendor units stop here: NVML's
-millijoules, milliwatts, percentages, MHz and clock-event bitmask become ``GPUReading`` in J, W, ratios, Hz
-and reason names (``devices.base``).
+pynvml's wrapper makes two); GPM sample buffers are allocated once per GPU and reused. Vendor units stop
+here: NVML's millijoules, milliwatts, percentages, MHz and clock-event bitmask become ``GPUReading`` in J,
+W, ratios, Hz and reason names (``devices.base``).
 
 This module must never be called from the scrape path: NVML calls can block for a long time on a sick
 driver. The sampler thread calls it; ``/metrics`` reads the snapshot.
