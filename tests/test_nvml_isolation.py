@@ -239,6 +239,28 @@ def test_the_process_list_is_one_call_and_a_list_that_outgrew_its_buffer_is_read
         backend.close()
 
 
+def test_a_driver_without_either_process_list_loses_that_reading_once(
+    fake_nvml_lib: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Neither _v3 nor _v2 (older than R470's list): the processes are not read, counted once as
+    function_not_found and never asked again; the rest of the reading goes on."""
+    path = tmp_path / "scenario.ini"
+    monkeypatch.setenv("FAKE_NVML_SCENARIO", str(path))
+    missing = ("nvmlDeviceGetComputeRunningProcesses_v3", "nvmlDeviceGetComputeRunningProcesses_v2")
+    Scenario(epoch=T0, driver=Driver(frozen_time=T0 + 100),
+             gpus=[h100(0, processes=(Process(11, 1 << 30, 50),), missing=missing)]).write(path)
+    backend = NVMLBackend(str(fake_nvml_lib))
+    try:
+        (g,) = backend.devices()
+        calls = _calls(fake_nvml_lib)
+        readings = [backend.read(g, processes=True) for _ in range(3)]
+        assert all(r.processes is None and r.temperature_gpu_c == 34.0 for r in readings)
+        assert backend.field_errors()[(0, "processes", "function_not_found")] == 1
+        assert [calls(fn) for fn in missing] == [1, 1]
+    finally:
+        backend.close()
+
+
 def test_a_gpu_that_cannot_be_opened_is_left_out_and_the_others_are_served(
     rig: Any, caplog: pytest.LogCaptureFixture
 ) -> None:
