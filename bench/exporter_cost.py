@@ -16,6 +16,7 @@ import sys
 import threading
 import time
 from collections import Counter
+from dataclasses import replace
 
 from helpers import Child
 
@@ -104,12 +105,11 @@ def run(ctx: Context) -> list[Table]:
 CITED_CALL_S = 1.0 / 2743
 
 
-def _driver_estimate(ctx: Context, fake_percent: float) -> Table:
-    """NVML calls per sample, counted through the fake library's call log, times a cited per-call cost."""
-    window = ctx.pick(2.0, 10.0)
-    path = ctx.path("calls-8gpu.ini")
-    log = ctx.path("nvml-calls.log")
-    harness.write_scenario(path, harness.h100s(8))
+def _count_calls(ctx: Context, name: str, gpus: list[fakenvml.GPU], window: float) -> tuple[Counter[str], int]:
+    """NVML calls by function over whole samples of a separate exporter on ``gpus``, and the samples."""
+    path = ctx.path(f"calls-{name}.ini")
+    log = ctx.path(f"nvml-calls-{name}.log")
+    harness.write_scenario(path, gpus)
     # A separate exporter: writing the log costs a syscall per call, which must not count in the CPU above.
     with exporter(ctx, scenario=path, env={fakenvml.CALL_LOG_ENV: str(log)}) as exp:
         time.sleep(ctx.pick(1.5, 3.0))  # past start-up (device discovery, static fields)
@@ -128,16 +128,25 @@ def _driver_estimate(ctx: Context, fake_percent: float) -> Table:
             bursts[-1].append(parts[2])
             last = float(parts[0])
     whole = bursts[1:-1] or bursts
-    calls: Counter[str] = Counter(fn for burst in whole for fn in burst)
+    return Counter(fn for burst in whole for fn in burst), max(1, len(whole))
+
+
+def _driver_estimate(ctx: Context, fake_percent: float) -> Table:
+    """NVML calls per sample, counted through the fake library's call log, times a cited per-call cost."""
+    window = ctx.pick(2.0, 10.0)
+    calls, samples = _count_calls(ctx, "8gpu", harness.h100s(8), window)
+    # The same GPUs each running a training process, as on a busy node (the process list is then read).
+    busy = [replace(g, processes=(fakenvml.Process(4242 + g.index, 60 << 30, 80),)) for g in harness.h100s(8)]
+    busy_calls, busy_samples = _count_calls(ctx, "8gpu-busy", busy, window)
     total = sum(calls.values())
-    samples = max(1, len(whole))
     per_s = total / samples  # --collector.interval=1s: one sample a second
     added = per_s * CITED_CALL_S
     table = Table(
         "What a real driver would add to the sampling CPU (8 GPUs, --collector.interval=1s)",
         ["figure", "value"],
         [f"Calls counted with the fake library's call log (FAKE_NVML_CALL_LOG) over {window:g} s of a separate "
-         f"exporter (the log's write per call would inflate the CPU figure above): {samples} whole samples.",
+         f"exporter (the log's write per call would inflate the CPU figure above): {samples} whole samples "
+         f"({busy_samples} with a training process on every GPU).",
          "Cost per call: about 365 µs, from gpustat issue #76 (github.com/wookayin/gpustat/issues/76): "
          "nvmlDeviceGetPowerUsage in a tight loop answered ~2,743 times a second on a Tesla K40m. That is "
          "wall time on an old GPU and driver, so the estimate is an upper bound of the CPU added (part of a "
@@ -146,6 +155,7 @@ def _driver_estimate(ctx: Context, fake_percent: float) -> Table:
          + " (per sample)."],
     )
     table.add("NVML calls per sample (all 8 GPUs)", fmt(total / samples))
+    table.add("NVML calls per sample, a training process on every GPU", fmt(sum(busy_calls.values()) / busy_samples))
     table.add("NVML calls per second", fmt(per_s))
     table.add("distinct NVML functions called per sample", len(calls))
     table.add("fake library, measured above (CPU % of one core)", fmt(fake_percent))

@@ -201,6 +201,66 @@ def test_processes_are_read_only_when_something_uses_them(
     assert r.value("gpuenergy_gpu_up", **L(gpus[0])) == 1.0
 
 
+@pytest.mark.parametrize("symbol", ["nvmlDeviceGetComputeRunningProcesses_v3",
+                                    "nvmlDeviceGetComputeRunningProcesses_v2"])  # a driver without _v3
+def test_the_process_list_is_one_call_and_a_list_that_outgrew_its_buffer_is_read_whole(
+    fake_nvml_lib: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, symbol: str
+) -> None:
+    """pynvml's wrapper asks for the count, then for the list: two calls. The backend passes a buffer sized
+    from the last list, so a sample makes one; a list that grew past it takes the two-call form once."""
+    path = tmp_path / "scenario.ini"
+    monkeypatch.setenv("FAKE_NVML_SCENARIO", str(path))
+    missing = ("nvmlDeviceGetComputeRunningProcesses_v3",) if symbol.endswith("_v2") else ()
+
+    def write(n: int) -> None:
+        procs = tuple(Process(100 + k, (k + 1) << 20, 5) for k in range(n))
+        Scenario(epoch=T0, driver=Driver(frozen_time=T0 + 100),
+                 gpus=[h100(0, processes=procs, missing=missing)]).write(path)
+        os.utime(path, ns=(time.time_ns(), time.time_ns()))
+
+    def listed(g: GPUIdentity) -> list[tuple[int, int | None]]:
+        procs = backend.read(g, processes=True).processes
+        assert procs is not None
+        return [(p.pid, p.used_memory_bytes) for p in procs]
+
+    write(0)
+    backend = NVMLBackend(str(fake_nvml_lib))
+    try:
+        (g,) = backend.devices()
+        calls = _calls(fake_nvml_lib)
+        assert listed(g) == []
+        for n, made in ((1, 2), (1, 1), (3, 1), (12, 2), (12, 1), (2, 1), (0, 1)):
+            write(n)
+            before = calls(symbol)
+            assert listed(g) == [(100 + k, (k + 1) << 20) for k in range(n)]
+            assert calls(symbol) - before == made, (n, made)
+        assert not [k for k in backend.field_errors() if k[1] == "processes"]
+    finally:
+        backend.close()
+
+
+def test_a_driver_without_either_process_list_loses_that_reading_once(
+    fake_nvml_lib: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Neither _v3 nor _v2 (older than R470's list): the processes are not read, counted once as
+    function_not_found and never asked again; the rest of the reading goes on."""
+    path = tmp_path / "scenario.ini"
+    monkeypatch.setenv("FAKE_NVML_SCENARIO", str(path))
+    missing = ("nvmlDeviceGetComputeRunningProcesses_v3", "nvmlDeviceGetComputeRunningProcesses_v2")
+    Scenario(epoch=T0, driver=Driver(frozen_time=T0 + 100),
+             gpus=[h100(0, processes=(Process(11, 1 << 30, 50),), missing=missing)]).write(path)
+    backend = NVMLBackend(str(fake_nvml_lib))
+    try:
+        (g,) = backend.devices()
+        calls = _calls(fake_nvml_lib)
+        readings = [backend.read(g, processes=True) for _ in range(3)]
+        assert all(r.processes is None and r.temperature_gpu_c == 34.0 for r in readings)
+        assert backend.field_errors()[(0, "processes", "function_not_found")] == 1
+        assert [calls(fn) for fn in missing] == [1, 1]
+    finally:
+        backend.close()
+
+
 def test_a_gpu_that_cannot_be_opened_is_left_out_and_the_others_are_served(
     rig: Any, caplog: pytest.LogCaptureFixture
 ) -> None:

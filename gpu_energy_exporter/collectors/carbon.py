@@ -91,6 +91,7 @@ class CarbonCollector(Collector):
         self._reference = reference_for(intensity, intensity_file)
         self._gpus = gpus
         self._lookup_peak = lookup_peak
+        self._peaks: dict[str, PeakFlops | None] = {}  # model -> its row, looked up once (not every sample)
         # None: the first update re-reads the file, closing the gap since resolve_intensity read it.
         self._file_key: tuple[int, int, int] | None = None
         self._bad_key: tuple[int, int, int] | None = None
@@ -172,7 +173,10 @@ class CarbonCollector(Collector):
 
         peak = PEAK_FLOPS.family()
         for gpu in self._gpus():
-            row = self._lookup_peak(gpu.name)
+            try:
+                row = self._peaks[gpu.name]
+            except KeyError:
+                row = self._peaks[gpu.name] = self._lookup_peak(gpu.name)
             if row is None or not row.flops:
                 self._log_unknown(gpu.name, row)
                 continue

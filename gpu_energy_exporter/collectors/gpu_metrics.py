@@ -172,40 +172,43 @@ def put(fams: dict[str, Metric], spec: MetricSpec, labels: dict[str, str], value
     fams[spec.name].samples.append(Sample(spec.name, labels, float(value), timestamp))
 
 
+#: The gauges of a reading that are one sample each: (exposed name, GPUReading attribute), in emit order.
+_READING_GAUGES: tuple[tuple[str, str], ...] = tuple((spec.name, attr) for spec, attr in (
+    (POWER, "power_instant_w"), (POWER_AVERAGE, "power_average_w"), (MODULE_POWER, "module_power_w"),
+    (POWER_LIMIT, "power_limit_w"), (MEM_USED, "memory_used_bytes"), (MEM_TOTAL, "memory_total_bytes"),
+    (MEM_RESERVED, "memory_reserved_bytes"), (UTIL, "util_gpu_ratio"), (MEM_UTIL, "util_memory_ratio"),
+    (TEMP, "temperature_gpu_c"), (MEM_TEMP, "temperature_memory_c"), (SM_CLOCK, "clock_sm_hz"),
+    (MEM_CLOCK, "clock_memory_hz"),
+))
+_GPM_GAUGES: tuple[tuple[str, str], ...] = tuple((key, spec.name) for key, spec in GPM_SPECS.items())
+
+
 def emit_reading(fams: dict[str, Metric], r: GPUReading, labels: list[str], *, processes: bool) -> None:
     """The samples of one good reading (all but energy and idle power). ``processes``: with the
     per-process memory series (``--collector.processes``).
 
-    Samples are appended by ``put``, with label sets made once per GPU."""
+    Samples are appended as ``put`` builds them, with label sets made once per GPU, from a table of the
+    reading's gauges (this runs for every GPU at every sample)."""
     sets = label_sets(labels[0], labels[1])
     base = sets.base
-
-    def put_some(spec: MetricSpec, value: float | None) -> None:
+    for name, attr in _READING_GAUGES:
+        value = getattr(r, attr)
         if value is not None:
-            put(fams, spec, base, value)
-
-    put_some(POWER, r.power_instant_w)
-    put_some(POWER_AVERAGE, r.power_average_w)
-    put_some(MODULE_POWER, r.module_power_w)
-    put_some(POWER_LIMIT, r.power_limit_w)
-    put_some(MEM_USED, r.memory_used_bytes)
-    put_some(MEM_TOTAL, r.memory_total_bytes)
-    put_some(MEM_RESERVED, r.memory_reserved_bytes)
-    put_some(UTIL, r.util_gpu_ratio)
-    put_some(MEM_UTIL, r.util_memory_ratio)
-    put_some(TEMP, r.temperature_gpu_c)
-    put_some(MEM_TEMP, r.temperature_memory_c)
-    put_some(SM_CLOCK, r.clock_sm_hz)
-    put_some(MEM_CLOCK, r.clock_memory_hz)
+            fams[name].samples.append(Sample(name, base, float(value), None))
     if r.clock_events is not None:
         events = r.clock_events
+        name = CLOCK_EVENT.name
+        append = fams[name].samples.append
         for reason, reason_labels in sets.clock_event.items():
-            put(fams, CLOCK_EVENT, reason_labels, 1.0 if reason in events else 0.0)
-    for key, spec in GPM_SPECS.items():
-        if key in r.gpm:
-            put_some(spec, r.gpm[key])
+            append(Sample(name, reason_labels, 1.0 if reason in events else 0.0, None))
+    gpm = r.gpm
+    if gpm:
+        for key, name in _GPM_GAUGES:
+            value = gpm.get(key)
+            if value is not None:
+                fams[name].samples.append(Sample(name, base, float(value), None))
     if r.processes is not None:
-        put_some(COMPUTE_PROCESSES, float(len(r.processes)))
+        put(fams, COMPUTE_PROCESSES, base, float(len(r.processes)))
         if processes:
             for p in r.processes:
                 if p.used_memory_bytes is not None:

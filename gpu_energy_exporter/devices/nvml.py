@@ -8,9 +8,10 @@ fields, MIG, processes and GPM. On a real node every NVML call is a driver ioctl
 it can (``tests/test_nvml_call_budget.py`` holds the budget): the power readings, the memory temperature and
 the energy counter come from one ``nvmlDeviceGetFieldValues`` call, with each reading's own call where the
 driver lacks the field or the batched call fails; ``nvmlDeviceGetPowerUsage`` only where no field gives its
-reading; GPM sample buffers are allocated once per GPU and reused. Vendor units stop here: NVML's
-millijoules, milliwatts, percentages, MHz and clock-event bitmask become ``GPUReading`` in J, W, ratios, Hz
-and reason names (``devices.base``).
+reading; the running-process list in one call with a buffer kept per GPU (``nvml_calls.RunningProcesses``;
+pynvml's wrapper makes two); GPM sample buffers are allocated once per GPU and reused. Vendor units stop
+here: NVML's millijoules, milliwatts, percentages, MHz and clock-event bitmask become ``GPUReading`` in J,
+W, ratios, Hz and reason names (``devices.base``).
 
 This module must never be called from the scrape path: NVML calls can block for a long time on a sick
 driver. The sampler thread calls it; ``/metrics`` reads the snapshot.
@@ -40,7 +41,9 @@ from gpu_energy_exporter.core.state import (
 from gpu_energy_exporter.devices.base import GPUBackend, hertz, joules, ratio, watts
 from gpu_energy_exporter.devices.nvml_calls import (
     REASON_EXCEPTION,
+    FieldValues,
     NVMLCalls,
+    RunningProcesses,
     decode,
     init,
     load_library,
@@ -113,6 +116,8 @@ class NVMLBackend(GPUBackend):
         self._gpm_spare: dict[int, Any] = {}  # an allocated GPM sample buffer per GPU, free to be filled
         self._gpm_requests: dict[int, Any] = {}  # the nvmlGpmMetricsGet_t request per GPU, reused
         self._process_util_ts: dict[int, int] = {}
+        self._field_requests: dict[tuple[int, bool], FieldValues] = {}  # read()'s field values, per GPU
+        self._process_lists: dict[int, tuple[RunningProcesses, RunningProcesses]] = {}  # _v3, _v2 per GPU
         self._driver = NVMLCalls.call_global("", "nvmlSystemGetDriverVersion")
         self._nvml_version = NVMLCalls.call_global("", "nvmlSystemGetNVMLVersion")
         cuda = NVMLCalls.call_global(0, "nvmlSystemGetCudaDriverVersion_v2", "nvmlSystemGetCudaDriverVersion")
@@ -243,8 +248,11 @@ class NVMLBackend(GPUBackend):
         h = self._nvml.handle(i)
         now = self._clock()
         with_energy = gpu.energy_method == ENERGY_METHOD_COUNTER and not self._nvml.unsupported(i, "energy_field")
-        values = self._nvml.field_values(i, h, _SAMPLE_FIELDS_WITH_ENERGY if with_energy else _SAMPLE_FIELDS,
-                                         _FIELD_NAMES)
+        fields = _SAMPLE_FIELDS_WITH_ENERGY if with_energy else _SAMPLE_FIELDS
+        request = self._field_requests.get((i, with_energy))
+        if request is None:
+            request = self._field_requests[(i, with_energy)] = FieldValues(fields)
+        values = self._nvml.field_values(i, h, fields, _FIELD_NAMES, request)
         instant, average, mem_temp, module = values[:4]
         energy = values[4] if with_energy else None
         if energy is None:
@@ -300,10 +308,12 @@ class NVMLBackend(GPUBackend):
         )
 
     def _processes(self, i: int, h: Any, utilization: bool) -> tuple[GPUProcess, ...] | None:
-        # pynvml's unversioned wrapper calls _v3 (R510+) and raises NVMLLibraryMismatchError without it.
-        procs = self._nvml.get(i, "processes", ("nvmlDeviceGetComputeRunningProcesses", h),
-                          ("nvmlDeviceGetComputeRunningProcesses_v3", h),
-                          ("nvmlDeviceGetComputeRunningProcesses_v2", h))
+        # _v3 (R510+), else _v2, each in one call with a buffer kept per GPU (pynvml's wrappers make two).
+        lists = self._process_lists.get(i)
+        if lists is None:
+            lists = self._process_lists[i] = (RunningProcesses("nvmlDeviceGetComputeRunningProcesses_v3"),
+                                              RunningProcesses("nvmlDeviceGetComputeRunningProcesses_v2"))
+        procs = self._nvml.get(i, "processes", (lists[0], h), (lists[1], h))
         if procs is None:
             return None
         sm: dict[int, float] = {}

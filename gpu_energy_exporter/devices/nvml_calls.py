@@ -19,7 +19,7 @@ import ctypes
 import logging
 import threading
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 import pynvml
 
@@ -256,9 +256,12 @@ class NVMLCalls:
             self._handles[index] = handle
         return handle
 
-    def field_values(self, index: int, h: Any, ids: list[Any], names: dict[tuple[Any, ...], str]) -> list[float | None]:
-        """Read several field values in one call; per-field failures are None."""
-        values = self.field(index, "field_values", "nvmlDeviceGetFieldValues", h, ids)
+    def field_values(self, index: int, h: Any, ids: list[Any], names: dict[tuple[Any, ...], str],
+                     request: FieldValues | None = None) -> list[float | None]:
+        """Read several field values in one call; per-field failures are None. ``request``: the same ``ids``
+        as a ``FieldValues`` kept by the caller (asked every sample), instead of pynvml's wrapper."""
+        values = (self.field(index, "field_values", "nvmlDeviceGetFieldValues", h, ids) if request is None
+                  else self.field(index, "field_values", request, h))
         if values is None:
             return [None] * len(ids)
         out: list[float | None] = []
@@ -279,6 +282,83 @@ class NVMLCalls:
 
 def _name(fn: Any) -> str:
     return fn if isinstance(fn, str) else getattr(fn, "__name__", repr(fn))
+
+
+class _FieldValue(ctypes.Structure):
+    """``nvmlFieldValue_t`` (pynvml's layout), read without pynvml's Python-level attribute hooks."""
+
+    _fields_ = pynvml.c_nvmlFieldValue_t._fields_
+
+
+class FieldValues:
+    """``nvmlDeviceGetFieldValues`` for a list of ``(field id, scope)`` asked at every sample of one GPU: the
+    array is built once, and before each call reset to what pynvml's wrapper builds anew (the ids, every
+    output zero), so the driver sees the same request and the answer is read the same way, without a
+    Python-level hook per field read or written. One caller thread per instance (the array is reused)."""
+
+    def __init__(self, ids: list[tuple[int, int]]) -> None:
+        self.__name__ = "nvmlDeviceGetFieldValues"  # what NVMLCalls names in its messages
+        self._template = (_FieldValue * len(ids))()
+        for v, (field_id, scope) in zip(self._template, ids, strict=True):
+            v.fieldId, v.scopeId = field_id, scope
+        self._values = (_FieldValue * len(ids))()
+        self._size = ctypes.sizeof(self._values)
+        self._count = ctypes.c_int32(len(ids))
+
+    def __call__(self, h: Any) -> Any:
+        fn = pynvml._nvmlGetFunctionPointer("nvmlDeviceGetFieldValues")  # noqa: SLF001 - as pynvml's wrapper
+        ctypes.memmove(self._values, self._template, self._size)
+        pynvml._nvmlCheckReturn(fn(h, self._count, ctypes.byref(self._values)))  # noqa: SLF001
+        return self._values
+
+
+class _ProcessInfo(ctypes.Structure):
+    """``nvmlProcessInfo_t`` of the ``_v2`` and ``_v3`` process lists (one layout), read without pynvml's
+    Python-level attribute hooks."""
+
+    _fields_ = pynvml.c_nvmlProcessInfo_v2_t._fields_
+
+
+class ProcessInfo(NamedTuple):
+    """One entry of the running-process list, as pynvml's list gives it (``usedGpuMemory`` None where the
+    driver does not know it)."""
+
+    pid: int
+    usedGpuMemory: int | None  # noqa: N815 - pynvml's name
+
+
+class RunningProcesses:
+    """``nvmlDeviceGetComputeRunningProcesses_v3`` (or ``_v2``) for one GPU in one NVML call per sample.
+
+    pynvml's wrapper makes two: the first, without a buffer, only asks how many processes there are. This
+    keeps a buffer per GPU sized from the last answer plus headroom (twice the count plus 5, as pynvml
+    sizes it) and passes it at once; only when the list outgrew it (``NVML_ERROR_INSUFFICIENT_SIZE``, with
+    the count needed) is it resized and the call made again: pynvml's two-call form. A symbol the library
+    lacks raises ``NVMLError_FunctionNotFound`` as pynvml's wrappers do, so ``NVMLCalls.get`` falls back
+    to the older variant the same way. Called from the sampler thread only (the buffer is reused)."""
+
+    def __init__(self, symbol: str) -> None:
+        self.__name__ = symbol  # what NVMLCalls names in its messages
+        self._symbol = symbol
+        self._capacity = 0
+        self._buffer: Any = None  # an array of _ProcessInfo, or None (the count-only call)
+
+    def __call__(self, h: Any) -> list[ProcessInfo]:
+        fn = pynvml._nvmlGetFunctionPointer(self._symbol)  # noqa: SLF001 - raises FunctionNotFound if missing
+        count = ctypes.c_uint(self._capacity)
+        ret = fn(h, ctypes.byref(count), self._buffer)
+        if ret == pynvml.NVML_ERROR_INSUFFICIENT_SIZE:
+            self._capacity = count.value * 2 + 5
+            self._buffer = (_ProcessInfo * self._capacity)()
+            count = ctypes.c_uint(self._capacity)
+            ret = fn(h, ctypes.byref(count), self._buffer)
+        pynvml._nvmlCheckReturn(ret)  # noqa: SLF001 - pynvml's own error classes, as its wrappers raise
+        n = min(count.value, self._capacity)
+        if not n:  # also the count-only call answering success: no process
+            return []
+        na = pynvml.NVML_VALUE_NOT_AVAILABLE_ulonglong.value
+        return [ProcessInfo(p.pid, None if p.usedGpuMemory == na else p.usedGpuMemory)
+                for p in self._buffer[:n]]
 
 
 def process_utilization(h: Any, last_seen: int) -> Any:
