@@ -55,7 +55,8 @@ DEFAULT_MAX_BODY_BYTES = 64 * 1024
 DEFAULT_WORKERS = 4
 AUTH_WORKERS = 2
 AUTH_QUEUE = 8  # requests waiting for a bcrypt check; beyond it, 429 at once
-_TICK = 0.2
+_TICK = 0.2  # with connections open: how late a deadline (408, idle close) can be enforced
+_IDLE_TICK = 2.0  # with none: a new connection or a shutdown wakes the selector anyway
 
 #: What ``HTTPServer.stats`` counts, all present from the start.
 CONNECTION_EVENTS = ("evicted", "refused", "timeout", "write_timeout", "write_cut", "accept_failed")
@@ -280,7 +281,8 @@ class HTTPServer:
             while True:
                 if self._front.stopping and not self._stop_step():
                     return
-                for key, events in self._sel.select(_TICK):
+                tick = _TICK if self._front.conns or self._accept_paused_until else _IDLE_TICK
+                for key, events in self._sel.select(tick):
                     if key.fileobj is self._listener:
                         self._accept()
                     elif key.fileobj is self._wake_r:
