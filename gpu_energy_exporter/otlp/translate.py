@@ -223,12 +223,12 @@ def translate_request(request: Message, received_ns: int, limits: Limits = DEFAU
     no ``target_info``.
     """
     batch = Batch()
-    for rm in as_wire(request).resource_metrics:
+    for rm in as_wire(request).resource_metrics[:]:
         if rm.HasField("resource") and len(rm.resource.attributes):
             resource_labels = _resource_labels(rm.resource, limits)
             if resource_labels:
                 batch.resources.append(resource_labels)
-        for sm in rm.scope_metrics:
+        for sm in rm.scope_metrics[:]:
             for metric in sm.metrics[:]:  # a slice (a list) is cheaper to walk than upb's container
                 _translate_metric(metric, batch, received_ns, limits)
     return batch
