@@ -324,7 +324,7 @@ class TrainingStore:
         fam.gen += 1
         changed.append((series, series.heads, values))
         if events is not None:
-            value, count = folding.reported(kind, series)
+            value, count = (values[0], None) if len(values) == 1 else folding.reported(kind, series)  # scalar kinds
             events.append(AcceptedPoint(p.run_id, name, series.view, value, p.time_ns / 1e9, kind, count, labels))
         return None
 
