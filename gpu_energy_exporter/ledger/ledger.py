@@ -129,12 +129,14 @@ class RunLedger:
     def on_points(self, points: Sequence[PointLike]) -> None:
         """Store batch listener (``TrainingStore.add_batch_listener``): ``on_point`` for each of one
         request's points, taking the lock once per ``POINTS_CHUNK`` points."""
+        record = self._record_locked
         for start in range(0, len(points), self.POINTS_CHUNK):
             with self._lock:
+                received = self._clock()  # one request's points arrived together
                 for point in points[start:start + self.POINTS_CHUNK]:
                     count = getattr(point, "count", None)
-                    self._record_locked(point.run_id, point.name, point.labels, point.value, point.time,
-                                        float(count) if count is not None else None, getattr(point, "key", None))
+                    record(point.run_id, point.name, point.labels, point.value, point.time,
+                           float(count) if count is not None else None, getattr(point, "key", None), received)
 
     def record(self, run_id: str, name: str, labels: Mapping[str, str], value: float, t: float, *,
                count: float | None = None) -> None:
@@ -144,8 +146,8 @@ class RunLedger:
             self._record_locked(run_id, name, labels, value, t, count)
 
     def _record_locked(self, run_id: str, name: str, labels: Mapping[str, str], value: float, t: float,
-                       count: float | None, key: runs.LabelKey | None = None) -> None:
-        """``key``: ``labels`` as their sorted items when the caller has them (the store's ``AcceptedPoint.key``)."""
+                       count: float | None, key: runs.LabelKey | None = None, received: float | None = None) -> None:
+        """``key``, ``received``: ``labels`` as their sorted items, the clock's time, when the caller has them."""
         if not run_id or not math.isfinite(value) or not math.isfinite(t):
             return
         progress = name in runs.COUNTERS or name == runs.HISTOGRAM
@@ -157,7 +159,7 @@ class RunLedger:
                 return
         gpus_before = len(run.gpus)
         end_before = run.e
-        runs.apply_point(run, name, labels, value, t, count, self._clock(), key)
+        runs.apply_point(run, name, labels, value, t, count, self._clock() if received is None else received, key)
         if len(run.gpus) != gpus_before:
             self._holders_gen += 1  # a GPU named for the first time
         if run.tentative:

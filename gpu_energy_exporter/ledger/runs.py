@@ -33,6 +33,12 @@ VALIDATION_LOSS = contract.VALIDATION_LOSS.prometheus
 LEARNING_RATE = contract.LEARNING_RATE.prometheus
 EPOCH = contract.EPOCH.prometheus
 RUN_FINISHED = contract.RUN_FINISHED.prometheus
+RUN_INFO = contract.RUN_INFO.prometheus
+RUN_GPU_INFO = contract.RUN_GPU_INFO.prometheus
+RUN_TOTAL_STEPS = contract.RUN_TOTAL_STEPS.prometheus
+GLOBAL_STEP = contract.GLOBAL_STEP.prometheus
+_RANK = contract.ATTR_RANK
+_GPU_UUID = contract.ATTR_GPU_UUID
 _GAUGES = frozenset((LOSS, VALIDATION_LOSS, LEARNING_RATE, EPOCH))
 _POINT_LABELS = frozenset(contract.POINT_ATTRIBUTES)
 _NOT_GPUS = frozenset({"", contract.GPU_NONE, contract.GPU_UNKNOWN})
@@ -211,13 +217,13 @@ def apply_point(run: Run, name: str, labels: Mapping[str, str], value: float, t:
                 received: float, key: LabelKey | None = None) -> None:
     """One accepted point of the run (``received``: wall time it arrived; ``key``: ``labels`` as their sorted
     items, ``tuple(sorted(labels.items()))``, when the caller already has them)."""
-    rank = labels.get(contract.ATTR_RANK, "")
+    rank = labels.get(_RANK, "")
     run.changes += 1
     run.ranks.add(rank)
     run.last_point_received = received
     if t > run.last_point_t:
         run.last_point_t = t
-    gpu_label = labels.get(contract.ATTR_GPU_UUID, "")
+    gpu_label = labels.get(_GPU_UUID, "")
     if gpu_label not in run.gpu_labels_seen:
         run.gpu_labels_seen.add(gpu_label)
         for part in gpu_label.split(","):
@@ -228,16 +234,16 @@ def apply_point(run: Run, name: str, labels: Mapping[str, str], value: float, t:
             run.best_loss_step = run.counter(name)
     elif name == RUN_FINISHED:
         _apply_finished(run, rank, value, t)
-    elif name == contract.RUN_INFO.prometheus:
+    elif name == RUN_INFO:
         order = rank_order(rank)
         if run.meta_rank is None or order <= run.meta_rank:
             run.meta_rank = order
             run.metadata = {k: v for k, v in labels.items() if k not in _POINT_LABELS}
-    elif name == contract.RUN_GPU_INFO.prometheus:
+    elif name == RUN_GPU_INFO:
         pass  # its gpu_uuid label was noted above
-    elif name == contract.RUN_TOTAL_STEPS.prometheus:
+    elif name == RUN_TOTAL_STEPS:
         run.total_steps = value if run.total_steps is None else max(run.total_steps, value)
-    elif name == contract.GLOBAL_STEP.prometheus:
+    elif name == GLOBAL_STEP:
         seen = run.global_steps.get(rank)
         if seen is None or t >= seen[0]:
             run.global_steps[rank] = (t, value)

@@ -292,14 +292,15 @@ class ExportHandler:
     def preflight(self, headers: Mapping[str, str], content_length: int) -> Response | None:
         """Checks a server can make before reading the body (auth, type, declared size). Returns the
         error response (already counted) or ``None``."""
-        return self._preflight(self._lower(headers), headers, content_length)
+        early = self._preflight(self._lower(headers), headers, content_length)
+        return None if isinstance(early, str) else early
 
-    def _preflight(self, h: Mapping[str, str], headers: Mapping[str, str], content_length: int) -> Response | None:
+    def _preflight(self, h: Mapping[str, str], headers: Mapping[str, str], content_length: int) -> Response | str:
+        """``preflight``: the error response, or the body's content type (``_check``)."""
         try:
-            self._check(h, content_length)
+            return self._check(h, content_length)
         except _Failure as exc:
             return self.fail(exc.status, exc.message, headers)
-        return None
 
     def fail(
         self, status: int, message: str, headers: Mapping[str, str], field: str | None = None,
@@ -313,11 +314,12 @@ class ExportHandler:
         """Handle one ``POST /v1/metrics``. Never raises."""
         return self._export(self._lower(headers), body)
 
-    def _export(self, h: Mapping[str, str], body: bytes) -> Response:
-        """``handle_export`` with the header names already lower-cased (``_lower``)."""
+    def _export(self, h: Mapping[str, str], body: bytes, checked: str = "") -> Response:
+        """``handle_export`` with the header names already lower-cased (``_lower``); ``checked``: the content
+        type ``_check`` gave for these headers and a body of this size or more (``route``'s preflight)."""
         started = time.perf_counter()
         try:
-            status, content_type, out = self._handle(h, body)
+            status, content_type, out = self._handle(h, body, checked)
         except _Failure as exc:
             content_type = self.response_type(h)
             status = exc.status
@@ -332,8 +334,8 @@ class ExportHandler:
         self.store.record_request(status, time.perf_counter() - started)
         return status, content_type, out
 
-    def _handle(self, h: Mapping[str, str], body: bytes) -> Response:
-        content_type = self._check(h, len(body))
+    def _handle(self, h: Mapping[str, str], body: bytes, checked: str) -> Response:
+        content_type = checked or self._check(h, len(body))
         data = decompress(body, h.get("content-encoding", "").strip().lower(), self.max_body_bytes)
         request = decode_wire(data, content_type)
         try:
@@ -395,7 +397,7 @@ class OTLPReceiver:
         # The server refused a declared size over max_body_bytes before buffering anything, and holds a
         # bounded total of bodies per port; auth and type are checked here before the body is parsed.
         early = self.handler._preflight(h, headers, int(declared) if declared.isdigit() else 0)
-        if early is not None:
+        if not isinstance(early, str):
             return _web_response(early)
         try:
             # Undecoded: the handler inflates gzip and deflate itself, within the same limit.
@@ -403,7 +405,8 @@ class OTLPReceiver:
         except HTTPError as exc:
             return _web_response(self.handler.fail(exc.status, exc.message, headers,
                                                    "body" if exc.status == 400 else None))
-        return _web_response(self.handler._export(h, body))
+        # within max_body_bytes (read_body): what the preflight checked holds for it, not checked twice
+        return _web_response(self.handler._export(h, body, early))
 
     @property
     def http_server(self) -> HTTPServer | None:

@@ -212,16 +212,9 @@ class TrainingStore:
             messages.setdefault(reason, message)
 
         points = batch.points
-        with self._lock:
-            self._tally.received += batch.received
-            now = self._clock()
-            for labels in batch.resources:
-                self._note_resource(labels, now)
-            listeners = self._listeners
-            batch_listeners = self._batch_listeners
-        told = events if listeners or batch_listeners else None
+        n = len(points)
         apply_point = self._apply_point
-        for start in range(0, len(points), APPLY_CHUNK):
+        for start in range(0, n or 1, APPLY_CHUNK):  # one pass at least: the request's counts, resources
             if start:
                 # Let a thread waiting for the lock (a scrape) take it: a released lock is otherwise
                 # taken again at once by this thread, which still holds the GIL.
@@ -229,17 +222,23 @@ class TrainingStore:
             with self._lock:
                 self._version += 1
                 now = self._clock()
-                for p in points[start:start + APPLY_CHUNK] if len(points) > APPLY_CHUNK else points:
+                if not start:
+                    self._tally.received += batch.received
+                    for labels in batch.resources:
+                        self._note_resource(labels, now)
+                    listeners = self._listeners
+                    batch_listeners = self._batch_listeners
+                    told = events if listeners or batch_listeners else None
+                for p in points[start:start + APPLY_CHUNK] if n > APPLY_CHUNK else points:
                     problem = apply_point(p, now, request, told, changed)
                     if problem is None:
                         accepted += 1
                     else:
                         reject(*problem)
-        with self._lock:
-            self._version += 1
-            counted = self._tally.rejected
-            for reason, count in rejected.items():
-                counted[reason] = counted.get(reason, 0.0) + count
+                if start + APPLY_CHUNK >= n:  # the last pass: every rejection is known
+                    counted = self._tally.rejected
+                    for reason, count in rejected.items():
+                        counted[reason] = counted.get(reason, 0.0) + count
 
         self._publish(changed)
         for reason, count in rejected.items():
@@ -319,12 +318,13 @@ class TrainingStore:
             series.cost = p.cost
         series.last_seen = now
         assert fam is not None  # found with the series, or added with it
-        relayout(fam, series)
+        if series.layout != kind:  # a scalar series' layout is its kind (folding.layout): set once
+            relayout(fam, series)
         series.values = values = folding.exposed(kind, series)
         fam.gen += 1
         changed.append((series, series.heads, values))
         if events is not None:
-            value, count = folding.reported(kind, series)
+            value, count = (values[0], None) if len(values) == 1 else folding.reported(kind, series)  # scalar kinds
             events.append(AcceptedPoint(p.run_id, name, series.view, value, p.time_ns / 1e9, kind, count, labels))
         return None
 

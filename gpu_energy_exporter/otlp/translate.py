@@ -223,13 +223,13 @@ def translate_request(request: Message, received_ns: int, limits: Limits = DEFAU
     no ``target_info``.
     """
     batch = Batch()
-    for rm in as_wire(request).resource_metrics:
+    for rm in as_wire(request).resource_metrics[:]:
         if rm.HasField("resource") and len(rm.resource.attributes):
             resource_labels = _resource_labels(rm.resource, limits)
             if resource_labels:
                 batch.resources.append(resource_labels)
-        for sm in rm.scope_metrics:
-            for metric in sm.metrics:
+        for sm in rm.scope_metrics[:]:
+            for metric in sm.metrics[:]:  # a slice (a list) is cheaper to walk than upb's container
                 _translate_metric(metric, batch, received_ns, limits)
     return batch
 
@@ -307,11 +307,12 @@ def _translate_metric(metric: Any, batch: Batch, received_ns: int, limits: Limit
     max_labels = limits.max_labels_per_point
     distribution = kind == "histogram" or kind == "summary"
     counter = kind == "counter"
-    for dp in points:
+    for dp in points[:]:
         try:
             attributes = dp.attributes
-            # _point_labels, its cache looked up here first (one call less per point)
-            hit = cached((*key_head, *attributes)) if len(attributes) <= max_labels else None
+            # _point_labels, its cache looked up here first (one call less per point; the slice is cheaper
+            # than unpacking upb's container)
+            hit = cached((*key_head, *attributes[:])) if len(attributes) <= max_labels else None
             labels, run_id, label_chars = hit or _point_labels(attributes, reserved, limits)
             time_ns = dp.time_unix_nano or received_ns
             start_ns = dp.start_time_unix_nano
