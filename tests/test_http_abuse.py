@@ -280,3 +280,35 @@ def test_wrong_password_flood_keeps_scrapes_fast(start_exporter: type[ExporterPr
     assert max(d for _, d in timings) < 1.0, timings
     assert late_status in (200, 429) and late_s < 1.0, (late_status, late_s)
     assert _get(exp.metrics_url + "/-/healthy", headers=auth("late", "also-right"))[0] in (200, 429)
+
+
+def _pipelined(address: tuple[str, int], request: bytes, n: int) -> int:
+    """Send ``n`` copies of ``request`` in one write on one keep-alive connection; the answers counted."""
+    with socket.create_connection(address, timeout=10) as s:
+        s.sendall(request * n)
+        reply = b""
+        s.settimeout(3.0)
+        try:
+            while reply.count(b"HTTP/1.1 ") < n and (chunk := s.recv(1 << 20)):
+                reply += chunk
+        except (TimeoutError, ConnectionResetError):
+            pass
+        return reply.count(b"HTTP/1.1 ")
+
+
+@pytest.mark.parametrize("port", ["metrics", "otlp"])
+def test_many_pipelined_requests_are_all_answered_and_the_port_stays_up(
+        start_exporter: type[ExporterProcess], port: str) -> None:
+    # Requests answered on the selector thread (a plain scrape, the receiver's small requests) used to serve
+    # the next pipelined one from inside the previous one's write: one Python frame deeper per request,
+    # until about 165 in one packet raised RecursionError and closed the port for good.
+    exp = start_exporter(BASE).wait_ready()
+    if port == "metrics":
+        address, request = _addr(exp.metrics_url), b"HEAD /metrics HTTP/1.1\r\nHost: x\r\n\r\n"
+    else:
+        address, request = exp.address("otlp"), b"GET /nothing HTTP/1.1\r\nHost: x\r\n\r\n"
+    assert _pipelined(address, request, 600) == 600
+    assert "front failed" not in exp.log()
+    status, _ = _get(exp.metrics_url + "/metrics")
+    assert status == 200
+    assert _otlp_post(exp.otlp_url) == 200

@@ -126,6 +126,9 @@ class Connections:
         self.max_body_bytes = max_body_bytes
         self.max_buffered_bytes = max_buffered_bytes
         self.conns: dict[int, Conn] = {}
+        # Keep-alive connections whose next request is already received: the selector loop serves them
+        # (``serve_ready``), never ``_flush`` itself, which would recurse once per pipelined request.
+        self.ready: list[Conn] = []
         self.stopping = False
         self._buffered = 0
         self._out_pending = 0
@@ -257,6 +260,17 @@ class Connections:
         except (OSError, ssl.SSLError) as exc:
             log.debug("%s: connection from %s ended: %s", self.name, conn.addr[0], exc)
             self.close(conn)
+        except Exception:  # noqa: BLE001 - a bug met by one connection closes that connection, not the port
+            log.exception("%s: connection from %s failed; closing it", self.name, conn.addr[0])
+            self.close(conn)
+
+    def serve_ready(self) -> None:
+        """Serve the pipelined requests found since the last call, one per connection (the next ones wait
+        their turn behind the other connections' events)."""
+        ready, self.ready = self.ready, []
+        for conn in ready:
+            if conn.state == IDLE and self.conns.get(conn.sock.fileno()) is conn:
+                self.on_event(conn, selectors.EVENT_READ)
 
     def _handshake(self, conn: Conn) -> None:
         sock = conn.sock
@@ -464,7 +478,7 @@ class Connections:
         conn.deadline = conn.since + self.idle_timeout
         self.want(conn, selectors.EVENT_READ)
         if conn.buf or (isinstance(sock, ssl.SSLSocket) and sock.pending()):
-            self.on_event(conn, selectors.EVENT_READ)  # a pipelined request, already received
+            self.ready.append(conn)  # a pipelined request, already received
 
     def _cut_stalled_writers(self, keep: Conn) -> None:
         """Too many response bytes wait for clients that do not read: close the writers that started

@@ -282,6 +282,8 @@ class HTTPServer:
                 if self._front.stopping and not self._stop_step():
                     return
                 tick = _TICK if self._front.conns or self._accept_paused_until else _IDLE_TICK
+                if self._front.ready:
+                    tick = 0.0
                 for key, events in self._sel.select(tick):
                     if key.fileobj is self._listener:
                         self._accept()
@@ -294,6 +296,7 @@ class HTTPServer:
                     else:
                         self._front.on_event(key.data, events)
                 self._drain_done()
+                self._front.serve_ready()
                 self._resume_accept()
                 self._front.expire(time.monotonic())
         except Exception:
