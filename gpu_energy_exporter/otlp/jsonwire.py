@@ -189,7 +189,11 @@ def _message(doc: Any, table: dict[str, _Field]) -> bytes:
                 append(field.tag)
                 append(_scalar(item, field))
         elif value:
-            packed = b"".join([_raw(item, field) for item in value])
+            # one growing buffer: a list of per-element bytes costs about 50 bytes an element, so a gzip body
+            # of a few KiB holding millions of zeros would take gigabytes before any limit is checked
+            packed = bytearray()
+            for item in value:
+                packed += _raw(item, field)
             append(field.tag)
             append(_varint(len(packed)))
             append(packed)
