@@ -189,3 +189,20 @@ def test_cached_request_and_header_lines_parse_as_before() -> None:
                 parse_request_line(bad)
         with pytest.raises(ClientFault):
             parse_fields([b"Host: x\r", b" folded\r"], (1, 1))
+
+
+def test_heads_with_credentials_are_parsed_but_never_cached() -> None:
+    from gpu_energy_exporter.http import parsing
+
+    secret = b"Authorization: Basic dTpzZWNyZXQtcGFzc3dvcmQ="
+    for spelling in (secret, secret.replace(b"Authorization", b"aUtHoRiZaTiOn")):
+        head = b"GET /metrics HTTP/1.1\r\nHost: x\r\n" + spelling
+        method, target, _, framing = parsing.parse_head(head)
+        assert (method, target) == ("GET", "/metrics")
+        assert framing.headers.get("Authorization") == "Basic dTpzZWNyZXQtcGFzc3dvcmQ="
+        cached = [*parsing._HEAD_CACHE, *parsing._FIELD_CACHE, *parsing._LINE_CACHE]
+        assert not any(b"dTpzZWNyZXQtcGFzc3dvcmQ=" in raw for raw in cached)
+    # what carries no credentials is still remembered
+    plain = b"GET /metrics HTTP/1.1\r\nHost: y"
+    parsing.parse_head(plain)
+    assert plain in parsing._HEAD_CACHE

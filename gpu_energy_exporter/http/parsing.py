@@ -103,7 +103,7 @@ def parse_head(head: bytes) -> tuple[str, str, tuple[int, int], Framing]:
         lines = head.split(b"\n")
         method, target, version = parse_request_line(lines[0].removesuffix(b"\r"))
         out = (method, target, version, parse_fields(lines[1:], version))
-        if len(head) <= _HEAD_CACHE_BYTES:
+        if len(head) <= _HEAD_CACHE_BYTES and not _has_credentials(head):
             if len(_HEAD_CACHE) >= _HEAD_CACHE_MAX:
                 _HEAD_CACHE.clear()
             _HEAD_CACHE[head] = out
@@ -194,10 +194,16 @@ def _parse_field(raw: bytes) -> tuple[str, str]:
 def _remember(cache: dict[bytes, _T], line: bytes, value: _T) -> None:
     """Keep a valid line's parse (a client repeats its request line and most header lines on every request);
     bounded in entries and line length."""
-    if len(line) <= _CACHE_LINE_MAX:
+    if len(line) <= _CACHE_LINE_MAX and not _has_credentials(line):
         if len(cache) >= _CACHE_MAX:
             cache.clear()
         cache[line] = value
+
+
+def _has_credentials(raw: bytes) -> bool:
+    """A head or line that carries a password or token (``Authorization``, ``Proxy-Authorization``) is never
+    kept by the parse caches: credentials stay in memory no longer than their request."""
+    return b"authorization" in raw.lower()
 
 
 def split_target(target: str) -> tuple[str, str]:
