@@ -4,6 +4,9 @@ decoder (``http.codec``) and a response's bytes (``http.messages.serialise``). N
 from __future__ import annotations
 
 import gzip
+import itertools
+import random
+import re
 import zlib
 
 import pytest
@@ -16,6 +19,7 @@ from gpu_energy_exporter.http.parsing import (
     MAX_TRAILERS,
     ChunkedReader,
     ClientFault,
+    head_end,
     parse_fields,
     parse_request_line,
     skip_blank_lines,
@@ -76,6 +80,20 @@ def test_head_is_cut_when_complete_and_refused_early_when_it_cannot_be_valid() -
     assert _fault(take_head, bytearray(b"GET /\r\n")).status == 400  # HTTP/0.9: no headers to wait for
     assert _fault(take_head, bytearray(b"G" * (MAX_REQUEST_LINE + 1))).status == 414
     assert _fault(take_head, bytearray(b"GET / HTTP/1.1\r\n" + b"X: y\r\n" * (MAX_HEAD // 6))).status == 431
+
+
+def test_head_end_finds_what_the_regex_finds() -> None:
+    """``head_end`` (two ``find`` calls) against the regular expression it replaces: every string of CR, LF
+    and one other byte up to 7 long, and random ones, at several end bounds."""
+    regex = re.compile(rb"\r?\n\r?\n")
+    cases = [bytes(t) for n in range(8) for t in itertools.product(b"\r\nx", repeat=n)]
+    rng = random.Random(15)
+    cases += [bytes(rng.choice(b"\r\nab") for _ in range(rng.randrange(1, 40))) for _ in range(3000)]
+    for data in cases:
+        buf = bytearray(data)
+        for end in range(len(data) + 2):
+            m = regex.search(buf, 0, end)
+            assert head_end(buf, end) == (None if m is None else m.span()), (data, end)
 
 
 def test_split_target() -> None:
