@@ -147,7 +147,7 @@ def encode(doc: Any) -> bytes:
 def _message(doc: Any, table: dict[str, _Field]) -> bytes:
     if type(doc) is not dict:
         raise Unsupported
-    out: list[bytes] = []
+    out: list[bytes | bytearray] = []
     append = out.append
     seen = 0  # field bits, and one bit per oneof with a member set
     for key, value in doc.items():
