@@ -28,6 +28,7 @@ from prometheus_client import exposition as text_exposition
 from prometheus_client.core import Metric
 from prometheus_client.openmetrics import exposition as om_exposition
 
+from gpu_energy_exporter.core.memo import remember
 from gpu_energy_exporter.core.metrics import MetricSpec
 
 _LEGACY_LABEL = re.compile(r"[a-zA-Z_][a-zA-Z0-9_]*\Z")
@@ -110,9 +111,7 @@ def header(metric: Metric, openmetrics: bool) -> bytes:
     if out is None:
         empty = Metric(metric.name, metric.documentation, metric.type, metric.unit)
         out = fallback([empty], openmetrics)
-        if len(_HEADER_CACHE) >= _HEADER_CACHE_MAX:
-            _HEADER_CACHE.clear()
-        _HEADER_CACHE[key] = out
+        remember(_HEADER_CACHE, key, out, _HEADER_CACHE_MAX)
     return out
 
 
@@ -133,9 +132,7 @@ def _head(family: str, name: str, labels: tuple[tuple[str, str], ...], openmetri
     if name not in (family + "_created", family + "_gsum", family + "_gcount") and legacy_name(name) \
             and legacy_labels(labels):
         head = sample_head(name, labels, openmetrics)
-    if len(_HEAD_CACHE) >= _HEAD_CACHE_MAX:
-        _HEAD_CACHE.clear()  # bounded: label values that churn (run ids) must not grow it forever
-    _HEAD_CACHE[key] = head
+    remember(_HEAD_CACHE, key, head, _HEAD_CACHE_MAX)  # bounded: churning label values (run ids) must not grow it
     return head
 
 
@@ -184,10 +181,9 @@ def encode_spec(spec: MetricSpec, rows: Iterable[tuple[Sequence[str], float]], o
     for values, value in rows:
         head = head_of.get(tuple(values))
         if head is None:
-            if len(head_of) >= _HEAD_CACHE_MAX:
-                head_of.clear()
-            head = head_of[tuple(values)] = sample_head(spec.name, tuple(zip(spec.labels, values, strict=True)),
-                                                        openmetrics)
+            head = remember(head_of, tuple(values),
+                            sample_head(spec.name, tuple(zip(spec.labels, values, strict=True)), openmetrics),
+                            _HEAD_CACHE_MAX)
         out += (head, go_float(value).encode("ascii"), b"\n")
     return b"".join(out)
 

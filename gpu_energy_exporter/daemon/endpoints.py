@@ -23,6 +23,7 @@ from prometheus_client.exposition import choose_encoder
 
 from gpu_energy_exporter import __version__
 from gpu_energy_exporter.core.errors import ConfigError
+from gpu_energy_exporter.core.memo import remember
 from gpu_energy_exporter.engine.exposition import select_samples
 from gpu_energy_exporter.http.messages import PROJECT_NAME, Handler, Request, Response
 from gpu_energy_exporter.http.server import HTTPServer
@@ -53,10 +54,7 @@ def accepts_gzip(accept_encoding: str | None) -> bool:
     (a scraper sends the same one every time)."""
     ok = _GZIP_OK.get(accept_encoding)
     if ok is None:
-        ok = _accepts_gzip(accept_encoding)
-        if len(_GZIP_OK) >= 64:
-            _GZIP_OK.clear()
-        _GZIP_OK[accept_encoding] = ok
+        ok = remember(_GZIP_OK, accept_encoding, _accepts_gzip(accept_encoding), 64)
     return ok
 
 
@@ -131,9 +129,7 @@ def _metrics_headers(content_type: str, gzipped: bool) -> Mapping[str, str]:
         fields = {"Content-Type": content_type, "Vary": "Accept, Accept-Encoding"}
         if gzipped:
             fields["Content-Encoding"] = "gzip"
-        if len(_HEADERS) >= 64:
-            _HEADERS.clear()
-        headers = _HEADERS[(content_type, gzipped)] = MappingProxyType(fields)
+        headers = remember(_HEADERS, (content_type, gzipped), MappingProxyType(fields), 64)
     return headers
 
 

@@ -31,6 +31,7 @@ from prometheus_client.registry import CollectorRegistry
 
 from gpu_energy_exporter import __version__
 from gpu_energy_exporter.core import encoder
+from gpu_energy_exporter.core.memo import remember
 from gpu_energy_exporter.core.metrics import add, define
 from gpu_energy_exporter.core.state import GPU_SAMPLE_AGE
 from gpu_energy_exporter.engine.sampler import Sampler
@@ -101,11 +102,9 @@ class SnapshotCollector(PromCollector):
                 key = (g.identity.index, g.identity.uuid, openmetrics)
                 head = heads.get(key)
                 if head is None:
-                    if len(heads) > 1024:
-                        heads.clear()
-                    head = heads[key] = encoder.sample_head(
+                    head = remember(heads, key, encoder.sample_head(
                         GPU_SAMPLE_AGE.name, (("gpu", str(g.identity.index)), ("gpu_uuid", g.identity.uuid)),
-                        openmetrics)
+                        openmetrics), 1024)
                 out += (head, encoder.go_float(max(0.0, now - g.last_good)).encode("ascii"), b"\n")
         return b"".join(out)
 
@@ -272,10 +271,7 @@ def _content_type(accept: str) -> str:
     header every time)."""
     content_type = _CONTENT_TYPES.get(accept)
     if content_type is None:
-        content_type = prom_exposition.choose_encoder(accept)[1]
-        if len(_CONTENT_TYPES) >= 64:
-            _CONTENT_TYPES.clear()
-        _CONTENT_TYPES[accept] = content_type
+        content_type = remember(_CONTENT_TYPES, accept, prom_exposition.choose_encoder(accept)[1], 64)
     return content_type
 
 

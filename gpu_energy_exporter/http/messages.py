@@ -21,6 +21,7 @@ from types import MappingProxyType
 from typing import Any
 
 from gpu_energy_exporter import __version__
+from gpu_energy_exporter.core.memo import remember
 from gpu_energy_exporter.http.codec import GZIP, BodyTooLarge, MalformedBody, TruncatedBody, inflate
 
 PROJECT_NAME = "gpu-energy-exporter"
@@ -185,11 +186,10 @@ def _serialise_parts(response: Response, parts: tuple[bytes, ...], extra_headers
         key = (response.status, id(headers), extra_headers, date)
         entry = _prefixes.get(key)
         if entry is None or entry[0] is not headers:
-            if len(_prefixes) >= 16:
-                _prefixes.clear()  # a new second (or a new content type): the old lines are done
             text, sent = _head_lines(response, extra_headers, date)
             plain = "content-length" not in sent and 200 <= response.status and response.status not in (204, 304)
-            entry = _prefixes[key] = (headers, text.encode("latin-1") if plain else None)
+            # emptied at 16 entries: by then a new second (or content type) has made the old lines useless
+            entry = remember(_prefixes, key, (headers, text.encode("latin-1") if plain else None), 16)
         prefix = entry[1]
     if prefix is None:  # the general path, on the joined body
         return _serialise(Response(response.status, b"".join(parts), headers), extra_headers, date, close, head)

@@ -18,6 +18,7 @@ import re
 from collections.abc import Callable
 from typing import NamedTuple, TypeVar
 
+from gpu_energy_exporter.core.memo import remember
 from gpu_energy_exporter.http.messages import Headers
 
 #: Limits on what a request may send before its body (docs/configuration.md quotes them).
@@ -119,9 +120,7 @@ def parse_head(head: bytes) -> tuple[str, str, tuple[int, int], Framing]:
         method, target, version = parse_request_line(lines[0].removesuffix(b"\r"))
         out = (method, target, version, parse_fields(lines[1:], version))
         if len(head) <= _HEAD_CACHE_BYTES and not _has_credentials(head):
-            if len(_HEAD_CACHE) >= _HEAD_CACHE_MAX:
-                _HEAD_CACHE.clear()
-            _HEAD_CACHE[head] = out
+            remember(_HEAD_CACHE, head, out, _HEAD_CACHE_MAX)
     return out
 
 
@@ -210,9 +209,7 @@ def _remember(cache: dict[bytes, _T], line: bytes, value: _T) -> None:
     """Keep a valid line's parse (a client repeats its request line and most header lines on every request);
     bounded in entries and line length."""
     if len(line) <= _CACHE_LINE_MAX and not _has_credentials(line):
-        if len(cache) >= _CACHE_MAX:
-            cache.clear()
-        cache[line] = value
+        remember(cache, line, value, _CACHE_MAX)
 
 
 def _has_credentials(raw: bytes) -> bool:

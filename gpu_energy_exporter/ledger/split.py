@@ -28,6 +28,7 @@ import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
+from gpu_energy_exporter.core.memo import remember
 from gpu_energy_exporter.kubernetes.attribution import (
     METHOD_EXCLUSIVE,
     METHOD_MIG_SLICES,
@@ -87,9 +88,7 @@ def shares(holdings: Iterable[Holding], weights: Mapping[str, float] | None = No
         cached = _SHARES_CACHE.get(key)
         if cached is None:
             cached = _shares(key, None)
-            if len(_SHARES_CACHE) >= _SHARES_CACHE_MAX:
-                _SHARES_CACHE.clear()
-            _SHARES_CACHE[key] = cached
+            remember(_SHARES_CACHE, key, cached, _SHARES_CACHE_MAX)
         return dict(cached)
     return _shares(frozenset((h.run_id, h.mig_uuid, h.slices) for h in holdings), weights)
 

@@ -29,6 +29,8 @@ from typing import Any
 from google.protobuf.descriptor import Descriptor, FieldDescriptor
 from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import ExportMetricsServiceRequest
 
+from gpu_energy_exporter.core.memo import remember
+
 
 class Unsupported(Exception):
     """The document is outside what ``encode`` handles: decode it with the generic parser."""
@@ -221,9 +223,7 @@ def _key_value(item: Any, field: _Field) -> bytes:
                 if out is None:
                     out = _scalar(item, field)
                     if len(key) + len(which) + (len(v) if t is str else 20) <= _KV_MEMO_KEY_MAX:
-                        if len(_KV_MEMO) >= _KV_MEMO_MAX:
-                            _KV_MEMO.clear()
-                        _KV_MEMO[memo_key] = out
+                        remember(_KV_MEMO, memo_key, out, _KV_MEMO_MAX)
                 return out
     if item is None:
         raise Unsupported

@@ -24,6 +24,7 @@ from prometheus_client.core import Metric
 from prometheus_client.samples import Sample
 
 from gpu_energy_exporter.core import encoder
+from gpu_energy_exporter.core.memo import remember
 from gpu_energy_exporter.otlp.folding import Stream, layout
 from gpu_energy_exporter.otlp.points import Kind, Labels
 
@@ -211,9 +212,7 @@ def _text(v: float) -> bytes:
     if text is None:
         text = encoder.go_float(v).encode("ascii") + b"\n"
         if v and v == v:
-            if len(_VALUE_TEXT) >= _VALUE_TEXT_MAX:
-                _VALUE_TEXT.clear()
-            _VALUE_TEXT[v] = text
+            remember(_VALUE_TEXT, v, text, _VALUE_TEXT_MAX)
     return text
 
 

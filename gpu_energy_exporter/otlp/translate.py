@@ -39,6 +39,7 @@ from typing import Any
 from google.protobuf.message import Message
 
 from gpu_energy_exporter.core.contract import ATTR_RUN_ID
+from gpu_energy_exporter.core.memo import remember
 from gpu_energy_exporter.otlp.naming import NameKind, attribute_value, label_name, metric_name, unit_name
 from gpu_energy_exporter.otlp.points import DEFAULT_LIMITS, Batch, Kind, Labels, Limits, Point, label_chars, series_cost
 from gpu_energy_exporter.otlp.wire import as_wire, key_value
@@ -77,9 +78,7 @@ def _cached_label(key: str) -> str:
         return label_name(key)
     out = _LABEL_CACHE.get(key)
     if out is None:
-        if len(_LABEL_CACHE) >= _CACHE_MAX:
-            _LABEL_CACHE.clear()
-        out = _LABEL_CACHE[key] = label_name(key)
+        out = remember(_LABEL_CACHE, key, label_name(key), _CACHE_MAX)
     return out
 
 
@@ -89,9 +88,7 @@ def _cached_metric_name(name: str, unit: str, kind: NameKind) -> str:
     key = (name, unit, kind)
     out = _NAME_CACHE.get(key)
     if out is None:
-        if len(_NAME_CACHE) >= _CACHE_MAX:
-            _NAME_CACHE.clear()
-        out = _NAME_CACHE[key] = metric_name(name, unit, kind)
+        out = remember(_NAME_CACHE, key, metric_name(name, unit, kind), _CACHE_MAX)
     return out
 
 
@@ -103,9 +100,7 @@ def _cached_unit(unit: str) -> str:
     if out is None:
         out = unit_name(unit)
         if len(unit) <= _CACHE_KEY_MAX:
-            if len(_UNIT_CACHE) >= _CACHE_MAX:
-                _UNIT_CACHE.clear()
-            _UNIT_CACHE[unit] = out
+            remember(_UNIT_CACHE, unit, out, _CACHE_MAX)
     return out
 
 
@@ -177,9 +172,7 @@ def _point_labels(attributes: Sequence[bytes], reserved: tuple[str, ...],
     labels = translate_labels([key_value(raw) for raw in attributes], reserved, limits)  # a rejection is never cached
     out = (labels, _run_id(labels), label_chars(labels))
     if key is not None and sum(map(len, attributes)) <= _ATTRS_KEY_MAX:
-        if len(_ATTRS_CACHE) >= _ATTRS_CACHE_MAX:
-            _ATTRS_CACHE.clear()
-        _ATTRS_CACHE[key] = out
+        remember(_ATTRS_CACHE, key, out, _ATTRS_CACHE_MAX)
     return out
 
 
@@ -249,9 +242,7 @@ def _resource_labels(resource: Any, limits: Limits) -> Labels:
         except _Rejected:
             out = ()
         if len(raw) <= 2 * _ATTRS_KEY_MAX:
-            if len(_RESOURCE_CACHE) >= _ATTRS_CACHE_MAX:
-                _RESOURCE_CACHE.clear()
-            _RESOURCE_CACHE[key] = out
+            remember(_RESOURCE_CACHE, key, out, _ATTRS_CACHE_MAX)
     return out
 
 
@@ -291,9 +282,7 @@ def _translate_metric(metric: Any, batch: Batch, received_ns: int, limits: Limit
     if desc is None:
         desc = _describe(metric, data, container, limits)
         if len(otel_name) + len(unit) + len(description) <= 4 * _CACHE_KEY_MAX:
-            if len(_DESCRIPTOR_CACHE) >= _DESCRIPTOR_CACHE_MAX:
-                _DESCRIPTOR_CACHE.clear()
-            _DESCRIPTOR_CACHE[key] = desc
+            remember(_DESCRIPTOR_CACHE, key, desc, _DESCRIPTOR_CACHE_MAX)
     if len(desc) == 2:
         _check_attributes(points)
         batch.reject(desc[0], n, desc[1])
