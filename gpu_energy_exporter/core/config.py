@@ -288,6 +288,10 @@ FLAGS: tuple[Flag, ...] = (
          "Kubelet pod-resources socket used to attribute GPUs to pods.", "PATH"),
     Flag("kubernetes.refresh-interval", parse_duration, "10s",
          "How often the GPU to pod mapping is refreshed from the kubelet.", "DURATION"),
+    Flag("collector.slurm.job-mapping-dir", _text, "/run/gpu-energy-exporter/slurm-jobs",
+         "Directory the Slurm prolog/epilog keep (dcgm-exporter's DCGM_HPC_JOB_MAPPING_DIR format: one file "
+         "per GPU index, or '<index>.<gpu instance>' for MIG, listing job ids) for --collector.slurm.",
+         "DIR"),
     Flag("log.level", _choice("debug", "info", "warn", "error"), "info", "Log level.", "LEVEL"),
     Flag("log.format", _choice("logfmt", "json"), "logfmt", "Log format.", "FORMAT"),
 )
@@ -300,6 +304,7 @@ COLLECTORS: tuple[CollectorFlag, ...] = (
     CollectorFlag("rapl", True, "CPU package/DRAM energy from the Linux powercap (RAPL) tree."),
     CollectorFlag("carbon", True, "Carbon intensity, PUE and per-GPU peak FLOP/s inputs for PromQL."),
     CollectorFlag("kubernetes", False, "GPU to pod attribution through the kubelet pod-resources API."),
+    CollectorFlag("slurm", False, "GPU energy per Slurm job from the prolog's job-mapping directory."),
 )
 
 
@@ -350,6 +355,7 @@ class Config:
     runs_stale_after: float = 300.0
     kubernetes_pod_resources_socket: str = "/var/lib/kubelet/pod-resources/kubelet.sock"
     kubernetes_refresh_interval: float = 10.0
+    collector_slurm_job_mapping_dir: str = "/run/gpu-energy-exporter/slurm-jobs"
     log_level: str = "info"
     log_format: str = "logfmt"
     collectors: frozenset[str] = field(

@@ -24,6 +24,7 @@ METRIC_MODULES = (
     "gpu_energy_exporter.collectors.rapl",
     "gpu_energy_exporter.collectors.carbon",
     "gpu_energy_exporter.collectors.kubernetes",
+    "gpu_energy_exporter.collectors.slurm",
     "gpu_energy_exporter.otlp.selfmetrics",
     "gpu_energy_exporter.ledger.specs",
     "gpu_energy_exporter.otlp.push",

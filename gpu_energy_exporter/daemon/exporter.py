@@ -100,6 +100,13 @@ class Exporter:
             if self.gpu is None:
                 raise ConfigError("--collector.kubernetes needs the gpu collector (remove --no-collector.gpu)")
             collectors.append(KubernetesCollector.from_config(config, self.gpu.states))
+        if config.enabled("slurm"):
+            from gpu_energy_exporter.collectors.slurm import SlurmCollector
+
+            if self.gpu is None:
+                raise ConfigError("--collector.slurm needs the gpu collector (remove --no-collector.gpu)")
+            collectors.append(SlurmCollector(self.gpu.states, config.collector_slurm_job_mapping_dir,
+                                             procfs=config.path_procfs))
         self.collectors = collectors
         self.sampler = Sampler(
             collectors, config.collector_interval, gpu_states=self.gpu.states if self.gpu else None, clock=clock

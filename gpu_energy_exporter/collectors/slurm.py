@@ -1,0 +1,173 @@
+"""GPU energy per Slurm job (``--collector.slurm``, off by default).
+
+Reads the job-mapping directory (``--collector.slurm.job-mapping-dir``, dcgm-exporter's format, written
+by the prolog and epilog in ``deploy/slurm/``) on the sampler thread, after the GPU collector, and charges
+each GPU's energy delta to the jobs listed on it (``slurm.jobs``: exclusive, MIG instances, shared GPUs by
+the SM utilisation of each job's processes, found through their cgroup in ``--path.procfs``, else
+evenly). Never calls NVML: it reads the GPU collector's last states. Never puts a job label on a GPU
+series: jobs get their own counters, which expire with the job, so series follow running jobs.
+
+A missing directory is "no job has started yet" (``gpuenergy_slurm_job_mapping_available 0``), not an
+error; a malformed file loses only itself and is logged once.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections import defaultdict
+from collections.abc import Callable, Sequence
+
+from prometheus_client.core import Metric
+
+from gpu_energy_exporter.collectors.base import Collector
+from gpu_energy_exporter.core.metrics import GPU_LABELS, add, define
+from gpu_energy_exporter.core.state import GPUState
+from gpu_energy_exporter.slurm.jobs import JobEnergyAttributor, JobSlot
+from gpu_energy_exporter.slurm.mapping import JobInfo, JobMapping, job_of_cgroup, read_mapping
+
+log = logging.getLogger(__name__)
+
+JOB_ENERGY = define(
+    "slurm", "job_energy_joules_total", "counter",
+    "GPU energy charged to the Slurm job while it held GPUs on this node, since the exporter saw it. "
+    "method: exclusive (whole GPU), mig_slices (MIG instances), sm_utilization or shared_even (GPU "
+    "shared by several jobs). Sum over method (and over nodes) for the job's total.",
+    ("job_id", "method"), collector="slurm", unit="joules",
+)
+JOB_INFO = define(
+    "slurm", "job_info", "info",
+    "One series per Slurm job holding GPUs on this node, with what the prolog recorded (user, account, "
+    "partition; empty when unknown). Join on job_id.",
+    ("job_id", "user", "account", "partition"), collector="slurm",
+)
+GPU_JOB_INFO = define(
+    "slurm", "gpu_job_info", "info",
+    "Which job holds which GPU (instance: the MIG instance '<gpu>.<gpu instance>', empty for a whole "
+    "GPU). Join on gpu_uuid to attribute any per-GPU series to jobs.",
+    (*GPU_LABELS, "instance", "job_id"), collector="slurm",
+)
+UNATTRIBUTED_ENERGY = define(
+    "slurm", "unattributed_energy_joules_total", "counter",
+    "GPU energy consumed while no Slurm job held the GPU, since the slurm collector started.",
+    GPU_LABELS, collector="slurm", unit="joules",
+)
+MAPPING_AVAILABLE = define(
+    "slurm", "job_mapping_available", "gauge",
+    "1 if the job-mapping directory could be read at the last sample, 0 if it is missing or unreadable.",
+    (), collector="slurm",
+)
+
+
+class SlurmCollector(Collector):
+    """Per-job GPU energy from the job-mapping directory."""
+
+    name = "slurm"
+    depends_on = ("gpu",)
+
+    def __init__(
+        self,
+        gpu_states: Callable[[], Sequence[GPUState]],
+        mapping_dir: str,
+        *,
+        procfs: str = "/proc",
+        series_grace_s: float = 300.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._gpu_states = gpu_states
+        self._dir = mapping_dir
+        self._procfs = procfs
+        self._clock = clock
+        self._attributor = JobEnergyAttributor(series_grace_s)
+        self._info: dict[str, JobInfo] = {}
+        self._gpu_index: dict[str, str] = {}
+        self._logged: frozenset[str] = frozenset()
+        self._available_logged: bool | None = None
+
+    @property
+    def attributor(self) -> JobEnergyAttributor:
+        return self._attributor
+
+    def update(self) -> list[Metric]:
+        mapping = read_mapping(self._dir)
+        self._log(mapping)
+        states = list(self._gpu_states())
+        by_index = {s.identity.index: s.identity.uuid for s in states}
+        for s in states:
+            self._gpu_index[s.identity.uuid] = str(s.identity.index)
+        holdings: dict[str, list[JobSlot]] = defaultdict(list)
+        for (index, gi), jobs in mapping.gpus.items():
+            uuid = by_index.get(index)
+            if uuid is None:
+                continue
+            instance = f"{index}.{gi}" if gi is not None else ""
+            holdings[uuid].extend(JobSlot(uuid, job, instance) for job in jobs)
+        self._info.update(mapping.info)
+        energy = {s.identity.uuid: s.energy_j for s in states if s.energy_j is not None}
+        self._attributor.update(self._clock(), energy, holdings, self._sm_weights(states, holdings, mapping))
+        live = self._attributor.jobs()
+        self._info = {job: info for job, info in self._info.items() if job in live}
+        return self._families(holdings, mapping.available)
+
+    def _sm_weights(
+        self, states: Sequence[GPUState], holdings: dict[str, list[JobSlot]], mapping: JobMapping
+    ) -> dict[str, dict[str, float]]:
+        """GPU UUID -> job -> SM utilisation of the job's processes, for whole GPUs several jobs share."""
+        sluids = {i.sluid: job for job, i in mapping.info.items() if i.sluid}
+        out: dict[str, dict[str, float]] = {}
+        for s in states:
+            slots = holdings.get(s.identity.uuid, ())
+            jobs = {slot.job_id for slot in slots if not slot.instance}
+            if len(jobs) < 2 or s.reading is None or not s.reading.processes:
+                continue
+            w: dict[str, float] = defaultdict(float)
+            for p in s.reading.processes:
+                if p.sm_util_pct is None:
+                    continue
+                job = self._job_of_pid(p.pid, sluids)
+                if job in jobs:
+                    w[job] += p.sm_util_pct
+            if w:
+                out[s.identity.uuid] = dict(w)
+        return out
+
+    def _job_of_pid(self, pid: int, sluids: dict[str, str]) -> str | None:
+        try:
+            with open(os.path.join(self._procfs, str(pid), "cgroup"), encoding="utf-8", errors="replace") as f:
+                return job_of_cgroup(f.read(64 * 1024), sluids)
+        except OSError:
+            return None  # gone, or another pid namespace: the job keeps an even share
+
+    def _families(self, holdings: dict[str, list[JobSlot]], available: bool) -> list[Metric]:
+        gpu_job = GPU_JOB_INFO.family()
+        for uuid in sorted(holdings):
+            for slot in sorted(set(holdings[uuid])):
+                add(gpu_job, [], {"gpu": self._gpu_index.get(uuid, ""), "gpu_uuid": uuid,
+                                  "instance": slot.instance, "job_id": slot.job_id})
+        info = JOB_INFO.family()
+        for job in sorted(self._attributor.jobs()):
+            i = self._info.get(job, JobInfo(job))
+            add(info, [], {"job_id": job, "user": i.user, "account": i.account, "partition": i.partition})
+        energy = JOB_ENERGY.family()
+        for (job, method), joules in sorted(self._attributor.job_energy().items()):
+            add(energy, [job, method], joules)
+        unattributed = UNATTRIBUTED_ENERGY.family()
+        for uuid, joules in sorted(self._attributor.unattributed_energy().items()):
+            add(unattributed, [self._gpu_index.get(uuid, ""), uuid], joules)
+        up = MAPPING_AVAILABLE.family()
+        add(up, [], 1.0 if available else 0.0)
+        return [gpu_job, info, energy, unattributed, up]
+
+    def _log(self, mapping: JobMapping) -> None:
+        if mapping.available != self._available_logged:
+            if not mapping.available:
+                log.info("Slurm job-mapping directory %s is missing or unreadable: no job energy until the "
+                         "prolog (deploy/slurm/) writes it%s", self._dir,
+                         f" ({mapping.problems[0]})" if mapping.problems else "")
+            self._available_logged = mapping.available
+        problems = frozenset(mapping.problems)
+        new = problems - self._logged
+        if new and mapping.available:
+            log.warning("Slurm job-mapping directory %s: skipped %s", self._dir, "; ".join(sorted(new)))
+        self._logged = problems

@@ -1,0 +1,141 @@
+"""Per-job GPU energy: integrate each GPU's energy deltas to the Slurm jobs holding it.
+
+Pure arithmetic, like ``kubernetes.attribution``: energy counters, times and the GPU -> job map come in
+as arguments; this module never does I/O and never reads a clock.
+
+How one GPU's energy delta between two updates is split (the ``method`` label, the same names as for
+pods):
+
+- ``exclusive``: one job holds the whole GPU: it gets all of the delta, idle power included.
+- ``mig_slices``: jobs hold MIG instances of the GPU (files ``<index>.<gpu instance>``): the delta is
+  split over the held instances by weight (their compute slices where known, else 1 each), and evenly
+  between jobs listed on one instance. Whole-GPU energy is never repeated per instance.
+- ``sm_utilization``: several jobs list the same whole GPU (shards, ``OverSubscribe``) and their
+  processes' SM utilisation is known for the interval: split by it.
+- ``shared_even``: shared as above without usable utilisation: split evenly.
+
+A GPU no job holds adds to its unattributed counter, so that over any window in which the map did not
+change ``sum(jobs) + unattributed == GPU energy``. A job that has held no GPU for ``grace_s`` loses its
+series (finished jobs expire, so the series count follows the running jobs, not the job history).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+METHOD_EXCLUSIVE = "exclusive"
+METHOD_MIG_SLICES = "mig_slices"
+METHOD_SM_UTILIZATION = "sm_utilization"
+METHOD_SHARED_EVEN = "shared_even"
+
+
+@dataclass(frozen=True, order=True)
+class JobSlot:
+    """One job's hold on one physical GPU (``instance`` "" for the whole GPU, else the MIG instance's
+    name in the mapping directory, ``<index>.<gpu instance>``)."""
+
+    gpu_uuid: str
+    job_id: str
+    instance: str = ""
+    weight: float = 1.0  # compute slices of the MIG instance (1 for a whole GPU or when unknown)
+
+
+def split(
+    delta_j: float, slots: Sequence[JobSlot], sm: Mapping[str, float] | None = None
+) -> list[tuple[str, str, float]]:
+    """Split one GPU's delta over its slots: [(job id, method, joules)], summing to ``delta_j``.
+    ``sm``: job id -> summed SM utilisation of its processes on this GPU over the interval."""
+    if not slots:
+        return []
+    instances: dict[str, list[JobSlot]] = defaultdict(list)
+    for s in slots:
+        instances[s.instance].append(s)
+    is_mig = any(s.instance for s in slots)
+    weight = {i: (max(max(s.weight for s in ss), 0.0) or 1.0) for i, ss in instances.items()}
+    total = sum(weight.values())
+    out: list[tuple[str, str, float]] = []
+    for instance, held in sorted(instances.items()):
+        energy = delta_j * weight[instance] / total
+        jobs = sorted({s.job_id for s in held})
+        if is_mig:
+            out.extend((job, METHOD_MIG_SLICES, energy / len(jobs)) for job in jobs)
+        elif len(jobs) == 1:
+            out.append((jobs[0], METHOD_EXCLUSIVE, energy))
+        else:
+            w = {job: max(0.0, float((sm or {}).get(job, 0.0))) for job in jobs}
+            wsum = sum(w.values())
+            if wsum > 0:
+                out.extend((job, METHOD_SM_UTILIZATION, energy * w[job] / wsum) for job in jobs)
+            else:
+                out.extend((job, METHOD_SHARED_EVEN, energy / len(jobs)) for job in jobs)
+    return out
+
+
+class JobEnergyAttributor:
+    """Accumulates per-job energy counters from successive GPU energy readings. One owner (the slurm
+    collector, on the sampler thread); not thread-safe."""
+
+    def __init__(self, grace_s: float = 300.0) -> None:
+        if grace_s < 0:
+            raise ValueError("grace_s must be >= 0")
+        self._grace_s = grace_s
+        self._last_energy: dict[str, float] = {}
+        self._energy: dict[tuple[str, str], float] = {}
+        self._last_held: dict[str, float] = {}
+        self._first_held: dict[str, float] = {}
+        self._gpus: dict[str, set[str]] = defaultdict(set)
+        self._unattributed: dict[str, float] = {}
+
+    def update(
+        self,
+        now: float,
+        gpu_energy_j: Mapping[str, float],
+        holdings: Mapping[str, Sequence[JobSlot]],
+        sm: Mapping[str, Mapping[str, float]] | None = None,
+    ) -> None:
+        """Charge every GPU's energy since the previous update to the jobs holding it now.
+
+        ``gpu_energy_j``: GPU UUID -> monotonic counter (joules); a GPU missing from it is skipped and its
+        next delta covers the gap; the first reading only sets the baseline; a counter that goes
+        backwards is rebased without charging anything. ``sm``: GPU UUID -> job id -> SM utilisation."""
+        for gpu_uuid, slots in holdings.items():
+            for s in slots:
+                self._last_held[s.job_id] = now
+                self._first_held.setdefault(s.job_id, now)
+                self._gpus[s.job_id].add(gpu_uuid)
+        for gpu_uuid, energy in gpu_energy_j.items():
+            last = self._last_energy.get(gpu_uuid)
+            self._last_energy[gpu_uuid] = energy
+            delta = 0.0 if last is None or energy < last else energy - last
+            slots = holdings.get(gpu_uuid, ())
+            unattributed = self._unattributed.setdefault(gpu_uuid, 0.0)
+            if not slots:
+                self._unattributed[gpu_uuid] = unattributed + delta
+                continue
+            for job, method, joules in split(delta, slots, (sm or {}).get(gpu_uuid)):
+                self._energy[(job, method)] = self._energy.get((job, method), 0.0) + joules
+        self._expire(now)
+
+    def _expire(self, now: float) -> None:
+        gone = [job for job, t in self._last_held.items() if now - t > self._grace_s]
+        for job in gone:
+            del self._last_held[job]
+            self._first_held.pop(job, None)
+            self._gpus.pop(job, None)
+            for key in [k for k in self._energy if k[0] == job]:
+                del self._energy[key]
+
+    def job_energy(self) -> dict[tuple[str, str], float]:
+        """(job id, method) -> joules, for every job that has not expired."""
+        return dict(self._energy)
+
+    def unattributed_energy(self) -> dict[str, float]:
+        """GPU UUID -> joules consumed while no job held the GPU."""
+        return dict(self._unattributed)
+
+    def jobs(self) -> dict[str, tuple[float, float, tuple[str, ...]]]:
+        """job id -> (first time held, last time held, GPU UUIDs), for jobs that have not expired."""
+        return {job: (self._first_held[job], t, tuple(sorted(self._gpus[job])))
+                for job, t in self._last_held.items()}
