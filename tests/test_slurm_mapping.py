@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from gpu_energy_exporter.collectors.slurm import SlurmCollector
+from gpu_energy_exporter.core.state import GPUIdentity, GPUProcess, GPUReading, GPUState
 from gpu_energy_exporter.slurm.jobs import (
     METHOD_EXCLUSIVE,
     METHOD_MIG_SLICES,
@@ -164,3 +166,42 @@ def test_concurrent_prologs_on_one_gpu_lose_no_job(tmp_path: Path) -> None:
     with ThreadPoolExecutor(8) as pool:
         list(pool.map(lambda j: run_script(EPILOG, d, SLURM_JOB_ID=j), jobs[::2]))
     assert sorted((d / "0").read_text().split()) == jobs[1::2]
+
+
+def _state(index: int, uuid: str, energy: float, processes: tuple[GPUProcess, ...] = ()) -> GPUState:
+    ident = GPUIdentity(index, uuid, "NVIDIA H100 80GB HBM3", f"00000000:0{index}:00.0", "hopper", "9.0",
+                        "counter", True)
+    return GPUState(ident, True, GPUReading(0.0, processes=processes), energy, 0, 0.0)
+
+
+def test_collector_splits_a_shared_gpu_by_the_sm_use_of_each_jobs_processes(tmp_path: Path) -> None:
+    """Two jobs on one GPU (shards); NVML lists one process of each at 80% and 20% SM: the GPU's energy
+    goes 80/20, each process found in its job through /proc/<pid>/cgroup (one job_<id> path, one Slurm
+    26.05 SLUID path the prolog recorded)."""
+    mapping, procfs = tmp_path / "map", tmp_path / "proc"
+    (mapping / ".info").mkdir(parents=True)
+    (mapping / "0").write_text("41\n42\n")
+    (mapping / "1").write_text("43\n")
+    (mapping / ".info" / "42").write_text("user=bob\nsluid=s5K1KKYAYG5D00\n")
+    for pid, cg in ((101, "/system.slice/slurmstepd.scope/job_41/step_0/user/task_0"),
+                    (202, "/system.slice/slurmstepd.scope/s5K1KKYAYG5D00/step_0/user/task_0"),
+                    (303, "/user.slice/session-1.scope")):
+        (procfs / str(pid)).mkdir(parents=True)
+        (procfs / str(pid) / "cgroup").write_text(f"0::{cg}\n")
+    procs = (GPUProcess(101, None, 80.0), GPUProcess(202, None, 20.0), GPUProcess(303, None, 50.0),
+             GPUProcess(404, None, 10.0))  # 303: not a job; 404: no /proc entry (gone)
+    energy = {"GPU-0": 1000.0, "GPU-1": 10.0}
+    col = SlurmCollector(lambda: [_state(0, "GPU-0", energy["GPU-0"], procs), _state(1, "GPU-1", energy["GPU-1"])],
+                         str(mapping), procfs=str(procfs), clock=lambda: 0.0)
+    col.update()
+    energy.update({"GPU-0": 1500.0, "GPU-1": 70.0})
+    families = col.update()
+    got = {(s.name, tuple(sorted(s.labels.items()))): s.value for f in families for s in f.samples}
+    job = "gpuenergy_slurm_job_energy_joules_total"
+    assert got[(job, (("job_id", "41"), ("method", "sm_utilization")))] == pytest.approx(400.0)
+    assert got[(job, (("job_id", "42"), ("method", "sm_utilization")))] == pytest.approx(100.0)
+    assert got[(job, (("job_id", "43"), ("method", "exclusive")))] == pytest.approx(60.0)
+    assert got[("gpuenergy_slurm_job_mapping_available", ())] == 1.0
+    info = {s.labels["job_id"]: s.labels["user"] for f in families for s in f.samples
+            if s.name == "gpuenergy_slurm_job_info"}
+    assert info == {"41": "", "42": "bob", "43": ""}

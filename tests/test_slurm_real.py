@@ -54,7 +54,7 @@ class Bursts:
     def _trace(self, index: int) -> Steps:
         steps: list[tuple[float, float]] = []
         t = 0.0
-        for i, start, length, watts in sorted(b for b in self.bursts if b[0] == index):
+        for _gpu, start, length, watts in sorted(b for b in self.bursts if b[0] == index):
             if start > t:
                 steps.append((start - t, 0.0))
             steps.append((length, watts))
