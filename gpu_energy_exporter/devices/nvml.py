@@ -38,7 +38,7 @@ from gpu_energy_exporter.core.state import (
     GPUReading,
     MIGDevice,
 )
-from gpu_energy_exporter.devices.base import GPUBackend, hertz, joules, ratio, watts
+from gpu_energy_exporter.devices.base import GPUBackend, HealthReader, hertz, joules, ratio, watts
 from gpu_energy_exporter.devices.nvml_calls import (
     REASON_EXCEPTION,
     FieldValues,
@@ -391,6 +391,13 @@ class NVMLBackend(GPUBackend):
             pynvml.nvmlGpmSampleFree(sample)
         except Exception as exc:  # noqa: BLE001 - a leak of one buffer is not worth a GPU
             log.debug("GPU %d: nvmlGpmSampleFree failed: %s", i, exc)
+
+    def health_reader(self) -> HealthReader:
+        """ECC, remapping, PCIe, NVLink and Xid events (``devices.nvml_health``), sharing this backend's
+        error counts."""
+        from gpu_energy_exporter.devices.nvml_health import NVMLHealth
+
+        return NVMLHealth(self._nvml, self._clock)
 
     def close(self) -> None:
         if self._closed:
