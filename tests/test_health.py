@@ -228,3 +228,51 @@ def test_health_reads_keep_their_cadence_and_call_budget(fake_nvml_lib: Path, tm
                             "nvmlDeviceGetNvLinkState": 18, "nvmlDeviceGetNvLinkErrorCounter": 72,
                             "nvmlDeviceGetFieldValues": 1}), dict(read)
     assert out["outstanding"] == 0
+
+
+def test_a_run_whose_gpu_reported_xid_79_carries_the_note_in_its_ledger_row(
+    start_exporter: type[ExporterProcess], fake_nvml_lib: Path, tmp_path: Path
+) -> None:
+    import csv
+
+    from gpu_energy_exporter.training import start_run
+
+    epoch = time.time() - 60
+    # GPU 0 falls off the bus 3 s into the runs (Xid 79); GPU 1 stays healthy.
+    sick = h100(0, power=Constant(400.0), health=replace(HEALTHY_H100, events=(xid(63.0, 79),)))
+    healthy = h100(1, power=Constant(400.0), health=HEALTHY_H100)
+    env = _write(tmp_path, Scenario(epoch=epoch, gpus=[sick, healthy]))
+    runs_csv = tmp_path / "runs.csv"
+    exp = start_exporter([f"--nvml.library={fake_nvml_lib}", *FAST, "--runs.warmup=0s", f"--runs.csv={runs_csv}"],
+                         env).wait_ready()
+    runs = {name: start_run(name, endpoint=exp.otlp_url, export_interval=0.5, gpu_uuids=[gpu.uuid])
+            for name, gpu in (("on-sick-gpu", sick), ("on-healthy-gpu", healthy))}
+    # run until the Xid has been received, and a little after
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        for run in runs.values():
+            run.step(tokens=1000, samples=1)
+        if sample_value(exp.metrics(), "gpuenergy_gpu_xid_errors_total", gpu="0", xid="79") == 1.0:
+            break
+        time.sleep(0.2)
+    else:
+        raise AssertionError("the Xid 79 never showed on /metrics")
+    for _ in range(5):
+        for run in runs.values():
+            run.step(tokens=1000, samples=1)
+        time.sleep(0.2)
+    for run in runs.values():
+        run.finish()
+
+    def rows() -> dict[str, dict[str, str]] | None:
+        if not runs_csv.exists():
+            return None
+        with runs_csv.open(newline="") as f:
+            got = {r["run_id"]: r for r in csv.DictReader(f)}
+        return got if len(got) == 2 else None
+
+    got = wait_until(rows, timeout=30, what="both runs' ledger rows")
+    note = got["on-sick-gpu"]["ledger_notes"]
+    assert f"GPU 0 ({sick.uuid}) reported critical Xid 79 (GPU has fallen off the bus)" in note, note
+    assert "drain the node and reset the GPU" in note
+    assert "Xid" not in got["on-healthy-gpu"]["ledger_notes"]
