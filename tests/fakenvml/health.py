@@ -103,3 +103,11 @@ class Health:
 #: A healthy H100 SXM: ECC on, no errors, PCIe Gen5 x16, 18 NVLinks up, Xid and ECC events supported.
 HEALTHY_H100 = Health(ecc=(0, 0, 0, 0), remapped_rows=(0, 0, 0, 0), pcie=PCIe(),
                       nvlinks=tuple(NVLink() for _ in range(18)))
+
+#: The driver-generation matrix's Hopper (tests/golden/drivers/hopper.prom): a few corrected errors, a
+#: PCIe link at its maximum with some traffic and replays, two NVLink links (an NVLink bridge) with traffic.
+HOPPER_GENERATION = Health(
+    ecc=(2, 0, 14, 0), remapped_rows=(1, 0, 0, 0),
+    pcie=PCIe(replays=3, tx_kb_per_s=1200, rx_kb_per_s=3400),
+    nvlinks=(NVLink(tx_kib=4096, rx_kib=8192, crc_flit=1), NVLink(tx_kib=2048, rx_kib=1024)),
+)
