@@ -56,7 +56,8 @@ PROVIDES: dict[str, set[str]] = {
 }
 #: What each generation must not show (no reading to base it on).
 LACKS: dict[str, set[str]] = {
-    "r470": GPM | (HEALTH - {h.XID_WATCHED.name}) | {g.POWER_AVERAGE.name, g.MEM_RESERVED.name, g.MEM_TEMP.name, g.MODULE_POWER.name},
+    "r470": GPM | (HEALTH - {h.XID_WATCHED.name})
+    | {g.POWER_AVERAGE.name, g.MEM_RESERVED.name, g.MEM_TEMP.name, g.MODULE_POWER.name},
     "pre_volta": GPM | {g.POWER_AVERAGE.name, g.ENERGY_RESETS.name, g.MEM_TEMP.name, g.MODULE_POWER.name},
     "ampere": GPM | {g.POWER.name, g.MEM_TEMP.name, g.MODULE_POWER.name},
     "hopper": {g.MODULE_POWER.name},
