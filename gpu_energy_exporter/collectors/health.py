@@ -53,6 +53,7 @@ class HealthCollector(Collector):
         self._next_read = 0.0
         self._read_families: list[Metric] = []
         self._failed: dict[int, str] = {}  # GPU index -> why its last health read failed (logged once)
+        self._event_cache: tuple[int, list[Metric]] | None = None  # (counts version, their families)
 
     def _attach(self, backend: GPUBackend) -> None:
         if self._reader is not None:
@@ -61,6 +62,7 @@ class HealthCollector(Collector):
         self._reader = backend.health_reader()
         self._next_read = 0.0
         self._read_families = []
+        self._event_cache = None
         if self._reader is None:
             log.info("the %s backend has no GPU health readings; health series are not served", backend.kind)
             return
@@ -108,9 +110,14 @@ class HealthCollector(Collector):
         counts = reader.events()
         if counts is None:
             return []
+        # Built again only when an event arrived: between events every update serves the same families.
+        if self._event_cache is not None and self._event_cache[0] == counts.version:
+            return self._event_cache[1]
         fams = {spec.name: spec.family() for spec in EVENT_SPECS}
         emit_events(fams, counts, {g.index: g.uuid for g in self._gpu.identities()})
-        return [f for f in fams.values() if f.samples]
+        families = [f for f in fams.values() if f.samples]
+        self._event_cache = (counts.version, families)
+        return families
 
     def critical_xids(self) -> tuple[XidEvent, ...]:
         """The most recent critical Xids of every GPU (oldest first), for the run ledger; any thread."""

@@ -82,3 +82,4 @@ class EventCounts:
     ecc: dict[tuple[int, str], int]  # (GPU index, "single_bit" | "double_bit") -> count
     last: dict[int, XidEvent]  # GPU index -> its last Xid
     critical: tuple[XidEvent, ...]  # the most recent critical Xids, oldest first (bounded)
+    version: int = 0  # changes whenever anything above changes

@@ -59,6 +59,7 @@ class EventWatcher:
         self._ecc: dict[tuple[int, str], int] = {}
         self._last: dict[int, XidEvent] = {}
         self._critical: deque[XidEvent] = deque(maxlen=KEEP_CRITICAL)
+        self._version = 0
         self._thread: threading.Thread | None = None
         self._symbol = "nvmlEventSetWait_v2"
 
@@ -77,7 +78,7 @@ class EventWatcher:
     def counts(self) -> EventCounts:
         with self._lock:
             return EventCounts(dict(self._watched), dict(self._xids), dict(self._ecc), dict(self._last),
-                               tuple(self._critical))
+                               tuple(self._critical), self._version)
 
     # ------------------------------------------------------------------------------------------------
 
@@ -108,6 +109,7 @@ class EventWatcher:
     def _set_watched(self, watched: dict[int, bool]) -> None:
         with self._lock:
             self._watched.update(watched)
+            self._version += 1
 
     def _register(self, event_set: Any) -> dict[int | None, tuple[int, str]]:
         by_handle: dict[int | None, tuple[int, str]] = {}
@@ -174,6 +176,7 @@ class EventWatcher:
     def _record(self, index: int, uuid: str, event_type: int, event_data: int) -> None:
         now = self._clock()
         with self._lock:
+            self._version += 1
             if event_type & EVENT_XID:
                 key = (index, event_data)
                 self._xids[key] = self._xids.get(key, 0) + 1
