@@ -276,3 +276,28 @@ def test_a_run_whose_gpu_reported_xid_79_carries_the_note_in_its_ledger_row(
     assert f"GPU 0 ({sick.uuid}) reported critical Xid 79 (GPU has fallen off the bus)" in note, note
     assert "drain the node and reset the GPU" in note
     assert "Xid" not in got["on-healthy-gpu"]["ledger_notes"]
+
+
+def test_xid_notes_name_only_the_runs_gpus_critical_codes_inside_the_run() -> None:
+    from gpu_energy_exporter.core.health import XidEvent
+    from gpu_energy_exporter.ledger.health_notes import GRACE_S, xid_notes
+
+    t0 = 1_750_000_000.0
+    xids = (
+        XidEvent(0, "GPU-aaaa", 13, t0 + 10),  # not critical
+        XidEvent(0, "GPU-aaaa", 79, t0 + 20),
+        XidEvent(0, "GPU-aaaa", 79, t0 + 30),
+        XidEvent(0, "GPU-aaaa", 48, t0 + 40),
+        XidEvent(1, "GPU-bbbb", 79, t0 + 20),  # another GPU
+        XidEvent(0, "GPU-aaaa", 74, t0 - 5),  # before the run
+    )
+    # the run's GPU key as the ledger keeps it (frames.uuid_key: no "GPU-" prefix, lower case)
+    (note,) = xid_notes(["aaaa"], t0, t0 + 100, xids)
+    assert note.startswith("GPU 0 (GPU-aaaa) reported critical Xid 48 (double-bit ECC error), "
+                           "79 (GPU has fallen off the bus) x2, first at 2025-06-15T15:07:00.000Z:"), note
+    assert xid_notes(["cccc"], t0, t0 + 100, xids) == []
+    assert xid_notes(["aaaa"], t0 + 50, t0 + 100, xids) == []
+    # after the run's last point, within the grace: said so; beyond it: not the run's
+    (late,) = xid_notes(["bbbb"], t0, t0 + 8, xids)
+    assert "12s after the run's last point (it may have ended the run)" in late
+    assert xid_notes(["bbbb"], t0, t0 + 20 - GRACE_S - 1, xids) == []
