@@ -301,3 +301,33 @@ def test_xid_notes_name_only_the_runs_gpus_critical_codes_inside_the_run() -> No
     (late,) = xid_notes(["bbbb"], t0, t0 + 8, xids)
     assert "12s after the run's last point (it may have ended the run)" in late
     assert xid_notes(["bbbb"], t0, t0 + 20 - GRACE_S - 1, xids) == []
+
+
+def test_older_event_wait_a_lost_gpu_and_the_interval_flag(
+    start_exporter: type[ExporterProcess], tmp_path: Path
+) -> None:
+    """A driver without nvmlEventSetWait_v2 still delivers Xids through nvmlEventSetWait; a GPU lost at
+    runtime loses only its own health series; --collector.health.interval refuses less than a second."""
+    from gpu_energy_exporter.core.config import load_config
+    from gpu_energy_exporter.core.errors import ConfigError
+
+    lib = build_library(tmp_path / "lib", omit=("nvmlEventSetWait_v2",))
+    g0 = h100(0, health=replace(HEALTHY_H100, events=(xid(0.0, 94),)))
+    g1 = h100(1, health=HEALTHY_H100, lost_at_s=8.0)
+    env = _write(tmp_path, Scenario(epoch=time.time(), gpus=[g0, g1]))
+    exp = start_exporter([f"--nvml.library={lib}", *FAST, "--collector.health.interval=1s"], env).wait_ready()
+    text = wait_until(lambda: (lambda t: t if sample_value(t, "gpuenergy_gpu_up", gpu="1") == 0.0 and sample_value(
+        t, "gpuenergy_gpu_xid_errors_total", gpu="0", xid="94") == 1.0 else None)(exp.metrics()),
+        timeout=40, what="Xid 94 through nvmlEventSetWait, and GPU 1 lost")
+    time.sleep(1.5)  # a health read after the loss
+    text = exp.metrics()
+    assert sample_value(text, "gpuenergy_gpu_pcie_link_width", gpu="0") == 16.0
+    assert sample_value(text, "gpuenergy_gpu_pcie_link_width", gpu="1") is None
+    assert sample_value(text, "gpuenergy_collector_success", collector="health") == 1.0
+    assert "GPU 1: health read failed" in exp.log()
+    assert exp.stop() == 0
+    assert load_config(["--collector.health.interval=2m"], {}).collector_health_interval == 120.0
+    assert load_config([], {"GPU_ENERGY_EXPORTER_COLLECTOR_HEALTH_INTERVAL": "45s"}).collector_health_interval == 45.0
+    with pytest.raises(ConfigError, match="collector.health.interval must be at least 1s"):
+        load_config(["--collector.health.interval=500ms"], {})
+    assert "health" not in load_config(["--no-collector.health"], {}).collectors
