@@ -1,7 +1,8 @@
 """The device backend interface.
 
 Everything above this line (sampler, collectors, ledger) sees GPUs only through ``GPUBackend``. The NVML
-implementation (``devices.nvml``) is the only module that imports ``pynvml``; ``devices.simulated`` backs
+implementation (``devices.nvml``, with ``nvml_calls`` and the health modules ``nvml_health`` and ``nvml_events``)
+is the only code that imports ``pynvml``; ``devices.simulated`` backs
 the ``demo`` sub-command. Vendor units stop here: a backend returns ``core.state.GPUReading`` in base units
 (J, W, ratios, Hz, bytes), converted once, in the backend, and nothing above converts again.
 

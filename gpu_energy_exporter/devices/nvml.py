@@ -1,6 +1,7 @@
 """The NVML device backend: discovery of the GPUs and their readings, in base units.
 
-``devices.nvml`` and ``devices.nvml_calls`` are the only modules of the package that import ``pynvml``.
+``devices.nvml`` and ``devices.nvml_calls`` (and, for GPU health, ``devices.nvml_health`` and
+``devices.nvml_events``) are the only modules of the package that import ``pynvml``.
 Every NVML call goes through ``nvml_calls.NVMLCalls`` (one call loses at most its own reading, counted per
 GPU, field and reason; only a lost GPU raises, as ``GPULost``, and the collector then marks that GPU alone).
 This module decides which readings to take and what they mean: the energy method of each GPU, the power
