@@ -54,10 +54,11 @@ gpu = GPUCollector(lambda: nvml.NVMLBackend({lib!r}), retry_interval=0.0, power_
 health = HealthCollector(gpu, interval=30.0, monotonic=lambda: t[0])
 gpu.update()
 health.update()
-time.sleep(0.5)
+# the event thread's calls (registration, then waits) are not the health read's
+EVENTS = ("nvmlEventSet", "nvmlDeviceRegisterEvents", "nvmlDeviceGetSupportedEventTypes", "nvmlDeviceGetHandleByIndex")
 def calls():
     with open({log!r}) as f:
-        return [l.split()[2] for l in f if l.split()[1] == str(os.getpid()) and "EventSetWait" not in l]
+        return [l.split()[2] for l in f if l.split()[1] == str(os.getpid()) and not l.split()[2].startswith(EVENTS)]
 read_cpu, idle_cpu = [], []
 for _ in range({reads}):
     t[0] += 30.0
