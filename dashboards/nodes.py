@@ -39,6 +39,9 @@ from dashboards.spec import (
 )
 from gpu_energy_exporter.core.contract import ATTR_RUN_ID
 
+#: Grafana's unit for bytes per second (the GPU health row's throughput panel).
+BYTES_PER_SECOND = "Bps"
+
 # ---------------------------------------------------------------------------------------------------------
 # Fleet overview
 
@@ -252,6 +255,76 @@ NODE_DASHBOARD = Dashboard(
                   "brake; sw_power_cap running at the power limit (normal at full load).",
                   ON_OFF, (Query(f"{sel('gpuenergy_gpu_clock_event_active', NODE_GPU)} == 1",
                                  f"{GPU_LEGEND} {{{{reason}}}}"),),
+                  width=8),
+        )),
+        Row("GPU health", (
+            Panel("timeseries", "Xid errors",
+                  "Xid errors the driver reported, by code, over each interval (collector health). 79: fell off "
+                  "the bus; 74: NVLink; 48, 94, 95: uncorrectable memory errors: GPUXidCritical fires, drain "
+                  "and reset. 13, 31, 43 are usually the application. Empty where Xid events are not watched "
+                  "(see the panel on the right).",
+                  COUNT, (Query(f"increase({sel('gpuenergy_gpu_xid_errors_total', NODE_GPU)}[$__rate_interval]) > 0",
+                                f"{GPU_LEGEND} Xid {{{{xid}}}}"),),
+                  width=8),
+            Panel("timeseries", "Memory errors and repairs",
+                  "ECC error counts (volatile: since the driver loaded; aggregate: the GPU's lifetime), rows "
+                  "remapped (Ampere and newer) and pages retired (before). A rising uncorrected count fires "
+                  "GPUUncorrectableECCError.",
+                  COUNT, (
+                      Query(sel("gpuenergy_gpu_ecc_errors_total", NODE_GPU),
+                            f"{GPU_LEGEND} ECC {{{{error_type}}}} ({{{{counter}}}})"),
+                      Query(sel("gpuenergy_gpu_remapped_rows_total", NODE_GPU),
+                            f"{GPU_LEGEND} remapped rows ({{{{cause}}}})"),
+                      Query(sel("gpuenergy_gpu_retired_pages", NODE_GPU),
+                            f"{GPU_LEGEND} retired pages ({{{{cause}}}})"),
+                  ),
+                  width=8),
+            Panel("statetimeline", "Repairs pending, Xid events watched",
+                  "A row remap or page retirement waiting for a GPU reset (drain, then reset: "
+                  "GPUMemoryRepairPending), a failed remap (RMA: GPURowRemapFailed), and whether the exporter "
+                  "receives the GPU's Xid events at all (off on vGPU and older drivers).",
+                  ON_OFF, (
+                      Query(sel("gpuenergy_gpu_row_remap_pending", NODE_GPU), f"{GPU_LEGEND} row remap pending"),
+                      Query(sel("gpuenergy_gpu_retired_pages_pending", NODE_GPU),
+                            f"{GPU_LEGEND} page retirement pending"),
+                      Query(sel("gpuenergy_gpu_row_remap_failure", NODE_GPU), f"{GPU_LEGEND} row remap failed"),
+                      Query(sel("gpuenergy_gpu_xid_events_watched", NODE_GPU), f"{GPU_LEGEND} Xid events watched"),
+                  ),
+                  width=8),
+            Panel("timeseries", "PCIe link against its maximum",
+                  "Current PCIe link generation and width (lanes) next to the most the GPU and slot support. "
+                  "A narrower link is a fault (reseat the card); a lower generation is normal at idle. "
+                  "GPUPCIeLinkDegraded fires after 15 minutes.",
+                  COUNT, (
+                      Query(sel("gpuenergy_gpu_pcie_link_generation", NODE_GPU), f"{GPU_LEGEND} generation"),
+                      Query(sel("gpuenergy_gpu_pcie_link_max_generation", NODE_GPU), f"{GPU_LEGEND} max generation"),
+                      Query(sel("gpuenergy_gpu_pcie_link_width", NODE_GPU), f"{GPU_LEGEND} width"),
+                      Query(sel("gpuenergy_gpu_pcie_link_max_width", NODE_GPU), f"{GPU_LEGEND} max width"),
+                  ),
+                  width=8),
+            Panel("timeseries", "PCIe and NVLink throughput",
+                  "PCIe throughput as the driver measured it at the last health read (every "
+                  "--collector.health.interval), and NVLink payload throughput summed over the GPU's links.",
+                  BYTES_PER_SECOND, (
+                      Query(sel("gpuenergy_gpu_pcie_throughput_bytes_per_second", NODE_GPU),
+                            f"{GPU_LEGEND} PCIe {{{{direction}}}}"),
+                      Query("sum by (instance, gpu, direction) (rate("
+                            f"{sel('gpuenergy_gpu_nvlink_data_bytes_total', NODE_GPU)}[$__rate_interval]))",
+                            f"{GPU_LEGEND} NVLink {{{{direction}}}}"),
+                  ),
+                  width=8),
+            Panel("timeseries", "PCIe replays, NVLink errors and links up",
+                  "PCIe replays (link-level retransmissions) and NVLink errors per interval, and the number "
+                  "of NVLink links up: replays or CRC errors that keep rising point at a marginal link.",
+                  COUNT, (
+                      Query(f"increase({sel('gpuenergy_gpu_pcie_replays_total', NODE_GPU)}[$__rate_interval])",
+                            f"{GPU_LEGEND} PCIe replays"),
+                      Query("sum by (instance, gpu, error) (increase("
+                            f"{sel('gpuenergy_gpu_nvlink_errors_total', NODE_GPU)}[$__rate_interval]))",
+                            f"{GPU_LEGEND} NVLink {{{{error}}}} errors"),
+                      Query(f"sum by (instance, gpu) ({sel('gpuenergy_gpu_nvlink_up', NODE_GPU)})",
+                            f"{GPU_LEGEND} NVLink links up"),
+                  ),
                   width=8),
         )),
         Row("Host", (

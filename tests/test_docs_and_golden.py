@@ -30,7 +30,8 @@ def test_catalogue_covers_every_module_and_names_follow_conventions() -> None:
     for spec in CATALOGUE.values():
         assert spec.name.startswith("gpuenergy_"), spec.name
         for unit, suffixes in (("watts", ("_watts",)), ("joules", ("_joules", "_joules_total")),
-                               ("bytes", ("_bytes",)), ("celsius", ("_celsius",)), ("hertz", ("_hertz",))):
+                               ("bytes", ("_bytes", "_bytes_total")), ("celsius", ("_celsius",)),
+                               ("hertz", ("_hertz",))):
             if spec.unit == unit:
                 assert spec.name.endswith(suffixes), spec.name
         assert "_count" not in spec.name.removesuffix("_total")[-6:], spec.name

@@ -23,6 +23,7 @@ from fakenvml.generations import BY_NAME, GENERATIONS, Generation
 from helpers import SAMPLE_LINE, ExporterProcess, check_golden, normalise
 
 from gpu_energy_exporter.collectors import gpu_metrics as g
+from gpu_energy_exporter.collectors import health_metrics as h
 from gpu_energy_exporter.core.state import GPU_SAMPLE_AGE
 
 GOLDEN_DIR = Path(__file__).parent / "golden" / "drivers"
@@ -38,19 +39,25 @@ UTIL = {g.UTIL.name, g.MEM_UTIL.name}
 HOPPER = COMMON | UTIL | GPM | {g.POWER.name, g.POWER_AVERAGE.name, g.ENERGY_RESETS.name, g.MEM_RESERVED.name,
                                 g.MEM_TEMP.name}
 
+#: GPU health (collector health), where the scenario scripts it (the Hopper generation).
+HEALTH = {h.ECC_ERRORS.name, h.REMAPPED_ROWS.name, h.REMAP_PENDING.name, h.REMAP_FAILURE.name, h.PCIE_REPLAYS.name,
+          h.PCIE_THROUGHPUT.name, h.PCIE_GEN.name, h.PCIE_GEN_MAX.name, h.PCIE_WIDTH.name, h.PCIE_WIDTH_MAX.name,
+          h.NVLINK_UP.name, h.NVLINK_ERRORS.name, h.NVLINK_DATA.name, h.XID_WATCHED.name, h.XID_ERRORS.name,
+          h.ECC_EVENTS.name}
 #: What each generation provides, per GPU.
 PROVIDES: dict[str, set[str]] = {
     "r470": COMMON | UTIL | {g.POWER.name, g.ENERGY_RESETS.name},
     "pre_volta": COMMON | UTIL | {g.POWER.name, g.MEM_RESERVED.name},
     "ampere": COMMON | UTIL | {g.POWER_AVERAGE.name, g.ENERGY_RESETS.name, g.MEM_RESERVED.name},
-    "hopper": HOPPER,
+    "hopper": HOPPER | HEALTH,
     "grace_hopper": HOPPER | {g.MODULE_POWER.name},
     "mig": HOPPER - UTIL,
     "future": HOPPER,
 }
 #: What each generation must not show (no reading to base it on).
 LACKS: dict[str, set[str]] = {
-    "r470": GPM | {g.POWER_AVERAGE.name, g.MEM_RESERVED.name, g.MEM_TEMP.name, g.MODULE_POWER.name},
+    "r470": GPM | (HEALTH - {h.XID_WATCHED.name})
+    | {g.POWER_AVERAGE.name, g.MEM_RESERVED.name, g.MEM_TEMP.name, g.MODULE_POWER.name},
     "pre_volta": GPM | {g.POWER_AVERAGE.name, g.ENERGY_RESETS.name, g.MEM_TEMP.name, g.MODULE_POWER.name},
     "ampere": GPM | {g.POWER.name, g.MEM_TEMP.name, g.MODULE_POWER.name},
     "hopper": {g.MODULE_POWER.name},

@@ -255,6 +255,10 @@ FLAGS: tuple[Flag, ...] = (
          "default, as Prometheus' guidelines for exporters ask; see docs/measurement.md for what it costs "
          "(staleness markers, clock steps) and Prometheus' track_timestamps_staleness.",
          boolean=True),
+    Flag("collector.health.interval", parse_duration, "30s",
+         "How often the health collector reads ECC, row remapping, retired pages, PCIe and NVLink (they change "
+         "slowly; each read costs NVML calls per GPU, see docs/health.md). Xid and ECC events are counted as "
+         "they happen, whatever this is.", "DURATION"),
     Flag("nvml.library", _existing_file, None,
          "Path of libnvidia-ml.so.1 to load instead of the one the dynamic linker finds.", "PATH"),
     Flag("path.sysfs", _existing_dir, "/sys", "sysfs mount point (RAPL powercap tree).", "PATH"),
@@ -305,6 +309,8 @@ COLLECTORS: tuple[CollectorFlag, ...] = (
     CollectorFlag("carbon", True, "Carbon intensity, PUE and per-GPU peak FLOP/s inputs for PromQL."),
     CollectorFlag("kubernetes", False, "GPU to pod attribution through the kubelet pod-resources API."),
     CollectorFlag("slurm", False, "GPU energy per Slurm job from the prolog's job-mapping directory."),
+    CollectorFlag("health", True, "GPU health: Xid and ECC events, ECC counts, row remapping, retired pages, "
+                  "PCIe and NVLink (NVML; see --collector.health.interval)."),
 )
 
 
@@ -341,6 +347,7 @@ class Config:
     collector_interval: float = 1.0
     collector_power_interval: float = 0.1
     collector_gpu_energy_timestamps: bool = False
+    collector_health_interval: float = 30.0
     nvml_library: str | None = None
     path_sysfs: str = "/sys"
     path_procfs: str = "/proc"
@@ -453,6 +460,8 @@ def _check(cfg: Config) -> None:
             "--collector.power-interval must be between 20ms and --collector.interval "
             f"({cfg.collector_interval:g}s), got {cfg.collector_power_interval:g}s"
         )
+    if cfg.collector_health_interval < 1.0:
+        raise ConfigError(f"--collector.health.interval must be at least 1s, got {cfg.collector_health_interval:g}s")
     if not cfg.web_telemetry_path.startswith("/"):
         raise ConfigError("--web.telemetry-path must start with '/'")
     if cfg.carbon_pue < 1.0:

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 from prometheus_client.core import Metric
 
+from gpu_energy_exporter.core.health import XidEvent
 from gpu_energy_exporter.core.metrics import GPU_LABELS, define
 
 #: How a GPU's energy counter is obtained (the ``energy_method`` info label).
@@ -126,6 +127,8 @@ class Snapshot:
     families: tuple[Metric, ...]
     results: tuple[CollectorResult, ...]
     gpus: tuple[GPUState, ...] = ()
+    #: the most recent critical Xids of every GPU, oldest first (``core.health``; the run ledger notes them)
+    xid_events: tuple[XidEvent, ...] = ()
 
     def value(self, name: str) -> float | None:
         """The first sample called ``name`` in this snapshot (for unlabelled series such as host memory)."""

@@ -18,6 +18,7 @@ from prometheus_client.core import Metric
 from gpu_energy_exporter.collectors.base import Collector
 from gpu_energy_exporter.collectors.carbon import CarbonCollector
 from gpu_energy_exporter.collectors.gpu import GPUCollector
+from gpu_energy_exporter.collectors.health import HealthCollector
 from gpu_energy_exporter.collectors.host import HostCollector
 from gpu_energy_exporter.collectors.rapl import RaplCollector
 from gpu_energy_exporter.core.config import Config
@@ -94,6 +95,10 @@ class Exporter:
         if config.enabled("carbon"):
             self.carbon = CarbonCollector.from_config(config, gpus=self._identities)
             collectors.append(self.carbon)
+        self.health: HealthCollector | None = None
+        if config.enabled("health") and self.gpu is not None:
+            self.health = HealthCollector(self.gpu, interval=config.collector_health_interval, clock=clock)
+            collectors.append(self.health)
         if config.enabled("kubernetes"):
             from gpu_energy_exporter.collectors.kubernetes import KubernetesCollector
 
@@ -109,7 +114,8 @@ class Exporter:
                                              procfs=config.path_procfs))
         self.collectors = collectors
         self.sampler = Sampler(
-            collectors, config.collector_interval, gpu_states=self.gpu.states if self.gpu else None, clock=clock
+            collectors, config.collector_interval, gpu_states=self.gpu.states if self.gpu else None, clock=clock,
+            xid_events=self.health.critical_xids if self.health else None,
         )
         self.snapshot_collector = SnapshotCollector(self.sampler, clock=clock)
         self.registry = new_registry(self.snapshot_collector)

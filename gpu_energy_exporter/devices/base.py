@@ -1,7 +1,8 @@
 """The device backend interface.
 
 Everything above this line (sampler, collectors, ledger) sees GPUs only through ``GPUBackend``. The NVML
-implementation (``devices.nvml``) is the only module that imports ``pynvml``; ``devices.simulated`` backs
+implementation (``devices.nvml``, with ``nvml_calls`` and the health modules ``nvml_health`` and ``nvml_events``)
+is the only code that imports ``pynvml``; ``devices.simulated`` backs
 the ``demo`` sub-command. Vendor units stop here: a backend returns ``core.state.GPUReading`` in base units
 (J, W, ratios, Hz, bytes), converted once, in the backend, and nothing above converts again.
 
@@ -14,7 +15,9 @@ collector treats it like a lost GPU for that sample, for that GPU alone.
 from __future__ import annotations
 
 import abc
+from collections.abc import Sequence
 
+from gpu_energy_exporter.core.health import EventCounts, GPUHealth
 from gpu_energy_exporter.core.state import GPUIdentity, GPUReading
 
 # Vendor units to base units: the one place they are converted. Each keeps the arithmetic /metrics always
@@ -69,5 +72,28 @@ class GPUBackend(abc.ABC):
         reading return nothing."""
         return {}
 
+    def health_reader(self) -> HealthReader | None:
+        """GPU health readings and events (``collectors.health``), or None where the backend has none."""
+        return None
+
     def close(self) -> None:  # noqa: B027 - optional
         """Release the library."""
+
+
+class HealthReader(abc.ABC):
+    """GPU health: ECC, row remapping, retired pages, PCIe, NVLink (``read``, slow-changing: read at the
+    health cadence, never per sample) and Xid / ECC events (counted by a thread of the reader's own)."""
+
+    @abc.abstractmethod
+    def read(self, gpu: GPUIdentity) -> GPUHealth:
+        """One health reading; raises ``GPULost`` when the GPU is gone, unreadable fields are None."""
+
+    def start_events(self, gpus: Sequence[GPUIdentity]) -> None:  # noqa: B027 - optional
+        """Start counting the events of ``gpus`` (returns at once; the waiting is another thread's)."""
+
+    def events(self) -> EventCounts | None:
+        """The events counted so far, or None where events are not watched."""
+        return None
+
+    def close(self) -> None:  # noqa: B027 - optional
+        """Stop the event thread. Call before the backend's own close (which shuts NVML down)."""

@@ -1,6 +1,7 @@
 """The NVML device backend: discovery of the GPUs and their readings, in base units.
 
-``devices.nvml`` and ``devices.nvml_calls`` are the only modules of the package that import ``pynvml``.
+``devices.nvml`` and ``devices.nvml_calls`` (and, for GPU health, ``devices.nvml_health`` and
+``devices.nvml_events``) are the only modules of the package that import ``pynvml``.
 Every NVML call goes through ``nvml_calls.NVMLCalls`` (one call loses at most its own reading, counted per
 GPU, field and reason; only a lost GPU raises, as ``GPULost``, and the collector then marks that GPU alone).
 This module decides which readings to take and what they mean: the energy method of each GPU, the power
@@ -38,7 +39,7 @@ from gpu_energy_exporter.core.state import (
     GPUReading,
     MIGDevice,
 )
-from gpu_energy_exporter.devices.base import GPUBackend, hertz, joules, ratio, watts
+from gpu_energy_exporter.devices.base import GPUBackend, HealthReader, hertz, joules, ratio, watts
 from gpu_energy_exporter.devices.nvml_calls import (
     REASON_EXCEPTION,
     FieldValues,
@@ -391,6 +392,13 @@ class NVMLBackend(GPUBackend):
             pynvml.nvmlGpmSampleFree(sample)
         except Exception as exc:  # noqa: BLE001 - a leak of one buffer is not worth a GPU
             log.debug("GPU %d: nvmlGpmSampleFree failed: %s", i, exc)
+
+    def health_reader(self) -> HealthReader:
+        """ECC, remapping, PCIe, NVLink and Xid events (``devices.nvml_health``), sharing this backend's
+        error counts."""
+        from gpu_energy_exporter.devices.nvml_health import NVMLHealth
+
+        return NVMLHealth(self._nvml, self._clock)
 
     def close(self) -> None:
         if self._closed:

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from prometheus_client.core import Metric
 
 from gpu_energy_exporter.collectors.base import Collector, NoData
+from gpu_energy_exporter.core.health import XidEvent
 from gpu_energy_exporter.core.metrics import add, define
 from gpu_energy_exporter.core.state import CollectorResult, GPUState, Snapshot
 
@@ -111,12 +112,14 @@ class Sampler:
         interval: float,
         *,
         gpu_states: Callable[[], tuple[GPUState, ...]] | None = None,
+        xid_events: Callable[[], tuple[XidEvent, ...]] | None = None,
         clock: Callable[[], float] = time.time,
         wait_budget: float | None = None,
     ) -> None:
         self._collectors = list(collectors)
         self._interval = interval
         self._gpu_states = gpu_states
+        self._xid_events = xid_events  # recent critical Xids (the health collector), carried to the ledger
         self._clock = clock
         self._snapshot: Snapshot | None = None
         self._seq = 0
@@ -186,6 +189,7 @@ class Sampler:
             families=tuple(families),
             results=tuple(results),
             gpus=self._gpu_states() if self._gpu_states else (),
+            xid_events=self._xid_events() if self._xid_events else (),
         )
         self._snapshot = snap
         for fn in self._listeners:
@@ -238,7 +242,9 @@ class Sampler:
                 log.warning("sampler still busy after %gs (slow or hung driver?); exiting without closing "
                             "collectors", timeout)
                 return
-        for c in self._collectors:
+        # Dependents first: a collector may use what another one opened (the health collector's event
+        # thread waits in NVML, which the gpu collector shuts down).
+        for c in reversed(self._collectors):
             if self._runners[c.name].busy():
                 log.warning("collector %s is still in an update (slow or hung driver?); not closing it", c.name)
                 continue

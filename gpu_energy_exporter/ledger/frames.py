@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from gpu_energy_exporter.collectors.host import MEMORY_AVAILABLE
+from gpu_energy_exporter.core.health import XidEvent
 from gpu_energy_exporter.core.state import GPUState, Snapshot
 
 
@@ -35,6 +36,7 @@ class Frame:
     intensity: float | None  # g/kWh
     pue: float | None
     host_available: float | None  # bytes
+    xid_events: tuple[XidEvent, ...] = ()  # the most recent critical Xids of every GPU (core.health)
 
 
 def uuid_key(uuid: str) -> str:
@@ -68,4 +70,5 @@ def frame_of(snapshot: Snapshot, intensity: float | None, pue: float | None) -> 
         gpus[key] = gpu_frame(g)
         for m in g.identity.mig_devices:
             mig[uuid_key(m.uuid)] = key
-    return Frame(snapshot.timestamp, gpus, mig, intensity, pue, snapshot.value(MEMORY_AVAILABLE.name))
+    return Frame(snapshot.timestamp, gpus, mig, intensity, pue, snapshot.value(MEMORY_AVAILABLE.name),
+                 snapshot.xid_events)

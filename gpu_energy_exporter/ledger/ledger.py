@@ -379,7 +379,7 @@ class RunLedger:
         return summarize(run, run.acc if acc is None else acc, warmup_s=self.warmup_s, local=local_check(latest),
                          carbon_configured=self._carbon is not None,
                          peak=peak_flops(run.gpus, latest, precision, self._peak_row),
-                         summary_file=summary_path(self.csv_path, run.run_id))
+                         summary_file=summary_path(self.csv_path, run.run_id), xids=latest.xid_events if latest else ())
 
     def _peak_row(self, model: str) -> dict[str, float]:
         """Peak FLOP/s of a GPU model by precision (the bundled table, looked up once per model)."""

@@ -9,14 +9,16 @@ column names and what each figure means are ``core.runs_schema.COLUMNS`` (docs/l
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from gpu_energy_exporter.core.health import XidEvent
 from gpu_energy_exporter.core.runs_schema import METADATA_KEYS
 from gpu_energy_exporter.ledger import split as ledger_split
 from gpu_energy_exporter.ledger.accounting import Acc, idle_total
 from gpu_energy_exporter.ledger.files import RUNS_DIR, iso_utc, summary_filename
 from gpu_energy_exporter.ledger.frames import Frame
+from gpu_energy_exporter.ledger.health_notes import xid_notes
 from gpu_energy_exporter.ledger.runs import (
     EPOCH,
     FLOPS,
@@ -81,10 +83,11 @@ def peak_flops(gpus: Mapping[str, str], frame: Frame | None, precision: str,
 
 
 def summarize(run: Run, acc: Acc, *, warmup_s: float, local: Local, carbon_configured: bool,
-              peak: float | None, summary_file: str | None) -> dict[str, Any]:
+              peak: float | None, summary_file: str | None, xids: Sequence[XidEvent] = ()) -> dict[str, Any]:
     """The run's summary, as of ``acc`` (``acc.t`` is the end of a run still going). ``peak``: the run's
     peak FLOP/s (``peak_flops``); ``carbon_configured``: a carbon source was given (a run with no energy
-    then has 0 g CO2 rather than none)."""
+    then has 0 g CO2 rather than none); ``xids``: the recent critical Xids (a note names those of the run's
+    GPUs while it ran)."""
     end = acc.t if run.e is None else run.e
     duration = max(0.0, end - run.s)
     notes = list(run.notes)
@@ -122,6 +125,7 @@ def summarize(run: Run, acc: Acc, *, warmup_s: float, local: Local, carbon_confi
         listed = ", ".join(others[:5]) + (f" and {len(others) - 5} more" if len(others) > 5 else "")
         notes.append(f"shared its GPUs with run(s) {listed}: energy split "
                      f"({', '.join(sorted(run.splits))})")
+    notes += xid_notes([*run.gpu_order, *run.gpus], run.s, end, xids)
     if ledger_split.SPLIT_MIG in run.splits:
         notes.append("MIG instances: charged their share of the parent GPU's energy, every instance in use "
                      "weighing 1 (MIG profiles unknown)")

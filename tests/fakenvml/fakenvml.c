@@ -232,9 +232,39 @@ static const struct {
 #define N_GPM 13
 _Static_assert(sizeof(GPM_METRICS) / sizeof(GPM_METRICS[0]) == N_GPM, "GPM table size");
 
+/* GPU health (ECC, row remapping, retired pages, PCIe, NVLink) and scripted events: the keys of the
+ * "Health" section near the end of this file. Declared here because struct gpu_cfg holds one. */
+#define MAX_HEALTH_EVENTS 32
+#define MAX_NVLINKS 18
+struct health_event {
+    double t;                      /* s since the epoch */
+    unsigned long long type, data; /* nvmlEventType* bit, event data (the Xid code) */
+};
+struct health_cfg {
+    int has_ecc;
+    unsigned long long ecc[2][2]; /* [error type: corrected, uncorrected][counter: volatile, aggregate] */
+    int has_remap;
+    unsigned int remap[4]; /* corrected, uncorrected, pending, failure */
+    int has_retired;
+    unsigned int retired_sbe, retired_dbe, retired_pending;
+    int has_pcie;
+    unsigned int pcie_replays, pcie_tx_kbps, pcie_rx_kbps, pcie_gen, pcie_max_gen, pcie_width, pcie_max_width;
+    int nlinks;                    /* 0: no NVLink (NOT_SUPPORTED) */
+    unsigned int link_up[MAX_NVLINKS];
+    unsigned long long link_errors[MAX_NVLINKS][4]; /* replay, recovery, crc_flit, crc_data */
+    unsigned long long link_kib[MAX_NVLINKS][2];    /* tx, rx KiB since driver load */
+    int has_event_types;
+    unsigned long long event_types;
+    int nevents;
+    struct health_event events[MAX_HEALTH_EVENTS];
+};
+static int health_key(struct health_cfg *h, const char *key, const char *v);
+static int health_field(const struct health_cfg *h, unsigned int id, unsigned int scope, nvmlFieldValue_t *v);
+
 /* Everything a [gpu N] section can say. Plain data, copied wholesale on reload. */
 struct gpu_cfg {
     int present;
+    struct health_cfg health; /* the Health section's keys */
     char name[STR_LEN], uuid[STR_LEN], pci_bus_id[32];
     unsigned int pci_device_id, pci_subsystem_id;
     unsigned int arch;
@@ -728,6 +758,8 @@ static void gpu_defaults(struct gpu_cfg *c, unsigned int index) {
 
 /* Parse key=value in a [gpu N] section. Returns 0, or -1 for a bad value, -2 for an unknown key. */
 static int gpu_key(struct gpu_cfg *c, const char *key, const char *v) {
+    int health_rc = health_key(&c->health, key, v); /* -2: not a health key */
+    if (health_rc != -2) return health_rc;
     if (!strcmp(key, "name")) return snprintf(c->name, sizeof c->name, "%s", v) >= (int)sizeof c->name ? -1 : 0;
     if (!strcmp(key, "uuid")) return snprintf(c->uuid, sizeof c->uuid, "%s", v) >= (int)sizeof c->uuid ? -1 : 0;
     if (!strcmp(key, "pci_bus_id")) {
@@ -1330,6 +1362,8 @@ EXPORT nvmlReturn_t nvmlDeviceGetFieldValues(nvmlDevice_t device, int valuesCoun
         } else if (id == NVML_FI_DEV_TOTAL_ENERGY_CONSUMPTION && g->c.energy_counter) {
             v->valueType = NVML_VALUE_TYPE_UNSIGNED_LONG_LONG;
             v->nvmlReturn = energy_reading_mj(&g->c, t, &v->value.ullVal);
+        } else if (health_field(&g->c.health, id, scope, v)) {
+            /* NVLink throughput (the Health section) */
         } else {
             v->nvmlReturn = NVML_ERROR_NOT_SUPPORTED;
         }
@@ -1636,6 +1670,341 @@ EXPORT nvmlReturn_t nvmlGpmMetricsGet(nvmlGpmMetricsGet_t *metricsGet) {
         m->metricInfo.unit = (char *)"%";
     }
     return leave(NVML_SUCCESS);
+}
+
+/* ---- Health: ECC, row remapping, retired pages, PCIe, NVLink, events ------------------------------ */
+/*
+ * Scenario keys of a [gpu N] section (README.md, "Health"); a reading whose key is absent answers
+ * NOT_SUPPORTED, as on a GPU or driver without it:
+ *   ecc = CORRECTED_VOLATILE UNCORRECTED_VOLATILE CORRECTED_AGGREGATE UNCORRECTED_AGGREGATE
+ *   remapped_rows = CORRECTED UNCORRECTED PENDING FAILURE
+ *   retired_pages = SINGLE_BIT_PAGES DOUBLE_BIT_PAGES PENDING
+ *   pcie = REPLAYS TX_KB_PER_S RX_KB_PER_S GEN MAX_GEN WIDTH MAX_WIDTH
+ *   nvlink = STATE STATE ...            (one 0/1 per link; links beyond answer INVALID_ARGUMENT)
+ *   nvlink_errors = LINK REPLAY RECOVERY CRC_FLIT CRC_DATA   (repeatable)
+ *   nvlink_kib = LINK TX_KIB RX_KIB     (repeatable: fields 138/139 with scopeId = link)
+ *   event_types = MASK                  (nvmlDeviceGetSupportedEventTypes)
+ *   event = T TYPE DATA                 (repeatable, at most 32: at T s since the epoch an event of TYPE,
+ *                                        e.g. 8 = Xid with DATA the Xid code, 1/2 = single/double-bit ECC)
+ * Every event set delivers each scripted event once, as soon as its time has come and the set registered
+ * its type for that GPU; unlike the driver, events scripted before the registration are delivered too, so
+ * a test never races the exporter's start.
+ */
+
+#define EV_XID 0x8ull
+#define MAX_EVENT_SETS 8
+#define EVENT_SET_MAGIC 0x46414b4545565431ull
+
+typedef struct fake_event_set *nvmlEventSet_t;
+
+typedef struct {
+    nvmlDevice_t device;
+    unsigned long long eventType, eventData;
+    unsigned int gpuInstanceId, computeInstanceId;
+} nvmlEventData_t;
+
+struct fake_event_set {
+    uint64_t magic;
+    unsigned long long registered[MAX_GPUS];
+    uint64_t delivered[MAX_GPUS]; /* bit i: event i of that GPU was delivered */
+};
+
+static struct fake_event_set g_event_sets[MAX_EVENT_SETS];
+
+static int parse_uints(const char *v, unsigned long long *out, int n) {
+    char buf[LIST_LEN];
+    char *save = NULL;
+    int k = 0;
+    snprintf(buf, sizeof buf, "%s", v);
+    for (char *tok = strtok_r(buf, " \t", &save); tok; tok = strtok_r(NULL, " \t", &save)) {
+        if (k >= n || parse_ull(tok, &out[k])) return -1;
+        k++;
+    }
+    return k;
+}
+
+static int health_key(struct health_cfg *h, const char *key, const char *v) {
+    unsigned long long x[MAX_NVLINKS];
+    if (!strcmp(key, "ecc")) {
+        if (parse_uints(v, x, 4) != 4) return -1;
+        h->has_ecc = 1;
+        h->ecc[0][0] = x[0], h->ecc[1][0] = x[1], h->ecc[0][1] = x[2], h->ecc[1][1] = x[3];
+        return 0;
+    }
+    if (!strcmp(key, "remapped_rows")) {
+        if (parse_uints(v, x, 4) != 4) return -1;
+        h->has_remap = 1;
+        for (int i = 0; i < 4; i++) h->remap[i] = (unsigned int)x[i];
+        return 0;
+    }
+    if (!strcmp(key, "retired_pages")) {
+        if (parse_uints(v, x, 3) != 3) return -1;
+        h->has_retired = 1;
+        h->retired_sbe = (unsigned int)x[0], h->retired_dbe = (unsigned int)x[1];
+        h->retired_pending = (unsigned int)x[2];
+        return 0;
+    }
+    if (!strcmp(key, "pcie")) {
+        if (parse_uints(v, x, 7) != 7) return -1;
+        h->has_pcie = 1;
+        h->pcie_replays = (unsigned int)x[0], h->pcie_tx_kbps = (unsigned int)x[1];
+        h->pcie_rx_kbps = (unsigned int)x[2], h->pcie_gen = (unsigned int)x[3];
+        h->pcie_max_gen = (unsigned int)x[4], h->pcie_width = (unsigned int)x[5];
+        h->pcie_max_width = (unsigned int)x[6];
+        return 0;
+    }
+    if (!strcmp(key, "nvlink")) {
+        int n = parse_uints(v, x, MAX_NVLINKS);
+        if (n < 1) return -1;
+        h->nlinks = n;
+        for (int i = 0; i < n; i++) h->link_up[i] = x[i] ? 1 : 0;
+        return 0;
+    }
+    if (!strcmp(key, "nvlink_errors")) {
+        if (parse_uints(v, x, 5) != 5 || x[0] >= MAX_NVLINKS) return -1;
+        for (int i = 0; i < 4; i++) h->link_errors[x[0]][i] = x[i + 1];
+        return 0;
+    }
+    if (!strcmp(key, "nvlink_kib")) {
+        if (parse_uints(v, x, 3) != 3 || x[0] >= MAX_NVLINKS) return -1;
+        h->link_kib[x[0]][0] = x[1], h->link_kib[x[0]][1] = x[2];
+        return 0;
+    }
+    if (!strcmp(key, "event_types")) {
+        h->has_event_types = 1;
+        return parse_ull(v, &h->event_types);
+    }
+    if (!strcmp(key, "event")) {
+        struct health_event *e = &h->events[h->nevents];
+        if (h->nevents >= MAX_HEALTH_EVENTS || sscanf(v, "%lf %llu %llu", &e->t, &e->type, &e->data) != 3)
+            return -1;
+        h->nevents++;
+        return 0;
+    }
+    return -2;
+}
+
+/* NVLink throughput field values (138 TX, 139 RX; scopeId = link), answered from nvmlDeviceGetFieldValues. */
+static int health_field(const struct health_cfg *h, unsigned int id, unsigned int scope, nvmlFieldValue_t *v) {
+    if ((id != 138 && id != 139) || (int)scope >= h->nlinks) return 0;
+    v->valueType = NVML_VALUE_TYPE_UNSIGNED_LONG_LONG;
+    v->value.ullVal = h->link_kib[scope][id - 138];
+    return 1;
+}
+
+EXPORT nvmlReturn_t nvmlDeviceGetTotalEccErrors(nvmlDevice_t device, int errorType, int counterType,
+                                                unsigned long long *eccCounts) {
+    struct gpu *g;
+    ENTER_GPU(device, g);
+    if (!eccCounts || errorType < 0 || errorType > 1 || counterType < 0 || counterType > 1)
+        return leave(NVML_ERROR_INVALID_ARGUMENT);
+    if (!g->c.health.has_ecc) return leave(NVML_ERROR_NOT_SUPPORTED); /* ECC off, or no ECC memory */
+    *eccCounts = g->c.health.ecc[errorType][counterType];
+    return leave(NVML_SUCCESS);
+}
+
+EXPORT nvmlReturn_t nvmlDeviceGetRemappedRows(nvmlDevice_t device, unsigned int *corrRows, unsigned int *uncRows,
+                                              unsigned int *isPending, unsigned int *failureOccurred) {
+    struct gpu *g;
+    ENTER_GPU(device, g);
+    if (!corrRows || !uncRows || !isPending || !failureOccurred) return leave(NVML_ERROR_INVALID_ARGUMENT);
+    if (!g->c.health.has_remap) return leave(NVML_ERROR_NOT_SUPPORTED); /* pre-Ampere: pages are retired */
+    *corrRows = g->c.health.remap[0], *uncRows = g->c.health.remap[1];
+    *isPending = g->c.health.remap[2], *failureOccurred = g->c.health.remap[3];
+    return leave(NVML_SUCCESS);
+}
+
+EXPORT nvmlReturn_t nvmlDeviceGetRetiredPages(nvmlDevice_t device, int cause, unsigned int *pageCount,
+                                              unsigned long long *addresses) {
+    struct gpu *g;
+    ENTER_GPU(device, g);
+    if (!pageCount || cause < 0 || cause > 1) return leave(NVML_ERROR_INVALID_ARGUMENT);
+    if (!g->c.health.has_retired) return leave(NVML_ERROR_NOT_SUPPORTED); /* Ampere+: rows are remapped */
+    unsigned int n = cause == 0 ? g->c.health.retired_sbe : g->c.health.retired_dbe;
+    if (*pageCount < n || (!addresses && n > 0)) {
+        *pageCount = n;
+        return leave(NVML_ERROR_INSUFFICIENT_SIZE);
+    }
+    for (unsigned int i = 0; i < n; i++) addresses[i] = 0x100000ull * (i + 1) + (unsigned long long)cause;
+    *pageCount = n;
+    return leave(NVML_SUCCESS);
+}
+
+EXPORT nvmlReturn_t nvmlDeviceGetRetiredPagesPendingStatus(nvmlDevice_t device, int *isPending) {
+    struct gpu *g;
+    ENTER_GPU(device, g);
+    if (!isPending) return leave(NVML_ERROR_INVALID_ARGUMENT);
+    if (!g->c.health.has_retired) return leave(NVML_ERROR_NOT_SUPPORTED);
+    *isPending = g->c.health.retired_pending ? 1 : 0;
+    return leave(NVML_SUCCESS);
+}
+
+/* The PCIe readings: one helper so each function keeps NVML's signature. */
+static nvmlReturn_t pcie_value(const char *fn, nvmlDevice_t device, int which, unsigned int *out) {
+    struct gpu *g;
+    nvmlReturn_t r = enter(fn, device, F_NEED_INIT | F_GPU, &g, NULL);
+    if (r != NVML_SUCCESS) return r;
+    if (!out) return leave(NVML_ERROR_INVALID_ARGUMENT);
+    const struct health_cfg *h = &g->c.health;
+    if (!h->has_pcie) return leave(NVML_ERROR_NOT_SUPPORTED);
+    const unsigned int values[] = {h->pcie_replays, h->pcie_tx_kbps, h->pcie_rx_kbps, h->pcie_gen,
+                                   h->pcie_max_gen, h->pcie_width, h->pcie_max_width};
+    *out = values[which];
+    return leave(NVML_SUCCESS);
+}
+
+EXPORT nvmlReturn_t nvmlDeviceGetPcieReplayCounter(nvmlDevice_t device, unsigned int *value) {
+    return pcie_value(__func__, device, 0, value);
+}
+
+EXPORT nvmlReturn_t nvmlDeviceGetPcieThroughput(nvmlDevice_t device, int counter, unsigned int *value) {
+    if (counter < 0 || counter > 1) return NVML_ERROR_INVALID_ARGUMENT;
+    return pcie_value(__func__, device, 1 + counter, value); /* KB/s, as the driver reports it */
+}
+
+EXPORT nvmlReturn_t nvmlDeviceGetCurrPcieLinkGeneration(nvmlDevice_t device, unsigned int *value) {
+    return pcie_value(__func__, device, 3, value);
+}
+
+EXPORT nvmlReturn_t nvmlDeviceGetMaxPcieLinkGeneration(nvmlDevice_t device, unsigned int *value) {
+    return pcie_value(__func__, device, 4, value);
+}
+
+EXPORT nvmlReturn_t nvmlDeviceGetCurrPcieLinkWidth(nvmlDevice_t device, unsigned int *value) {
+    return pcie_value(__func__, device, 5, value);
+}
+
+EXPORT nvmlReturn_t nvmlDeviceGetMaxPcieLinkWidth(nvmlDevice_t device, unsigned int *value) {
+    return pcie_value(__func__, device, 6, value);
+}
+
+EXPORT nvmlReturn_t nvmlDeviceGetNvLinkState(nvmlDevice_t device, unsigned int link, unsigned int *isActive) {
+    struct gpu *g;
+    ENTER_GPU(device, g);
+    if (!isActive) return leave(NVML_ERROR_INVALID_ARGUMENT);
+    if (!g->c.health.nlinks) return leave(NVML_ERROR_NOT_SUPPORTED); /* no NVLink on this board */
+    if (link >= (unsigned int)g->c.health.nlinks) return leave(NVML_ERROR_INVALID_ARGUMENT);
+    *isActive = g->c.health.link_up[link];
+    return leave(NVML_SUCCESS);
+}
+
+EXPORT nvmlReturn_t nvmlDeviceGetNvLinkErrorCounter(nvmlDevice_t device, unsigned int link, int counter,
+                                                    unsigned long long *counterValue) {
+    struct gpu *g;
+    ENTER_GPU(device, g);
+    if (!counterValue || counter < 0 || counter > 3) return leave(NVML_ERROR_INVALID_ARGUMENT);
+    if (!g->c.health.nlinks) return leave(NVML_ERROR_NOT_SUPPORTED);
+    if (link >= (unsigned int)g->c.health.nlinks) return leave(NVML_ERROR_INVALID_ARGUMENT);
+    *counterValue = g->c.health.link_errors[link][counter];
+    return leave(NVML_SUCCESS);
+}
+
+EXPORT nvmlReturn_t nvmlDeviceGetSupportedEventTypes(nvmlDevice_t device, unsigned long long *eventTypes) {
+    struct gpu *g;
+    ENTER_GPU(device, g);
+    if (!eventTypes) return leave(NVML_ERROR_INVALID_ARGUMENT);
+    if (!g->c.health.has_event_types) return leave(NVML_ERROR_NOT_SUPPORTED); /* e.g. vGPU */
+    *eventTypes = g->c.health.event_types;
+    return leave(NVML_SUCCESS);
+}
+
+static struct fake_event_set *find_event_set(nvmlEventSet_t set) {
+    for (int i = 0; i < MAX_EVENT_SETS; i++)
+        if (set == &g_event_sets[i] && g_event_sets[i].magic == EVENT_SET_MAGIC) return set;
+    return NULL;
+}
+
+EXPORT nvmlReturn_t nvmlEventSetCreate(nvmlEventSet_t *set) {
+    ENTER_SYS();
+    if (!set) return leave(NVML_ERROR_INVALID_ARGUMENT);
+    for (int i = 0; i < MAX_EVENT_SETS; i++) {
+        if (g_event_sets[i].magic == EVENT_SET_MAGIC) continue;
+        memset(&g_event_sets[i], 0, sizeof g_event_sets[i]);
+        g_event_sets[i].magic = EVENT_SET_MAGIC;
+        *set = &g_event_sets[i];
+        return leave(NVML_SUCCESS);
+    }
+    return leave(NVML_ERROR_MEMORY);
+}
+
+EXPORT nvmlReturn_t nvmlDeviceRegisterEvents(nvmlDevice_t device, unsigned long long eventTypes, nvmlEventSet_t set) {
+    struct gpu *g;
+    ENTER_GPU(device, g);
+    struct fake_event_set *s = find_event_set(set);
+    if (!s) return leave(NVML_ERROR_INVALID_ARGUMENT);
+    const struct health_cfg *h = &g->c.health;
+    if (!h->has_event_types || (eventTypes & ~h->event_types)) return leave(NVML_ERROR_NOT_SUPPORTED);
+    s->registered[g->handle.gpu] |= eventTypes;
+    return leave(NVML_SUCCESS);
+}
+
+/* The earliest due, undelivered event of a registered type: marks it delivered. Called with g_lock held. */
+static int next_event(struct fake_event_set *s, double t, nvmlEventData_t *data) {
+    int best_gpu = -1, best = -1;
+    double best_t = 0;
+    for (unsigned int i = 0; i < MAX_GPUS; i++) {
+        const struct health_cfg *h = &g_gpus[i].c.health;
+        if (!g_gpus[i].c.present) continue;
+        for (int k = 0; k < h->nevents; k++) {
+            const struct health_event *e = &h->events[k];
+            if (e->t > t || !(s->registered[i] & e->type) || (s->delivered[i] >> k & 1)) continue;
+            if (best < 0 || e->t < best_t) best_gpu = (int)i, best = k, best_t = e->t;
+        }
+    }
+    if (best < 0) return 0;
+    const struct health_event *e = &g_gpus[best_gpu].c.health.events[best];
+    s->delivered[best_gpu] |= 1ull << best;
+    data->device = &g_gpus[best_gpu].handle;
+    data->eventType = e->type;
+    data->eventData = e->data;
+    data->gpuInstanceId = data->computeInstanceId = 0xffffffffu;
+    return 1;
+}
+
+/* Blocks (the mutex released, in short naps that pick up a rewritten scenario) until an event is due or
+ * timeoutms passed: then NVML_ERROR_TIMEOUT, as the driver. */
+static nvmlReturn_t event_wait(const char *fn, nvmlEventSet_t set, nvmlEventData_t *data, unsigned int timeoutms) {
+    nvmlReturn_t r = enter(fn, NULL, F_NEED_INIT, NULL, NULL);
+    if (r != NVML_SUCCESS) return r;
+    if (!data || !find_event_set(set)) return leave(NVML_ERROR_INVALID_ARGUMENT);
+    double deadline = wall_now() + timeoutms / 1000.0;
+    for (;;) {
+        struct fake_event_set *s = find_event_set(set);
+        if (!s) return leave(NVML_ERROR_INVALID_ARGUMENT); /* freed while we waited */
+        if (next_event(s, now() - g_epoch, data)) return leave(NVML_SUCCESS);
+        double left = deadline - wall_now();
+        if (left <= 0) return leave(NVML_ERROR_TIMEOUT);
+        pthread_mutex_unlock(&g_lock);
+        sleep_ms(left * 1000.0 < 20.0 ? left * 1000.0 : 20.0);
+        pthread_mutex_lock(&g_lock);
+        if (g_init_refcount == 0) return leave(NVML_ERROR_UNINITIALIZED);
+        g_reload_rc = maybe_reload(0);
+    }
+}
+
+EXPORT nvmlReturn_t nvmlEventSetWait_v2(nvmlEventSet_t set, nvmlEventData_t *data, unsigned int timeoutms) {
+    return event_wait(__func__, set, data, timeoutms);
+}
+
+EXPORT nvmlReturn_t nvmlEventSetWait(nvmlEventSet_t set, nvmlEventData_t *data, unsigned int timeoutms) {
+    return event_wait(__func__, set, data, timeoutms);
+}
+
+EXPORT nvmlReturn_t nvmlEventSetFree(nvmlEventSet_t set) {
+    ENTER_SYS();
+    struct fake_event_set *s = find_event_set(set);
+    if (!s) return leave(NVML_ERROR_INVALID_ARGUMENT);
+    s->magic = 0;
+    return leave(NVML_SUCCESS);
+}
+
+/* Event sets created and not freed (test-only, like fakeNvmlGpmSamplesOutstanding). */
+EXPORT int fakeNvmlEventSetsOutstanding(void) {
+    int n = 0;
+    pthread_mutex_lock(&g_lock);
+    for (int i = 0; i < MAX_EVENT_SETS; i++) n += g_event_sets[i].magic == EVENT_SET_MAGIC;
+    pthread_mutex_unlock(&g_lock);
+    return n;
 }
 
 /* ---- Test-only introspection (not part of NVML) --------------------------------------------------- */

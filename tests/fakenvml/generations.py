@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
+from .health import HOPPER_GENERATION
 from .scenario import (
     ARCH_AMPERE,
     GPU,
@@ -132,7 +133,7 @@ GENERATIONS: tuple[Generation, ...] = (
         "Hopper H100 on R550: energy counter, instant and average power fields, memory temperature, GPM",
         _driver("550.54.15", 12040),
         (h100(0, energy_offset_mj=123_456_789, processes=_TRAINING, clocks_event_reasons=0x4,
-              gpm={2: 62.5, 3: 30.0, 5: 41.0, 10: 55.0, 1: 97.0}),),
+              gpm={2: 62.5, 3: 30.0, 5: 41.0, 10: 55.0, 1: 97.0}, health=HOPPER_GENERATION),),
     ),
     Generation(
         "grace_hopper",

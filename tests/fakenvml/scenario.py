@@ -24,6 +24,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from .health import Health
+
 # NVML constants the scenarios speak in (values from nvml.h / pynvml).
 ARCH_KEPLER, ARCH_MAXWELL, ARCH_PASCAL, ARCH_VOLTA, ARCH_TURING = 2, 3, 4, 5, 6
 ARCH_AMPERE, ARCH_ADA, ARCH_HOPPER, ARCH_BLACKWELL = 7, 8, 9, 10
@@ -287,6 +289,7 @@ class GPU:
     power_period_ms: float = 100.0  # ... out of every period
     power_average_windows: int = 10  # windows in the "1 s" average
     module_power_extra_w: float | None = None  # Grace Hopper: module power = GPU power + this
+    health: Health | None = None  # ECC, remapping, PCIe, NVLink, events (health.py); None: none of them
 
     def __post_init__(self) -> None:
         if self.power_usage not in ("average", "instant"):
@@ -411,6 +414,8 @@ class GPU:
         put("power_average_windows", self.power_average_windows)
         if self.module_power_extra_w is not None:
             put("module_power_extra_w", _num(self.module_power_extra_w))
+        if self.health is not None:
+            lines += self.health.lines()
         return "\n".join(lines) + "\n"
 
 
