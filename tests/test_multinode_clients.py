@@ -154,3 +154,24 @@ def test_runs_from_prometheus_are_whole_runs(nodes: Nodes) -> None:
     assert rc == 0, err
     row = next(line for line in table.splitlines() if line.startswith(RUN))
     assert "ranks" not in row and "20,000" in row.split()
+
+
+def test_report_from_prometheus_sums_the_nodes(nodes: Nodes, tmp_path: Path) -> None:
+    prom = nodes.prometheus
+    if prom is None:
+        pytest.skip("prometheus is not installed (Debian's prometheus package)")
+    from gpu_energy_exporter.client import report
+
+    ledgers = [_ledger(u) for u in nodes.urls]
+    energy = runs_schema.RUN_ENERGY.name
+    wait_until(lambda: len(prom.query(f'{energy}{{run_id="{RUN}"}}')) == 2, timeout=20, what="both ledgers")
+    out, err = io.StringIO(), io.StringIO()
+    rc = report.main([RUN, "--prometheus", prom.url, "--since", "10m", "--out", str(tmp_path / "r")],
+                     stdout=out, stderr=err)
+    assert rc == 0, err.getvalue()
+    r = json.loads((tmp_path / "r" / "report.json").read_text())["runs"][0]
+    assert r["summary"]["tokens"] == 20_000
+    assert r["summary"]["energy_j"] == pytest.approx(ledgers[0]["energy_j"] + ledgers[1]["energy_j"])
+    assert r["summary"]["j_per_token"] == pytest.approx(
+        (ledgers[0]["window_energy_j"] + ledgers[1]["window_energy_j"]) / 20_000)
+    assert any("summed over the 2 exporters" in n for n in r["notes"])

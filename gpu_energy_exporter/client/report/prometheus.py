@@ -247,11 +247,30 @@ class PrometheusSource:
         }
         # The ledger's own figures, where Prometheus scraped them, replace the ones computed from samples.
         found = 0
+        nodes = 0
         for key, name in _ledger_series().items():
             result = self.instant(f"last_over_time({_of_run(name, rid)}[{self._window()}])")
-            if len(result) == 1:
-                summary[key] = _finite(float(result[0]["value"][1]))
+            values = [v for v in (_finite(float(r["value"][1])) for r in result) if v is not None]
+            nodes = max(nodes, len({(r["metric"].get("instance"), r["metric"].get("job")) for r in result}))
+            if len(values) == 1:
+                summary[key] = values[0]
                 found += 1
+            elif values and key in _NODE_SUMS:
+                # A multi-node run: each node's ledger has its own GPUs' energy and its own ranks' tokens.
+                summary[key] = sum(values)
+                found += 1
+            elif values and key in _NODE_MAX:
+                summary[key] = max(values)
+                found += 1
+            elif values:
+                summary[key] = None  # a per-node ratio (J/token): made from the sums below
+        if nodes > 1:
+            whole = whole_runs(self, run.run_id)
+            if whole:
+                summary["j_per_token"] = whole[0]["j_per_token"]
+            run.notes.append(f"summary figures summed over the {nodes} exporters whose ledgers served the run "
+                             "(peak power: the sum of each node's peak, an upper bound); the plots show the GPUs "
+                             "of one of them")
         info = self.instant(f'last_over_time({_of_run(_ledger_name("RUN_INFO"), rid)}[{self._window()}])')
         if info:
             summary["status"] = info[0]["metric"].get("status")
@@ -276,6 +295,12 @@ _LEDGER_SPECS = {
     "vram_peak_bytes": "RUN_MEMORY_PEAK", "co2_g": "RUN_CO2", "duration_s": "RUN_DURATION",
     "dynamic_energy_j": "RUN_DYNAMIC_ENERGY",
 }
+
+
+#: Ledger figures that add up over the nodes of a multi-node run, and those whose highest node is the run's.
+_NODE_SUMS = frozenset({"energy_j", "tokens", "tokens_per_s", "avg_power_w", "peak_power_w", "co2_g",
+                        "dynamic_energy_j"})
+_NODE_MAX = frozenset({"steps", "duration_s", "vram_peak_bytes"})
 
 
 def _ledger_name(spec: str) -> str:
@@ -320,18 +345,19 @@ _WHOLE_SUMS = {
 }
 
 
-def whole_runs(source: PrometheusSource) -> list[dict[str, Any]]:
-    """Every run the run ledgers served in the last ``source.since``, summed over the exporters (nodes) that
-    served it, as rows of the runs table (``core.runs_schema`` column names, plus ``nodes`` and
+def whole_runs(source: PrometheusSource, run_id: str | None = None) -> list[dict[str, Any]]:
+    """Every run (or only ``run_id``) the run ledgers served in the last ``source.since``, summed over the
+    exporters (nodes) that served it, as rows of the runs table (``core.runs_schema`` column names, plus ``nodes`` and
     ``ranks_scope``). Each node's ledger counts its own GPUs' energy and the tokens of its own ranks, so
     the sums are the whole run's: energy, tokens, CO2; J/token is the post-warm-up energy over the
     post-warm-up tokens of every node (the ledgers' own J/token, whole run); tokens/s and average power add
     up over nodes (they run at the same time); VRAM peak is the highest node's; duration the longest.
     ``ranks`` counts the distinct ranks whose training series Prometheus has, against ``world_size``."""
     w = source._window()
+    only = f'{{{ATTR_RUN_ID}="{_label_value(run_id)}"}}' if run_id is not None else ""
 
     def last(spec: str) -> str:
-        return f"last_over_time({_ledger_name(spec)}[{w}])"
+        return f"last_over_time({_ledger_name(spec)}{only}[{w}])"
 
     def by_run(expr: str) -> dict[str, float]:
         out: dict[str, float] = {}
@@ -353,11 +379,12 @@ def whole_runs(source: PrometheusSource) -> list[dict[str, Any]]:
     vram = by_run(f"max by ({ATTR_RUN_ID}) ({last('RUN_MEMORY_PEAK')})")
     nodes = by_run(f"count by ({ATTR_RUN_ID}) (count by ({ATTR_RUN_ID}, instance) ({last('RUN_ENERGY')}))")
     # The start: the scrape time minus the ledger's duration, the earliest over the window (5-minute steps).
-    starts = by_run(f"min by ({ATTR_RUN_ID}) (min_over_time((time() - {_ledger_name('RUN_DURATION')})[{w}:5m]))")
+    starts = by_run(f"min by ({ATTR_RUN_ID}) (min_over_time((time() - {_ledger_name('RUN_DURATION')}{only})"
+                    f"[{w}:5m]))")
     ranks = by_run(f"count by ({ATTR_RUN_ID}) (count by ({ATTR_RUN_ID}, {ATTR_RANK}) "
-                   f"(last_over_time({TOKENS.prometheus}[{w}])))")
+                   f"(last_over_time({TOKENS.prometheus}{only}[{w}])))")
     info: dict[str, dict[str, str]] = {}
-    for s in source.instant(f"last_over_time({_ledger_name('RUN_INFO')}[{w}])"):
+    for s in source.instant(f"last_over_time({_ledger_name('RUN_INFO')}{only}[{w}])"):
         m = s["metric"]
         rid = m.get(ATTR_RUN_ID)
         if rid is None:
@@ -369,7 +396,7 @@ def whole_runs(source: PrometheusSource) -> list[dict[str, Any]]:
         uuids = [u for u in (row.get("_uuids", "") + "," + m.get(ATTR_GPU_UUID, "")).split(",") if u]
         row["_uuids"] = ",".join(dict.fromkeys(uuids))
     world: dict[str, str] = {}
-    for s in source.instant(f"max by ({ATTR_RUN_ID}, world_size) (last_over_time({RUN_INFO.prometheus}[{w}]))"):
+    for s in source.instant(f"max by ({ATTR_RUN_ID}, world_size) (last_over_time({RUN_INFO.prometheus}{only}[{w}]))"):
         rid, size = s["metric"].get(ATTR_RUN_ID), s["metric"].get("world_size")
         if rid is not None and size:
             world[rid] = size
