@@ -175,3 +175,18 @@ def test_report_from_prometheus_sums_the_nodes(nodes: Nodes, tmp_path: Path) -> 
     assert r["summary"]["j_per_token"] == pytest.approx(
         (ledgers[0]["window_energy_j"] + ledgers[1]["window_energy_j"]) / 20_000)
     assert any("summed over the 2 exporters" in n for n in r["notes"])
+
+
+@pytest.mark.parametrize(("row", "expected"), [
+    ({"ranks": 2.0, "world_size": "4"}, "2 of 4 ranks on this node"),
+    ({"ranks": 4.0, "world_size": "4"}, None),
+    ({"ranks": 1.0, "world_size": None}, None),
+    ({"ranks": 1.0, "world_size": "many"}, None),
+    ({"ranks": 3.0, "world_size": "4", "ranks_scope": "in Prometheus"}, "3 of 4 ranks in Prometheus"),
+    # Every rank pushed here, but two of them run on another node's GPUs.
+    ({"ranks": 4.0, "world_size": "4", "token_coverage": 0.5}, "50% of the tokens from this node's GPUs"),
+])
+def test_rank_coverage(row: dict[str, Any], expected: str | None) -> None:
+    from gpu_energy_exporter.client.fmt import rank_coverage
+
+    assert rank_coverage(row) == expected

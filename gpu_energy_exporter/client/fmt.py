@@ -50,9 +50,15 @@ def _count(value: object) -> int | None:
 def rank_coverage(run: Mapping[str, Any]) -> str | None:
     """``"2 of 4 ranks on this node"`` when the ledger that wrote ``run`` (a summary or CSV row) saw fewer
     ranks than the run's ``world_size`` (pushed by the training helper): its tokens, energy and J/token
-    then cover those ranks only. None when it saw them all, or the world size is unknown. Figures read
-    back from Prometheus over every node say so with ``ranks_scope`` (``"whole run"``)."""
+    then cover those ranks only; ``"50% of the tokens from this node's GPUs"`` when ranks whose GPUs are on
+    other nodes pushed to it (``token_coverage`` below 1: their tokens are in no figure). None when it saw
+    every rank, or the world size is unknown. Rows read back from Prometheus over every node set
+    ``ranks_scope`` (``"in Prometheus"``)."""
     world, ranks = _count(run.get("world_size")), _count(run.get("ranks"))
+    share = run.get("token_coverage")
+    if isinstance(share, (int, float)) and math.isfinite(share) and share < 0.9995:
+        # Ranks of other nodes pushed here: their tokens are in no figure of this node's ledger.
+        return f"{share:.0%} of the tokens from this node's GPUs"
     if world is None or ranks is None or ranks >= world:
         return None
     scope = run.get("ranks_scope") or "on this node"

@@ -216,8 +216,9 @@ def runs_table(runs: Sequence[dict[str, Any]]) -> str:
     if any(is_simulated(r) for r in runs):
         text += "(SIMULATED): a run of `gpu-energy-exporter demo` on simulated GPUs, not a measurement\n"
     if any(r.get("ranks_scope") != "in Prometheus" for r in partial):
-        text += ("(N of M ranks on this node): the ledger saw N of the run's M ranks; its tokens, energy, CO2 and "
-                 "J/token cover those ranks and this node's GPUs only. The whole run: runs --prometheus URL\n")
+        text += ("(... on this node / from this node's GPUs): this exporter's ledger saw part of the run (fewer "
+                 "ranks than its world size, or ranks running on other nodes' GPUs); its tokens, energy, CO2 and "
+                 "J/token cover this node's ranks and GPUs only. The whole run: runs --prometheus URL\n")
     if any(r.get("ranks_scope") == "in Prometheus" for r in partial):
         text += ("(N of M ranks in Prometheus): only N of the run's M ranks pushed to an exporter that Prometheus "
                  "scrapes; the figures cover those ranks\n")
