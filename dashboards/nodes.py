@@ -67,12 +67,12 @@ FLEET_DASHBOARD = Dashboard(
                               "[$__range]))) / 3.6e6"),),
                   width=4, height=4, time_from="now/d"),
             Panel("stat", "GPU CO2 today",
-                  "CO2-equivalent of the GPU energy since midnight: the per-node CO2 rate (energy x PUE x "
-                  "grid intensity, recording rule instance_gpu:gpuenergy_gpu_co2_grams:rate5m, each GPU "
-                  "counted once by its UUID) summed minute by minute, so a grid intensity that changes "
-                  "during the day is weighted correctly.",
-                  GRAM, (Query("sum(sum_over_time(max by (gpu_uuid) "
-                               f"({sel('instance_gpu:gpuenergy_gpu_co2_grams:rate5m', FLEET)})[$__range:1m])) * 60"),),
+                  "CO2-equivalent of the GPU energy since midnight: the increase of the exporters' CO2 "
+                  "counters (gpuenergy_gpu_co2_grams_total: every sampling interval's energy x PUE x the grid "
+                  "intensity in force then, so a grid intensity that changes during the day is weighted as "
+                  "it happened), each GPU counted once by its UUID.",
+                  GRAM, (Query(f"sum(max by (gpu_uuid) (increase({sel('gpuenergy_gpu_co2_grams_total', FLEET)}"
+                               "[$__range])))"),),
                   width=4, height=4, time_from="now/d"),
             Panel("stat", "GPUs answering",
                   "GPUs whose last NVML sample succeeded (gpuenergy_gpu_up 1), each counted once by its UUID.",
@@ -104,8 +104,9 @@ FLEET_DASHBOARD = Dashboard(
                                 "{{instance}}"),),
                   minimum=0, maximum=1),
             Panel("timeseries", "GPU CO2 rate by node",
-                  "Grams of CO2-equivalent per hour caused by each node's GPUs: power x PUE x grid "
-                  "intensity (recording rule instance:gpuenergy_gpu_co2_grams:rate5m x 3600).",
+                  "Grams of CO2-equivalent per hour caused by each node's GPUs: the rate of the exporters' CO2 "
+                  "counters, each interval's energy x PUE x the grid intensity then (recording rule "
+                  "instance:gpuenergy_gpu_co2_grams:rate5m x 3600).",
                   GRAMS_PER_HOUR, (Query(f"{sel('instance:gpuenergy_gpu_co2_grams:rate5m', FLEET)} * 3600",
                                          "{{instance}}"),)),
             Panel("bargauge", "GPU energy by node (selected range)",

@@ -81,24 +81,27 @@ RUN_MFU_RANGE = (
     f" / on ({ATTR_RUN_ID}) max_over_time({sel('run_id:gpuenergy_gpu_peak_flops_per_second:sum', RUN)}[$__range])"
     f" or avg_over_time({sel('run_id:training_mfu:ratio_rate5m', RUN)}[$__range])"
 )
-# J/token over the dashboard range: the ledgers' counters where they cover the run (energy and tokens
-# counted over the same samples), else the recorded power and token rate averaged over the range. The
-# fallback is for runs the ledgers do not know or know only in part (a multi-node run whose ranks all push
-# to one exporter: that ledger has every rank's tokens but one node's energy). A token rate younger than
-# its 5-minute window reads low, so without a ledger the fallback overstates J/token for a run that
-# started inside the range.
+_RUN_WINDOW_ENERGY_INCREASE = f"increase({sel('gpuenergy_run_window_energy_joules_total', RUN)}[$__range])"
+_RUN_WINDOW_TOKENS_INCREASE = f"increase({sel('gpuenergy_run_window_tokens_total', RUN)}[$__range])"
+# J/token over the dashboard range, on the ledger's terms: the ledgers' post-warm-up counters where they
+# cover the run (energy and tokens after --runs.warmup, counted over the same samples: for a range holding
+# the whole run, the ledger's own j_per_token), else the recorded power and token rate averaged over the
+# range. The fallback is for runs the ledgers do not know or know only in part (a multi-node run whose ranks
+# all push to one exporter: that ledger has every rank's tokens but one node's energy); it includes the
+# warm-up, and a token rate younger than its 5-minute window reads low, so without a ledger the fallback
+# overstates J/token for a run that started inside the range.
 RUN_JOULES_PER_TOKEN_RANGE = (
-    f"{ledger_sum(_RUN_ENERGY_INCREASE)}"
-    f" / ({ledger_sum(_RUN_TOKENS_INCREASE)} > 0)"
+    f"{ledger_sum(_RUN_WINDOW_ENERGY_INCREASE)}"
+    f" / ({ledger_sum(_RUN_WINDOW_TOKENS_INCREASE)} > 0)"
     f" and on ({ATTR_RUN_ID}) {RUN_LEDGER_COMPLETE}"
     f" or (avg_over_time({sel('run_id:gpuenergy_gpu_energy_joules:rate5m', RUN)}[$__range])"
     f" / (avg_over_time({sel('run_id:training_tokens:rate5m', RUN)}[$__range]) > 0)"
     f" unless on ({ATTR_RUN_ID}) {RUN_LEDGER_COMPLETE})"
 )
-# CO2 so far: the ledgers' running total where they cover the run, else the recorded CO2 rate summed
-# minute by minute.
+# CO2 so far: the ledgers' CO2 counters where they cover the run (each snapshot interval at the intensity in
+# force then), else the recorded CO2 rate (from the GPUs' CO2 counters) summed minute by minute.
 RUN_CO2_SO_FAR = (
-    f"{ledger_sum(sel('gpuenergy_run_co2_grams', RUN))} and on ({ATTR_RUN_ID}) {RUN_LEDGER_COMPLETE}"
+    f"{ledger_sum(sel('gpuenergy_run_co2_grams_total', RUN))} and on ({ATTR_RUN_ID}) {RUN_LEDGER_COMPLETE}"
     f" or sum_over_time({sel('run_id:gpuenergy_gpu_co2_grams:rate5m', RUN)}[$__range:1m]) * 60"
 )
 
@@ -115,13 +118,15 @@ TRAINING_DASHBOARD = Dashboard(
     rows=(
         Row("Energy", (
             Panel("stat", "Energy per token (range)",
-                  "GPU joules per token over the part of the dashboard range in which the run was active: "
-                  "the run ledgers' energy increase / token increase (both counters start with the run, so "
-                  "the figure is right for a run that started or ended inside the range). Fallback, for "
-                  "runs no ledger covers completely (training data through another OTLP path, or a "
-                  "multi-node run whose ranks all push to one exporter, whose ledger has one node's "
-                  "energy): mean run power / mean token rate, which without a ledger overstates J/token "
-                  "when the run started less than 5 minutes before the range ends or inside it.",
+                  "GPU joules per token over the part of the dashboard range in which the run was active, "
+                  "on the run ledger's terms: the ledgers' post-warm-up energy increase / post-warm-up token "
+                  "increase (gpuenergy_run_window_*_total; --runs.warmup excluded, as the ledger's "
+                  "j_per_token: for a range holding the whole run it is the ledger's figure). No value for a "
+                  "range inside the warm-up or for a run shorter than it. Fallback, for runs no ledger covers "
+                  "completely (training data through another OTLP path, or a multi-node run whose ranks all "
+                  "push to one exporter, whose ledger has one node's energy): mean run power / mean token "
+                  "rate, warm-up included, which without a ledger overstates J/token when the run started "
+                  "less than 5 minutes before the range ends or inside it.",
                   JOULE, (Query(RUN_JOULES_PER_TOKEN_RANGE, RUN_LEGEND),),
                   width=6, height=5),
             Panel("stat", "Energy so far",
@@ -134,10 +139,11 @@ TRAINING_DASHBOARD = Dashboard(
                   JOULE, (Query(RUN_ENERGY_SO_FAR, RUN_LEGEND),),
                   width=6, height=5),
             Panel("stat", "CO2 so far",
-                  "CO2-equivalent of the run's GPU energy: energy (kWh) x PUE x grid intensity, integrated "
-                  "as it happened: the run ledgers' running total (gpuenergy_run_co2_grams, summed over "
-                  "nodes) for runs they cover completely, else the recorded CO2 rate summed minute by "
-                  "minute. GPU energy only: CPUs, memory, network and cooling beyond PUE are not included.",
+                  "CO2-equivalent of the run's GPU energy: energy (kWh) x PUE x grid intensity, each interval "
+                  "at the intensity in force then: the run ledgers' CO2 counters (gpuenergy_run_co2_grams_total, "
+                  "summed over nodes; warm-up included, like energy so far) for runs they cover completely, "
+                  "else the recorded CO2 rate (the GPUs' CO2 counters) summed minute by minute. GPU energy "
+                  "only: CPUs, memory, network and cooling beyond PUE are not included.",
                   GRAM, (Query(RUN_CO2_SO_FAR, RUN_LEGEND),),
                   width=6, height=5),
             Panel("stat", "Projected energy at finish",
@@ -153,10 +159,11 @@ TRAINING_DASHBOARD = Dashboard(
             Panel("timeseries", "Energy per token",
                   "GPU joules per token over the last 5 minutes (recording rule "
                   "run_id:training_energy_joules_per_token:ratio_rate5m): the run's GPUs' energy divided by "
-                  "the tokens all its ranks processed, from the exporters' run ledgers (right from the "
-                  "run's first minute). Runs without a ledger (training data through another OTLP path) "
-                  "use the GPUs' power / token rate, which overstates J/token in the run's first 5 "
-                  "minutes.",
+                  "the tokens all its ranks processed, from the exporters' run ledgers' post-warm-up "
+                  "counters (the ledger's window: nothing during --runs.warmup, then the ledger's J/token "
+                  "for the part of the 5 minutes after it). Runs no ledger covers completely use the GPUs' "
+                  "power / token rate, warm-up included, which without a ledger overstates J/token in the "
+                  "run's first 5 minutes.",
                   JOULE, (Query(sel("run_id:training_energy_joules_per_token:ratio_rate5m", RUN), RUN_LEGEND),),
                   width=8),
             Panel("timeseries", "Tokens per second",

@@ -192,7 +192,9 @@ def normalise(text: str, integrating: Iterable[str] = (), volatile: Sequence[str
         if name.startswith(tuple(volatile)):
             value = "<masked>"
         gpu = _GPU_LABEL.search(labels)
-        if name == "gpuenergy_gpu_energy_joules_total" and gpu and gpu.group(1) in integrating:
+        # The CO2 counter prices that energy: it moves with it.
+        if name in ("gpuenergy_gpu_energy_joules_total", "gpuenergy_gpu_co2_grams_total") and gpu \
+                and gpu.group(1) in integrating:
             value = "<integrated over wall time>"
         lines.append(f"{name}{labels} {value}" + (" <timestamp>" if stamp else ""))
     return "\n".join(lines) + "\n"

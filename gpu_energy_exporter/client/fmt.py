@@ -1,5 +1,5 @@
-"""Text formatting shared by the workstation commands (``top``, ``report``, ``runs``): CO2, durations and
-GiB, so that one figure reads the same in every command.
+"""Text formatting shared by the workstation commands (``top``, ``report``, ``runs``): CO2, durations, GiB
+and a run's rank coverage, so that one figure reads the same in every command.
 
 Plain functions of numbers to strings: this module never does I/O and never imports anything of the
 package but ``core``. Number formatting shared with the daemon (``fmt_num``) is ``core/textfmt.py``.
@@ -8,6 +8,8 @@ package but ``core``. Number formatting shared with the daemon (``fmt_num``) is 
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
+from typing import Any
 
 GIB = float(1 << 30)
 
@@ -37,4 +39,30 @@ def fmt_gib(value: float | None) -> str:
     return "-" if value is None else f"{value / GIB:.1f}"
 
 
-__all__ = ["GIB", "fmt_co2", "fmt_duration", "fmt_gib"]
+def _count(value: object) -> int | None:
+    try:
+        n = float(str(value)) if value not in (None, "") else math.nan
+    except ValueError:
+        return None
+    return int(n) if math.isfinite(n) and n >= 1 and n.is_integer() else None
+
+
+def rank_coverage(run: Mapping[str, Any]) -> str | None:
+    """``"2 of 4 ranks on this node"`` when the ledger that wrote ``run`` (a summary or CSV row) saw fewer
+    ranks than the run's ``world_size`` (pushed by the training helper): its tokens, energy and J/token
+    then cover those ranks only; ``"50% of the tokens from this node's GPUs"`` when ranks whose GPUs are on
+    other nodes pushed to it (``token_coverage`` below 1: their tokens are in no figure). None when it saw
+    every rank, or the world size is unknown. Rows read back from Prometheus over every node set
+    ``ranks_scope`` (``"in Prometheus"``)."""
+    world, ranks = _count(run.get("world_size")), _count(run.get("ranks"))
+    share = run.get("token_coverage")
+    if isinstance(share, (int, float)) and math.isfinite(share) and share < 0.9995:
+        # Ranks of other nodes pushed here: their tokens are in no figure of this node's ledger.
+        return f"{share:.0%} of the tokens from this node's GPUs"
+    if world is None or ranks is None or ranks >= world:
+        return None
+    scope = run.get("ranks_scope") or "on this node"
+    return f"{ranks} of {world} ranks {scope}"
+
+
+__all__ = ["GIB", "fmt_co2", "fmt_duration", "fmt_gib", "rank_coverage"]

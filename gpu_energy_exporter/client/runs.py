@@ -4,11 +4,15 @@ Reads the CSV the exporter appends to with ``--runs.csv`` (``--csv FILE`` or the
 as the exporter flag, ``GPU_ENERGY_EXPORTER_RUNS_CSV``), or the active and recent runs of a running
 exporter (``--url http://host:9863``, its ``/api/v1/runs``; without a CSV the default:
 ``$GPU_ENERGY_EXPORTER_URL``, else ``http://localhost:9863``; the same client options as ``top`` and
-``report``). Prints an aligned table, JSON or CSV; with
+``report``), or whole runs from a Prometheus server that scraped the exporters (``--prometheus URL``: a
+multi-node run summed over its nodes, as ``report --prometheus`` reads a run). A run one exporter sees only
+part of (fewer ranks than its ``world_size``) is marked "(2 of 4 ranks on this node)". Prints an aligned
+table, JSON or CSV; with
 ``--group-by COLUMN`` it compares groups (mean J/token, tokens/s, VRAM peak, and each group's ratio to a
 baseline group), e.g. ``--group-by backend`` for bitsandbytes against Unsloth.
 
-This module only reads: it never writes the ledger and never contacts anything but the given URL.
+This module only reads: it never writes the ledger and never contacts anything but the given URL (or the
+given Prometheus).
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ import json
 import math
 import os
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import IO, Any
 
@@ -34,8 +38,10 @@ from gpu_energy_exporter.client.api import (
     add_client_flags,
     client_from_args,
 )
-from gpu_energy_exporter.client.fmt import fmt_gib
-from gpu_energy_exporter.core.config import FLAGS
+from gpu_energy_exporter.client.fmt import fmt_gib, rank_coverage
+from gpu_energy_exporter.client.report.prometheus import PrometheusSource, whole_runs
+from gpu_energy_exporter.client.report.run import ReportError
+from gpu_energy_exporter.core.config import FLAGS, parse_duration
 from gpu_energy_exporter.core.errors import ExporterError
 from gpu_energy_exporter.core.runs_schema import COLUMN_NAMES, NUMERIC_COLUMNS
 from gpu_energy_exporter.core.textfmt import fmt_num
@@ -106,6 +112,19 @@ def load_url(client: ExporterClient) -> list[dict[str, Any]]:
         raise RunsError(f"{client.base_url}{RUNS_PATH} did not answer with the run ledger's JSON: is "
                         f"{client.base_url} a gpu-energy-exporter (check --url)?")
     return [{k: r.get(k) for k in COLUMN_NAMES} for r in runs if isinstance(r, dict)]
+
+
+def load_prometheus(args: argparse.Namespace, env: Mapping[str, str]) -> list[dict[str, Any]]:
+    """Whole runs from the Prometheus at ``args.prometheus`` (``report.prometheus.whole_runs``)."""
+    args.url = args.prometheus
+    try:
+        since = parse_duration(args.since)
+    except ValueError as exc:
+        raise RunsError(f"--since {args.since!r} {exc}") from None
+    try:
+        return whole_runs(PrometheusSource(client_from_args(args, dict(env)), since=since))
+    except (ReportError, ExporterUnreachable) as exc:
+        raise RunsError(str(exc).replace("the exporter", "Prometheus")) from None
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -184,12 +203,25 @@ def is_simulated(run: dict[str, Any]) -> bool:
 
 def runs_table(runs: Sequence[dict[str, Any]]) -> str:
     rows = [[c.fmt(r.get(c.key)) for c in TABLE] for r in runs]
+    partial = []
     for row, r in zip(rows, runs, strict=True):
         if is_simulated(r):
             row[0] += SIMULATED_MARK
+        coverage = rank_coverage(r)
+        if coverage is not None:
+            # A multi-node run seen from one node: its figures are that node's share, not the run's.
+            row[0] += f" ({coverage})"
+            partial.append(r)
     text = render_table([c.header for c in TABLE], rows, [c.right for c in TABLE])
     if any(is_simulated(r) for r in runs):
         text += "(SIMULATED): a run of `gpu-energy-exporter demo` on simulated GPUs, not a measurement\n"
+    if any(r.get("ranks_scope") != "in Prometheus" for r in partial):
+        text += ("(... on this node / from this node's GPUs): this exporter's ledger saw part of the run (fewer "
+                 "ranks than its world size, or ranks running on other nodes' GPUs); its tokens, energy, CO2 and "
+                 "J/token cover this node's ranks and GPUs only. The whole run: runs --prometheus URL\n")
+    if any(r.get("ranks_scope") == "in Prometheus" for r in partial):
+        text += ("(N of M ranks in Prometheus): only N of the run's M ranks pushed to an exporter that Prometheus "
+                 "scrapes; the figures cover those ranks\n")
     return text
 
 
@@ -284,6 +316,7 @@ def new_parser() -> argparse.ArgumentParser:
   gpu-energy-exporter runs --csv runs.csv --group-by backend          compare backends (J/token, tok/s, VRAM)
   gpu-energy-exporter runs --csv runs.csv --group-by backend --baseline bnb
   gpu-energy-exporter runs --url http://localhost:9863                active and recent runs, live
+  gpu-energy-exporter runs --prometheus http://prometheus:9090        whole runs, every node summed
   {CSV_ENV}=runs.csv gpu-energy-exporter runs --format json
 columns of the CSV and how each figure is computed: docs/ledger.md
 """)
@@ -292,6 +325,11 @@ columns of the CSV and how each figure is computed: docs/ledger.md
     add_client_flags(parser, url_help=(
         f"read the active and recent runs of a running exporter (its /api/v1/runs). This is the default when "
         f"neither --csv nor {CSV_ENV} is given: then ${URL_ENV}, else {DEFAULT_URL}"))
+    parser.add_argument("--prometheus", metavar="URL", default=None,
+                        help="read whole runs from this Prometheus server (the run ledgers' series of every "
+                             "exporter it scrapes, summed over nodes); the client options apply to it")
+    parser.add_argument("--since", metavar="DURATION", default="7d",
+                        help="with --prometheus: how far back to look for runs (default: 7d)")
     parser.add_argument("--group-by", metavar="COLUMN", default=None,
                         help="compare groups of runs by this column (backend, model, precision, optimizer, ...)")
     parser.add_argument("--baseline", metavar="GROUP", default=None,
@@ -313,10 +351,12 @@ def main(argv: list[str], *, stdout: IO[str] | None = None, stderr: IO[str] | No
     except SystemExit as exc:  # --help (0) or a usage error (2, already printed)
         return int(exc.code or 0)
     try:
-        if args.url and args.csv:
-            raise RunsError("give either --csv or --url, not both")
-        path = None if args.url else (args.csv or env.get(CSV_ENV))
-        if path:
+        if sum(bool(x) for x in (args.url, args.csv, args.prometheus)) > 1:
+            raise RunsError("give one of --csv, --url and --prometheus")
+        path = None if args.url or args.prometheus else (args.csv or env.get(CSV_ENV))
+        if args.prometheus:
+            runs, source = load_prometheus(args, env), args.prometheus
+        elif path:
             runs, source = load_csv(path), path
         else:
             try:

@@ -116,9 +116,24 @@ RUN_MFU = metrics.define(
     "Model FLOPs utilisation over the run's efficiency window: local FLOPs / window / peak FLOP/s.",
     _RUN, collector=COLLECTOR)
 RUN_CO2 = metrics.define(
-    "run", "co2_grams", "gauge",
-    "CO2-equivalent of the run's GPU energy: kWh x PUE x grid intensity, integrated snapshot by snapshot.",
-    _RUN, collector=COLLECTOR, unit="grams")
+    "run", "co2_grams_total", "counter",
+    "CO2-equivalent of the run's GPU energy since it started: each snapshot interval's energy (kWh) x PUE x "
+    "the grid intensity in force then, so an increase() or rate() over any window is right across a change "
+    "of intensity (the ledger's co2_g).", _RUN, collector=COLLECTOR, unit="grams")
+# The efficiency window's counters: 0 during the run's warm-up (--runs.warmup), then the energy and the local
+# tokens after it, the numerator and denominator of the ledger's J/token. Their increases over a range give
+# the ledger's J/token for the part of the run in the range, warm-up excluded, where the whole-run counters
+# above include the warm-up. A run shorter than the warm-up leaves them at 0 (its ledger figures then cover
+# the whole run).
+RUN_WINDOW_ENERGY = metrics.define(
+    "run", "window_energy_joules_total", "counter",
+    "Energy charged to the run after its warm-up (--runs.warmup): 0 during the warm-up, then the ledger's "
+    "window_energy_j. Over its token twin (gpuenergy_run_window_tokens_total): the ledger's J/token.",
+    _RUN, collector=COLLECTOR, unit="joules")
+RUN_WINDOW_TOKENS = metrics.define(
+    "run", "window_tokens_total", "counter",
+    "Tokens of the ranks on this node after the run's warm-up (--runs.warmup): 0 during the warm-up, then the "
+    "ledger's window_tokens.", _RUN, collector=COLLECTOR)
 
 # ----------------------------------------------------------------------------------------------------
 # the columns: one definition for the CSV, the JSON summary, the docs and the ``runs`` command

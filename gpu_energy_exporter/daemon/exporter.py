@@ -16,7 +16,7 @@ from prometheus_client import ProcessCollector
 from prometheus_client.core import Metric
 
 from gpu_energy_exporter.collectors.base import Collector
-from gpu_energy_exporter.collectors.carbon import CarbonCollector
+from gpu_energy_exporter.collectors.carbon import CarbonCollector, IntensityFileCollector, IntensityWatch
 from gpu_energy_exporter.collectors.gpu import GPUCollector
 from gpu_energy_exporter.collectors.health import HealthCollector
 from gpu_energy_exporter.collectors.host import HostCollector
@@ -91,10 +91,18 @@ class Exporter:
         # Resolved even with --no-collector.carbon: the ledger's CO2 figures need it, and a bad region
         # must fail at start-up either way.
         self.intensity = resolve_intensity(config)
+        # One watch of the intensity in force, read by the carbon collector and the ledger alike; with
+        # the collector off, a collector of its own follows an intensity file (the ledger must not keep
+        # the start-up intensity for ever).
+        self.intensity_watch = IntensityWatch(self.intensity, config.carbon_intensity_file)
         self.carbon: CarbonCollector | None = None
         if config.enabled("carbon"):
-            self.carbon = CarbonCollector.from_config(config, gpus=self._identities)
+            self.carbon = CarbonCollector(
+                intensity=self.intensity, pue=config.carbon_pue, intensity_file=config.carbon_intensity_file,
+                gpus=self._identities, gpu_states=self.gpu.states if self.gpu else None, watch=self.intensity_watch)
             collectors.append(self.carbon)
+        elif self.intensity_watch.file is not None:
+            collectors.append(IntensityFileCollector(self.intensity_watch))
         self.health: HealthCollector | None = None
         if config.enabled("health") and self.gpu is not None:
             self.health = HealthCollector(self.gpu, interval=config.collector_health_interval, clock=clock)
@@ -194,10 +202,8 @@ class Exporter:
             self.snapshot_collector.add_live_source(self.pusher.collect)
 
     def carbon_now(self) -> tuple[float, float]:
-        """(grid intensity g/kWh, PUE) in force now."""
-        if self.carbon is not None:
-            return self.carbon.intensity_g_per_kwh, self.carbon.pue
-        return self.intensity.value, self.config.carbon_pue
+        """(grid intensity g/kWh, PUE) in force now, whether or not the carbon collector runs."""
+        return self.intensity_watch.value, self.config.carbon_pue
 
     def status(self) -> dict[str, Any]:
         backend = self.gpu.backend if self.gpu else None

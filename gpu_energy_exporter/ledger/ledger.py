@@ -492,9 +492,9 @@ class RunLedger:
             for r in self._active.values():
                 if not r.tentative:
                     by_id[r.run_id] = (r, self._live_summary(r))
-            served = [(run_id, r.status, s, specs.counter_values(r.exposed, s)) for run_id, (r, s) in by_id.items()]
+            served = [(run_id, r.status, s, specs.counter_values(r.exposed, s, self.warmup_s))
+                      for run_id, (r, s) in by_id.items()]
             finished = dict(self._finished_counts)
-            rejected, errors, evicted = self._rejected, self._write_errors, self._evicted
-            pending = len(self._pending)
+            rejected, errors, evicted, pending = self._rejected, self._write_errors, self._evicted, len(self._pending)
             unattributed = sorted(self._unattributed.values(), key=lambda x: (len(x[0]), x[0], x[1]))
         return specs.families(served, finished, rejected, errors, evicted, pending, unattributed)

@@ -38,6 +38,8 @@ from gpu_energy_exporter.core.runs_schema import (
     RUN_TOKEN_COVERAGE,
     RUN_TOKENS,
     RUN_TOKENS_PER_SECOND,
+    RUN_WINDOW_ENERGY,
+    RUN_WINDOW_TOKENS,
 )
 
 LEDGER_RUNS_FINISHED = metrics.define(
@@ -72,13 +74,17 @@ STATUSES = ("finished", "stale", "exporter_stopped")
 COUNTER_COLUMNS = (
     (RUN_ENERGY, "energy_j"), (RUN_TOKENS, "tokens_local"), (RUN_REMOTE_TOKENS, "tokens_remote"),
     (RUN_STEPS, "steps"), (RUN_SAMPLES, "samples"), (RUN_FLOPS, "flops"), (RUN_ACTIVE_SECONDS, "duration_s"),
+    (RUN_CO2, "co2_g"),
 )
+
+#: The efficiency window's counters and the summary figure each one serves once the warm-up is over.
+WINDOW_COLUMNS = ((RUN_WINDOW_ENERGY, "window_energy_j"), (RUN_WINDOW_TOKENS, "window_tokens"))
 
 #: The per-run gauges on /metrics and the summary figure each one serves (absent while it is None).
 GAUGE_COLUMNS = (
     (RUN_DURATION, "duration_s"), (RUN_DYNAMIC_ENERGY, "dynamic_energy_j"), (RUN_TOKENS_PER_SECOND, "tokens_per_s"),
     (RUN_JOULES_PER_TOKEN, "j_per_token"), (RUN_AVERAGE_POWER, "avg_power_w"), (RUN_PEAK_POWER, "peak_power_w"),
-    (RUN_MEMORY_PEAK, "vram_peak_bytes"), (RUN_CO2, "co2_g"), (RUN_TOKEN_COVERAGE, "token_coverage"),
+    (RUN_MEMORY_PEAK, "vram_peak_bytes"), (RUN_TOKEN_COVERAGE, "token_coverage"),
     (RUN_PEAK_FLOPS, "peak_flops_per_s"), (RUN_MFU, "mfu"),
 )
 
@@ -87,10 +93,12 @@ RUN_SERIES = (
     RUN_ACTIVE, RUN_INFO, RUN_DURATION, RUN_ENERGY, RUN_DYNAMIC_ENERGY, RUN_TOKENS, RUN_STEPS, RUN_SAMPLES,
     RUN_FLOPS, RUN_ACTIVE_SECONDS, RUN_TOKENS_PER_SECOND, RUN_JOULES_PER_TOKEN, RUN_AVERAGE_POWER,
     RUN_PEAK_POWER, RUN_MEMORY_PEAK, RUN_CO2, RUN_REMOTE_TOKENS, RUN_TOKEN_COVERAGE, RUN_PEAK_FLOPS, RUN_MFU,
+    RUN_WINDOW_ENERGY, RUN_WINDOW_TOKENS,
 )
 
 
-def counter_values(exposed: dict[str, float], summary: Mapping[str, Any]) -> dict[str, float]:
+def counter_values(exposed: dict[str, float], summary: Mapping[str, Any], warmup_s: float = 0.0
+                   ) -> dict[str, float]:
     """A run's counters as served: the summary's figures, never below what was served before (``exposed``:
     counter name -> highest value served for the run, updated here).
 
@@ -100,10 +108,18 @@ def counter_values(exposed: dict[str, float], summary: Mapping[str, Any]) -> dic
     rate. So the served value holds the highest one served (for a run closed late it stays above the
     summary's ``energy_j`` by the energy counted after the end: at most ``stale_after`` of the GPUs'
     energy, seen in one rate window; likewise the active seconds, which hold the time until the run was
-    found stale, a period with no tokens that throughput then averages in)."""
+    found stale, a period with no tokens that throughput then averages in).
+
+    ``warmup_s``: the configured warm-up. The window counters stay at 0 while the summary's window is the
+    whole run because the run is still shorter than the warm-up (its ``warmup_s`` is 0 then): they count
+    only what comes after the warm-up, so they never jump back when the window moves past it."""
     out: dict[str, float] = {}
-    for spec, key in COUNTER_COLUMNS:
+    in_warmup = warmup_s > 0 and not summary.get("warmup_s")
+    columns = (*COUNTER_COLUMNS, *WINDOW_COLUMNS)
+    for spec, key in columns:
         value = summary.get(key)
+        if in_warmup and (spec, key) in WINDOW_COLUMNS and value is not None:
+            value = 0.0
         if value is None or not math.isfinite(value):
             continue
         served = max(float(value), exposed.get(spec.name, 0.0))

@@ -18,7 +18,7 @@ from typing import IO, Any
 
 from gpu_energy_exporter import __version__
 from gpu_energy_exporter.client.api import ExporterClient, ExporterUnreachable, add_client_flags, client_from_args
-from gpu_energy_exporter.client.fmt import fmt_co2
+from gpu_energy_exporter.client.fmt import fmt_co2, rank_coverage
 from gpu_energy_exporter.client.report.plots import load_pyplot, plot_comparison, plot_run
 from gpu_energy_exporter.client.report.prometheus import PrometheusSource
 from gpu_energy_exporter.client.report.render import build_blocks, fmt_energy, render_html, render_markdown
@@ -148,5 +148,6 @@ def main(argv: list[str], *, stderr: IO[str] | None = None, stdout: IO[str] | No
         s = r.summary
         out.write(f"{r.run_id}: {fmt_energy(num(s.get('energy_j')))}, {fmt_num(num(s.get('j_per_token')))} J/token, "
                   f"{fmt_num(num(s.get('tokens_per_s')))} tokens/s, CO2 {fmt_co2(num(s.get('co2_g')))}"
-                  + ("  [SIMULATED DATA]" if r.simulated else "") + "\n")
+                  + ("  [SIMULATED DATA]" if r.simulated else "")
+                  + (f"  [{coverage}]" if (coverage := rank_coverage(s)) else "") + "\n")
     return 0

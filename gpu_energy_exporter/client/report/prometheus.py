@@ -9,6 +9,9 @@ exporter instance, on one grid. The summary takes the ledger's own figures where
 computes them from the samples (and says so in the run's notes). Training metric and label names come
 from ``core/contract.py``, never retyped.
 
+``whole_runs`` lists every run the ledgers served, summed over the nodes that served it (``runs
+--prometheus``): a multi-node run whole, where one exporter's ledger sees its own node's ranks only.
+
 This module only reads from Prometheus: it never plots, never formats a report, never writes a file.
 """
 
@@ -17,6 +20,7 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Callable, Sequence
+from datetime import datetime, timezone
 from typing import Any
 
 from gpu_energy_exporter.client.api import ExporterClient, ExporterUnreachable
@@ -243,11 +247,30 @@ class PrometheusSource:
         }
         # The ledger's own figures, where Prometheus scraped them, replace the ones computed from samples.
         found = 0
+        nodes = 0
         for key, name in _ledger_series().items():
             result = self.instant(f"last_over_time({_of_run(name, rid)}[{self._window()}])")
-            if len(result) == 1:
-                summary[key] = _finite(float(result[0]["value"][1]))
+            values = [v for v in (_finite(float(r["value"][1])) for r in result) if v is not None]
+            nodes = max(nodes, len({(r["metric"].get("instance"), r["metric"].get("job")) for r in result}))
+            if len(values) == 1:
+                summary[key] = values[0]
                 found += 1
+            elif values and key in _NODE_SUMS:
+                # A multi-node run: each node's ledger has its own GPUs' energy and its own ranks' tokens.
+                summary[key] = sum(values)
+                found += 1
+            elif values and key in _NODE_MAX:
+                summary[key] = max(values)
+                found += 1
+            elif values:
+                summary[key] = None  # a per-node ratio (J/token): made from the sums below
+        if nodes > 1:
+            whole = whole_runs(self, run.run_id)
+            if whole:
+                summary["j_per_token"] = whole[0]["j_per_token"]
+            run.notes.append(f"summary figures summed over the {nodes} exporters whose ledgers served the run "
+                             "(peak power: the sum of each node's peak, an upper bound); the plots show the GPUs "
+                             "of one of them")
         info = self.instant(f'last_over_time({_of_run(_ledger_name("RUN_INFO"), rid)}[{self._window()}])')
         if info:
             summary["status"] = info[0]["metric"].get("status")
@@ -272,6 +295,12 @@ _LEDGER_SPECS = {
     "vram_peak_bytes": "RUN_MEMORY_PEAK", "co2_g": "RUN_CO2", "duration_s": "RUN_DURATION",
     "dynamic_energy_j": "RUN_DYNAMIC_ENERGY",
 }
+
+
+#: Ledger figures that add up over the nodes of a multi-node run, and those whose highest node is the run's.
+_NODE_SUMS = frozenset({"energy_j", "tokens", "tokens_per_s", "avg_power_w", "peak_power_w", "co2_g",
+                        "dynamic_energy_j"})
+_NODE_MAX = frozenset({"steps", "duration_s", "vram_peak_bytes"})
 
 
 def _ledger_name(spec: str) -> str:
@@ -304,3 +333,99 @@ def _rank_key(rank: str) -> tuple[int, str]:
         return (int(rank), "")
     except ValueError:
         return (1 << 30, rank)
+
+
+# ----------------------------------------------------------------------------------------------------
+# whole runs (``runs --prometheus``)
+
+#: Ledger counters summed over nodes for a whole run: summary key -> spec name in ``core/runs_schema``.
+_WHOLE_SUMS = {
+    "energy_j": "RUN_ENERGY", "tokens": "RUN_TOKENS", "co2_g": "RUN_CO2", "window_energy_j": "RUN_WINDOW_ENERGY",
+    "window_tokens": "RUN_WINDOW_TOKENS", "tokens_per_s": "RUN_TOKENS_PER_SECOND", "avg_power_w": "RUN_AVERAGE_POWER",
+}
+
+
+def whole_runs(source: PrometheusSource, run_id: str | None = None) -> list[dict[str, Any]]:
+    """Every run (or only ``run_id``) the run ledgers served in the last ``source.since``, summed over the
+    exporters (nodes) that served it, as rows of the runs table (``core.runs_schema`` column names, plus ``nodes`` and
+    ``ranks_scope``). Each node's ledger counts its own GPUs' energy and the tokens of its own ranks, so
+    the sums are the whole run's: energy, tokens, CO2; J/token is the post-warm-up energy over the
+    post-warm-up tokens of every node (the ledgers' own J/token, whole run); tokens/s and average power add
+    up over nodes (they run at the same time); VRAM peak is the highest node's; duration the longest.
+    ``ranks`` counts the distinct ranks whose training series Prometheus has, against ``world_size``."""
+    w = source._window()
+    only = f'{{{ATTR_RUN_ID}="{_label_value(run_id)}"}}' if run_id is not None else ""
+
+    def last(spec: str) -> str:
+        return f"last_over_time({_ledger_name(spec)}{only}[{w}])"
+
+    def by_run(expr: str) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for s in source.instant(expr):
+            rid = s["metric"].get(ATTR_RUN_ID)
+            value = _finite(float(s["value"][1]))
+            if rid is not None and value is not None:
+                out[rid] = value
+        return out
+
+    def node_sum(spec: str) -> dict[str, float]:
+        # Per node: summed over the series of one scrape target, the max over the jobs that scrape it.
+        return by_run(f"sum by ({ATTR_RUN_ID}) (max by ({ATTR_RUN_ID}, instance) "
+                      f"(sum by ({ATTR_RUN_ID}, instance, job) ({last(spec)})))")
+
+    sums = {key: node_sum(spec) for key, spec in _WHOLE_SUMS.items()}
+    steps = by_run(f"max by ({ATTR_RUN_ID}) ({last('RUN_STEPS')})")
+    duration = by_run(f"max by ({ATTR_RUN_ID}) ({last('RUN_DURATION')})")
+    vram = by_run(f"max by ({ATTR_RUN_ID}) ({last('RUN_MEMORY_PEAK')})")
+    nodes = by_run(f"count by ({ATTR_RUN_ID}) (count by ({ATTR_RUN_ID}, instance) ({last('RUN_ENERGY')}))")
+    # The start: the scrape time minus the ledger's duration, the earliest over the window (5-minute steps).
+    starts = by_run(f"min by ({ATTR_RUN_ID}) (min_over_time((time() - {_ledger_name('RUN_DURATION')}{only})"
+                    f"[{w}:5m]))")
+    ranks = by_run(f"count by ({ATTR_RUN_ID}) (count by ({ATTR_RUN_ID}, {ATTR_RANK}) "
+                   f"(last_over_time({TOKENS.prometheus}{only}[{w}])))")
+    info: dict[str, dict[str, str]] = {}
+    for s in source.instant(f"last_over_time({_ledger_name('RUN_INFO')}{only}[{w}])"):
+        m = s["metric"]
+        rid = m.get(ATTR_RUN_ID)
+        if rid is None:
+            continue
+        row = info.setdefault(rid, {})
+        # A node still running the run wins over one that closed it.
+        if not row or m.get("status") in ("running", "finishing"):
+            row.update({k: v for k, v in m.items() if k not in ("__name__", "instance", "job", ATTR_GPU_UUID)})
+        uuids = [u for u in (row.get("_uuids", "") + "," + m.get(ATTR_GPU_UUID, "")).split(",") if u]
+        row["_uuids"] = ",".join(dict.fromkeys(uuids))
+    world: dict[str, str] = {}
+    for s in source.instant(f"max by ({ATTR_RUN_ID}, world_size) (last_over_time({RUN_INFO.prometheus}{only}[{w}]))"):
+        rid, size = s["metric"].get(ATTR_RUN_ID), s["metric"].get("world_size")
+        if rid is not None and size:
+            world[rid] = size
+    out: list[dict[str, Any]] = []
+    for rid in sorted(set(sums["energy_j"]) | set(info), key=lambda r: starts.get(r, math.inf)):
+        meta = info.get(rid, {})
+        energy = sums["energy_j"].get(rid)
+        win_e, win_t = sums["window_energy_j"].get(rid), sums["window_tokens"].get(rid)
+        if win_e is None or win_t is None:  # exporters older than the window counters: the whole run
+            win_e, win_t = energy, sums["tokens"].get(rid)
+        start = starts.get(rid)
+        uuids = [u for u in meta.get("_uuids", "").split(",") if u]
+        out.append({
+            ATTR_RUN_ID: rid, "status": meta.get("status"),
+            "start_time": _iso(start) if start is not None else None, "duration_s": duration.get(rid),
+            **{k: meta.get(k) for k in ("model", "backend", "optimizer", "precision")},
+            "world_size": world.get(rid), "ranks": ranks.get(rid), "ranks_scope": "in Prometheus",
+            "nodes": nodes.get(rid), "gpu_count": len(uuids) or None, "gpu_uuids": " ".join(uuids),
+            "tokens": sums["tokens"].get(rid), "tokens_local": sums["tokens"].get(rid), "steps": steps.get(rid),
+            "window_tokens": win_t, "window_energy_j": win_e,
+            "tokens_per_s": sums["tokens_per_s"].get(rid),
+            "j_per_token": win_e / win_t if win_e is not None and win_t else None,
+            "energy_j": energy, "energy_kwh": energy / 3.6e6 if energy is not None else None,
+            "avg_power_w": sums["avg_power_w"].get(rid), "peak_power_w": None, "vram_peak_bytes": vram.get(rid),
+            "co2_g": sums["co2_g"].get(rid),
+        })
+    return out
+
+
+def _iso(t: float) -> str:
+    """Unix time as the ledger writes it (ISO 8601, UTC, milliseconds)."""
+    return datetime.fromtimestamp(t, timezone.utc).isoformat(timespec="milliseconds").replace("+00:00", "Z")

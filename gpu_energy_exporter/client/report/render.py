@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from gpu_energy_exporter import __version__
-from gpu_energy_exporter.client.fmt import GIB, fmt_co2, fmt_duration
+from gpu_energy_exporter.client.fmt import GIB, fmt_co2, fmt_duration, rank_coverage
 from gpu_energy_exporter.client.report.plots import COMPARISON_PLOTS, PLOTS
 from gpu_energy_exporter.client.report.run import RunData, num
 from gpu_energy_exporter.core.textfmt import fmt_num
@@ -77,6 +77,11 @@ def summary_rows(run: RunData) -> list[tuple[str, str]]:
         ("steps", (f"{n['steps']:,.0f}" if n.get("steps") is not None else "-")
          + (f" of {n['total_steps']:,.0f} planned" if n.get("total_steps") else "")),
     ]
+    coverage = rank_coverage(s)
+    if coverage is not None:
+        # A multi-node run read from one exporter: say so before any figure is taken as the run's.
+        rows.insert(0, ("coverage", f"{coverage}: tokens, energy, CO2 and J/token cover those ranks and "
+                                    "their GPUs only (the whole run: report --prometheus URL)"))
     if n.get("idle_energy_j") is not None or n.get("dynamic_energy_j") is not None:
         rows.append(("idle / dynamic energy", f"{fmt_energy(n.get('idle_energy_j'))} / "
                                               f"{fmt_energy(n.get('dynamic_energy_j'))}"))

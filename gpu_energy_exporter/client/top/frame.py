@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from gpu_energy_exporter.client.fmt import fmt_co2, fmt_duration, fmt_gib
+from gpu_energy_exporter.client.fmt import fmt_co2, fmt_duration, fmt_gib, rank_coverage
 from gpu_energy_exporter.core.textfmt import fmt_num
 
 
@@ -277,12 +277,18 @@ def _run_lines(runs: list[dict[str, Any]], width: int, max_finished: int = 3) ->
         avg = r.get("avg_power_w")
         if isinstance(avg, (int, float)):
             about.append(f"avg {avg:,.0f} W")
+        coverage = rank_coverage(r)
+        if coverage is not None:
+            about.append(f"{coverage}: figures cover those ranks only")
         if "shorter than the warm-up" in (r.get("ledger_notes") or ""):
             about.append("in warm-up: J/token and tok/s cover the run so far")
         if about:
             out.append([("  " + " · ".join(about), "dim")])
     for r in done:
         out.append([(_row(str(r.get("run_id") or "?"), run_w, _run_cells(r), keep, width), "dim")])
+        coverage = rank_coverage(r)
+        if coverage is not None:
+            out.append([(f"  {coverage}: figures cover those ranks only", "dim")])
     return out
 
 
