@@ -87,11 +87,14 @@ def rule_comments(text: str) -> dict[str, str]:
 
 def rules_markdown() -> str:
     out: list[str] = []
-    for path in sorted(RULES_DIR.glob("*.yaml")):
+    optional = sorted((RULES_DIR / "optional").glob("*.yaml"))
+    for path in [*sorted(RULES_DIR.glob("*.yaml")), *optional]:
         text = path.read_text(encoding="utf-8")
         comments = rule_comments(text)
+        where = "dashboards/rules/" + path.relative_to(RULES_DIR).as_posix()
         for group in yaml.safe_load(text)["groups"]:
-            out.append(f"### Group `{group['name']}` (`dashboards/rules/{path.name}`)\n")
+            note = " (optional: load it by choice)" if path in optional else ""
+            out.append(f"### Group `{group['name']}` (`{where}`){note}\n")
             for rule in group["rules"]:
                 expr = rule["expr"].strip()
                 if "record" in rule:
