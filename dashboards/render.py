@@ -178,6 +178,19 @@ def _layout(panels: list[dict[str, Any]]) -> None:
         row_height = max(row_height, pos["h"])
 
 
-def dashboard_json(spec: Dashboard) -> str:
-    return json.dumps(render(spec), indent=2, sort_keys=True, ensure_ascii=False) + "\n"
+def provisioning(data: dict[str, Any]) -> dict[str, Any]:
+    """The dashboard as file provisioning must get it: provisioning has no import step to fill in
+    ``${DS_PROMETHEUS}``, so the import header goes and the data source variable defaults to Grafana's
+    default data source. (deploy/generate.py makes the same form for the sidecar ConfigMaps.)"""
+    out = {k: v for k, v in data.items() if k not in ("__inputs", "__requires")}
+    out["templating"] = {**out["templating"], "list": [
+        {**v, "current": {"selected": True, "text": "default", "value": "default"}} if v["type"] == "datasource"
+        else v for v in out["templating"]["list"]]}
+    return out
+
+
+def dashboard_json(spec: Dashboard, *, provisioned: bool = False) -> str:
+    data = render(spec)
+    return json.dumps(provisioning(data) if provisioned else data, indent=2, sort_keys=True,
+                      ensure_ascii=False) + "\n"
 

@@ -75,3 +75,20 @@ def test_importing_makes_the_chosen_source_the_default_and_keeps_the_variable(pa
     for where, node in _walk(model):
         if "datasource" in node:
             assert node["datasource"] == VARIABLE_REF, where  # the user can still switch sources
+
+
+def test_file_provisioning_form_is_the_sidecar_form(tmp_path: Path) -> None:
+    # `python -m dashboards.build --provisioning DIR` (docs/dashboards.md, file provisioning) writes what the
+    # sidecar ConfigMaps carry: no ${DS_PROMETHEUS} left for Grafana to choke on, the variable on "default".
+    import yaml
+
+    from dashboards import build
+
+    assert build.main(["--provisioning", str(tmp_path)]) == 0
+    configmaps = yaml.safe_load_all((Path(__file__).resolve().parent.parent / "deploy" / "kubernetes" / "base" /
+                                     "generated" / "dashboards.yaml").read_text(encoding="utf-8"))
+    shipped = {k: v for d in configmaps if d for k, v in d["data"].items()}
+    for path in DASHBOARDS:
+        text = (tmp_path / path.name).read_text(encoding="utf-8")
+        assert INPUT not in text
+        assert text == shipped[path.name]
