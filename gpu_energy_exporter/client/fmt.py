@@ -37,4 +37,12 @@ def fmt_gib(value: float | None) -> str:
     return "-" if value is None else f"{value / GIB:.1f}"
 
 
-__all__ = ["GIB", "fmt_co2", "fmt_duration", "fmt_gib"]
+def fmt_mfu(ratio: float | None) -> str:
+    """Model FLOPs utilisation as a percentage ("41.3%"), "-" when the run has none (no FLOPs pushed, or
+    no peak for its GPUs and precision: docs/measurement.md)."""
+    if ratio is None or isinstance(ratio, bool) or not math.isfinite(ratio):
+        return "-"
+    return f"{ratio * 100:.1f}%"
+
+
+__all__ = ["GIB", "fmt_co2", "fmt_duration", "fmt_gib", "fmt_mfu"]

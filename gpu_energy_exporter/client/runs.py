@@ -34,7 +34,7 @@ from gpu_energy_exporter.client.api import (
     add_client_flags,
     client_from_args,
 )
-from gpu_energy_exporter.client.fmt import fmt_gib
+from gpu_energy_exporter.client.fmt import fmt_gib, fmt_mfu
 from gpu_energy_exporter.core.config import FLAGS
 from gpu_energy_exporter.core.errors import ExporterError
 from gpu_energy_exporter.core.runs_schema import COLUMN_NAMES, NUMERIC_COLUMNS
@@ -154,6 +154,7 @@ TABLE: tuple[_Col, ...] = (
     _Col("tokens", "tokens", _int),
     _Col("tok/s", "tokens_per_s", fmt_num),
     _Col("J/token", "j_per_token", fmt_num),
+    _Col("MFU", "mfu", fmt_mfu),
     _Col("kWh", "energy_kwh", fmt_num),
     _Col("avg W", "avg_power_w", _watts),
     _Col("peak W", "peak_power_w", _watts),
@@ -184,9 +185,12 @@ def is_simulated(run: dict[str, Any]) -> bool:
 
 def runs_table(runs: Sequence[dict[str, Any]]) -> str:
     rows = [[c.fmt(r.get(c.key)) for c in TABLE] for r in runs]
+    # The first column stays the bare run id, so that it can be copied into `report RUN_ID`; the mark
+    # goes on the status.
+    status = next(i for i, c in enumerate(TABLE) if c.key == "status")
     for row, r in zip(rows, runs, strict=True):
         if is_simulated(r):
-            row[0] += SIMULATED_MARK
+            row[status] += SIMULATED_MARK
     text = render_table([c.header for c in TABLE], rows, [c.right for c in TABLE])
     if any(is_simulated(r) for r in runs):
         text += "(SIMULATED): a run of `gpu-energy-exporter demo` on simulated GPUs, not a measurement\n"

@@ -49,6 +49,11 @@ log = logging.getLogger(__name__)
 CarbonSource = Callable[[], "tuple[float, float]"]
 
 
+#: How long /api/v1/runs (and so `runs`, `top`, `report RUN_ID`) keeps a finished run, in seconds; runs.csv
+#: and its JSON summaries keep them for good.
+KEEP_FINISHED_S = 900.0
+
+
 class RunLedger:
     """Per-run energy accounting. Thread-safe: one lock; file writes happen outside it.
 
@@ -67,7 +72,7 @@ class RunLedger:
         clock: Callable[[], float] = time.time,
         *,
         timeline_points: int = 2000,
-        keep_finished_s: float = 900.0,
+        keep_finished_s: float = KEEP_FINISHED_S,
         max_finished_runs: int = 100,
         max_active_runs: int = 256,
         late_window_s: float = 120.0,
