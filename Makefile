@@ -9,7 +9,7 @@ PY     := $(VENV)/bin/python
 ARGS   ?=
 PYTEST_ARGS ?=
 
-.PHONY: run test test-gpu test-container test-arm64 bench docs lint dashboards dist clean
+.PHONY: run test test-gpu test-container test-arm64 screenshots bench docs lint dashboards dist clean
 
 $(VENV)/bin/python:
 	python3 -m venv $(VENV)
@@ -50,6 +50,11 @@ docs: $(VENV)/.test-installed
 	$(PY) -m gpu_energy_exporter.daemon.docgen
 	$(PY) -m dashboards.build
 	$(PY) deploy/generate.py
+
+# The README's screenshot of `top` (docs/img/top.txt, top.png): runs the demo for about two minutes and
+# renders top from what it served (tests/screenshots.py; tests/test_screenshots.py checks top.txt).
+screenshots: $(VENV)/.test-installed
+	$(PY) tests/screenshots.py capture
 
 # Rebuild the Grafana dashboards JSON, their docs section and the Kubernetes objects made from them.
 dashboards: $(VENV)/.test-installed

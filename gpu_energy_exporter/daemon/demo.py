@@ -39,8 +39,8 @@ from gpu_energy_exporter.core.config import (
     parse_duration,
 )
 from gpu_energy_exporter.core.errors import ConfigError, ExporterError
+from gpu_energy_exporter.core.runs_schema import KEEP_FINISHED_S
 from gpu_energy_exporter.http.listen import client_url
-from gpu_energy_exporter.ledger.ledger import KEEP_FINISHED_S
 
 log = logging.getLogger(__name__)
 

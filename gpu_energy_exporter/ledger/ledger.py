@@ -33,7 +33,7 @@ from typing import Any
 
 from prometheus_client.core import Metric
 
-from gpu_energy_exporter.core.runs_schema import SUMMARY_SCHEMA
+from gpu_energy_exporter.core.runs_schema import KEEP_FINISHED_S, SUMMARY_SCHEMA
 from gpu_energy_exporter.core.state import Snapshot
 from gpu_energy_exporter.ledger import accounting, files, runs, specs
 from gpu_energy_exporter.ledger.files import append_csv_row, iso_utc
@@ -47,11 +47,6 @@ log = logging.getLogger(__name__)
 
 
 CarbonSource = Callable[[], "tuple[float, float]"]
-
-
-#: How long /api/v1/runs (and so `runs`, `top`, `report RUN_ID`) keeps a finished run, in seconds; runs.csv
-#: and its JSON summaries keep them for good.
-KEEP_FINISHED_S = 900.0
 
 
 class RunLedger:
