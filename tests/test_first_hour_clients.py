@@ -121,3 +121,35 @@ def test_the_demo_banner_passes_url_only_when_the_default_would_miss(web_url: st
                 assert flag.strip() in line
     # Finished runs leave /api/v1/runs after 15 minutes: the banner says so, and how to keep them.
     assert "finished runs stay in `runs` and `report` for 15 minutes; add --runs.csv=" in text
+
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_readme_says_how_long_make_test_takes_and_what_it_keeps_where() -> None:
+    from test_container import container_cache
+
+    from gpu_energy_exporter.core.runs_schema import KEEP_FINISHED_S
+
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    assert "about five minutes" not in readme  # it took 10 min 51 s on a fresh clone (issue 22)
+    assert "about 11 minutes" in readme
+    # The caches it names are the ones the set-up and the tests use.
+    default_cache = str(container_cache()).replace(str(Path.home()), "~") if "GEE_CONTAINER_CACHE" not in os.environ \
+        else "~/.cache/gpu-energy-exporter/container"
+    assert f"`{default_cache}/`" in readme and "`.venv/` in the checkout" in readme
+    makefile = (ROOT / "Makefile").read_text(encoding="utf-8")
+    assert "clean:\n\trm -rf $(VENV)" in makefile and "| `make clean` |" in readme
+    # The demo path says how long finished runs stay.
+    assert KEEP_FINISHED_S == 15 * 60 and "for 15 minutes after they end" in readme
+
+
+def test_setup_announces_every_slow_step() -> None:
+    # Long silent stretches looked like a hang: every apt-get and pip install is preceded by a `step` line.
+    lines = (ROOT / ".ci" / "setup-test-env").read_text(encoding="utf-8").splitlines()
+    slow = [i for i, line in enumerate(lines) if ("pip\" install" in line or "pip install" in line
+                                                  or "apt-get update" in line) and not line.lstrip().startswith("#")]
+    assert len(slow) >= 4
+    for i in slow:
+        before = [line for line in lines[max(0, i - 3):i] if line.strip().startswith("step ")]
+        assert before, f"line {i + 1} runs without announcing itself: {lines[i].strip()}"
