@@ -9,7 +9,7 @@ PY     := $(VENV)/bin/python
 ARGS   ?=
 PYTEST_ARGS ?=
 
-.PHONY: run test test-gpu test-container bench docs lint dashboards dist clean
+.PHONY: run test test-gpu test-container test-arm64 screenshots bench docs lint dashboards dist clean
 
 $(VENV)/bin/python:
 	python3 -m venv $(VENV)
@@ -34,9 +34,14 @@ test: $(VENV)/.test-installed
 test-gpu: $(VENV)/.test-installed
 	$(PY) -m pytest -m gpu -p no:cacheprovider $(PYTEST_ARGS)
 
-# Build the Dockerfile with buildah on a Debian stand-in base image and run it (also part of `make test`).
+# Build the Dockerfile with buildah on a Debian stand-in base image and run it: amd64 (also part of
+# `make test`) and arm64 under qemu emulation (not part of `make test`: about 3 min, 5.5 on a first run).
 test-container: $(VENV)/.test-installed
 	$(PY) -m pytest -m container $(PYTEST_ARGS)
+
+# Only the arm64 image (tests/test_container_arm64.py); needs qemu-user-static and binfmt_misc.
+test-arm64: $(VENV)/.test-installed
+	$(PY) -m pytest -m arm64 $(PYTEST_ARGS)
 
 bench: $(VENV)/.test-installed
 	$(PY) -m bench $(ARGS)
@@ -45,6 +50,11 @@ docs: $(VENV)/.test-installed
 	$(PY) -m gpu_energy_exporter.daemon.docgen
 	$(PY) -m dashboards.build
 	$(PY) deploy/generate.py
+
+# The README's screenshot of `top` (docs/img/top.txt, top.png): runs the demo for about two minutes and
+# renders top from what it served (tests/screenshots.py; tests/test_screenshots.py checks top.txt).
+screenshots: $(VENV)/.test-installed
+	$(PY) tests/screenshots.py capture
 
 # Rebuild the Grafana dashboards JSON, their docs section and the Kubernetes objects made from them.
 dashboards: $(VENV)/.test-installed

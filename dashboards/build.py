@@ -87,11 +87,14 @@ def rule_comments(text: str) -> dict[str, str]:
 
 def rules_markdown() -> str:
     out: list[str] = []
-    for path in sorted(RULES_DIR.glob("*.yaml")):
+    optional = sorted((RULES_DIR / "optional").glob("*.yaml"))
+    for path in [*sorted(RULES_DIR.glob("*.yaml")), *optional]:
         text = path.read_text(encoding="utf-8")
         comments = rule_comments(text)
+        where = "dashboards/rules/" + path.relative_to(RULES_DIR).as_posix()
         for group in yaml.safe_load(text)["groups"]:
-            out.append(f"### Group `{group['name']}` (`dashboards/rules/{path.name}`)\n")
+            note = " (optional: load it by choice)" if path in optional else ""
+            out.append(f"### Group `{group['name']}` (`{where}`){note}\n")
             for rule in group["rules"]:
                 expr = rule["expr"].strip()
                 if "record" in rule:
@@ -128,7 +131,16 @@ def outputs() -> dict[Path, str]:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m dashboards.build", description=__doc__.split("\n\n")[0])
     parser.add_argument("--check", action="store_true", help="write nothing; exit 1 if a file is out of date")
+    parser.add_argument("--provisioning", type=Path, metavar="DIR",
+                        help="only write the dashboards for Grafana file provisioning into DIR (the data source "
+                             "variable defaults to Grafana's default data source; there is no import step)")
     args = parser.parse_args(argv)
+    if args.provisioning:
+        args.provisioning.mkdir(parents=True, exist_ok=True)
+        for d in DASHBOARDS:
+            (args.provisioning / f"{d.name}.json").write_text(dashboard_json(d, provisioned=True), encoding="utf-8")
+            print(f"wrote: {args.provisioning / f'{d.name}.json'}")
+        return 0
     stale = []
     for path, content in outputs().items():
         current = path.read_text(encoding="utf-8") if path.exists() else None

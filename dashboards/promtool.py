@@ -22,6 +22,8 @@ from dashboards.promql import normalize
 
 ROOT = Path(__file__).resolve().parent
 RULE_FILES = tuple(sorted((ROOT / "rules").glob("*.yaml")))
+#: Rule files a user loads by choice (dashboards/rules/optional/), tested like the others.
+OPTIONAL_RULE_FILES = tuple(sorted((ROOT / "rules" / "optional").glob("*.yaml")))
 TEST_FILES = tuple(sorted((ROOT / "tests").glob("*.yaml")))
 
 _LABEL = re.compile(r'([A-Za-z_][A-Za-z0-9_]*)\s*=\s*"((?:\\.|[^"\\])*)"')

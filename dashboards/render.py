@@ -30,7 +30,18 @@ from grafana_foundation_sdk.models import xychart as xychart_models
 from dashboards.spec import Dashboard, Panel, Query, Variable
 
 TAG = "gpu-energy-exporter"
+#: Every panel and query reads the data source the ``$datasource`` variable names: no data source UID is
+#: ever written into a dashboard, so it imports into any Grafana.
 DATASOURCE = dm.DataSourceRef(type_val="prometheus", uid="${datasource}")
+#: The import input (grafana.com and Grafana's "Import dashboard" ask for it): on import Grafana replaces
+#: ``${DS_PROMETHEUS}`` with the chosen data source, which becomes the ``$datasource`` variable's default.
+#: Provisioned copies (the Kubernetes ConfigMaps, deploy/generate.py) have no import step: there the
+#: variable defaults to Grafana's default data source instead.
+DS_INPUT = "DS_PROMETHEUS"
+#: The Grafana version whose schema the SDK writes (schemaVersion 41).
+GRAFANA_VERSION = "11.6.0"
+_PANEL_PLUGINS = {"timeseries": "Time series", "stat": "Stat", "bargauge": "Bar gauge", "table": "Table",
+                  "state-timeline": "State timeline", "xychart": "XY Chart"}
 
 
 def _thresholds(steps: Sequence[tuple[float, str]]) -> dashboard.ThresholdsConfig:
@@ -106,7 +117,9 @@ def _panel(spec: Panel) -> Any:
 
 def _variable(v: Variable) -> Any:
     if v.kind == "datasource":
-        return dashboard.DatasourceVariable(v.name).label(v.label).type(v.query).description(v.description)
+        ref = "${" + DS_INPUT + "}"
+        return (dashboard.DatasourceVariable(v.name).label(v.label).type(v.query).description(v.description)
+                .current(dm.VariableOption(selected=True, text=ref, value=ref)))
     b = (dashboard.QueryVariable(v.name).label(v.label).description(v.description).query(v.query)
          .datasource(DATASOURCE).refresh(dm.VariableRefresh.ON_TIME_RANGE_CHANGED)
          .sort(dm.VariableSort.ALPHABETICAL_ASC).multi(v.multi).include_all(v.include_all))
@@ -130,7 +143,21 @@ def render(spec: Dashboard) -> dict[str, Any]:
             b = b.with_panel(_panel(p))
     data: dict[str, Any] = json.loads(json.dumps(b.build(), cls=JSONEncoder))
     _layout(data["panels"])
+    data.update(_import_header(data))
     return data
+
+
+def _import_header(data: dict[str, Any]) -> dict[str, Any]:
+    """What grafana.com and Grafana's import read: the data source to ask for (``__inputs``), the Grafana
+    version and plugins the dashboard needs (``__requires``), and no database id."""
+    plugins = sorted({p["type"] for p in data["panels"] if p["type"] != "row"})
+    requires = [{"type": "grafana", "id": "grafana", "name": "Grafana", "version": GRAFANA_VERSION},
+                {"type": "datasource", "id": "prometheus", "name": "Prometheus", "version": "1.0.0"}]
+    requires += [{"type": "panel", "id": p, "name": _PANEL_PLUGINS[p], "version": ""} for p in plugins]
+    inputs = [{"name": DS_INPUT, "label": "Prometheus", "type": "datasource", "pluginId": "prometheus",
+               "pluginName": "Prometheus",
+               "description": "The Prometheus that scrapes gpu-energy-exporter and evaluates its recording rules."}]
+    return {"__inputs": inputs, "__requires": requires}
 
 
 def _layout(panels: list[dict[str, Any]]) -> None:
@@ -151,6 +178,19 @@ def _layout(panels: list[dict[str, Any]]) -> None:
         row_height = max(row_height, pos["h"])
 
 
-def dashboard_json(spec: Dashboard) -> str:
-    return json.dumps(render(spec), indent=2, sort_keys=True, ensure_ascii=False) + "\n"
+def provisioning(data: dict[str, Any]) -> dict[str, Any]:
+    """The dashboard as file provisioning must get it: provisioning has no import step to fill in
+    ``${DS_PROMETHEUS}``, so the import header goes and the data source variable defaults to Grafana's
+    default data source. (deploy/generate.py makes the same form for the sidecar ConfigMaps.)"""
+    out = {k: v for k, v in data.items() if k not in ("__inputs", "__requires")}
+    out["templating"] = {**out["templating"], "list": [
+        {**v, "current": {"selected": True, "text": "default", "value": "default"}} if v["type"] == "datasource"
+        else v for v in out["templating"]["list"]]}
+    return out
+
+
+def dashboard_json(spec: Dashboard, *, provisioned: bool = False) -> str:
+    data = render(spec)
+    return json.dumps(provisioning(data) if provisioned else data, indent=2, sort_keys=True,
+                      ensure_ascii=False) + "\n"
 

@@ -9,11 +9,16 @@ Inputs: ``dashboards/rules/*.yaml`` (Prometheus rule files, ``groups:`` as ``pro
 ``prometheusrule.yaml`` (one PrometheusRule holding every group, in file order) and ``dashboards.yaml``
 (one ConfigMap per dashboard, labelled ``grafana_dashboard: "1"`` for the Grafana sidecar). With no rule
 files the PrometheusRule has ``groups: []``; with no dashboards a single unlabelled placeholder ConfigMap
-is written, so the kustomization renders and validates either way.
+is written, so the kustomization renders and validates either way. The optional rules
+(``dashboards/rules/optional/*.yaml``: dcgm-exporter's series names) become their own PrometheusRule in
+the kustomize component ``deploy/kubernetes/components/dcgm-compat/``.
 
-This script never edits ``dashboards/`` and never writes anywhere but the output directory; rule and
-dashboard content is carried over unchanged (dashboards byte for byte), so the deployed objects are
-exactly what ``promtool test rules`` and the dashboard tests checked.
+This script never edits ``dashboards/`` and never writes anywhere but the output directories; rule content
+is carried over unchanged, so the deployed objects are exactly what ``promtool test rules`` checked.
+Dashboards are carried byte for byte, except that a dashboard made for import (with ``__inputs``, as
+``python -m dashboards.build`` writes them for grafana.com) is shipped in its provisioning form: the
+sidecar has no import step to fill in ``${DS_PROMETHEUS}``, so ``__inputs``/``__requires`` are dropped and
+the data source variable defaults to Grafana's default data source.
 """
 
 from __future__ import annotations
@@ -30,8 +35,13 @@ import yaml
 REPO = Path(__file__).resolve().parent.parent
 DASHBOARDS = REPO / "dashboards"
 OUT = REPO / "deploy" / "kubernetes" / "base" / "generated"
+#: The optional component that ships dashboards/rules/optional/ (kubectl kustomize with
+#: ``components: [.../components/dcgm-compat]``).
+COMPAT_OUT = REPO / "deploy" / "kubernetes" / "components" / "dcgm-compat"
 
 NAME = "gpu-energy-exporter"
+COMPAT_NAME = f"{NAME}-dcgm-compat"
+NAMESPACE = "gpu-energy-exporter"
 LABELS = {"app.kubernetes.io/name": NAME, "app.kubernetes.io/component": "monitoring"}
 #: The label the Grafana sidecar (kube-prometheus-stack's default) watches for dashboards.
 SIDECAR_LABEL = ("grafana_dashboard", "1")
@@ -82,10 +92,10 @@ def _rel(path: Path, root: Path) -> str:
         return str(path)
 
 
-def rule_groups(dashboards: Path) -> tuple[list[dict[str, Any]], list[str]]:
-    """Every group of every ``rules/*.yaml`` file (sorted by name), checked for what the Prometheus
+def rule_groups(dashboards: Path, folder: str = "rules") -> tuple[list[dict[str, Any]], list[str]]:
+    """Every group of every ``<folder>/*.yaml`` file (sorted by name), checked for what the Prometheus
     Operator and Prometheus require; returns the groups and the source file names."""
-    files = sorted([*dashboards.glob("rules/*.yaml"), *dashboards.glob("rules/*.yml")])
+    files = sorted([*dashboards.glob(f"{folder}/*.yaml"), *dashboards.glob(f"{folder}/*.yml")])
     groups: list[dict[str, Any]] = []
     seen: dict[str, str] = {}
     for f in files:
@@ -115,16 +125,42 @@ def rule_groups(dashboards: Path) -> tuple[list[dict[str, Any]], list[str]]:
     return groups, [_rel(f, dashboards) for f in files]
 
 
-def prometheus_rule(dashboards: Path) -> str:
-    groups, sources = rule_groups(dashboards)
+def prometheus_rule(dashboards: Path, folder: str = "rules", name: str = NAME,
+                    namespace: str | None = None) -> str:
+    groups, sources = rule_groups(dashboards, folder)
+    metadata: dict[str, Any] = {"name": name, "labels": dict(LABELS)}
+    if namespace:  # a component's object: the overlay that adds it may set no namespace
+        metadata["namespace"] = namespace
     doc = {
         "apiVersion": "monitoring.coreos.com/v1",
         "kind": "PrometheusRule",
-        "metadata": {"name": NAME, "labels": dict(LABELS)},
+        "metadata": metadata,
         "spec": {"groups": groups},
     }
-    source = ", ".join(sources) if sources else "dashboards/rules/*.yaml (none yet: no groups)"
+    source = ", ".join(sources) if sources else f"dashboards/{folder}/*.yaml (none yet: no groups)"
     return HEADER.format(source=source) + _dump([doc])
+
+
+def provisioning_form(model: dict[str, Any], where: str) -> str | None:
+    """A dashboard made for import (``__inputs``) as the sidecar must get it, or None when it has no
+    import inputs (then it ships byte for byte). Provisioning never replaces ``${DS_...}`` inputs, so the
+    data source variables that default to one default to Grafana's default data source instead; an input
+    used anywhere else cannot be provisioned and is an error."""
+    inputs = [i["name"] for i in model.get("__inputs") or [] if isinstance(i, dict) and i.get("name")]
+    if not inputs:
+        return None
+    refs = {"${" + n + "}" for n in inputs}
+    out = {k: v for k, v in model.items() if k not in ("__inputs", "__requires")}
+    for var in (out.get("templating") or {}).get("list") or []:
+        current = var.get("current")
+        if var.get("type") == "datasource" and isinstance(current, dict) and current.get("value") in refs:
+            var["current"] = {"selected": True, "text": "default", "value": "default"}
+    text = json.dumps(out, indent=2, sort_keys=True, ensure_ascii=False) + "\n"
+    left = sorted(r for r in refs if r in text)
+    if left:
+        raise GenerateError(f"{where}: {', '.join(left)} is used outside a data source variable's default; "
+                            "provisioning has no import step to fill it in: use the variable ($datasource)")
+    return text
 
 
 def dashboard_configmaps(dashboards: Path) -> str:
@@ -140,6 +176,7 @@ def dashboard_configmaps(dashboards: Path) -> str:
             raise GenerateError(f"{where}: not valid JSON: {exc}") from None
         if not isinstance(model, dict) or not model.get("title"):
             raise GenerateError(f"{where}: a Grafana dashboard is a JSON object with a title")
+        text = provisioning_form(model, where) or text
         size = len(text.encode("utf-8"))
         if size > CONFIGMAP_MAX_BYTES - 4096:
             raise GenerateError(f"{where}: {size} bytes does not fit in a ConfigMap (1 MiB)")
@@ -182,6 +219,11 @@ def render(dashboards: Path = DASHBOARDS) -> dict[str, str]:
     }
 
 
+def render_optional(dashboards: Path = DASHBOARDS) -> dict[str, str]:
+    """The generated file of the dcgm-compat component (under ``COMPAT_OUT``): file name -> content."""
+    return {"prometheusrule.yaml": prometheus_rule(dashboards, "rules/optional", COMPAT_NAME, NAMESPACE)}
+
+
 def differences(files: dict[str, str], out: Path = OUT) -> list[str]:
     """Names of the output files that are missing or differ from ``files``."""
     return [name for name, text in files.items()
@@ -199,18 +241,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--check", action="store_true", help="only compare; exit 1 if out of date")
     parser.add_argument("--dashboards", type=Path, default=DASHBOARDS, help="input directory")
     parser.add_argument("--out", type=Path, default=OUT, help="output directory")
+    parser.add_argument("--compat-out", type=Path, default=None,
+                        help="output directory of the dcgm-compat component's PrometheusRule "
+                             f"(default: {COMPAT_OUT.relative_to(REPO)} with the default --out, else OUT/dcgm-compat)")
     args = parser.parse_args(argv)
+    compat_out = args.compat_out or (COMPAT_OUT if args.out == OUT else args.out / "dcgm-compat")
     try:
-        files = render(args.dashboards)
+        outputs = [(render(args.dashboards), args.out), (render_optional(args.dashboards), compat_out)]
     except GenerateError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     if args.check:
-        stale = differences(files, args.out)
-        for name in stale:
-            print(f"{args.out / name} is out of date: run python deploy/generate.py", file=sys.stderr)
+        stale = [out / name for files, out in outputs for name in differences(files, out)]
+        for path in stale:
+            print(f"{path} is out of date: run python deploy/generate.py", file=sys.stderr)
         return 1 if stale else 0
-    write(files, args.out)
+    for files, out in outputs:
+        write(files, out)
     return 0
 
 

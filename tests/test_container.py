@@ -4,8 +4,9 @@ No image registry is reachable here, so the base image is a stand-in made from D
 (``debootstrap --variant=minbase`` with python3, venv and pip, a ``python`` link and this machine's CA
 bundle so that pip inside the build reaches the package index), imported into buildah's storage and
 passed as ``--build-arg PYTHON_IMAGE``. The base is cached (``$GEE_CONTAINER_CACHE``, default
-``~/.cache/gpu-energy-exporter/container``, and buildah's own image store), so only the first run on a
-machine pays for debootstrap (about 1.5 min); the build itself takes about a minute.
+``~/.cache/gpu-energy-exporter/container``, about 200 MB, and buildah's own image store under
+/var/lib/containers or ~/.local/share/containers), so only the first run on a machine pays for debootstrap
+(about 1.5 min); the build itself takes about a minute. The arm64 build is tests/test_container_arm64.py.
 
 The image then runs under ``buildah run --isolation chroot`` with the fake NVML library and a scenario
 mounted: ``/metrics`` serves the fake GPUs, the process runs as uid 10001, nothing is written outside the
@@ -79,19 +80,33 @@ def _image_exists(name: str) -> bool:
     return buildah("inspect", "--type", "image", name, check=False).returncode == 0
 
 
-@pytest.fixture(scope="module")
-def base_image() -> str:
-    if _image_exists(BASE_IMAGE):
-        return BASE_IMAGE
-    cache = Path(os.environ.get("GEE_CONTAINER_CACHE", Path.home() / ".cache" / "gpu-energy-exporter" / "container"))
-    tarball = cache / f"debian-{SUITE}-python3.tar"
+#: Debian's name for each architecture the image is built for (docs/deploy.md, "Images"): linux/amd64 and
+#: linux/arm64 (Grace Hopper, Grace Blackwell). arm64 is built under qemu-user-static's emulation
+#: (tests/test_container_arm64.py).
+NATIVE_ARCH = "amd64"
+
+
+def container_cache() -> Path:
+    """Where the debootstrap'd base tarballs are kept between runs (about 200 MB each; docs/deploy.md)."""
+    return Path(os.environ.get("GEE_CONTAINER_CACHE", Path.home() / ".cache" / "gpu-energy-exporter" / "container"))
+
+
+def make_base_image(arch: str = NATIVE_ARCH) -> str:
+    """The stand-in Python base image for ``arch`` in buildah's store, debootstrapped on first use."""
+    name = BASE_IMAGE if arch == NATIVE_ARCH else f"{BASE_IMAGE}-{arch}"
+    if _image_exists(name):
+        return name
+    cache = container_cache()
+    tarball = cache / (f"debian-{SUITE}-python3.tar" if arch == NATIVE_ARCH else f"debian-{SUITE}-{arch}-python3.tar")
     if not tarball.exists():
         cache.mkdir(parents=True, exist_ok=True)
-        rootfs = cache / "rootfs.tmp"
+        rootfs = cache / f"rootfs-{arch}.tmp"
         shutil.rmtree(rootfs, ignore_errors=True)
+        # For a foreign architecture debootstrap runs the second stage through binfmt_misc and
+        # qemu-user-static (registered with the F flag, so nothing is copied into the rootfs).
         subprocess.run(
-            [_tool("debootstrap"), "--variant=minbase", "--include=python3,python3-venv,python3-pip,ca-certificates",
-             SUITE, str(rootfs), debian_mirror()],
+            [_tool("debootstrap"), f"--arch={arch}", "--variant=minbase",
+             "--include=python3,python3-venv,python3-pip,ca-certificates", SUITE, str(rootfs), debian_mirror()],
             check=True, capture_output=True, timeout=900,
         )
         (rootfs / "usr/bin/python").symlink_to("python3")
@@ -108,11 +123,17 @@ def base_image() -> str:
     ctr = buildah("from", "scratch").stdout.strip()
     try:
         buildah("add", ctr, str(tarball), "/")
-        buildah("config", "--env", "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", ctr)
-        buildah("commit", "-q", ctr, BASE_IMAGE)
+        buildah("config", "--arch", arch, "--os", "linux",
+                "--env", "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", ctr)
+        buildah("commit", "-q", ctr, name)
     finally:
         buildah("rm", ctr, check=False)
-    return BASE_IMAGE
+    return name
+
+
+@pytest.fixture(scope="module")
+def base_image() -> str:
+    return make_base_image()
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from helpers import ExporterProcess, sample_value, wait_until
+from helpers import ROOT, ExporterProcess, sample_value, wait_until
 
 from gpu_energy_exporter.core.errors import ConfigError
 from gpu_energy_exporter.daemon.demo import DEMO_WARMUP, parse_args
@@ -109,6 +109,10 @@ def test_demo_says_what_to_do_when_the_port_is_taken(tmp_path: Path) -> None:
              "--otlp.listen-address=127.0.0.1:0"], capture_output=True, text=True, timeout=60)
     assert out.returncode == 1, out.stderr
     assert "already running" in out.stderr and "--web.listen-address" in out.stderr
+    # docs/workstation.md quotes the message a user gets with the default port: the same words (issue 22).
+    error = next(line for line in out.stderr.splitlines() if "error:" in line)
+    doc = (ROOT / "docs" / "workstation.md").read_text(encoding="utf-8")
+    assert error.replace(f"127.0.0.1:{port}", ":9863") in doc
 
 
 def test_demo_stops_on_sigint_during_the_idle_pause(start_exporter: type[ExporterProcess]) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import base64
 import datetime
 import importlib.util
+import json
 import os
 import re
 import shutil
@@ -72,13 +73,13 @@ class Renders:
         if name not in self._cache:
             if name == "base":
                 path = K8S / "base"
-            elif name == "all-components":
-                path = self._scratch / "all-components"
+            elif name in COMPOSED:
+                path = self._scratch / name
                 path.mkdir(exist_ok=True)
                 rel = os.path.relpath(K8S, path)  # kustomize refuses absolute paths
                 (path / "kustomization.yaml").write_text(yaml.safe_dump({
                     "apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization",
-                    "resources": [f"{rel}/base"], "components": [f"{rel}/components/{c}" for c in COMPONENTS],
+                    "resources": [f"{rel}/base"], "components": [f"{rel}/components/{c}" for c in COMPOSED[name]],
                 }))
             else:
                 path = K8S / "overlays" / name
@@ -91,7 +92,11 @@ def rendered(tmp_path_factory: pytest.TempPathFactory) -> Renders:
     return Renders(tmp_path_factory.mktemp("kustomize"))
 
 
-VARIANTS = ["base", *OVERLAYS, "all-components"]
+#: The base with components, as a user's kustomization adds them: every component at once (to prove they
+#: compose), and the PodMonitor alone and with TLS (the scrape kube-prometheus-stack users may pick).
+COMPOSED = {"all-components": COMPONENTS, "podmonitor": ["podmonitor"],
+            "podmonitor-tls": ["podmonitor", "tls-basic-auth"]}
+VARIANTS = ["base", *OVERLAYS, *COMPOSED]
 
 
 def one(docs: tuple[dict[str, Any], ...], kind: str, name: str | None = None) -> dict[str, Any]:
@@ -110,7 +115,8 @@ def container(docs: tuple[dict[str, Any], ...]) -> dict[str, Any]:
 
 def test_expected_overlays_and_components_exist() -> None:
     assert {"tls-basic-auth", "trainer-example", "pod-attribution", "without-prometheus-operator"} <= set(OVERLAYS)
-    assert {"tls-basic-auth", "pod-attribution-root", "runtime-class-nvidia"} <= set(COMPONENTS)
+    assert {"tls-basic-auth", "pod-attribution-root", "runtime-class-nvidia", "podmonitor", "dcgm-compat"} <= set(
+        COMPONENTS)
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -144,16 +150,28 @@ def test_custom_resources_have_what_the_prometheus_operator_requires(
         assert annotations["prometheus.io/scrape"] == "true" and annotations["prometheus.io/port"] == str(port)
         assert annotations["prometheus.io/path"] == load_config([], {}).web_telemetry_path
         return
-    sm = one(docs, "ServiceMonitor")
-    assert sm["metadata"]["namespace"] == svc["metadata"]["namespace"]  # no namespaceSelector needed
+    monitors = [d for d in docs if d["kind"] in ("ServiceMonitor", "PodMonitor")]
+    assert len(monitors) == 1, f"one scrape object, ServiceMonitor or PodMonitor: {[d['kind'] for d in monitors]}"
+    sm = monitors[0]
+    assert (sm["kind"] == "PodMonitor") is (variant.startswith("podmonitor") or variant == "all-components")
+    ds = one(docs, "DaemonSet")
+    assert sm["metadata"]["namespace"] == svc["metadata"]["namespace"] == ds["metadata"]["namespace"]
     selector = sm["spec"]["selector"]["matchLabels"]
-    assert selector and selector.items() <= svc["metadata"]["labels"].items()
-    port_names = {p["name"] for p in svc["spec"]["ports"]}
-    assert sm["spec"]["endpoints"], "a ServiceMonitor without endpoints scrapes nothing"
-    for ep in sm["spec"]["endpoints"]:
+    if sm["kind"] == "ServiceMonitor":
+        assert selector and selector.items() <= svc["metadata"]["labels"].items()
+        port_names = {p["name"] for p in svc["spec"]["ports"]}
+        endpoints, labels = sm["spec"]["endpoints"], svc["metadata"]["labels"]
+    else:  # scrapes the pods: selects the DaemonSet's pod template, on a named container port
+        labels = ds["spec"]["template"]["metadata"]["labels"]
+        assert selector and selector.items() <= labels.items()
+        port_names = {p["name"] for p in container(docs)["ports"]}
+        endpoints = sm["spec"]["podMetricsEndpoints"]
+    assert endpoints, f"a {sm['kind']} without endpoints scrapes nothing"
+    for ep in endpoints:
         assert ep["port"] in port_names
         assert ep["path"] == load_config([], {}).web_telemetry_path
         assert ep["scheme"] in ("http", "https")
+        assert (ep["scheme"] == "https") is ("tls" in variant or variant == "all-components")
         for key in ("interval", "scrapeTimeout"):
             assert re.fullmatch(r"\d+(ms|s|m|h)", ep[key])
         if ep["scheme"] == "https":
@@ -163,10 +181,13 @@ def test_custom_resources_have_what_the_prometheus_operator_requires(
         for r in ep.get("relabelings", []):
             assert r["targetLabel"] not in ("k8s_namespace", "k8s_pod", "k8s_container")
     # The job label is what the bundled alert rules match on (up{job="gpu-energy-exporter"}).
-    assert svc["metadata"]["labels"][sm["spec"]["jobLabel"]] == "gpu-energy-exporter"
+    assert labels[sm["spec"]["jobLabel"]] == "gpu-energy-exporter"
 
-    rule = one(docs, "PrometheusRule")
-    groups = rule["spec"]["groups"]
+    rule = one(docs, "PrometheusRule", "gpu-energy-exporter")
+    compat = [d for d in docs if d["kind"] == "PrometheusRule" and d is not rule]
+    assert [d["metadata"]["name"] for d in compat] == (
+        ["gpu-energy-exporter-dcgm-compat"] if variant == "all-components" else [])
+    groups = [g for r in (rule, *compat) for g in r["spec"]["groups"]]
     assert isinstance(groups, list)
     assert len({g["name"] for g in groups}) == len(groups)
     for g in groups:
@@ -341,6 +362,7 @@ def test_tls_example_web_config_is_accepted_by_the_exporter(rendered: Renders, t
 
 def test_generated_files_are_up_to_date_with_dashboards() -> None:
     stale = generate.differences(generate.render())
+    stale += generate.differences(generate.render_optional(), generate.COMPAT_OUT)
     assert not stale, f"{stale} out of date: run python deploy/generate.py"
     base = yaml.safe_load((K8S / "base/kustomization.yaml").read_text())
     assert {"generated/prometheusrule.yaml", "generated/dashboards.yaml"} <= set(base["resources"])
@@ -386,6 +408,58 @@ def test_generator_ships_rules_and_dashboards_unchanged(dashboards_dir: Path, tm
     for d in docs:
         if d["kind"] == "ConfigMap":
             kv.validate(d, kv.latest_version(), strict=True)
+
+
+def _walk(node: Any) -> Iterator[dict[str, Any]]:
+    if isinstance(node, dict):
+        yield node
+        for v in node.values():
+            yield from _walk(v)
+    elif isinstance(node, list):
+        for v in node:
+            yield from _walk(v)
+
+
+def test_sidecar_configmaps_carry_the_provisioning_form_of_each_dashboard(rendered: Renders) -> None:
+    # The Grafana sidecar provisions the JSON as is: no import step replaces ${DS_PROMETHEUS}, so the
+    # ConfigMaps must not contain it; the data source variable falls back to Grafana's default data source,
+    # and every panel and query still reads the variable. Everything else is the committed dashboard.
+    cms = [d for d in rendered("base") if d["kind"] == "ConfigMap" and "grafana_dashboard" in d["metadata"]["labels"]]
+    committed = {p.name: json.loads(p.read_text()) for p in (REPO / "dashboards").glob("*.json")}
+    assert len(cms) == len(committed) == 3
+    for cm in cms:
+        (name, text), = cm["data"].items()
+        assert "${DS_" not in text, cm["metadata"]["name"]
+        model = json.loads(text)
+        source = committed[name]
+        assert "__inputs" in source and "__inputs" not in model and "__requires" not in model
+        ds_var = next(v for v in model["templating"]["list"] if v["type"] == "datasource")
+        assert ds_var["name"] == "datasource"
+        assert ds_var["current"] == {"selected": True, "text": "default", "value": "default"}
+        refs = [n["datasource"] for n in _walk(model) if isinstance(n.get("datasource"), dict)]
+        assert refs and all(r == {"type": "prometheus", "uid": "${datasource}"} for r in refs), name
+        # Nothing else differs from the committed (import) form.
+        source_ds = next(v for v in source["templating"]["list"] if v["type"] == "datasource")
+        source_ds["current"] = ds_var["current"]
+        assert model == {k: v for k, v in source.items() if k not in ("__inputs", "__requires")}, name
+
+
+def test_generator_makes_the_provisioning_form_and_refuses_an_input_used_elsewhere(dashboards_dir: Path) -> None:
+    ds = {"type": "datasource", "name": "datasource", "query": "prometheus",
+          "current": {"selected": True, "text": "${DS_PROMETHEUS}", "value": "${DS_PROMETHEUS}"}}
+    model = {"title": "T", "__inputs": [{"name": "DS_PROMETHEUS", "type": "datasource", "pluginId": "prometheus"}],
+             "__requires": [], "templating": {"list": [ds]},
+             "panels": [{"datasource": {"type": "prometheus", "uid": "${datasource}"}}]}
+    (dashboards_dir / "t.json").write_text(json.dumps(model))
+    cm = yaml.safe_load_all(generate.dashboard_configmaps(dashboards_dir))
+    data = next(d for d in cm if d)["data"]["t.json"]
+    assert json.loads(data) == {"title": "T", "panels": model["panels"], "templating": {"list": [
+        {**ds, "current": {"selected": True, "text": "default", "value": "default"}}]}}
+    # An input used by a panel would reach Grafana unreplaced: refused, with the file named.
+    model["panels"][0]["datasource"]["uid"] = "${DS_PROMETHEUS}"
+    (dashboards_dir / "t.json").write_text(json.dumps(model))
+    with pytest.raises(generate.GenerateError, match=r"dashboards/t.json: \$\{DS_PROMETHEUS\} is used outside"):
+        generate.render(dashboards_dir)
 
 
 def test_generator_without_inputs_writes_valid_placeholders(dashboards_dir: Path, tmp_path: Path) -> None:

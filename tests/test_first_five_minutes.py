@@ -38,13 +38,17 @@ def test_demo_then_runs_report_and_top(fresh_install: FreshInstall, tmp_path: Pa
         # runs: the README's form, and the default ($GPU_ENERGY_EXPORTER_URL) without --url
         out = fresh_install.run("runs", "--url", url)
         assert out.returncode == 0, out.stderr
-        assert f"{run_id} (SIMULATED)" in out.stdout
+        # The first column is what a user copies into `report` (issue 22: it read "<id> (SIMULATED)", which
+        # report refused); the mark sits on the status.
+        line = next(li for li in out.stdout.splitlines() if li.startswith(run_id))
+        copied = line.split()[0]
+        assert copied == run_id and line.rstrip().endswith("finished (SIMULATED)")
         out = fresh_install.run("runs", "--format", "json", GPU_ENERGY_EXPORTER_URL=url)
         assert out.returncode == 0, out.stderr
         row = next(r for r in json.loads(out.stdout)["runs"] if r["run_id"] == run_id)
 
         # report, with plots (matplotlib from the [report] extra that make run installs)
-        out = fresh_install.run("report", run_id, "--url", url, "--out", str(tmp_path / "report"), timeout=180)
+        out = fresh_install.run("report", copied, "--url", url, "--out", str(tmp_path / "report"), timeout=180)
         assert out.returncode == 0, out.stderr
         summary = json.loads((tmp_path / "report" / "report.json").read_text())["runs"][0]["summary"]
         pngs = list((tmp_path / "report").rglob("*.png"))

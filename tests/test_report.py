@@ -249,8 +249,9 @@ def test_report_from_prometheus_matches_the_ledger(runs: Runs, tmp_path: Path) -
     r = doc["runs"][0]
     assert r["source"] == f"Prometheus {prom.url}"
     for key in ("energy_j", "j_per_token", "tokens", "tokens_per_s", "avg_power_w", "peak_power_w", "co2_g",
-                "duration_s", "vram_peak_bytes"):
+                "duration_s", "vram_peak_bytes", "mfu"):
         assert r["summary"][key] == ledger[key], key
+    assert 0 < r["summary"]["mfu"] < 1  # the report's MFU row reads it (issue 22)
     assert r["summary"]["backend"] == "bitsandbytes" and r["summary"]["status"] == "finished"
     assert r["simulated"] is True
     assert any("the run ledger's" in n for n in r["notes"])

@@ -168,6 +168,9 @@ def test_every_rule_mutant_fails_a_promtool_case(promtool_binary: str, tmp_path:
         (promtool.ROOT / "rules" / "alerts.yaml").read_text(encoding="utf-8"), encoding="utf-8")
     for path in promtool.TEST_FILES:
         (tmp / "tests" / path.name).write_text(path.read_text(encoding="utf-8"), encoding="utf-8")
+    (tmp / "rules" / "optional").mkdir()
+    for path in promtool.OPTIONAL_RULE_FILES:  # the optional rules' own test file reads them
+        (tmp / "rules" / "optional" / path.name).write_text(path.read_text(encoding="utf-8"), encoding="utf-8")
     # The unmutated copy passes, so a failure below is the mutation's doing.
     (tmp / "rules" / "recording.yaml").write_text(
         (promtool.ROOT / "rules" / "recording.yaml").read_text(encoding="utf-8"), encoding="utf-8")

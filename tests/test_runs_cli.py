@@ -45,7 +45,7 @@ def _row(run_id: str, backend: str, j_per_token: float, tok_s: float, vram_gib: 
 def ledger_csv(tmp_path: Path) -> Path:
     path = tmp_path / "runs.csv"
     for row in (
-        _row("bnb-1", "bitsandbytes", 0.80, 1000.0, 12.0),
+        _row("bnb-1", "bitsandbytes", 0.80, 1000.0, 12.0, mfu=0.375),
         _row("uns-1", "unsloth", 0.50, 1900.0, 6.0),
         _row("bnb-2", "bitsandbytes", 1.00, 1200.0, 13.0),
         _row("uns-2", "unsloth", 0.62, 2100.0, 7.5, status="stale"),
@@ -65,12 +65,15 @@ def test_table_lists_every_run_aligned(ledger_csv: Path) -> None:
     assert rc == 0, err
     lines = out.splitlines()
     assert lines[0].split() == ["run", "id", "start", "(UTC)", "duration", "model", "backend", "tokens", "tok/s",
-                                "J/token", "kWh", "avg", "W", "peak", "W", "VRAM", "peak", "GiB", "gCO2", "status"]
+                                "J/token", "MFU", "kWh", "avg", "W", "peak", "W", "VRAM", "peak", "GiB", "gCO2",
+                                "status"]
     assert [line.split()[0] for line in lines[1:]] == ["bnb-1", "uns-1", "bnb-2", "uns-2"]
     bnb1 = lines[1].split()
-    # run id, date, time, duration, model, backend, tokens, tok/s, J/token, kWh, avg W, peak W, VRAM, gCO2, status
-    assert bnb1[3:] == ["0:10:00", "llama-3-8b", "bitsandbytes", "600,000", "1,000", "0.800", "0.133", "800",
-                        "612", "12.0", "64.00", "finished"]
+    # run id, date, time, duration, model, backend, tokens, tok/s, J/token, MFU, kWh, avg W, peak W, VRAM, gCO2,
+    # status (the README promises MFU per run: issue 22)
+    assert bnb1[3:] == ["0:10:00", "llama-3-8b", "bitsandbytes", "600,000", "1,000", "0.800", "37.5%", "0.133",
+                        "800", "612", "12.0", "64.00", "finished"]
+    assert lines[2].split()[9] == "-"  # a run without FLOPs or peak has no MFU
     # Right-aligned numbers: every row has the same length up to the status column.
     status_at = lines[0].index("status")
     assert all(line[status_at - 2: status_at] == "  " for line in lines[1:])
@@ -209,7 +212,13 @@ def test_demo_runs_are_marked_simulated_in_the_table() -> None:
     finally:
         server.shutdown()
     assert rc == 0, err
-    assert "live-1 (SIMULATED)" in out and "not a measurement" in out
+    assert "not a measurement" in out
+    header, row = out.splitlines()[:2]
+    # The first column is the bare run id, so that copying it into `report RUN_ID` works (issue 22: it
+    # read "live-1 (SIMULATED)", which report did not know); the mark is on the status, the last column.
+    assert row.split()[0] == "live-1"
+    assert header.split()[-1] == "status" and row.endswith("(SIMULATED)")
+    assert "live-1 (SIMULATED)" not in out
 
 
 def test_url_reads_a_running_ledger() -> None:

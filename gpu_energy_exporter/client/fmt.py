@@ -65,4 +65,12 @@ def rank_coverage(run: Mapping[str, Any]) -> str | None:
     return f"{ranks} of {world} ranks {scope}"
 
 
-__all__ = ["GIB", "fmt_co2", "fmt_duration", "fmt_gib", "rank_coverage"]
+def fmt_mfu(ratio: float | None) -> str:
+    """Model FLOPs utilisation as a percentage ("41.3%"), "-" when the run has none (no FLOPs pushed, or
+    no peak for its GPUs and precision: docs/measurement.md)."""
+    if ratio is None or isinstance(ratio, bool) or not math.isfinite(ratio):
+        return "-"
+    return f"{ratio * 100:.1f}%"
+
+
+__all__ = ["GIB", "fmt_co2", "fmt_duration", "fmt_gib", "fmt_mfu", "rank_coverage"]

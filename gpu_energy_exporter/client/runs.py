@@ -38,7 +38,7 @@ from gpu_energy_exporter.client.api import (
     add_client_flags,
     client_from_args,
 )
-from gpu_energy_exporter.client.fmt import fmt_gib, rank_coverage
+from gpu_energy_exporter.client.fmt import fmt_gib, fmt_mfu, rank_coverage
 from gpu_energy_exporter.client.report.prometheus import PrometheusSource, whole_runs
 from gpu_energy_exporter.client.report.run import ReportError
 from gpu_energy_exporter.core.config import FLAGS, parse_duration
@@ -173,6 +173,7 @@ TABLE: tuple[_Col, ...] = (
     _Col("tokens", "tokens", _int),
     _Col("tok/s", "tokens_per_s", fmt_num),
     _Col("J/token", "j_per_token", fmt_num),
+    _Col("MFU", "mfu", fmt_mfu),
     _Col("kWh", "energy_kwh", fmt_num),
     _Col("avg W", "avg_power_w", _watts),
     _Col("peak W", "peak_power_w", _watts),
@@ -203,14 +204,17 @@ def is_simulated(run: dict[str, Any]) -> bool:
 
 def runs_table(runs: Sequence[dict[str, Any]]) -> str:
     rows = [[c.fmt(r.get(c.key)) for c in TABLE] for r in runs]
+    # The first column stays the bare run id, so that it can be copied into `report RUN_ID`; marks go on
+    # the status.
+    status = next(i for i, c in enumerate(TABLE) if c.key == "status")
     partial = []
     for row, r in zip(rows, runs, strict=True):
         if is_simulated(r):
-            row[0] += SIMULATED_MARK
+            row[status] += SIMULATED_MARK
         coverage = rank_coverage(r)
         if coverage is not None:
             # A multi-node run seen from one node: its figures are that node's share, not the run's.
-            row[0] += f" ({coverage})"
+            row[status] += f" ({coverage})"
             partial.append(r)
     text = render_table([c.header for c in TABLE], rows, [c.right for c in TABLE])
     if any(is_simulated(r) for r in runs):

@@ -23,6 +23,10 @@ COLLECTOR = "ledger"
 #: Identifies the JSON summary format.
 SUMMARY_SCHEMA = "gpu-energy-exporter/run-summary/1"
 
+#: How long ``/api/v1/runs`` (and so ``runs``, ``top``, ``report RUN_ID``) keeps a finished run, in seconds
+#: (the ledger's default; the demo's banner says it); runs.csv and its JSON summaries keep them for good.
+KEEP_FINISHED_S = 900.0
+
 # ----------------------------------------------------------------------------------------------------
 # the per-run series on /metrics
 

@@ -25,11 +25,13 @@ import signal
 import sys
 import threading
 import time
+import urllib.parse
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import IO, Any
 
 from gpu_energy_exporter.core.config import (
+    DEFAULT_METRICS_PORT,
     FLAGS,
     Config,
     add_exporter_flags,
@@ -37,6 +39,7 @@ from gpu_energy_exporter.core.config import (
     parse_duration,
 )
 from gpu_energy_exporter.core.errors import ConfigError, ExporterError
+from gpu_energy_exporter.core.runs_schema import KEEP_FINISHED_S
 from gpu_energy_exporter.http.listen import client_url
 
 log = logging.getLogger(__name__)
@@ -281,9 +284,18 @@ def training_helper_missing() -> str | None:
     return None
 
 
+def _url_flag(web_url: str) -> str:
+    """`` --url URL`` when the commands' default (http://localhost:9863) would not reach the demo, else "":
+    localhost resolves to ::1 and 127.0.0.1 and the client tries both, so any loopback or wildcard listener
+    on the default port is reached without it."""
+    parts = urllib.parse.urlsplit(web_url)
+    loopback = parts.hostname in ("localhost", "127.0.0.1", "::1", "0.0.0.0", "::")
+    return "" if loopback and parts.port == DEFAULT_METRICS_PORT else f" --url {web_url}"
+
+
 def next_steps(web_url: str, otlp_url: str, telemetry_path: str, opts: DemoOptions, runs_csv: str | None,
                gpus: int) -> str:
-    top_url = "" if web_url.endswith(":9863") and "127.0.0.1" in web_url else f" --url {web_url}"
+    url = _url_flag(web_url)
     lines = [
         "",
         f"  {SIMULATED_BANNER}.",
@@ -297,15 +309,20 @@ def next_steps(web_url: str, otlp_url: str, telemetry_path: str, opts: DemoOptio
         "  next, in another terminal:",
     ]
     commands = [
-        (f"gpu-energy-exporter top{top_url}", "live view of GPUs, runs and host RAM"),
-        (f"gpu-energy-exporter runs --url {web_url}",
+        (f"gpu-energy-exporter top{url}", "live view of GPUs, runs and host RAM"),
+        (f"gpu-energy-exporter runs{url}",
          f"the run ledger (first run done in ~{opts.pause + opts.run_duration:.0f}s)"),
-        (f"gpu-energy-exporter report --url {web_url} RUN_ID", "a report with plots for one run"),
+        (f"gpu-energy-exporter report{url} RUN_ID", "a report with plots for one run (RUN_ID: first column of runs)"),
     ]
     width = max(len(c) for c, _ in commands)
     lines += [f"    {c.ljust(width)}   {what}" for c, what in commands]
+    keep = f"{KEEP_FINISHED_S / 60:g} minutes"
     if runs_csv is None:
-        lines.append("  add --runs.csv=demo-runs.csv to keep finished runs on disk (CSV + JSON summaries)")
+        lines.append(f"  finished runs stay in `runs` and `report` for {keep}; add --runs.csv=demo-runs.csv to keep "
+                     "them on disk (CSV + JSON summaries)")
+    else:
+        lines.append(f"  finished runs stay in `runs --url` and `report` for {keep}, and in {runs_csv} for good "
+                     f"(`runs --csv {runs_csv}`, `report` on its JSON summaries)")
     lines += ["  Ctrl-C stops the demo.", ""]
     return "\n".join(lines) + "\n"
 

@@ -33,7 +33,7 @@ from typing import Any
 
 from prometheus_client.core import Metric
 
-from gpu_energy_exporter.core.runs_schema import SUMMARY_SCHEMA
+from gpu_energy_exporter.core.runs_schema import KEEP_FINISHED_S, SUMMARY_SCHEMA
 from gpu_energy_exporter.core.state import Snapshot
 from gpu_energy_exporter.ledger import accounting, files, runs, specs
 from gpu_energy_exporter.ledger.files import append_csv_row, iso_utc
@@ -67,7 +67,7 @@ class RunLedger:
         clock: Callable[[], float] = time.time,
         *,
         timeline_points: int = 2000,
-        keep_finished_s: float = 900.0,
+        keep_finished_s: float = KEEP_FINISHED_S,
         max_finished_runs: int = 100,
         max_active_runs: int = 256,
         late_window_s: float = 120.0,

@@ -97,7 +97,8 @@ examples:
     parser.add_argument("--since", default="7d", metavar="DURATION",
                         help="with --prometheus: how far back to look for the runs (default: 7d)")
     parser.add_argument("--out", default=None, metavar="DIR",
-                        help="output directory (default: report-<run id> or report-comparison-<time>)")
+                        help="output directory (default: report-<run id> or report-comparison-<time> in the "
+                             "current directory; the command prints where it wrote)")
     return parser
 
 
@@ -139,6 +140,11 @@ def main(argv: list[str], *, stderr: IO[str] | None = None, stdout: IO[str] | No
                 runs.append(load_from_exporter(client, item))
         out_dir = args.out or ("report-" + safe_name(runs[0].run_id) if len(runs) == 1
                                else time.strftime("report-comparison-%Y%m%d-%H%M%S"))
+        # Said before the plots are drawn, as an absolute path: the default is the current directory,
+        # which is not always where the user thinks they are.
+        out_dir = os.path.abspath(out_dir)
+        where = "" if args.out else " (the current directory; --out DIR to choose)"
+        progress(f"writing into {out_dir}{os.sep}{where}")
         paths = write_report(runs, out_dir, progress)
     except (ReportError, ExporterUnreachable) as exc:
         print(f"gpu-energy-exporter report: error: {exc}", file=err)

@@ -16,7 +16,13 @@ from typing import Any
 
 from gpu_energy_exporter.client.fmt import GIB
 from gpu_energy_exporter.client.report.run import ReportError, RunData, num
-from gpu_energy_exporter.client.report.series import energy_per_step, loss_vs_energy, rate_window, tokens_per_second
+from gpu_energy_exporter.client.report.series import (
+    energy_per_step,
+    loss_vs_energy,
+    rate_window,
+    tokens_per_second,
+    vram_per_gpu,
+)
 
 #: Size of every plot, in pixels (inches x DPI): tests check it.
 PLOT_SIZE_IN = (10.0, 4.0)
@@ -162,11 +168,19 @@ def plot_run(run: RunData, out_dir: str, plt: Any) -> dict[str, str]:
     has_vram = any(v is not None for v in run.vram_bytes)
     has_host = any(v is not None for v in run.host_available_bytes)
     if has_vram:
-        ax.plot(x, [math.nan if v is None else v / GIB for v in run.vram_bytes], lw=1.4, color="#7570b3",
-                label="VRAM used, the run's GPUs (GiB)")
+        # Per GPU throughout, like the report's table: the mean over the run's GPUs, the peak on any one
+        # GPU, and one GPU's total (a sum over GPUs drawn against one GPU's total stood above "total").
+        per_gpu = "per GPU" if len(run.gpus) <= 1 else f"per GPU (mean of {len(run.gpus)})"
+        ax.plot(x, [math.nan if v is None else v / GIB for v in vram_per_gpu(run)], lw=1.4, color="#7570b3",
+                label=f"VRAM used {per_gpu} (GiB)")
+        vram_peak = num(run.summary.get("vram_peak_bytes"))
+        if vram_peak:
+            ax.axhline(vram_peak / GIB, color="#7570b3", ls="--", lw=1,
+                       label=f"VRAM peak, one GPU {vram_peak / GIB:.1f} GiB")
         vram_total = num(run.summary.get("vram_total_bytes"))
         if vram_total:
-            ax.axhline(vram_total / GIB, color="#7570b3", ls=":", lw=1, label=f"VRAM total {vram_total / GIB:.0f} GiB")
+            ax.axhline(vram_total / GIB, color="#7570b3", ls=":", lw=1,
+                       label=f"VRAM total, one GPU {vram_total / GIB:.0f} GiB")
     if has_host:
         ax.plot(x, [math.nan if v is None else v / GIB for v in run.host_available_bytes], lw=1.4,
                 color="#e7298a", label="host RAM available (GiB)")

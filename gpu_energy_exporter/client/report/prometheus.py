@@ -293,7 +293,7 @@ _LEDGER_SPECS = {
     "energy_j": "RUN_ENERGY", "tokens": "RUN_TOKENS", "steps": "RUN_STEPS", "tokens_per_s": "RUN_TOKENS_PER_SECOND",
     "j_per_token": "RUN_JOULES_PER_TOKEN", "avg_power_w": "RUN_AVERAGE_POWER", "peak_power_w": "RUN_PEAK_POWER",
     "vram_peak_bytes": "RUN_MEMORY_PEAK", "co2_g": "RUN_CO2", "duration_s": "RUN_DURATION",
-    "dynamic_energy_j": "RUN_DYNAMIC_ENERGY",
+    "dynamic_energy_j": "RUN_DYNAMIC_ENERGY", "mfu": "RUN_MFU",
 }
 
 

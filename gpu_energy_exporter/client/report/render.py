@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from gpu_energy_exporter import __version__
-from gpu_energy_exporter.client.fmt import GIB, fmt_co2, fmt_duration, rank_coverage
+from gpu_energy_exporter.client.fmt import GIB, fmt_co2, fmt_duration, fmt_mfu, rank_coverage
 from gpu_energy_exporter.client.report.plots import COMPARISON_PLOTS, PLOTS
 from gpu_energy_exporter.client.report.run import RunData, num
 from gpu_energy_exporter.core.textfmt import fmt_num
@@ -73,6 +73,7 @@ def summary_rows(run: RunData) -> list[tuple[str, str]]:
         ("CO2", co2),
         ("tokens", f"{n['tokens']:,.0f}" if n.get("tokens") is not None else "-"),
         ("tokens/s" + window, fmt_num(n.get("tokens_per_s"))),
+        ("MFU" + window, fmt_mfu(n.get("mfu"))),
         ("duration", fmt_duration(n.get("duration_s"))),
         ("steps", (f"{n['steps']:,.0f}" if n.get("steps") is not None else "-")
          + (f" of {n['total_steps']:,.0f} planned" if n.get("total_steps") else "")),
@@ -119,6 +120,7 @@ _COMPARE: tuple[tuple[str, str, Callable[[Any], str]], ...] = (
     ("j_per_token", "J/token", lambda v: fmt_num(num(v))),
     ("energy_per_10k_tokens_j", "energy per 10k tokens", lambda v: fmt_energy(num(v))),
     ("tokens_per_s", "tokens/s", lambda v: fmt_num(num(v))),
+    ("mfu", "MFU", lambda v: fmt_mfu(num(v))),
     ("co2_g", "CO2", lambda v: fmt_co2(num(v))),
     ("vram_peak_bytes", "VRAM peak", lambda v: _bytes(num(v))),
     ("duration_s", "duration", lambda v: fmt_duration(num(v))),

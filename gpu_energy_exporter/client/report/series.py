@@ -23,6 +23,14 @@ def change_points(t: Sequence[float], values: Sequence[float | None]) -> list[tu
     return out
 
 
+def vram_per_gpu(run: RunData) -> list[float | None]:
+    """GPU memory used per GPU at each timeline point (bytes): the timeline holds the sum over the run's
+    GPUs, and the report's other memory figures (the ledger's VRAM peak and average, ``vram_total_bytes``)
+    are per GPU, so the plot divides by the number of GPUs rather than set a sum against one GPU's total."""
+    n = max(1, len(run.gpus))
+    return [None if v is None else v / n for v in run.vram_bytes]
+
+
 def rate_window(run: RunData) -> float:
     """Seconds over which rates are averaged: counters move only when an export arrives and snapshots come
     every second, so shorter windows show the two clocks beating against each other, not the run."""

@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from gpu_energy_exporter.client.fmt import fmt_co2, fmt_duration, fmt_gib, rank_coverage
+from gpu_energy_exporter.client.fmt import fmt_co2, fmt_duration, fmt_gib, fmt_mfu, rank_coverage
 from gpu_energy_exporter.core.textfmt import fmt_num
 
 
@@ -280,6 +280,8 @@ def _run_lines(runs: list[dict[str, Any]], width: int, max_finished: int = 3) ->
         coverage = rank_coverage(r)
         if coverage is not None:
             about.append(f"{coverage}: figures cover those ranks only")
+        if isinstance(r.get("mfu"), (int, float)):
+            about.append(f"MFU {fmt_mfu(r['mfu'])}")
         if "shorter than the warm-up" in (r.get("ledger_notes") or ""):
             about.append("in warm-up: J/token and tok/s cover the run so far")
         if about:
