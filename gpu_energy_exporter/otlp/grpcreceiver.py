@@ -1,0 +1,485 @@
+"""The OTLP/gRPC metrics receiver: ``opentelemetry.proto.collector.metrics.v1.MetricsService/Export`` on
+``--otlp.grpc.listen-address`` (port 4317, what the Collector's ``otlp`` exporter and SDKs configured with
+``OTEL_EXPORTER_OTLP_PROTOCOL=grpc`` push to).
+
+A call's message goes through the function an OTLP/HTTP body goes through (``ExportHandler.store_body``):
+the same store, ledger, ``--otlp.*`` limits and ``partial_success`` answers. What gRPC changes is the
+transport and the codes (OTLP specification, "OTLP/gRPC Response"):
+
+- ``INVALID_ARGUMENT``: the message is not an ``ExportMetricsServiceRequest`` (the HTTP receiver's 400
+  message), or the call carried no message. Not retryable, as the spec says.
+- ``UNAUTHENTICATED``: ``--otlp.bearer-token-file`` is set and the ``authorization`` metadata does not carry
+  ``Bearer <token>``.
+- ``RESOURCE_EXHAUSTED``: the message is over ``--otlp.max-body-bytes``, as sent or after gzip; gRPC itself
+  refuses it and stops inflating at the limit, so a gzip bomb costs at most that much.
+- ``DEADLINE_EXCEEDED``: the message did not arrive within ``--web.request-timeout`` of the call's start.
+- ``UNAVAILABLE``: a call still receiving its message after ``EVICT_AFTER`` seconds was cut to let a waiting
+  call in (retryable: a genuine client sends again).
+
+Bounds (memory and connections): at most ``SLOTS`` calls receive or are handled at once, so at most that
+many messages of ``--otlp.max-body-bytes`` are in memory (the HTTP port holds four bodies' worth too); other
+calls wait, holding no message (gRPC grants a call without a pending read one flow-control window, 64 KiB,
+with BDP probing off). A call waits and receives within ``--web.request-timeout``. When every slot is taken
+and a call waits, the call that has been receiving longest, for over ``EVICT_AFTER``, is cut, so a flood of
+slow senders cannot hold the port. At most ``--web.max-connections`` connections, ``STREAMS_PER_CONNECTION``
+calls on each, ``--web.max-connections`` calls in all (``RESOURCE_EXHAUSTED`` beyond); a connection with
+no call for ``IDLE_TIMEOUT`` seconds is closed (GOAWAY: a client reconnects on its next export), and one
+must finish its TLS and HTTP/2 handshake within ``HANDSHAKE_TIMEOUT``.
+
+TLS: ``--web.config.file``'s ``tls_server_config`` (certificate, key, client CA; reloaded when the files
+change, on the next connection). Settings grpcio cannot enforce (``client_allowed_sans``, TLS versions other
+than 1.2 to 1.3, ``cipher_suites``) stop the exporter at start-up with a message, rather than serve weaker
+than the file says. Basic auth and ``rate_limit`` in that file are HTTP-only: the bearer token is OTLP's.
+
+Threads: one ``otlp-grpc`` thread runs an asyncio loop with a ``grpc.aio`` server; messages up to
+``receiver.INLINE_MAX_BODY`` are stored on it (a rank's export costs less than a hand-off), larger ones on a
+small pool. ``grpc`` is imported only when the receiver is built (``bind``): an exporter with
+``--otlp.grpc.listen-address=`` never loads it. This module never decodes OTLP itself, never touches the
+store except through ``ExportHandler``, and never lets a call crash the server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from prometheus_client.core import Metric
+
+from gpu_energy_exporter.core import metrics
+from gpu_energy_exporter.core.errors import ConfigError
+from gpu_energy_exporter.http.listen import bind as probe_bind
+from gpu_energy_exporter.otlp.receiver import INLINE_MAX_BODY, PROTOBUF, ExportFailure, ExportHandler
+from gpu_energy_exporter.otlp.selfmetrics import COLLECTOR
+
+if TYPE_CHECKING:
+    import grpc
+    from grpc import aio
+
+    from gpu_energy_exporter.http.tls import TLSServerConfig
+
+log = logging.getLogger(__name__)
+
+SERVICE = "opentelemetry.proto.collector.metrics.v1.MetricsService"
+METHOD = "Export"
+
+#: Calls receiving or being handled at once (each may hold one message of --otlp.max-body-bytes).
+SLOTS = 4
+#: A call still receiving its message after this long is cut when another call waits for its slot.
+EVICT_AFTER = 1.0
+STREAMS_PER_CONNECTION = 8
+IDLE_TIMEOUT = 60.0
+HANDSHAKE_TIMEOUT = 10.0
+#: Threads that store messages larger than ``INLINE_MAX_BODY`` (off the loop, so small calls go on).
+WORKERS = 2
+
+#: Every outcome, initialised at zero (gRPC status code names).
+CODES: tuple[str, ...] = ("OK", "INVALID_ARGUMENT", "UNAUTHENTICATED", "RESOURCE_EXHAUSTED",
+                          "DEADLINE_EXCEEDED", "UNAVAILABLE", "CANCELLED", "INTERNAL")
+
+GRPC_REQUESTS = metrics.define(
+    "otlp", "grpc_requests_total", "counter",
+    "OTLP/gRPC export calls handled by the receiver, by gRPC status code (RESOURCE_EXHAUSTED: the message "
+    "was over --otlp.max-body-bytes; CANCELLED: the client gave up).",
+    ("code",), collector=COLLECTOR)
+GRPC_REQUEST_DURATION = metrics.define(
+    "otlp", "grpc_request_duration_seconds_total", "counter",
+    "Time spent in OTLP/gRPC export calls, waiting for and receiving the message included.",
+    collector=COLLECTOR, unit="seconds")
+
+
+class _Refused(Exception):
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+class _Call:
+    """One call: when it started receiving (holding a slot), the event that cuts it, and the code to count
+    if its task is cancelled."""
+
+    __slots__ = ("receiving_since", "evict", "cancel_code")
+
+    def __init__(self) -> None:
+        self.receiving_since: float | None = None
+        self.evict = asyncio.Event()
+        self.cancel_code = "CANCELLED"
+
+
+class _Slots:
+    """``SLOTS`` calls at once; waiting calls cut the slowest receiver (loop thread only, no lock)."""
+
+    def __init__(self, n: int, clock: Callable[[], float]) -> None:
+        self._n = n
+        self._clock = clock
+        self._holders: list[_Call] = []
+        self._changed = asyncio.Condition()
+
+    def _evict_slowest(self) -> None:
+        receiving = [c for c in self._holders if c.receiving_since is not None and not c.evict.is_set()]
+        if receiving:
+            oldest = min(receiving, key=lambda c: c.receiving_since or 0.0)
+            if self._clock() - (oldest.receiving_since or 0.0) > EVICT_AFTER:
+                oldest.evict.set()
+
+    async def acquire(self, call: _Call, deadline: float) -> None:
+        async with self._changed:
+            while len(self._holders) >= self._n:
+                self._evict_slowest()
+                remaining = deadline - self._clock()
+                if remaining <= 0:
+                    raise _Refused("DEADLINE_EXCEEDED", "the receiver was busy for the whole of "
+                                   "--web.request-timeout; try again")
+                try:
+                    # woken by a release, or soon enough to cut a receiver that became slow meanwhile
+                    await asyncio.wait_for(self._changed.wait(), min(remaining, EVICT_AFTER))
+                except asyncio.TimeoutError:
+                    pass
+            self._holders.append(call)
+
+    async def release(self, call: _Call) -> None:
+        async with self._changed:
+            self._holders.remove(call)
+            self._changed.notify()
+
+
+class GRPCReceiver:
+    """``MetricsService/Export`` on its own port, storing through ``handler`` (the OTLP/HTTP receiver's).
+
+    ``bind()`` imports grpc, binds the port (``ConfigError`` naming the address when it cannot) and starts the
+    ``otlp-grpc`` thread; ``start()`` starts serving; ``shutdown()`` stops both. ``collect()`` and
+    ``version()`` are the self-metrics for ``/metrics``.
+    """
+
+    def __init__(
+        self,
+        address: tuple[str, int],
+        handler: ExportHandler,
+        *,
+        tls: TLSServerConfig | None = None,
+        max_connections: int = 256,
+        request_timeout: float = 30.0,
+        slots: int = SLOTS,
+    ) -> None:
+        self.address = address
+        self.handler = handler
+        self.tls = tls
+        self.max_connections = max_connections
+        self.request_timeout = request_timeout
+        self.slots = slots
+        if tls is not None:
+            _TLSCredentials.check(tls)  # at construction, as every other setting: nothing has started yet
+        self._lock = threading.Lock()
+        self._counts: dict[str, float] = dict.fromkeys(CODES, 0.0)
+        self._seconds = 0.0
+        self._version = 0
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._server: aio.Server | None = None
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self._slots: _Slots | None = None
+        self.port = 0
+
+    # ------------------------------------------------------------------------------------------------
+    # self-metrics
+
+    def _record(self, code: str, seconds: float) -> None:
+        with self._lock:
+            self._counts[code] = self._counts.get(code, 0.0) + 1
+            self._seconds += seconds
+            self._version += 1
+
+    def version(self) -> int:
+        return self._version
+
+    def collect(self) -> list[Metric]:
+        with self._lock:
+            counts, seconds = dict(self._counts), self._seconds
+        requests = GRPC_REQUESTS.family()
+        for code, n in sorted(counts.items()):
+            metrics.add(requests, (code,), n)
+        duration = GRPC_REQUEST_DURATION.family()
+        metrics.add(duration, (), seconds)
+        return [requests, duration]
+
+    def counts(self) -> dict[str, float]:
+        """Calls by gRPC code so far (a copy)."""
+        with self._lock:
+            return dict(self._counts)
+
+    # ------------------------------------------------------------------------------------------------
+    # the call
+
+    async def _export(self, requests: Any, context: aio.ServicerContext) -> bytes:
+        import grpc
+
+        started = time.perf_counter()
+        code, message = "OK", ""
+        call = _Call()
+        try:
+            return await self._serve(context, call)
+        except _Refused as exc:
+            code, message = exc.code, exc.message
+        except asyncio.CancelledError:
+            # the client went away, or gRPC failed the call itself (the message was over the limit: _receive)
+            code = call.cancel_code
+            raise
+        except Exception:
+            log.exception("OTLP/gRPC call handling failed")
+            code, message = "INTERNAL", "internal error while handling the request; see the exporter log"
+        finally:
+            self._record(code, time.perf_counter() - started)
+        await context.abort(getattr(grpc.StatusCode, code), message)
+        raise AssertionError("unreachable: abort raises")  # pragma: no cover
+
+    async def _serve(self, context: aio.ServicerContext, call: _Call) -> bytes:
+        authorization = ""
+        for key, value in context.invocation_metadata() or ():
+            if key == "authorization":
+                authorization = value if isinstance(value, str) else ""
+                break
+        if not self.handler.bearer_ok(authorization):
+            raise _Refused("UNAUTHENTICATED", "missing or wrong bearer token (metadata authorization: Bearer "
+                                              "<token> from --otlp.bearer-token-file)")
+        assert self._slots is not None
+        deadline = time.monotonic() + self.request_timeout
+        await self._slots.acquire(call, deadline)
+        try:
+            data = await self._receive(context, call, deadline)
+            if len(data) <= INLINE_MAX_BODY:
+                return self.handler.store_body(data, PROTOBUF)
+            loop = asyncio.get_running_loop()
+            return await loop.run_in_executor(self._pool, self.handler.store_body, data, PROTOBUF)
+        except ExportFailure as exc:
+            raise _Refused("INVALID_ARGUMENT", exc.message) from None
+        finally:
+            await self._slots.release(call)
+
+    async def _receive(self, context: aio.ServicerContext, call: _Call, deadline: float) -> bytes:
+        from grpc import aio
+
+        call.receiving_since = time.monotonic()
+        read = asyncio.ensure_future(context.read())
+        evicted = asyncio.ensure_future(call.evict.wait())
+        try:
+            done, _ = await asyncio.wait((read, evicted), timeout=max(0.0, deadline - time.monotonic()),
+                                         return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            evicted.cancel()
+            if not read.done():
+                read.cancel()
+        if read not in done:
+            if evicted in done:
+                raise _Refused("UNAVAILABLE", "the message was still arriving after "
+                                              f"{EVICT_AFTER:g}s while other calls waited; send it again")
+            raise _Refused("DEADLINE_EXCEEDED", f"the message did not arrive within {self.request_timeout:g}s "
+                                                "(--web.request-timeout)")
+        data = read.result()
+        if data is aio.EOF:
+            # gRPC ends the read so when it refused the message (over max_receive_message_length, before or
+            # after inflating) and then cancels this task; a client that sent no message gets here too.
+            call.cancel_code = "RESOURCE_EXHAUSTED"
+            await asyncio.sleep(0.05)
+            call.cancel_code = "CANCELLED"
+            raise _Refused("INVALID_ARGUMENT", "the call carried no ExportMetricsServiceRequest message")
+        call.receiving_since = None
+        return bytes(data)
+
+    # ------------------------------------------------------------------------------------------------
+    # the server
+
+    def _options(self) -> list[tuple[str, Any]]:
+        ms = 1000
+        return [
+            ("grpc.max_receive_message_length", self.handler.max_body_bytes),
+            ("grpc.max_send_message_length", 1 << 20),
+            ("grpc.max_allowed_incoming_connections", self.max_connections),
+            ("grpc.max_concurrent_streams", STREAMS_PER_CONNECTION),
+            ("grpc.max_connection_idle_ms", int(IDLE_TIMEOUT * ms)),
+            ("grpc.server_handshake_timeout_ms", int(min(HANDSHAKE_TIMEOUT, self.request_timeout) * ms)),
+            # a waiting call's stream gets one 64 KiB window, not one grown by bandwidth probing
+            ("grpc.http2.bdp_probe", 0),
+            # without it a second exporter binds the same port and the kernel splits the pushes between them
+            ("grpc.so_reuseport", 0),
+        ]
+
+    def _target(self) -> str:
+        host, port = self.address
+        host = host.strip()
+        if host.startswith("[") and host.endswith("]"):
+            host = host[1:-1]
+        if host == "":
+            host = "::"
+        return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+    async def _build(self) -> int:
+        import grpc
+        from grpc import aio
+
+        self._slots = _Slots(self.slots, time.monotonic)
+        server = aio.server(options=self._options(), maximum_concurrent_rpcs=self.max_connections)
+        handler = grpc.method_handlers_generic_handler(
+            SERVICE, {METHOD: grpc.stream_unary_rpc_method_handler(self._export)})
+        server.add_generic_rpc_handlers((handler,))
+        target = self._target()
+        try:
+            if self.tls is not None:
+                port = server.add_secure_port(target, _TLSCredentials(self.tls).credentials())
+            else:
+                port = server.add_insecure_port(target)
+        except RuntimeError:
+            port = 0
+        if not port:
+            raise ConfigError(self._bind_problem())
+        self._server = server
+        return port
+
+    def _bind_problem(self) -> str:
+        # gRPC says only "failed to bind"; binding the address ourselves gives the reason
+        try:
+            probe_bind(self.address).close()
+        except ConfigError as exc:
+            return str(exc)
+        return f"cannot listen on {self._target()} for OTLP/gRPC"
+
+    def bind(self) -> GRPCReceiver:
+        """Import grpc, start the loop thread and bind the port. ``ConfigError`` when it cannot be used."""
+        if self._loop is not None:
+            return self
+        loop = asyncio.new_event_loop()
+        thread = threading.Thread(target=loop.run_forever, name="otlp-grpc", daemon=True)
+        thread.start()
+        self._loop, self._thread = loop, thread
+        self._pool = concurrent.futures.ThreadPoolExecutor(WORKERS, thread_name_prefix="otlp-grpc-worker")
+        try:
+            self.port = asyncio.run_coroutine_threadsafe(self._build(), loop).result()
+        except BaseException:
+            self.shutdown()
+            raise
+        return self
+
+    def start(self) -> GRPCReceiver:
+        self.bind()
+        assert self._loop is not None and self._server is not None
+        asyncio.run_coroutine_threadsafe(self._server.start(), self._loop).result()
+        log.info("otlp-grpc listening on %s (gRPC, TLS %s, bearer token %s, at most %d connections)",
+                 self.url, "on" if self.tls else "off", "on" if self.handler.bearer_required else "off",
+                 self.max_connections)
+        return self
+
+    @property
+    def url(self) -> str:
+        """The endpoint a client on this host gives an OTLP gRPC exporter."""
+        host = self.address[0].strip().strip("[]")
+        if host in ("", "0.0.0.0", "::"):
+            host = "127.0.0.1" if host == "0.0.0.0" else "localhost"
+        if ":" in host:
+            host = f"[{host}]"
+        return f"{'https' if self.tls else 'http'}://{host}:{self.port}"
+
+    def shutdown(self) -> None:
+        loop, server = self._loop, self._server
+        self._server = None
+        if loop is None:
+            return
+        if server is not None:
+            try:
+                asyncio.run_coroutine_threadsafe(server.stop(1.0), loop).result(5.0)
+            except Exception:  # already stopped, or the loop is gone: nothing left to serve
+                log.debug("OTLP/gRPC server stop", exc_info=True)
+        loop.call_soon_threadsafe(loop.stop)
+        if self._thread is not None:
+            self._thread.join(5.0)
+        if self._pool is not None:
+            self._pool.shutdown(wait=False)
+        self._loop = self._thread = self._pool = None
+
+    def __enter__(self) -> GRPCReceiver:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+
+class _TLSCredentials:
+    """``tls_server_config`` as gRPC server credentials, re-read when its files change (checked by gRPC on
+    each new connection)."""
+
+    def __init__(self, tls: TLSServerConfig) -> None:
+        self.tls = tls
+        self._stamp = self._files_stamp()
+
+    @staticmethod
+    def check(tls: TLSServerConfig) -> None:
+        """``ConfigError`` for what the gRPC port cannot enforce, and for files ``ssl`` cannot load."""
+        where = "--web.config.file tls_server_config"
+        off = "or turn the OTLP/gRPC receiver off with --otlp.grpc.listen-address=''"
+        if tls.client_allowed_sans:
+            raise ConfigError(f"{where}: client_allowed_sans cannot be checked on the OTLP/gRPC port (grpcio has "
+                              f"no such check); remove it {off}")
+        if tls.min_version not in ("TLS12", "TLS10", "TLS11") or tls.max_version != "TLS13":
+            raise ConfigError(f"{where}: the OTLP/gRPC port serves TLS 1.2 and 1.3 and cannot be limited to "
+                              f"{tls.min_version}..{tls.max_version}; remove min_version/max_version {off}")
+        if tls.cipher_suites:
+            raise ConfigError(f"{where}: cipher_suites cannot be chosen on the OTLP/gRPC port (grpcio uses its "
+                              f"own list of modern suites); remove it {off}")
+        tls.build_context()  # the same checks and messages as the metrics port
+
+    def _files_stamp(self) -> tuple[tuple[str, float, int], ...]:
+        out = []
+        for path in self.tls.files():
+            try:
+                st = os.stat(path)
+                out.append((path, st.st_mtime, st.st_size))
+            except OSError:
+                out.append((path, 0.0, -1))
+        return tuple(out)
+
+    @staticmethod
+    def _read(inline: str | None, path: str | None) -> bytes | None:
+        if inline:
+            return inline.encode()
+        if path:
+            with open(path, "rb") as f:
+                return f.read()
+        return None
+
+    def _configuration(self) -> Any:
+        import grpc
+
+        tls = self.tls
+        key, cert = self._read(tls.key, tls.key_file), self._read(tls.cert, tls.cert_file)
+        assert key is not None and cert is not None
+        ca = self._read(tls.client_ca, tls.client_ca_file) if self._require_client() else None
+        return grpc.ssl_server_certificate_configuration([(key, cert)], root_certificates=ca)
+
+    def _require_client(self) -> bool:
+        # VerifyClientCertIfGiven: grpcio cannot ask for an optional certificate; such clients are served as
+        # with NoClientCert (which that setting lets in anyway).
+        return self.tls.client_auth_type in ("RequireAnyClientCert", "RequireAndVerifyClientCert")
+
+    def _fetch(self) -> Any:
+        stamp = self._files_stamp()
+        if stamp == self._stamp:
+            return None
+        try:
+            self.tls.build_context()
+            configuration = self._configuration()
+        except (ConfigError, OSError) as exc:
+            log.warning("OTLP/gRPC: keeping the previous TLS certificate: %s", exc)
+            return None
+        self._stamp = stamp
+        log.info("OTLP/gRPC: TLS certificate files changed, reloaded")
+        return configuration
+
+    def credentials(self) -> grpc.ServerCredentials:
+        import grpc
+
+        return grpc.dynamic_ssl_server_credentials(
+            self._configuration(), self._fetch, require_client_authentication=self._require_client())
