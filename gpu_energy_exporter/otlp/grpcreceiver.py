@@ -11,7 +11,8 @@ transport and the codes (OTLP specification, "OTLP/gRPC Response"):
 - ``UNAUTHENTICATED``: ``--otlp.bearer-token-file`` is set and the ``authorization`` metadata does not carry
   ``Bearer <token>``.
 - ``RESOURCE_EXHAUSTED``: the message is over ``--otlp.max-body-bytes``, as sent or after gzip; gRPC itself
-  refuses it and stops inflating at the limit, so a gzip bomb costs at most that much.
+  refuses it and stops inflating at the limit, so a gzip bomb costs at most that much. The receiver sees only
+  a call cancelled before its message (counted ``CANCELLED``, as a client that gave up).
 - ``DEADLINE_EXCEEDED``: the message did not arrive within ``--web.request-timeout`` of the call's start.
 - ``UNAVAILABLE``: a call still receiving its message after ``EVICT_AFTER`` seconds was cut to let a waiting
   call in (retryable: a genuine client sends again).
@@ -79,18 +80,24 @@ HANDSHAKE_TIMEOUT = 10.0
 WORKERS = 2
 
 #: Every outcome, initialised at zero (gRPC status code names).
-CODES: tuple[str, ...] = ("OK", "INVALID_ARGUMENT", "UNAUTHENTICATED", "RESOURCE_EXHAUSTED",
-                          "DEADLINE_EXCEEDED", "UNAVAILABLE", "CANCELLED", "INTERNAL")
+#: (RESOURCE_EXHAUSTED is not among them: gRPC answers it itself, before the receiver sees the message.)
+CODES: tuple[str, ...] = ("OK", "INVALID_ARGUMENT", "UNAUTHENTICATED", "DEADLINE_EXCEEDED", "UNAVAILABLE",
+                          "CANCELLED", "INTERNAL")
 
 GRPC_REQUESTS = metrics.define(
     "otlp", "grpc_requests_total", "counter",
-    "OTLP/gRPC export calls handled by the receiver, by gRPC status code (RESOURCE_EXHAUSTED: the message "
-    "was over --otlp.max-body-bytes; CANCELLED: the client gave up).",
+    "OTLP/gRPC export calls handled by the receiver, by gRPC status code. CANCELLED: the call ended before its "
+    "message was read (the client cancelled, or the message was over --otlp.max-body-bytes, which gRPC "
+    "answers RESOURCE_EXHAUSTED itself).",
     ("code",), collector=COLLECTOR)
 GRPC_REQUEST_DURATION = metrics.define(
     "otlp", "grpc_request_duration_seconds_total", "counter",
     "Time spent in OTLP/gRPC export calls, waiting for and receiving the message included.",
     collector=COLLECTOR, unit="seconds")
+GRPC_CALLS = metrics.define(
+    "otlp", "grpc_calls_in_flight", "gauge",
+    f"OTLP/gRPC export calls open now: receiving or being handled (at most {SLOTS} at once) or waiting for that.",
+    collector=COLLECTOR)
 
 
 class _Refused(Exception):
@@ -101,15 +108,13 @@ class _Refused(Exception):
 
 
 class _Call:
-    """One call: when it started receiving (holding a slot), the event that cuts it, and the code to count
-    if its task is cancelled."""
+    """One call: when it started receiving (holding a slot), and the event that cuts it."""
 
-    __slots__ = ("receiving_since", "evict", "cancel_code")
+    __slots__ = ("receiving_since", "evict")
 
     def __init__(self) -> None:
         self.receiving_since: float | None = None
         self.evict = asyncio.Event()
-        self.cancel_code = "CANCELLED"
 
 
 class _Slots:
@@ -178,6 +183,7 @@ class GRPCReceiver:
         self._lock = threading.Lock()
         self._counts: dict[str, float] = dict.fromkeys(CODES, 0.0)
         self._seconds = 0.0
+        self._in_flight = 0
         self._version = 0
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
@@ -189,10 +195,16 @@ class GRPCReceiver:
     # ------------------------------------------------------------------------------------------------
     # self-metrics
 
+    def _opened(self) -> None:
+        with self._lock:
+            self._in_flight += 1
+            self._version += 1
+
     def _record(self, code: str, seconds: float) -> None:
         with self._lock:
             self._counts[code] = self._counts.get(code, 0.0) + 1
             self._seconds += seconds
+            self._in_flight -= 1
             self._version += 1
 
     def version(self) -> int:
@@ -200,13 +212,15 @@ class GRPCReceiver:
 
     def collect(self) -> list[Metric]:
         with self._lock:
-            counts, seconds = dict(self._counts), self._seconds
+            counts, seconds, in_flight = dict(self._counts), self._seconds, self._in_flight
         requests = GRPC_REQUESTS.family()
         for code, n in sorted(counts.items()):
             metrics.add(requests, (code,), n)
         duration = GRPC_REQUEST_DURATION.family()
         metrics.add(duration, (), seconds)
-        return [requests, duration]
+        calls = GRPC_CALLS.family()
+        metrics.add(calls, (), in_flight)
+        return [requests, duration, calls]
 
     def counts(self) -> dict[str, float]:
         """Calls by gRPC code so far (a copy)."""
@@ -222,13 +236,14 @@ class GRPCReceiver:
         started = time.perf_counter()
         code, message = "OK", ""
         call = _Call()
+        self._opened()
         try:
             return await self._serve(context, call)
         except _Refused as exc:
             code, message = exc.code, exc.message
         except asyncio.CancelledError:
             # the client went away, or gRPC failed the call itself (the message was over the limit: _receive)
-            code = call.cancel_code
+            code = "CANCELLED"
             raise
         except Exception:
             log.exception("OTLP/gRPC call handling failed")
@@ -283,10 +298,9 @@ class GRPCReceiver:
         data = read.result()
         if data is aio.EOF:
             # gRPC ends the read so when it refused the message (over max_receive_message_length, before or
-            # after inflating) and then cancels this task; a client that sent no message gets here too.
-            call.cancel_code = "RESOURCE_EXHAUSTED"
+            # after inflating: RESOURCE_EXHAUSTED to the client) or the client cancelled, and then cancels this
+            # task: given a moment, it is counted CANCELLED, not as a call with no message, which gets here too.
             await asyncio.sleep(0.05)
-            call.cancel_code = "CANCELLED"
             raise _Refused("INVALID_ARGUMENT", "the call carried no ExportMetricsServiceRequest message")
         call.receiving_since = None
         return bytes(data)
