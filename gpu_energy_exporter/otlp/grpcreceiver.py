@@ -107,50 +107,66 @@ class _Refused(Exception):
 
 
 class _Call:
-    """One call: when it started receiving (holding a slot), and the event that cuts it."""
+    """One call: when it started receiving (holding a slot), its pending read, and why that read was cut."""
 
-    __slots__ = ("receiving_since", "evict")
+    __slots__ = ("receiving_since", "read", "cut")
 
     def __init__(self) -> None:
         self.receiving_since: float | None = None
-        self.evict = asyncio.Event()
+        self.read: asyncio.Future[Any] | None = None
+        self.cut = ""  # the code the read was cut with (UNAVAILABLE, DEADLINE_EXCEEDED)
+
+    def stop(self, code: str) -> None:
+        if self.read is not None and not self.read.done() and not self.cut:
+            self.cut = code
+            self.read.cancel()
 
 
 class _Slots:
-    """``SLOTS`` calls at once; waiting calls cut the slowest receiver (loop thread only, no lock)."""
+    """``SLOTS`` calls at once; waiting calls cut the slowest receiver (loop thread only, no lock: nothing
+    awaits between a check and what it decides)."""
 
     def __init__(self, n: int, clock: Callable[[], float]) -> None:
         self._n = n
         self._clock = clock
         self._holders: list[_Call] = []
+        self._waiting = 0
         self._changed = asyncio.Condition()
 
     def _evict_slowest(self) -> None:
-        receiving = [c for c in self._holders if c.receiving_since is not None and not c.evict.is_set()]
+        receiving = [c for c in self._holders if c.receiving_since is not None and not c.cut]
         if receiving:
             oldest = min(receiving, key=lambda c: c.receiving_since or 0.0)
             if self._clock() - (oldest.receiving_since or 0.0) > EVICT_AFTER:
-                oldest.evict.set()
+                oldest.stop("UNAVAILABLE")
 
     async def acquire(self, call: _Call, deadline: float) -> None:
-        async with self._changed:
-            while len(self._holders) >= self._n:
-                self._evict_slowest()
-                remaining = deadline - self._clock()
-                if remaining <= 0:
-                    raise _Refused("DEADLINE_EXCEEDED", "the receiver was busy for the whole of "
-                                   "--web.request-timeout; try again")
-                try:
-                    # woken by a release, or soon enough to cut a receiver that became slow meanwhile
-                    await asyncio.wait_for(self._changed.wait(), min(remaining, EVICT_AFTER))
-                except asyncio.TimeoutError:
-                    pass
-            self._holders.append(call)
+        if len(self._holders) < self._n and not self._waiting:
+            self._holders.append(call)  # the common case: a free slot, no one ahead
+            return
+        self._waiting += 1
+        try:
+            async with self._changed:
+                while len(self._holders) >= self._n:
+                    self._evict_slowest()
+                    remaining = deadline - self._clock()
+                    if remaining <= 0:
+                        raise _Refused("DEADLINE_EXCEEDED", "the receiver was busy for the whole of "
+                                       "--web.request-timeout; try again")
+                    try:
+                        # woken by a release, or soon enough to cut a receiver that became slow meanwhile
+                        await asyncio.wait_for(self._changed.wait(), min(remaining, EVICT_AFTER))
+                    except asyncio.TimeoutError:
+                        pass
+                self._holders.append(call)
+        finally:
+            self._waiting -= 1
 
     async def release(self, call: _Call) -> None:
-        async with self._changed:
-            self._holders.remove(call)
-            self._changed.notify()
+        self._holders.remove(call)
+        if self._waiting:
+            async with self._changed:
+                self._changed.notify()
 
 
 class GRPCReceiver:
@@ -278,30 +294,30 @@ class GRPCReceiver:
     async def _receive(self, context: aio.ServicerContext, call: _Call, deadline: float) -> bytes:
         from grpc import aio
 
+        loop = asyncio.get_running_loop()
         call.receiving_since = time.monotonic()
-        read = asyncio.ensure_future(context.read())
-        evicted = asyncio.ensure_future(call.evict.wait())
+        call.read = asyncio.ensure_future(context.read())
+        timer = loop.call_at(loop.time() + max(0.0, deadline - time.monotonic()), call.stop, "DEADLINE_EXCEEDED")
         try:
-            done, _ = await asyncio.wait((read, evicted), timeout=max(0.0, deadline - time.monotonic()),
-                                         return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            evicted.cancel()
-            if not read.done():
-                read.cancel()
-        if read not in done:
-            if evicted in done:
+            data = await call.read
+        except asyncio.CancelledError:
+            if call.cut == "UNAVAILABLE":
                 raise _Refused("UNAVAILABLE", "the message was still arriving after "
-                                              f"{EVICT_AFTER:g}s while other calls waited; send it again")
-            raise _Refused("DEADLINE_EXCEEDED", f"the message did not arrive within {self.request_timeout:g}s "
-                                                "(--web.request-timeout)")
-        data = read.result()
+                                              f"{EVICT_AFTER:g}s while other calls waited; send it again") from None
+            if call.cut == "DEADLINE_EXCEEDED":
+                raise _Refused("DEADLINE_EXCEEDED", f"the message did not arrive within {self.request_timeout:g}s "
+                                                    "(--web.request-timeout)") from None
+            raise  # this call's own task: the client went away, or gRPC ended the call
+        finally:
+            timer.cancel()
+            call.read.cancel()
+            call.receiving_since = None
         if data is aio.EOF:
             # gRPC ends the read so when it refused the message (over max_receive_message_length, before or
             # after inflating: RESOURCE_EXHAUSTED to the client) or the client cancelled, and then cancels this
             # task: given a moment, it is counted CANCELLED, not as a call with no message, which gets here too.
             await asyncio.sleep(0.05)
             raise _Refused("INVALID_ARGUMENT", "the call carried no ExportMetricsServiceRequest message")
-        call.receiving_since = None
         return bytes(data)
 
     # ------------------------------------------------------------------------------------------------
