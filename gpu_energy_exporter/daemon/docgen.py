@@ -228,7 +228,9 @@ def _grpc_limits() -> list[str]:
         "  `RESOURCE_EXHAUSTED` (gRPC stops inflating at the limit, so a gzip bomb costs at most that much).",
         f"- **Memory**: at most {g.SLOTS} calls receive or are handled at once, so at most {g.SLOTS} messages of",
         "  `--otlp.max-body-bytes` are held (as the HTTP port's four bodies in flight); other calls wait with one",
-        "  64 KiB flow-control window each. Uncompressed messages up to "
+        "  64 KiB flow-control window each (gRPC's bandwidth probing is off: with it, waiting calls buffer their",
+        "  whole messages). 64 calls of 4 MiB at once raised the peak RSS by about 100 MB (181 MB with probing",
+        "  on). Uncompressed messages up to "
         f"{INLINE_MAX_BODY // 1024} KiB are stored on the receiver's thread, larger ones on {g.WORKERS} workers.",
         "- **Slow clients**: a call must deliver its message within `--web.request-timeout` of its start",
         "  (`DEADLINE_EXCEEDED`); while calls wait for a slot, the call that has been receiving longest, for over",
@@ -237,7 +239,11 @@ def _grpc_limits() -> list[str]:
         "  `--web.max-connections` calls in all (`RESOURCE_EXHAUSTED` beyond); a connection must finish its TLS",
         f"  and HTTP/2 handshake within {g.HANDSHAKE_TIMEOUT:g}s (or `--web.request-timeout` if shorter), and one",
         f"  with no call for {g.IDLE_TIMEOUT:g}s is closed (GOAWAY; a client reconnects for its next export).",
-        "  `SO_REUSEPORT` is off: a second exporter on the same port fails to start instead of sharing it.",
+        "  At the cap a new connection waits (the client retries) until one closes: unlike the HTTP ports, gRPC",
+        "  cannot close the oldest idle connection, so a flood of connections that never finish their handshake",
+        "  holds clients off for up to the handshake timeout (16 s measured for a client behind 4 such sockets",
+        "  at `--web.max-connections=4`). `SO_REUSEPORT` is off: a second exporter on the same port fails to",
+        "  start instead of sharing it.",
         "- **TLS**: from `--web.config.file`'s `tls_server_config` (certificate and key, `client_auth_type` with",
         "  `client_ca_file`), re-read on the next connection after the files change. `RequireAnyClientCert` and",
         "  `RequireAndVerifyClientCert` require a certificate signed by the client CA; `VerifyClientCertIfGiven`",
