@@ -458,3 +458,52 @@ def test_tls_settings_grpc_cannot_enforce_stop_the_exporter(tmp_path: Path) -> N
         assert "--otlp.grpc.listen-address=''" in str(err.value)
         # the same file is fine with the gRPC receiver off
         Exporter(load_config([*args, "--otlp.grpc.listen-address="], {})).ledger.close()
+
+
+# ----------------------------------------------------------------------------------------------------
+# the training helper with OTEL_EXPORTER_OTLP_PROTOCOL=grpc
+
+
+def test_helper_protocol_and_endpoint_from_the_standard_variables(caplog: pytest.LogCaptureFixture) -> None:
+    from gpu_energy_exporter.training.endpoint import GRPC, HTTP_PROTOBUF, resolve_endpoint, resolve_protocol
+
+    assert resolve_protocol({}) == HTTP_PROTOBUF
+    assert resolve_protocol({"OTEL_EXPORTER_OTLP_PROTOCOL": "grpc"}) == GRPC
+    # the per-signal variable wins, as the specification says
+    assert resolve_protocol({"OTEL_EXPORTER_OTLP_PROTOCOL": "grpc",
+                             "OTEL_EXPORTER_OTLP_METRICS_PROTOCOL": "http/protobuf"}) == HTTP_PROTOBUF
+    with caplog.at_level("WARNING", logger="gpu_energy_exporter.training"):
+        assert resolve_protocol({"OTEL_EXPORTER_OTLP_PROTOCOL": "http/json"}) == HTTP_PROTOBUF
+    assert "ignoring OTEL_EXPORTER_OTLP_PROTOCOL='http/json'" in caplog.text
+    assert resolve_endpoint(None, {}, GRPC) == "http://localhost:4317"
+    assert resolve_endpoint(None, {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://node:4317/"}, GRPC) == "http://node:4317"
+    assert resolve_endpoint("node:4317", {}, GRPC) == "http://node:4317"
+    assert resolve_endpoint(None, {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://node:4318"}) == "http://node:4318/v1/metrics"
+
+
+def test_training_helper_pushes_over_grpc_into_the_ledger(
+    start_exporter: type[ExporterProcess], gpu_env: tuple[list[str], dict[str, str], str],
+) -> None:
+    from gpu_energy_exporter.training import start_run
+
+    args, env, uuid = gpu_env
+    exp = start_exporter([*args, GRPC_ON]).wait_ready()
+    run = start_run("helper-grpc", model="tiny", endpoint=exp.grpc_endpoint, export_interval=0.5,
+                    gpu_uuids=[uuid], rank=0, world_size=1, environ={"OTEL_EXPORTER_OTLP_PROTOCOL": "grpc"})
+    for _ in range(20):
+        run.step(tokens=100, samples=2)
+    assert run.flush()
+    run.finish()
+    assert run.dropped_exports == 0
+
+    def tokens() -> float | None:
+        with urllib.request.urlopen(exp.metrics_url + "/api/v1/runs", timeout=10) as r:
+            runs = {d["run_id"]: d for d in json.load(r)["runs"]}
+        doc = runs.get("helper-grpc")
+        return doc["tokens"] if doc and doc["tokens"] == 2000 else None
+
+    assert wait_until(tokens, timeout=30, what="the helper's tokens in the ledger") == 2000
+    text = exp.metrics()
+    assert sample_value(text, "training_tokens_total", run_id="helper-grpc", rank="0", gpu_uuid=uuid) == 2000
+    assert (sample_value(text, "gpuenergy_otlp_grpc_requests_total", code="OK") or 0) >= 1
+    assert sample_value(text, "gpuenergy_otlp_requests_total", status="200") == 0  # nothing came over HTTP
