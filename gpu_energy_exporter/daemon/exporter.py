@@ -173,7 +173,9 @@ class Exporter:
             self.snapshot_collector.add_live_source(self.otlp_grpc.collect)
         self.routes = exporter_routes(
             self.registry, telemetry_path=config.web_telemetry_path, ready=self.ready,
-            links=[("OTLP receiver: POST /v1/metrics on " + _fmt(config.otlp_listen_address), "#")],
+            links=[("OTLP receiver: POST /v1/metrics on " + _fmt(config.otlp_listen_address), "#")]
+            + ([("OTLP/gRPC receiver: MetricsService/Export on " + _fmt(config.otlp_grpc_listen_address), "#")]
+               if config.otlp_grpc_listen_address is not None else []),
             render=self.exposition.render,
         )
         self.routes.update(api_routes(self.status, self.ledger.runs, self.ledger.run))
