@@ -442,6 +442,30 @@ def test_tls_from_the_web_config_with_a_test_ca_and_client_certificates(
         assert sample_value(r.read().decode(), "train_tls_total") == 5
 
 
+def test_tls_certificate_files_are_reloaded_for_new_connections(
+    start_exporter: type[ExporterProcess], tmp_path: Path,
+) -> None:
+    live, first_dir, second_dir = tmp_path / "live", tmp_path / "a", tmp_path / "b"
+    for d in (live, first_dir, second_dir):
+        d.mkdir()
+    first, second = self_signed(first_dir), self_signed(second_dir)  # two CAs, two keys
+    for name in ("server.crt", "server.key"):
+        (live / name).write_bytes((first_dir / name).read_bytes())
+    web_config = live / "web.yml"
+    web_config.write_text("tls_server_config:\n  cert_file: server.crt\n  key_file: server.key\n")
+    exp = start_exporter(["--no-collector.gpu", GRPC_ON, f"--web.config.file={web_config}"]).wait_ready()
+    body = _counter_request("train_reload", 1, {})
+
+    def code_with(ca: Path) -> grpc.StatusCode:
+        return _call(_target(exp), body, credentials=grpc.ssl_channel_credentials(ca.read_bytes()))[0]
+
+    assert code_with(first) == grpc.StatusCode.OK and code_with(second) == grpc.StatusCode.UNAVAILABLE
+    for name in ("server.key", "server.crt"):  # as a certificate manager renews them
+        (live / name).write_bytes((second_dir / name).read_bytes())
+    assert wait_until(lambda: code_with(second) == grpc.StatusCode.OK, timeout=20, what="the new certificate")
+    assert code_with(first) == grpc.StatusCode.UNAVAILABLE
+
+
 def test_tls_settings_grpc_cannot_enforce_stop_the_exporter(tmp_path: Path) -> None:
     from gpu_energy_exporter.daemon.exporter import Exporter
 
