@@ -239,9 +239,18 @@ def test_malformed_message_is_invalid_argument_with_one_clear_message(
             channel.stream_unary(EXPORT)(iter(()), timeout=20)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "no ExportMetricsServiceRequest" in (err.value.details() or "")
+    # not HTTP/2 at all: an OTLP/HTTP push sent to the gRPC port by mistake, and noise; the port stays up
+    host, port = _target(exp).rsplit(":", 1)
+    for junk in (b"POST /v1/metrics HTTP/1.1\r\nHost: x\r\nContent-Length: 3\r\n\r\nabc", bytes(range(256)) * 64):
+        with socket.create_connection((host, int(port)), timeout=20) as s:
+            s.sendall(junk)
+            while s.recv(4096):  # the server closes the connection (socket.timeout fails the test)
+                pass
     text = exp.metrics()
     assert sample_value(text, "gpuenergy_otlp_grpc_requests_total", code="INVALID_ARGUMENT") == 2
     assert sample_value(text, "gpuenergy_otlp_series") == 0
+    code, details, _ = _call(_target(exp), _counter_request("train_after_junk", 1, {}))
+    assert code == grpc.StatusCode.OK, details
 
 
 def _stalled_calls(target: str, n: int) -> tuple[threading.Event, list[grpc.StatusCode], list[threading.Thread]]:
