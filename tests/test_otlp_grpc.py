@@ -507,3 +507,20 @@ def test_training_helper_pushes_over_grpc_into_the_ledger(
     assert sample_value(text, "training_tokens_total", run_id="helper-grpc", rank="0", gpu_uuid=uuid) == 2000
     assert (sample_value(text, "gpuenergy_otlp_grpc_requests_total", code="OK") or 0) >= 1
     assert sample_value(text, "gpuenergy_otlp_requests_total", status="200") == 0  # nothing came over HTTP
+
+
+def test_helper_over_http_pointed_at_the_grpc_port_says_so(
+    start_exporter: type[ExporterProcess], caplog: pytest.LogCaptureFixture,
+) -> None:
+    from gpu_energy_exporter.training import start_run
+
+    exp = start_exporter(["--no-collector.gpu", GRPC_ON]).wait_ready()
+    with caplog.at_level("WARNING", logger="gpu_energy_exporter.training"):
+        run = start_run("wrong-port", endpoint=exp.grpc_endpoint, export_interval=60, gpu_uuids=["GPU-x"], rank=0,
+                        world_size=1, environ={})
+        run.step(tokens=1)
+        assert not run.flush(10)
+        run.finish(1)
+    assert run.dropped_exports >= 1
+    assert "speaks HTTP/2 (gRPC), not OTLP/HTTP" in caplog.text and "OTEL_EXPORTER_OTLP_PROTOCOL=grpc" in caplog.text
+    assert "\x00" not in caplog.text  # no frame bytes quoted at the user
