@@ -1,7 +1,7 @@
 # gpu-energy-exporter container image.
 #
 #   docker build -t gpu-energy-exporter .
-#   docker run --rm --runtime=nvidia -p 9863:9863 -p 4318:4318 \
+#   docker run --rm --runtime=nvidia -p 9863:9863 -p 4318:4318 -p 4317:4317 \
 #       -v gpu-energy-exporter:/var/lib/gpu-energy-exporter gpu-energy-exporter
 #
 # Two stages on the same slim Python image: the first builds the wheel and installs it (with the
@@ -32,6 +32,7 @@ ENV PATH=/opt/gpu-energy-exporter/bin:$PATH \
     NVIDIA_VISIBLE_DEVICES=all \
     NVIDIA_DRIVER_CAPABILITIES=utility \
     GPU_ENERGY_EXPORTER_OTLP_LISTEN_ADDRESS=:4318 \
+    GPU_ENERGY_EXPORTER_OTLP_GRPC_LISTEN_ADDRESS=:4317 \
     GPU_ENERGY_EXPORTER_RUNS_CSV=/var/lib/gpu-energy-exporter/runs.csv
 RUN groupadd --system --gid 10001 gpu-energy-exporter \
  && useradd --system --uid 10001 --gid 10001 --no-create-home --home-dir /nonexistent \
@@ -42,8 +43,9 @@ COPY --from=build /opt/gpu-energy-exporter /opt/gpu-energy-exporter
 VOLUME ["/var/lib/gpu-energy-exporter"]
 WORKDIR /var/lib/gpu-energy-exporter
 USER 10001:10001
-# 9863: /metrics and the health endpoints; 4318: the OTLP/HTTP receiver (POST /v1/metrics).
-EXPOSE 9863 4318
+# 9863: /metrics and the health endpoints; 4318: the OTLP/HTTP receiver (POST /v1/metrics); 4317: the
+# OTLP/gRPC receiver (MetricsService/Export).
+EXPOSE 9863 4318 4317
 # The slim image has no curl: the exporter's own Python checks its health endpoint, on the port that
 # GPU_ENERGY_EXPORTER_WEB_LISTEN_ADDRESS sets (plain HTTP; with TLS use the orchestrator's probes).
 HEALTHCHECK --interval=30s --timeout=5s --start-period=30s --retries=3 \

@@ -6,8 +6,9 @@ Three measurements:
   shaped like the training helper's exports, for 1, 10 and 80 ranks per request (one rank's own export;
   a Collector batching ranks), plus gzip and OTLP JSON variants. CPU time of the thread
   (``time.thread_time``) is the denominator, so the figure is "per core" whatever else the machine does.
-- Over HTTP: the exporter as its own process, this process pushing on one keep-alive connection;
-  points per second of the exporter's CPU time (its request thread runs under the GIL: one core).
+- Over HTTP and gRPC: the exporter as its own process, this process pushing on one keep-alive connection
+  (one gRPC channel); points per second of the exporter's CPU time (its request thread runs under the GIL:
+  one core).
 - Memory under churn: a store driven by a simulated clock through hours of runs starting and ending
   (series expire through the TTL), and a runaway trainer inventing a new series with every point (the
   series limit rejects them). Memory is what ``tracemalloc`` sees allocated by the process.
@@ -123,11 +124,12 @@ def _over_http(ctx: Context) -> Table:
     duration = ctx.pick(0.5, 8.0)
     n_rounds = ctx.pick(6, 120)
     table = Table(
-        "Over HTTP: the exporter process receiving on one keep-alive connection",
+        "Over HTTP and gRPC: the exporter process receiving on one keep-alive connection (one gRPC channel)",
         ["request", "points pushed", "wall s", "points/s (wall)", "exporter CPU %", "points per exporter CPU-second"],
         ["The client runs in another process and pre-builds its bodies; the exporter runs its normal sampler "
          "(no GPUs: NVML unavailable) beside the receiver. Issue 15's target: >= 50,000 points per exporter "
-         "CPU-second for protobuf, one rank's export per request (the first row)."],
+         "CPU-second for protobuf, one rank's export per request (the first row). gRPC rows: unary "
+         "MetricsService/Export calls one after another on one channel (the SDK's gRPC exporter's pattern)."],
     )
     js = {"Content-Type": "application/json"}
     cases: list[tuple[str, int, dict[str, str], bool]] = [
@@ -135,7 +137,7 @@ def _over_http(ctx: Context) -> Table:
         ("OTLP JSON, 1 rank per request", 1, js, True),
         ("protobuf, 10 ranks per request", 10, PROTOBUF_HEADERS, False),
     ]
-    with exporter(ctx) as exp:
+    with exporter(ctx, ["--otlp.grpc.listen-address=127.0.0.1:0"]) as exp:
         for label, per, headers, as_json in cases:
             bodies = _batched(_rounds(n_rounds, f"http{per}{'j' if as_json else ''}"), per)
             if as_json:
@@ -143,7 +145,35 @@ def _over_http(ctx: Context) -> Table:
             points, wall, cpu = _push_all(exp, bodies, headers, duration)
             table.add(label, points, fmt(wall), fmt(points / wall), fmt(100.0 * cpu / wall),
                       fmt(points / cpu if cpu else float("nan")))
+        for label, per, gz in (("gRPC, protobuf, 1 rank per call", 1, False),
+                               ("gRPC, protobuf + gzip, 10 ranks per call", 10, True)):
+            bodies = _batched(_rounds(n_rounds, f"grpc{per}"), per)
+            points, wall, cpu = _push_grpc(exp, bodies, duration, gz)
+            table.add(label, points, fmt(wall), fmt(points / wall), fmt(100.0 * cpu / wall),
+                      fmt(points / cpu if cpu else float("nan")))
     return table
+
+
+def _push_grpc(exp: ExporterProcess, bodies: list[tuple[bytes, int]], duration: float,
+               gz: bool) -> tuple[int, float, float]:
+    """``_push_all`` over OTLP/gRPC: unary Export calls on one channel, message compression when ``gz``."""
+    import grpc
+
+    from gpu_energy_exporter.otlp.grpcreceiver import METHOD, SERVICE
+
+    compression = grpc.Compression.Gzip if gz else None
+    with grpc.insecure_channel(exp.grpc_endpoint.split("//", 1)[1]) as channel:
+        export = channel.unary_unary(f"/{SERVICE}/{METHOD}")
+        export(bodies[0][0], timeout=30, compression=compression)
+        points = 0
+        t_end = time.monotonic() + duration
+        with CPUWindow(exp.pid) as w:
+            for body, n in bodies[1:]:
+                export(body, timeout=30, compression=compression)
+                points += n
+                if time.monotonic() > t_end:
+                    break
+    return points, w.wall_s, w.cpu_s
 
 
 def _push_all(exp: ExporterProcess, bodies: list[tuple[bytes, int]], headers: dict[str, str],

@@ -7,6 +7,7 @@ importable by the benchmarks too; this file keeps what needs pytest. Everything 
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,6 +20,11 @@ sys.path.insert(0, str(TESTS))
 from fakenvml import build_library  # noqa: E402
 from freshinstall import fresh_install  # noqa: E402, F401 - a session fixture shared by two test files
 from helpers import ExporterProcess  # noqa: E402
+
+# The OTLP/gRPC receiver is on by default at localhost:4317: exporters started by tests (in-process or as
+# children, which inherit this) leave it off unless the test turns it on with the flag, which wins over the
+# environment, so tests never contend for port 4317 (with each other, or with a Collector on this host).
+os.environ.setdefault("GPU_ENERGY_EXPORTER_OTLP_GRPC_LISTEN_ADDRESS", "")
 
 
 @pytest.fixture(scope="session")

@@ -301,7 +301,7 @@ class Child:
         self.stop()
 
 
-_LISTEN_RE = re.compile(r"(gpu-energy-exporter|otlp) listening on (https?://[^ \"]+)")
+_LISTEN_RE = re.compile(r"(gpu-energy-exporter|otlp|otlp-grpc) listening on (https?://[^ \"]+)")
 
 
 class ExporterProcess(Child):
@@ -319,7 +319,10 @@ class ExporterProcess(Child):
         self.urls: dict[str, str] = {}
         self._ready = threading.Event()
         cmd = [*(command or (sys.executable, "-m", "gpu_energy_exporter")), *subcommand,
-               "--web.listen-address=127.0.0.1:0", "--otlp.listen-address=127.0.0.1:0", *args]
+               "--web.listen-address=127.0.0.1:0", "--otlp.listen-address=127.0.0.1:0",
+               # OTLP/gRPC off unless a test turns it on (ARGS come later and win): a port and a loaded
+               # grpc per exporter only where a test uses them
+               "--otlp.grpc.listen-address=", *args]
         super().__init__(cmd, env=env, cwd=cwd, name="gpu-energy-exporter", on_line=self._line,
                          new_session=new_session, environ=environ)
 
@@ -327,7 +330,8 @@ class ExporterProcess(Child):
         m = _LISTEN_RE.search(line)
         if m:
             self.urls[m.group(1)] = m.group(2)
-            if len(self.urls) == 2:
+            # gRPC, when on, is announced first (daemon.exporter): both HTTP servers mean every port is up
+            if "gpu-energy-exporter" in self.urls and "otlp" in self.urls:
                 self._ready.set()
 
     def _eof(self) -> None:
@@ -350,6 +354,11 @@ class ExporterProcess(Child):
     def otlp_url(self) -> str:
         """Base URL of the OTLP receiver (what the training helper's ``endpoint`` takes)."""
         return self.urls["otlp"]
+
+    @property
+    def grpc_endpoint(self) -> str:
+        """The OTLP/gRPC receiver's endpoint (``http://host:port``), when a test turned it on."""
+        return self.urls["otlp-grpc"]
 
     @property
     def scrape_url(self) -> str:

@@ -175,7 +175,7 @@ def test_image_config_is_what_the_deployment_expects(image: str) -> None:
     assert list(cfg["Volumes"]) == [VOLUME]
     assert cfg["Entrypoint"] == ["/opt/gpu-energy-exporter/bin/gpu-energy-exporter"]
     assert cfg["Healthcheck"]["Test"][0] == "CMD"
-    assert {"9863/tcp", "4318/tcp"} <= set(cfg["ExposedPorts"])
+    assert {"9863/tcp", "4318/tcp", "4317/tcp"} <= set(cfg["ExposedPorts"])
 
 
 def _exporter_uids() -> list[int]:
@@ -217,6 +217,7 @@ def test_the_image_serves_fake_gpus_as_uid_10001_writes_only_its_volume_and_keep
          "-e", "LD_LIBRARY_PATH=/opt/fakenvml", "-e", "FAKE_NVML_SCENARIO=/opt/fakenvml/scenario.ini",
          "-e", f"GPU_ENERGY_EXPORTER_WEB_LISTEN_ADDRESS=127.0.0.1:{web}",
          "-e", f"GPU_ENERGY_EXPORTER_OTLP_LISTEN_ADDRESS=127.0.0.1:{otlp}",
+         "-e", "GPU_ENERGY_EXPORTER_OTLP_GRPC_LISTEN_ADDRESS=",
          ctr, "--", "/opt/gpu-energy-exporter/bin/gpu-energy-exporter", "--collector.interval=200ms",
          "--runs.stale-after=30s"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,

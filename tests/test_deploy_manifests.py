@@ -23,7 +23,14 @@ import yaml
 from kubernetes_validate import utils as kv
 
 from gpu_energy_exporter import __version__
-from gpu_energy_exporter.core.config import COLLECTORS, DEFAULT_METRICS_PORT, DEFAULT_OTLP_PORT, FLAGS, load_config
+from gpu_energy_exporter.core.config import (
+    COLLECTORS,
+    DEFAULT_METRICS_PORT,
+    DEFAULT_OTLP_GRPC_PORT,
+    DEFAULT_OTLP_PORT,
+    FLAGS,
+    load_config,
+)
 from gpu_energy_exporter.http.webconfig import parse_web_config
 
 REPO = Path(__file__).resolve().parent.parent
@@ -239,6 +246,8 @@ def test_container_args_parse_with_the_real_cli_and_match_ports_and_probes(
     assert cfg.web_listen_address == ("", ports["metrics"]) and ports["metrics"] == DEFAULT_METRICS_PORT
     assert cfg.otlp_listen_address[0] in ("", "0.0.0.0")  # other pods must reach it
     assert cfg.otlp_listen_address[1] == ports["otlp-http"] == DEFAULT_OTLP_PORT
+    assert cfg.otlp_grpc_listen_address is not None and cfg.otlp_grpc_listen_address[0] in ("", "0.0.0.0")
+    assert cfg.otlp_grpc_listen_address[1] == ports["otlp-grpc"] == DEFAULT_OTLP_GRPC_PORT
     assert cfg.enabled("kubernetes")
     socket_dir = os.path.dirname(cfg.kubernetes_pod_resources_socket)
     assert mounts[socket_dir]["readOnly"] is True
@@ -308,7 +317,7 @@ def test_services_select_the_exporter_and_otlp_stays_on_the_node(rendered: Rende
     for svc in (otlp, one(docs, "Service", "gpu-energy-exporter")):
         assert svc["spec"]["selector"].items() <= pod_labels.items()
         assert {p["targetPort"] for p in svc["spec"]["ports"]} <= port_names
-    assert [p["port"] for p in otlp["spec"]["ports"]] == [DEFAULT_OTLP_PORT]
+    assert [p["port"] for p in otlp["spec"]["ports"]] == [DEFAULT_OTLP_PORT, DEFAULT_OTLP_GRPC_PORT]
 
 
 def test_trainer_example_points_at_the_otlp_service(rendered: Renders) -> None:

@@ -33,7 +33,7 @@ from pathlib import Path
 import pytest
 from helpers import Child, free_port
 
-from gpu_energy_exporter.core.config import DEFAULT_METRICS_PORT, DEFAULT_OTLP_PORT, load_config
+from gpu_energy_exporter.core.config import DEFAULT_METRICS_PORT, DEFAULT_OTLP_GRPC_PORT, DEFAULT_OTLP_PORT, load_config
 
 REPO = Path(__file__).resolve().parent.parent
 DOCKERFILE = REPO / "Dockerfile"
@@ -149,7 +149,7 @@ def test_non_root_user_volume_ports_and_nvidia_runtime_variables(dockerfile: Par
     assert f"--uid {uid}" in setup and f"chown {uid}:{gid or uid} {VOLUME}" in setup
     assert json.loads(final.last("VOLUME").args) == [VOLUME]
     exposed = {int(p.split("/")[0]) for i in final.all("EXPOSE") for p in i.args.split()}
-    assert exposed == {DEFAULT_METRICS_PORT, DEFAULT_OTLP_PORT}
+    assert exposed == {DEFAULT_METRICS_PORT, DEFAULT_OTLP_PORT, DEFAULT_OTLP_GRPC_PORT}
     env = final.env()
     assert env["NVIDIA_VISIBLE_DEVICES"] == "all" and env["NVIDIA_DRIVER_CAPABILITIES"] == "utility"
     assert env["PYTHONDONTWRITEBYTECODE"] == "1"  # nothing written next to the code (read-only root)
@@ -166,6 +166,7 @@ def test_image_arguments_are_valid_exporter_configuration(dockerfile: Parsed) ->
     assert cmd is not None
     cfg = load_config(cmd, final.env())
     assert cfg.otlp_listen_address == ("", DEFAULT_OTLP_PORT)  # reachable from outside the container
+    assert cfg.otlp_grpc_listen_address == ("", DEFAULT_OTLP_GRPC_PORT)
     assert cfg.web_listen_address == ("", DEFAULT_METRICS_PORT)
     assert cfg.runs_csv is not None and cfg.runs_csv.startswith(VOLUME + "/")
 
@@ -343,6 +344,7 @@ def test_replayed_image_runs_healthcheck_passes_and_writes_only_the_volume(
     # Loopback only in a test, and the volume under the replay root; everything else as in the image.
     env.update({"GPU_ENERGY_EXPORTER_WEB_LISTEN_ADDRESS": f"127.0.0.1:{port}",
                 "GPU_ENERGY_EXPORTER_OTLP_LISTEN_ADDRESS": f"127.0.0.1:{free_port()}",
+                "GPU_ENERGY_EXPORTER_OTLP_GRPC_LISTEN_ADDRESS": f"127.0.0.1:{free_port()}",
                 "GPU_ENERGY_EXPORTER_RUNS_CSV": str(replayed.path(env["GPU_ENERGY_EXPORTER_RUNS_CSV"])),
                 "GPU_ENERGY_EXPORTER_NVML_LIBRARY": "", "HOME": "/nonexistent"})
     env.pop("GPU_ENERGY_EXPORTER_NVML_LIBRARY")

@@ -26,6 +26,8 @@ ENV_PREFIX = "GPU_ENERGY_EXPORTER_"
 #: 9445 (nvidia-gpu-exporter forks) are taken; 9863 is unused in the Prometheus default port allocations.
 DEFAULT_METRICS_PORT = 9863
 DEFAULT_OTLP_PORT = 4318
+#: OTLP/gRPC's registered port (the OpenTelemetry specification's default for gRPC exporters).
+DEFAULT_OTLP_GRPC_PORT = 4317
 
 # ----------------------------------------------------------------------------------------------------
 # value parsers: each takes the raw string and returns a value or raises ValueError with a reason
@@ -74,6 +76,11 @@ def parse_listen_address(raw: str) -> tuple[str, int]:
     if not 0 <= port <= 65535:
         raise ValueError("port must be between 0 and 65535")
     return host, port
+
+
+def parse_optional_listen_address(raw: str) -> tuple[str, int] | None:
+    """``parse_listen_address``, or ``None`` (off) for an empty value."""
+    return parse_listen_address(raw) if raw.strip() else None
 
 
 def parse_bool(raw: str) -> bool:
@@ -195,7 +202,8 @@ FLAGS: tuple[Flag, ...] = (
          "Address of the OTLP/HTTP receiver (POST /v1/metrics). Set to 0.0.0.0:4318 in deployments "
          "where trainers run in other containers.", "HOST:PORT"),
     Flag("otlp.max-body-bytes", _positive_int, str(8 * 1024 * 1024),
-         "Largest accepted OTLP request body, checked before and after gzip decompression.", "BYTES"),
+         "Largest accepted OTLP request body, checked before and after gzip decompression (OTLP/gRPC: the "
+         "largest message, also after decompression).", "BYTES"),
     Flag("otlp.series-ttl", parse_duration, "10m",
          "Training series not updated for this long are dropped from /metrics.", "DURATION"),
     Flag("otlp.max-series", _positive_int, "20000",
@@ -231,6 +239,10 @@ FLAGS: tuple[Flag, ...] = (
     Flag("otlp.bearer-token-file", _existing_file, None,
          "If set, OTLP pushes must carry 'Authorization: Bearer <token>' with the token in this file.",
          "FILE"),
+    Flag("otlp.grpc.listen-address", parse_optional_listen_address, f"localhost:{DEFAULT_OTLP_GRPC_PORT}",
+         "Address of the OTLP/gRPC receiver (MetricsService/Export), sharing the OTLP/HTTP receiver's store, "
+         "limits and bearer token; TLS from --web.config.file's tls_server_config. Empty turns it off.",
+         "HOST:PORT"),
     Flag("otlp.push-endpoint", _url, None,
          "Also push this node's readings over OTLP/HTTP to this URL (e.g. http://collector:4318/v1/metrics), "
          "named after the OpenTelemetry hardware semantic conventions. Off when unset.", "URL"),
@@ -337,6 +349,7 @@ class Config:
     otlp_max_new_series_per_request: int = 2000
     otlp_evict_idle_after: float = 120.0
     otlp_bearer_token_file: str | None = None
+    otlp_grpc_listen_address: tuple[str, int] | None = ("localhost", DEFAULT_OTLP_GRPC_PORT)
     otlp_push_endpoint: str | None = None
     otlp_push_interval: float = 10.0
     otlp_push_headers_file: str | None = None
@@ -472,6 +485,12 @@ def _check(cfg: Config) -> None:
         raise ConfigError("--otlp.push-cert-file and --otlp.push-key-file go together: set both or neither")
     if cfg.web_listen_address[1] != 0 and cfg.web_listen_address == cfg.otlp_listen_address:
         raise ConfigError("--web.listen-address and --otlp.listen-address must differ")
+    grpc_address = cfg.otlp_grpc_listen_address
+    if grpc_address is not None and grpc_address[1] != 0:
+        others = ((cfg.web_listen_address, "web.listen-address"), (cfg.otlp_listen_address, "otlp.listen-address"))
+        for other, flag in others:
+            if other == grpc_address:
+                raise ConfigError(f"--otlp.grpc.listen-address and --{flag} must differ")
 
 
 def load_config(argv: Sequence[str], environ: Mapping[str, str] | None = None) -> Config:

@@ -27,6 +27,7 @@ METRIC_MODULES = (
     "gpu_energy_exporter.collectors.slurm",
     "gpu_energy_exporter.collectors.health",
     "gpu_energy_exporter.otlp.selfmetrics",
+    "gpu_energy_exporter.otlp.grpcreceiver",
     "gpu_energy_exporter.ledger.specs",
     "gpu_energy_exporter.otlp.push",
     "gpu_energy_exporter.http.server",
@@ -212,6 +213,56 @@ def _http_limits() -> list[str]:
     ]
 
 
+def _grpc_limits() -> list[str]:
+    from gpu_energy_exporter.otlp import grpcreceiver as g
+    from gpu_energy_exporter.otlp.receiver import INLINE_MAX_BODY
+
+    return [
+        "## OTLP/gRPC receiver: limits and why",
+        "",
+        "`--otlp.grpc.listen-address` (default `localhost:4317`, off when empty) serves",
+        f"`{g.SERVICE}/{g.METHOD}` with `grpcio`'s asyncio server on one thread of its own. Each",
+        "message goes through the function an OTLP/HTTP body goes through: the same store, run ledger,",
+        "`--otlp.*` limits and `partial_success` answers. `grpc` is imported only when the receiver is on.",
+        "",
+        "- **Codes**: a message that does not decode is `INVALID_ARGUMENT` with the HTTP receiver's 400 message;",
+        "  a missing or wrong bearer token (`authorization: Bearer <token>` metadata, `--otlp.bearer-token-file`)",
+        "  is `UNAUTHENTICATED`; a message over `--otlp.max-body-bytes`, as sent or after gzip, is",
+        "  `RESOURCE_EXHAUSTED` (gRPC stops inflating at the limit, so a gzip bomb costs at most that much).",
+        f"- **Memory**: at most {g.SLOTS} calls receive or are handled at once, so at most {g.SLOTS} messages of",
+        "  `--otlp.max-body-bytes` are held (as the HTTP port's four bodies in flight); other calls wait with one",
+        "  64 KiB flow-control window each (gRPC's bandwidth probing is off: with it, waiting calls buffer their",
+        "  whole messages: 30 calls of 4 MiB held waiting for 6 s cost a bare grpcio server 3 MB, 123 MB with",
+        "  probing on). What a flood costs is more than the messages held: 128 calls of 4 MiB at once (512 MiB",
+        "  in flight, each on its own connection) raised the exporter's peak RSS by 160 to 210 MB on a loaded",
+        "  2-core machine (grpcio's per-connection buffers, malloc's per-thread arenas), so 4 slots bound the",
+        "  messages, not the exporter's memory; require `--otlp.bearer-token-file` where pushers are not trusted",
+        "  (a call without the token is refused before its message is read). Uncompressed messages up to "
+        f"{INLINE_MAX_BODY // 1024} KiB are stored on the receiver's thread, larger ones on {g.WORKERS} workers.",
+        "- **Slow clients**: a call must deliver its message within `--web.request-timeout` of its start",
+        "  (`DEADLINE_EXCEEDED`); while calls wait for a slot, the call that has been receiving longest, for over",
+        f"  {g.EVICT_AFTER:g}s, is cut (`UNAVAILABLE`, which clients retry), so slow senders cannot hold the port.",
+        f"- **Connections**: at most `--web.max-connections`, {g.STREAMS_PER_CONNECTION} calls on each and",
+        "  `--web.max-connections` calls in all (`RESOURCE_EXHAUSTED` beyond); a connection must finish its TLS",
+        f"  and HTTP/2 handshake within {g.HANDSHAKE_TIMEOUT:g}s (or `--web.request-timeout` if shorter), and one",
+        f"  with no call for {g.IDLE_TIMEOUT:g}s is closed (GOAWAY; a client reconnects for its next export).",
+        "  At the cap a new connection waits (the client retries) until one closes: unlike the HTTP ports, gRPC",
+        "  cannot close the oldest idle connection, so a flood of connections that never finish their handshake",
+        "  holds clients off for up to the handshake timeout (16 s measured for a client behind 4 such sockets",
+        "  at `--web.max-connections=4`). `SO_REUSEPORT` is off: a second exporter on the same port fails to",
+        "  start instead of sharing it.",
+        "- **TLS**: from `--web.config.file`'s `tls_server_config` (certificate and key, `client_auth_type` with",
+        "  `client_ca_file`), re-read on the next connection after the files change. `RequireAnyClientCert` and",
+        "  `RequireAndVerifyClientCert` require a certificate signed by the client CA; `VerifyClientCertIfGiven`",
+        "  serves clients as `NoClientCert` does. What grpcio cannot enforce (`client_allowed_sans`, TLS",
+        "  versions other than 1.2 to 1.3, `cipher_suites`) stops the exporter at start-up, naming the setting.",
+        "  The file's basic auth and `rate_limit` apply to the HTTP ports only. The OTLP/HTTP port has no TLS.",
+        "- **Self-metrics**: `gpuenergy_otlp_grpc_requests_total{code}`, `gpuenergy_otlp_grpc_calls_in_flight`,",
+        "  `gpuenergy_otlp_grpc_request_duration_seconds_total`; points, rejections and series are counted with",
+        "  the HTTP receiver's (`gpuenergy_otlp_points_*`).",
+    ]
+
+
 def configuration_markdown() -> str:
     from gpu_energy_exporter.reference import carbon
 
@@ -275,7 +326,7 @@ def configuration_markdown() -> str:
     ]
     for c in COLLECTORS:
         out.append(f"| `{c.name}` | {'enabled' if c.default else 'disabled'} | `{c.env}` | {_escape(c.help)} |")
-    out += ["", *_http_limits()]
+    out += ["", *_http_limits(), "", *_grpc_limits()]
     out += [
         "",
         "## Sub-commands",

@@ -39,6 +39,7 @@ from gpu_energy_exporter.engine.sampler import Sampler
 from gpu_energy_exporter.http.server import HTTPServer
 from gpu_energy_exporter.http.webconfig import load_web_config
 from gpu_energy_exporter.ledger import RunLedger
+from gpu_energy_exporter.otlp.grpcreceiver import GRPCReceiver
 from gpu_energy_exporter.otlp.push import OTLPPusher, PushSettings, load_headers_file
 from gpu_energy_exporter.otlp.receiver import OTLPReceiver, load_bearer_token
 from gpu_energy_exporter.otlp.store import TrainingStore
@@ -182,9 +183,20 @@ class Exporter:
             config.otlp_listen_address, self.store, max_body_bytes=config.otlp_max_body_bytes, bearer_token=token,
             max_connections=config.web_max_connections, request_timeout=config.web_request_timeout,
         )
+        # OTLP/gRPC: the same handler (store, limits, token), TLS from the web config; grpc loads at bind()
+        self.otlp_grpc: GRPCReceiver | None = None
+        if config.otlp_grpc_listen_address is not None:
+            self.otlp_grpc = GRPCReceiver(
+                config.otlp_grpc_listen_address, self.otlp.handler, tls=self.web_config.tls,
+                max_connections=config.web_max_connections, request_timeout=config.web_request_timeout,
+            )
+            self.exposition.sources.append(CachedSource(self.otlp_grpc.collect, version=self.otlp_grpc.version))
+            self.snapshot_collector.add_live_source(self.otlp_grpc.collect)
         self.routes = exporter_routes(
             self.registry, telemetry_path=config.web_telemetry_path, ready=self.ready,
-            links=[("OTLP receiver: POST /v1/metrics on " + _fmt(config.otlp_listen_address), "#")],
+            links=[("OTLP receiver: POST /v1/metrics on " + _fmt(config.otlp_listen_address), "#")]
+            + ([("OTLP/gRPC receiver: MetricsService/Export on " + _fmt(config.otlp_grpc_listen_address), "#")]
+               if config.otlp_grpc_listen_address is not None else []),
             render=self.exposition.render,
         )
         self.routes.update(api_routes(self.status, self.ledger.runs, self.ledger.run))
@@ -264,9 +276,18 @@ class Exporter:
         except ConfigError as exc:
             web.shutdown()
             raise ConfigError(_bind_message("otlp.listen-address", exc)) from None
+        if self.otlp_grpc is not None:
+            try:
+                self.otlp_grpc.bind()
+            except ConfigError as exc:
+                web.shutdown()
+                self.otlp.shutdown()
+                raise ConfigError(_bind_message("otlp.grpc.listen-address", exc)) from None
         self.web = web
         self._started = True
         self.sampler.start()
+        if self.otlp_grpc is not None:
+            self.otlp_grpc.start()
         self.web.start()
         self.otlp.start()
         if self.pusher is not None:
@@ -280,6 +301,8 @@ class Exporter:
             self.web.shutdown()
         if self._started:
             self.otlp.shutdown()
+        if self.otlp_grpc is not None:
+            self.otlp_grpc.shutdown()
         self.sampler.stop()
         self.ledger.close()
 

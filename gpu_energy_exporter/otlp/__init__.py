@@ -12,6 +12,8 @@
 - ``store``: ``TrainingStore``, the bounded, locked series the pushes build, collected on the scrape path.
 - ``receiver``: ``POST /v1/metrics`` handling (``ExportHandler``) and a standalone server
   (``OTLPReceiver``); the only module here that imports the HTTP server.
+- ``grpcreceiver``: ``GRPCReceiver``, ``MetricsService/Export`` over gRPC into ``ExportHandler.store_body``
+  (the one path after a body is read); ``grpctls`` its TLS credentials. Only these import grpc, when built.
 - ``conventions``: which of the node's series are pushed, named after the OpenTelemetry hardware
   semantic conventions (pure).
 - ``push``: ``OTLPPusher``, the thread and the OpenTelemetry SDK exporter that push them.

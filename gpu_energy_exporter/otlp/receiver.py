@@ -77,6 +77,11 @@ class _Failure(Exception):
         self.field = field
 
 
+#: A request refused with an HTTP status and one message (400 for a body that does not decode); the
+#: OTLP/gRPC receiver (``otlp.grpcreceiver``) answers the same message with the matching gRPC code.
+ExportFailure = _Failure
+
+
 # ----------------------------------------------------------------------------------------------------
 # google.rpc.Status, encoded by hand: the exporter depends on protobuf and opentelemetry-proto only,
 # and googleapis-common-protos (which defines Status) is not among them.
@@ -254,6 +259,15 @@ class ExportHandler:
         """Whether pushes must carry the ``--otlp.bearer-token-file`` token."""
         return self._token is not None
 
+    def bearer_ok(self, authorization: str) -> bool:
+        """Whether an ``Authorization`` value (HTTP header or gRPC metadata) carries the token, or none is
+        required. Compared in constant time."""
+        if self._token is None:
+            return True
+        scheme, _, credentials = authorization.strip().partition(" ")
+        presented = b"Bearer " + credentials.strip().encode()
+        return scheme.lower() == "bearer" and hmac.compare_digest(presented, self._token)
+
     @staticmethod
     def _lower(headers: Mapping[str, str]) -> dict[str, str]:
         return {k.lower(): v for k, v in headers.items()}
@@ -266,13 +280,9 @@ class ExportHandler:
 
     def _check(self, h: Mapping[str, str], length: int) -> str:
         """Auth, content type, encoding and size; returns the body's content type or raises."""
-        if self._token is not None:
-            given = h.get("authorization", "").strip()
-            scheme, _, credentials = given.partition(" ")
-            presented = b"Bearer " + credentials.strip().encode()
-            if scheme.lower() != "bearer" or not hmac.compare_digest(presented, self._token):
-                raise _Failure(401, "missing or wrong bearer token (Authorization: Bearer <token> "
-                                    "from --otlp.bearer-token-file)")
+        if not self.bearer_ok(h.get("authorization", "")):
+            raise _Failure(401, "missing or wrong bearer token (Authorization: Bearer <token> "
+                                "from --otlp.bearer-token-file)")
         ct = h.get("content-type", "").split(";", 1)[0].strip().lower()
         if ct in _PROTOBUF_TYPES:
             content_type = PROTOBUF
@@ -337,6 +347,13 @@ class ExportHandler:
     def _handle(self, h: Mapping[str, str], body: bytes, checked: str) -> Response:
         content_type = checked or self._check(h, len(body))
         data = decompress(body, h.get("content-encoding", "").strip().lower(), self.max_body_bytes)
+        return 200, content_type, self.store_body(data, content_type)
+
+    def store_body(self, data: bytes, content_type: str) -> bytes:
+        """One export request's decompressed body decoded, translated and stored; returns the
+        ``ExportMetricsServiceResponse`` body (``partial_success`` when points were refused). The one path
+        after the body is read, for OTLP/HTTP and OTLP/gRPC alike. Raises ``ExportFailure(400)`` for a body
+        that does not decode; the store is then untouched. Counts nothing in ``requests_total``."""
         request = decode_wire(data, content_type)
         try:
             batch = translate_request(request, time.time_ns(), self.store.limits)
@@ -351,7 +368,7 @@ class ExportHandler:
             parts = [f"{n} {reason}: {result.messages.get(reason, '')[:400]}"
                      for reason, n in sorted(result.rejected.items())]
             message = ("rejected data points - " + "; ".join(parts))[:8000]
-        return 200, content_type, _response_body(rejected, message, content_type)
+        return _response_body(rejected, message, content_type)
 
 
 # ----------------------------------------------------------------------------------------------------

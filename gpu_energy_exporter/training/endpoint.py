@@ -1,5 +1,6 @@
-"""Where a run exports to and how often: the OTLP/HTTP metrics URL and the export interval, from the
-arguments of ``start_run`` or the standard OpenTelemetry environment variables.
+"""Where a run exports to and how often: the protocol (``OTEL_EXPORTER_OTLP_[METRICS_]PROTOCOL``: OTLP/HTTP
+protobuf, or gRPC), the metrics URL and the export interval, from the arguments of ``start_run`` or the
+standard OpenTelemetry environment variables.
 
 Pure: reads only the mapping it is given (``os.environ`` by default). It must never open a connection,
 import the OpenTelemetry SDK or raise for a malformed environment variable (one warning, then the
@@ -15,6 +16,9 @@ from collections.abc import Mapping
 log = logging.getLogger("gpu_energy_exporter.training")
 
 DEFAULT_ENDPOINT = "http://localhost:4318"
+DEFAULT_GRPC_ENDPOINT = "http://localhost:4317"
+HTTP_PROTOBUF = "http/protobuf"
+GRPC = "grpc"
 METRICS_PATH = "/v1/metrics"
 #: Default seconds between exports: live enough for a 15 s Prometheus scrape, cheap for the trainer.
 DEFAULT_EXPORT_INTERVAL = 10.0
@@ -25,13 +29,35 @@ DEFAULT_EXPORT_TIMEOUT = 3.0
 DEFAULT_FINISH_TIMEOUT = 5.0
 
 
-def resolve_endpoint(endpoint: str | None, environ: Mapping[str, str] | None = None) -> str:
+def resolve_protocol(environ: Mapping[str, str] | None = None) -> str:
+    """``GRPC`` or ``HTTP_PROTOBUF`` (the default), from ``OTEL_EXPORTER_OTLP_METRICS_PROTOCOL``, else
+    ``OTEL_EXPORTER_OTLP_PROTOCOL``; another value (``http/json``) gets one warning and OTLP/HTTP protobuf."""
+    env = os.environ if environ is None else environ
+    for name in ("OTEL_EXPORTER_OTLP_METRICS_PROTOCOL", "OTEL_EXPORTER_OTLP_PROTOCOL"):
+        raw = env.get(name, "").strip()
+        if raw:
+            if raw.lower() in (GRPC, HTTP_PROTOBUF):
+                return raw.lower()
+            log.warning("gpu_energy_exporter.training: ignoring %s=%r: the helper pushes %s or %s; using %s",
+                        name, raw, HTTP_PROTOBUF, GRPC, HTTP_PROTOBUF)
+            break
+    return HTTP_PROTOBUF
+
+
+def resolve_endpoint(endpoint: str | None, environ: Mapping[str, str] | None = None,
+                     protocol: str = HTTP_PROTOBUF) -> str:
     """The full ``.../v1/metrics`` URL, from the argument or the standard OpenTelemetry variables.
 
     ``endpoint`` and ``OTEL_EXPORTER_OTLP_ENDPOINT`` are base URLs (``/v1/metrics`` is appended unless
     already there); ``OTEL_EXPORTER_OTLP_METRICS_ENDPOINT`` is used as is, as the specification says.
+    With ``protocol`` ``GRPC``: the first of them as given (gRPC has no path; ``http://`` is plain text,
+    ``https://`` TLS), else ``http://localhost:4317``.
     """
     env = os.environ if environ is None else environ
+    if protocol == GRPC:
+        chosen = (endpoint or env.get("OTEL_EXPORTER_OTLP_METRICS_ENDPOINT") or env.get("OTEL_EXPORTER_OTLP_ENDPOINT")
+                  or DEFAULT_GRPC_ENDPOINT).strip().rstrip("/")
+        return chosen if "://" in chosen else "http://" + chosen
     if endpoint:
         return _with_path(endpoint)
     if env.get("OTEL_EXPORTER_OTLP_METRICS_ENDPOINT"):

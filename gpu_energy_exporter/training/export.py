@@ -209,6 +209,12 @@ def describe_failure(endpoint: str, response: requests.Response | None, error: B
                     "running on this node with --otlp.listen-address on that port? (Otherwise point "
                     "OTEL_EXPORTER_OTLP_ENDPOINT or endpoint=... at it.)")
     for e in chain:
+        # an HTTP/2 frame where an HTTP/1.1 status line belongs: the OTLP/gRPC port (4317), not OTLP/HTTP
+        if type(e).__name__ == "BadStatusLine" and str(e).lstrip("'\"").startswith("\x00\x00"):
+            return (f"{hostport} speaks HTTP/2 (gRPC), not OTLP/HTTP: it is the exporter's OTLP/gRPC port "
+                    "(--otlp.grpc.listen-address, 4317). Point OTEL_EXPORTER_OTLP_ENDPOINT or endpoint=... at "
+                    "its OTLP/HTTP port (4318), or set OTEL_EXPORTER_OTLP_PROTOCOL=grpc.")
+    for e in chain:
         if isinstance(e, (requests.exceptions.Timeout, TimeoutError)):
             within = f" within {timeout:g} s" if timeout else ""
             return (f"{hostport} did not answer{within}: the exporter is overloaded or hung, or a firewall "

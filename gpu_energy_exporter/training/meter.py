@@ -35,6 +35,7 @@ try:
         Histogram,
         HistogramDataPoint,
         Metric,
+        MetricExporter,
         PeriodicExportingMetricReader,
     )
     from opentelemetry.sdk.resources import Resource
@@ -49,6 +50,7 @@ except ImportError as exc:  # pragma: no cover - depends on the installed extras
 from gpu_energy_exporter import __version__
 from gpu_energy_exporter.core import contract as I  # noqa: N812 - a namespace of constants
 from gpu_energy_exporter.training.batch import number
+from gpu_energy_exporter.training.endpoint import GRPC, HTTP_PROTOBUF
 from gpu_energy_exporter.training.export import GuardedExporter, ObservedSession
 
 log = logging.getLogger("gpu_energy_exporter.training")
@@ -105,6 +107,22 @@ class StepDurations:
         return [Metric(name=inst.name, description=inst.description, unit=inst.unit, data=data)]
 
 
+def _grpc_exporter(endpoint: str, headers: Mapping[str, str] | None, timeout: float) -> MetricExporter:
+    """The SDK's OTLP/gRPC metric exporter (``OTEL_EXPORTER_OTLP_PROTOCOL=grpc``): plain text for ``http://``,
+    TLS for ``https://`` (the SDK reads ``OTEL_EXPORTER_OTLP_CERTIFICATE``); its failures are reported from the
+    SDK's own messages, and partial success is not read (the SDK's gRPC exporter does not hand it over)."""
+    try:
+        from opentelemetry.exporter.otlp.proto.grpc.metric_exporter import OTLPMetricExporter as GRPCExporter
+    except ImportError as exc:  # pragma: no cover - depends on the installed packages
+        raise ImportError("OTEL_EXPORTER_OTLP_PROTOCOL=grpc needs opentelemetry-exporter-otlp-proto-grpc "
+                          "(in the base install of gpu-energy-exporter): pip install "
+                          "opentelemetry-exporter-otlp-proto-grpc, or push over HTTP (unset it)") from exc
+    # gRPC metadata keys are lower case
+    metadata = {k.lower(): v for k, v in headers.items()} if headers else None
+    return GRPCExporter(endpoint=endpoint, insecure=endpoint.startswith("http://"), headers=metadata,
+                        timeout=timeout)
+
+
 class RunMeter:
     """The ``MeterProvider`` of one run and its instruments.
 
@@ -126,6 +144,7 @@ class RunMeter:
         headers: Mapping[str, str] | None,
         export_interval: float,
         export_timeout: float,
+        protocol: str = HTTP_PROTOBUF,
     ) -> None:
         self._pid = os.getpid()
         self._started_ns = time.time_ns()
@@ -142,9 +161,14 @@ class RunMeter:
             "process.pid": self._pid,
         })
         self.scope = InstrumentationScope(I.SCOPE_NAME, __version__)
-        session = ObservedSession()
-        inner = OTLPMetricExporter(endpoint=endpoint, headers=dict(headers) if headers else None,
-                                   timeout=export_timeout, session=session)
+        session: ObservedSession | None = None
+        inner: MetricExporter
+        if protocol == GRPC:
+            inner = _grpc_exporter(endpoint, headers, export_timeout)
+        else:
+            session = ObservedSession()
+            inner = OTLPMetricExporter(endpoint=endpoint, headers=dict(headers) if headers else None,
+                                       timeout=export_timeout, session=session)
         self.exporter = GuardedExporter(inner, endpoint=endpoint, resource=self.resource, scope=self.scope,
                                         extra=self._extra_metrics, session=session, timeout=export_timeout)
         reader = PeriodicExportingMetricReader(

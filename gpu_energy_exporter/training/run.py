@@ -35,8 +35,10 @@ from gpu_energy_exporter.training.distributed import rank_and_world_size, shared
 from gpu_energy_exporter.training.endpoint import (
     DEFAULT_EXPORT_TIMEOUT,
     DEFAULT_FINISH_TIMEOUT,
+    HTTP_PROTOBUF,
     export_interval_seconds,
     resolve_endpoint,
+    resolve_protocol,
 )
 from gpu_energy_exporter.training.gpus import resolve_gpus
 from gpu_energy_exporter.training.metadata import RunMetadata, parameter_count
@@ -64,6 +66,7 @@ class TrainingRun:
         export_interval: float,
         export_timeout: float,
         finish_timeout: float,
+        protocol: str = HTTP_PROTOBUF,
     ) -> None:
         """``metadata``: the attributes of ``training.run.info`` (``RunMetadata.attributes()`` and the
         counting conventions); None values are left out."""
@@ -120,6 +123,7 @@ class TrainingRun:
             headers=headers,
             export_interval=export_interval,
             export_timeout=export_timeout,
+            protocol=protocol,
         )
         self._exporter = self._meter.exporter
         # A script that never calls finish() still flushes at exit (bounded like finish()).
@@ -366,7 +370,8 @@ def start_run(
     ``flops_per_token``); they label ``training.run.info`` so figures are never compared across
     conventions unawares.
     ``endpoint``: base URL of the receiver; default ``OTEL_EXPORTER_OTLP_METRICS_ENDPOINT``, else
-    ``OTEL_EXPORTER_OTLP_ENDPOINT``, else ``http://localhost:4318``. ``headers``: extra HTTP headers
+    ``OTEL_EXPORTER_OTLP_ENDPOINT``, else ``http://localhost:4318`` (with ``OTEL_EXPORTER_OTLP_PROTOCOL=grpc``:
+    the same variables as a gRPC endpoint, else ``http://localhost:4317``). ``headers``: extra HTTP headers
     (e.g. ``{"Authorization": "Bearer ..."}``); default ``OTEL_EXPORTER_OTLP_HEADERS``.
     ``export_interval`` seconds between background exports (default ``OTEL_METRIC_EXPORT_INTERVAL`` or
     10 s). ``gpu_uuids`` / ``device`` pin the GPUs (see ``gpus.py``); ``rank`` / ``world_size`` override
@@ -384,6 +389,7 @@ def start_run(
     rank = detected_rank if rank is None else int(rank)
     world_size = detected_world if world_size is None else int(world_size)
     resolution = resolve_gpus(gpu_uuids, device=device, world_size=world_size, environ=env)
+    protocol = resolve_protocol(env)
     run = TrainingRun(
         run_id=shared_run_id(run_id, world_size, env),
         rank=rank,
@@ -393,7 +399,8 @@ def start_run(
         metadata={**metadata.attributes(), "padding": padding, "flops": flops},
         total_steps=total_steps,
         start_step=int(start_step or 0),
-        endpoint=resolve_endpoint(endpoint, env),
+        endpoint=resolve_endpoint(endpoint, env, protocol),
+        protocol=protocol,
         headers=headers,
         export_interval=export_interval_seconds(export_interval, env),
         export_timeout=export_timeout,

@@ -1,0 +1,438 @@
+"""The OTLP/gRPC metrics receiver: ``opentelemetry.proto.collector.metrics.v1.MetricsService/Export`` on
+``--otlp.grpc.listen-address`` (port 4317, what the Collector's ``otlp`` exporter and SDKs configured with
+``OTEL_EXPORTER_OTLP_PROTOCOL=grpc`` push to).
+
+A call's message goes through the function an OTLP/HTTP body goes through (``ExportHandler.store_body``):
+the same store, ledger, ``--otlp.*`` limits and ``partial_success`` answers. What gRPC changes is the
+transport and the codes (OTLP specification, "OTLP/gRPC Response"):
+
+- ``INVALID_ARGUMENT``: the message is not an ``ExportMetricsServiceRequest`` (the HTTP receiver's 400
+  message), or the call carried no message. Not retryable, as the spec says.
+- ``UNAUTHENTICATED``: ``--otlp.bearer-token-file`` is set and the ``authorization`` metadata does not carry
+  ``Bearer <token>``.
+- ``RESOURCE_EXHAUSTED``: the message is over ``--otlp.max-body-bytes``, as sent or after gzip; gRPC itself
+  refuses it and stops inflating at the limit, so a gzip bomb costs at most that much. The receiver sees only
+  a call cancelled before its message (counted ``CANCELLED``, as a client that gave up).
+- ``DEADLINE_EXCEEDED``: the message did not arrive within ``--web.request-timeout`` of the call's start.
+- ``UNAVAILABLE``: a call still receiving its message after ``EVICT_AFTER`` seconds was cut to let a waiting
+  call in (retryable: a genuine client sends again).
+
+Bounds (memory and connections): at most ``SLOTS`` calls receive or are handled at once, so at most that
+many messages of ``--otlp.max-body-bytes`` are in memory (the HTTP port holds four bodies' worth too); other
+calls wait, holding no message (gRPC grants a call without a pending read one flow-control window, 64 KiB,
+with BDP probing off). A call waits and receives within ``--web.request-timeout``. When every slot is taken
+and a call waits, the call that has been receiving longest, for over ``EVICT_AFTER``, is cut, so a flood of
+slow senders cannot hold the port. At most ``--web.max-connections`` connections, ``STREAMS_PER_CONNECTION``
+calls on each, ``--web.max-connections`` calls in all (``RESOURCE_EXHAUSTED`` beyond); a connection with
+no call for ``IDLE_TIMEOUT`` seconds is closed (GOAWAY: a client reconnects on its next export), and one
+must finish its TLS and HTTP/2 handshake within ``HANDSHAKE_TIMEOUT``.
+
+TLS: ``--web.config.file``'s ``tls_server_config`` (certificate, key, client CA; reloaded when the files
+change, on the next connection). Settings grpcio cannot enforce (``client_allowed_sans``, TLS versions other
+than 1.2 to 1.3, ``cipher_suites``) stop the exporter at start-up with a message, rather than serve weaker
+than the file says. Basic auth and ``rate_limit`` in that file are HTTP-only: the bearer token is OTLP's.
+
+Threads: one ``otlp-grpc`` thread runs an asyncio loop with a ``grpc.aio`` server; messages up to
+``receiver.INLINE_MAX_BODY`` are stored on it (a rank's export costs less than a hand-off), larger ones on a
+small pool. ``grpc`` is imported only when the receiver is built (``bind``): an exporter with
+``--otlp.grpc.listen-address=`` never loads it. This module never decodes OTLP itself, never touches the
+store except through ``ExportHandler``, and never lets a call crash the server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from prometheus_client.core import Metric
+
+from gpu_energy_exporter.core import metrics
+from gpu_energy_exporter.core.errors import ConfigError
+from gpu_energy_exporter.http.listen import bind as probe_bind
+from gpu_energy_exporter.otlp.grpctls import TLSCredentials, check_tls
+from gpu_energy_exporter.otlp.receiver import INLINE_MAX_BODY, PROTOBUF, ExportFailure, ExportHandler
+from gpu_energy_exporter.otlp.selfmetrics import COLLECTOR
+
+if TYPE_CHECKING:
+    from grpc import aio
+
+    from gpu_energy_exporter.http.tls import TLSServerConfig
+
+log = logging.getLogger(__name__)
+
+SERVICE = "opentelemetry.proto.collector.metrics.v1.MetricsService"
+METHOD = "Export"
+
+#: Calls receiving or being handled at once (each may hold one message of --otlp.max-body-bytes).
+SLOTS = 4
+#: A call still receiving its message after this long is cut when another call waits for its slot.
+EVICT_AFTER = 1.0
+STREAMS_PER_CONNECTION = 8
+IDLE_TIMEOUT = 60.0
+HANDSHAKE_TIMEOUT = 10.0
+#: Threads that store messages larger than ``INLINE_MAX_BODY`` (off the loop, so small calls go on).
+WORKERS = 2
+
+#: Every outcome, initialised at zero (gRPC status code names).
+#: (RESOURCE_EXHAUSTED is not among them: gRPC answers it itself, before the receiver sees the message.)
+CODES: tuple[str, ...] = ("OK", "INVALID_ARGUMENT", "UNAUTHENTICATED", "DEADLINE_EXCEEDED", "UNAVAILABLE",
+                          "CANCELLED", "INTERNAL")
+
+GRPC_REQUESTS = metrics.define(
+    "otlp", "grpc_requests_total", "counter",
+    "OTLP/gRPC export calls handled by the receiver, by gRPC status code. CANCELLED: the call ended before its "
+    "message was read (the client cancelled, or the message was over --otlp.max-body-bytes, which gRPC "
+    "answers RESOURCE_EXHAUSTED itself).",
+    ("code",), collector=COLLECTOR)
+GRPC_REQUEST_DURATION = metrics.define(
+    "otlp", "grpc_request_duration_seconds_total", "counter",
+    "Time spent in OTLP/gRPC export calls, waiting for and receiving the message included.",
+    collector=COLLECTOR, unit="seconds")
+GRPC_CALLS = metrics.define(
+    "otlp", "grpc_calls_in_flight", "gauge",
+    f"OTLP/gRPC export calls open now: receiving or being handled (at most {SLOTS} at once) or waiting for that.",
+    collector=COLLECTOR)
+
+
+class _Refused(Exception):
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+class _Call:
+    """One call: when it started receiving (holding a slot), its pending read, and why that read was cut."""
+
+    __slots__ = ("receiving_since", "read", "cut")
+
+    def __init__(self) -> None:
+        self.receiving_since: float | None = None
+        self.read: asyncio.Future[Any] | None = None
+        self.cut = ""  # the code the read was cut with (UNAVAILABLE, DEADLINE_EXCEEDED)
+
+    def stop(self, code: str) -> None:
+        if self.read is not None and not self.read.done() and not self.cut:
+            self.cut = code
+            self.read.cancel()
+
+
+class _Slots:
+    """``SLOTS`` calls at once; waiting calls cut the slowest receiver (loop thread only, no lock: nothing
+    awaits between a check and what it decides)."""
+
+    def __init__(self, n: int, clock: Callable[[], float]) -> None:
+        self._n = n
+        self._clock = clock
+        self._holders: list[_Call] = []
+        self._waiting = 0
+        self._changed = asyncio.Condition()
+
+    def _evict_slowest(self) -> None:
+        receiving = [c for c in self._holders if c.receiving_since is not None and not c.cut]
+        if receiving:
+            oldest = min(receiving, key=lambda c: c.receiving_since or 0.0)
+            if self._clock() - (oldest.receiving_since or 0.0) > EVICT_AFTER:
+                oldest.stop("UNAVAILABLE")
+
+    async def acquire(self, call: _Call, deadline: float) -> None:
+        if len(self._holders) < self._n and not self._waiting:
+            self._holders.append(call)  # the common case: a free slot, no one ahead
+            return
+        self._waiting += 1
+        try:
+            async with self._changed:
+                while len(self._holders) >= self._n:
+                    self._evict_slowest()
+                    remaining = deadline - self._clock()
+                    if remaining <= 0:
+                        raise _Refused("DEADLINE_EXCEEDED", "the receiver was busy for the whole of "
+                                       "--web.request-timeout; try again")
+                    try:
+                        # woken by a release, or soon enough to cut a receiver that became slow meanwhile
+                        await asyncio.wait_for(self._changed.wait(), min(remaining, EVICT_AFTER))
+                    except asyncio.TimeoutError:
+                        pass
+                self._holders.append(call)
+        finally:
+            self._waiting -= 1
+
+    async def release(self, call: _Call) -> None:
+        self._holders.remove(call)
+        if self._waiting:
+            async with self._changed:
+                self._changed.notify()
+
+
+class GRPCReceiver:
+    """``MetricsService/Export`` on its own port, storing through ``handler`` (the OTLP/HTTP receiver's).
+
+    ``bind()`` imports grpc, binds the port (``ConfigError`` naming the address when it cannot) and starts the
+    ``otlp-grpc`` thread; ``start()`` starts serving; ``shutdown()`` stops both. ``collect()`` and
+    ``version()`` are the self-metrics for ``/metrics``.
+    """
+
+    def __init__(
+        self,
+        address: tuple[str, int],
+        handler: ExportHandler,
+        *,
+        tls: TLSServerConfig | None = None,
+        max_connections: int = 256,
+        request_timeout: float = 30.0,
+        slots: int = SLOTS,
+    ) -> None:
+        self.address = address
+        self.handler = handler
+        self.tls = tls
+        self.max_connections = max_connections
+        self.request_timeout = request_timeout
+        self.slots = slots
+        if tls is not None:
+            check_tls(tls)  # at construction, as every other setting: nothing has started yet
+        self._lock = threading.Lock()
+        self._counts: dict[str, float] = dict.fromkeys(CODES, 0.0)
+        self._seconds = 0.0
+        self._in_flight = 0
+        self._version = 0
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._server: aio.Server | None = None
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self._slots: _Slots | None = None
+        self.port = 0
+
+    # ------------------------------------------------------------------------------------------------
+    # self-metrics
+
+    def _opened(self) -> None:
+        with self._lock:
+            self._in_flight += 1
+            self._version += 1
+
+    def _record(self, code: str, seconds: float) -> None:
+        with self._lock:
+            self._counts[code] = self._counts.get(code, 0.0) + 1
+            self._seconds += seconds
+            self._in_flight -= 1
+            self._version += 1
+
+    def version(self) -> int:
+        return self._version
+
+    def collect(self) -> list[Metric]:
+        with self._lock:
+            counts, seconds, in_flight = dict(self._counts), self._seconds, self._in_flight
+        requests = GRPC_REQUESTS.family()
+        for code, n in sorted(counts.items()):
+            metrics.add(requests, (code,), n)
+        duration = GRPC_REQUEST_DURATION.family()
+        metrics.add(duration, (), seconds)
+        calls = GRPC_CALLS.family()
+        metrics.add(calls, (), in_flight)
+        return [requests, duration, calls]
+
+    def counts(self) -> dict[str, float]:
+        """Calls by gRPC code so far (a copy)."""
+        with self._lock:
+            return dict(self._counts)
+
+    # ------------------------------------------------------------------------------------------------
+    # the call
+
+    async def _export(self, requests: Any, context: aio.ServicerContext) -> bytes:
+        import grpc
+
+        started = time.perf_counter()
+        code, message = "OK", ""
+        call = _Call()
+        self._opened()
+        try:
+            return await self._serve(context, call)
+        except _Refused as exc:
+            code, message = exc.code, exc.message
+        except asyncio.CancelledError:
+            # the client went away, or gRPC failed the call itself (the message was over the limit: _receive)
+            code = "CANCELLED"
+            raise
+        except Exception:
+            log.exception("OTLP/gRPC call handling failed")
+            code, message = "INTERNAL", "internal error while handling the request; see the exporter log"
+        finally:
+            self._record(code, time.perf_counter() - started)
+        await context.abort(getattr(grpc.StatusCode, code), message)
+        raise AssertionError("unreachable: abort raises")  # pragma: no cover
+
+    async def _serve(self, context: aio.ServicerContext, call: _Call) -> bytes:
+        authorization = ""
+        for key, value in context.invocation_metadata() or ():
+            if key == "authorization":
+                authorization = value if isinstance(value, str) else ""
+                break
+        if not self.handler.bearer_ok(authorization):
+            raise _Refused("UNAUTHENTICATED", "missing or wrong bearer token (metadata authorization: Bearer "
+                                              "<token> from --otlp.bearer-token-file)")
+        assert self._slots is not None
+        deadline = time.monotonic() + self.request_timeout
+        await self._slots.acquire(call, deadline)
+        try:
+            data = await self._receive(context, call, deadline)
+            if len(data) <= INLINE_MAX_BODY:
+                return self.handler.store_body(data, PROTOBUF)
+            loop = asyncio.get_running_loop()
+            return await loop.run_in_executor(self._pool, self.handler.store_body, data, PROTOBUF)
+        except ExportFailure as exc:
+            raise _Refused("INVALID_ARGUMENT", exc.message) from None
+        finally:
+            await self._slots.release(call)
+
+    async def _receive(self, context: aio.ServicerContext, call: _Call, deadline: float) -> bytes:
+        from grpc import aio
+
+        loop = asyncio.get_running_loop()
+        call.receiving_since = time.monotonic()
+        call.read = asyncio.ensure_future(context.read())
+        timer = loop.call_at(loop.time() + max(0.0, deadline - time.monotonic()), call.stop, "DEADLINE_EXCEEDED")
+        try:
+            data = await call.read
+        except asyncio.CancelledError:
+            if call.cut == "UNAVAILABLE":
+                raise _Refused("UNAVAILABLE", "the message was still arriving after "
+                                              f"{EVICT_AFTER:g}s while other calls waited; send it again") from None
+            if call.cut == "DEADLINE_EXCEEDED":
+                raise _Refused("DEADLINE_EXCEEDED", f"the message did not arrive within {self.request_timeout:g}s "
+                                                    "(--web.request-timeout)") from None
+            raise  # this call's own task: the client went away, or gRPC ended the call
+        finally:
+            timer.cancel()
+            call.read.cancel()
+            call.receiving_since = None
+        if data is aio.EOF:
+            # gRPC ends the read so when it refused the message (over max_receive_message_length, before or
+            # after inflating: RESOURCE_EXHAUSTED to the client) or the client cancelled, and then cancels this
+            # task: given a moment, it is counted CANCELLED, not as a call with no message, which gets here too.
+            await asyncio.sleep(0.05)
+            raise _Refused("INVALID_ARGUMENT", "the call carried no ExportMetricsServiceRequest message")
+        return bytes(data)
+
+    # ------------------------------------------------------------------------------------------------
+    # the server
+
+    def _options(self) -> list[tuple[str, Any]]:
+        ms = 1000
+        return [
+            ("grpc.max_receive_message_length", self.handler.max_body_bytes),
+            ("grpc.max_send_message_length", 1 << 20),
+            ("grpc.max_allowed_incoming_connections", self.max_connections),
+            ("grpc.max_concurrent_streams", STREAMS_PER_CONNECTION),
+            ("grpc.max_connection_idle_ms", int(IDLE_TIMEOUT * ms)),
+            ("grpc.server_handshake_timeout_ms", int(min(HANDSHAKE_TIMEOUT, self.request_timeout) * ms)),
+            # a waiting call's stream gets one 64 KiB window, not one grown by bandwidth probing
+            ("grpc.http2.bdp_probe", 0),
+            # without it a second exporter binds the same port and the kernel splits the pushes between them
+            ("grpc.so_reuseport", 0),
+        ]
+
+    def _target(self) -> str:
+        host, port = self.address
+        host = host.strip()
+        if host.startswith("[") and host.endswith("]"):
+            host = host[1:-1]
+        if host == "":
+            host = "::"
+        return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+    async def _build(self) -> int:
+        import grpc
+        from grpc import aio
+
+        self._slots = _Slots(self.slots, time.monotonic)
+        server = aio.server(options=self._options(), maximum_concurrent_rpcs=self.max_connections)
+        handler = grpc.method_handlers_generic_handler(
+            SERVICE, {METHOD: grpc.stream_unary_rpc_method_handler(self._export)})
+        server.add_generic_rpc_handlers((handler,))
+        target = self._target()
+        try:
+            if self.tls is not None:
+                port = server.add_secure_port(target, TLSCredentials(self.tls).credentials())
+            else:
+                port = server.add_insecure_port(target)
+        except RuntimeError:
+            port = 0
+        if not port:
+            raise ConfigError(self._bind_problem())
+        self._server = server
+        return port
+
+    def _bind_problem(self) -> str:
+        # gRPC says only "failed to bind"; binding the address ourselves gives the reason
+        try:
+            probe_bind(self.address).close()
+        except ConfigError as exc:
+            return str(exc)
+        return f"cannot listen on {self._target()} for OTLP/gRPC"
+
+    def bind(self) -> GRPCReceiver:
+        """Import grpc, start the loop thread and bind the port. ``ConfigError`` when it cannot be used."""
+        if self._loop is not None:
+            return self
+        loop = asyncio.new_event_loop()
+        thread = threading.Thread(target=loop.run_forever, name="otlp-grpc", daemon=True)
+        thread.start()
+        self._loop, self._thread = loop, thread
+        self._pool = concurrent.futures.ThreadPoolExecutor(WORKERS, thread_name_prefix="otlp-grpc-worker")
+        try:
+            self.port = asyncio.run_coroutine_threadsafe(self._build(), loop).result()
+        except BaseException:
+            self.shutdown()
+            raise
+        return self
+
+    def start(self) -> GRPCReceiver:
+        self.bind()
+        assert self._loop is not None and self._server is not None
+        asyncio.run_coroutine_threadsafe(self._server.start(), self._loop).result()
+        log.info("otlp-grpc listening on %s (gRPC, TLS %s, bearer token %s, at most %d connections)",
+                 self.url, "on" if self.tls else "off", "on" if self.handler.bearer_required else "off",
+                 self.max_connections)
+        return self
+
+    @property
+    def url(self) -> str:
+        """The endpoint a client on this host gives an OTLP gRPC exporter."""
+        host = self.address[0].strip().strip("[]")
+        if host in ("", "0.0.0.0", "::"):
+            host = "127.0.0.1" if host == "0.0.0.0" else "localhost"
+        if ":" in host:
+            host = f"[{host}]"
+        return f"{'https' if self.tls else 'http'}://{host}:{self.port}"
+
+    def shutdown(self) -> None:
+        loop, server = self._loop, self._server
+        self._server = None
+        if loop is None:
+            return
+        if server is not None:
+            try:
+                asyncio.run_coroutine_threadsafe(server.stop(1.0), loop).result(5.0)
+            except Exception:  # already stopped, or the loop is gone: nothing left to serve
+                log.debug("OTLP/gRPC server stop", exc_info=True)
+        loop.call_soon_threadsafe(loop.stop)
+        if self._thread is not None:
+            self._thread.join(5.0)
+        if not loop.is_running():
+            loop.close()
+        if self._pool is not None:
+            self._pool.shutdown(wait=False)
+        self._loop = self._thread = self._pool = None
+
+    def __enter__(self) -> GRPCReceiver:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
