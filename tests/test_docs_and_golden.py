@@ -82,6 +82,7 @@ def test_golden_gpu_exposition(fake_nvml_lib: Path, tmp_path: Path, monkeypatch:
     Scenario(epoch=t0, driver=Driver(frozen_time=t0 + 100.0), gpus=gpus).write(path)
     monkeypatch.setenv("FAKE_NVML_SCENARIO", str(path))
     config = Config(web_listen_address=("127.0.0.1", 0), otlp_listen_address=("127.0.0.1", 0),
+                    otlp_grpc_listen_address=None,  # the suite never binds the default 4317
                     collectors=frozenset({"gpu", "processes"}))
     text, text_filtered = _served(config, lambda: NVMLBackend(str(fake_nvml_lib), clock=lambda: t0 + 100.0),
                                   t0 + 100.0)

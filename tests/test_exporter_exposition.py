@@ -27,6 +27,7 @@ from gpu_energy_exporter.engine.exposition import CachedSource, encode
 @pytest.fixture
 def exporter() -> Iterator[Exporter]:
     config = Config(web_listen_address=("127.0.0.1", 0), otlp_listen_address=("127.0.0.1", 0),
+                    otlp_grpc_listen_address=None,  # the suite never binds the default 4317
                     collectors=frozenset({"gpu"}), otlp_series_ttl=1.0)
     exp = Exporter(config, backend_factory=lambda: SimulatedBackend(2))
     exp.start()
