@@ -125,6 +125,10 @@ class FileWriter:
     # ------------------------------------------------------------------------------------------------
 
     def _loop(self) -> None:
+        try:  # at start, not at the first row: a crash's leftovers go even if no run closes
+            self._clean(files.summaries_dir(self.csv_path))
+        except OSError as exc:
+            log.debug("run ledger: cannot look for stale temporary files yet (%s)", exc)
         while True:
             with self._cond:
                 while not self._stop and (not self._queue or self._queue[0].next_try > self._clock()):
