@@ -158,6 +158,14 @@ class FileWriter:
         removed = clean_temp_files(os.path.dirname(os.path.abspath(self.csv_path))) + clean_temp_files(runs_dir)
         if removed:
             log.warning("run ledger: removed %d temporary file(s) left by an interrupted write", removed)
+        if os.path.isfile(self.csv_path):  # never opens a FIFO or a device (that could block)
+            fd = os.open(self.csv_path, os.O_WRONLY)
+            try:
+                size = os.fstat(fd).st_size
+                if size:
+                    files.repair_tail(self.csv_path, fd, size)
+            finally:
+                os.close(fd)
 
     def _write(self, row: Row) -> bool:
         try:
