@@ -82,6 +82,14 @@ class FileWriter:
             self._queue.append(row)
             self._cond.notify_all()
 
+    def discard(self, seq: int) -> None:
+        """Forget a row not being written now (the backlog's bound)."""
+        with self._cond:
+            for row in self._queue:
+                if row.seq == seq and (self._idle or row is not self._queue[0]):
+                    self._queue.remove(row)
+                    return
+
     def backlog(self) -> int:
         with self._cond:
             return len(self._queue) + (0 if self._idle else 1)

@@ -46,6 +46,8 @@ GAP_WAIT_S = 30.0
 #: Shutdown: the most the ledger waits for its last checkpoint and for the rows still to write.
 SHUTDOWN_JOURNAL_S = 2.0
 SHUTDOWN_FILES_S = 1.5
+#: Rows waiting to be written, at most (each holds its run's summary and timeline, in memory and journal).
+MAX_PENDING = 1000
 
 
 def on_clock(frame: Frame, offset: float) -> Frame:
@@ -239,6 +241,14 @@ class Durable:
             self._last_kick = self._ledger._clock()
         if self.writer is not None:
             self.writer.submit(row)
+        led = self._ledger
+        if len(led._pending) > MAX_PENDING:  # a file system down for days: memory and journal stay bounded
+            oldest = min(led._pending)
+            dropped = led._pending.pop(oldest)
+            if self.writer is not None:
+                self.writer.discard(oldest)
+            log.error("run ledger: more than %d runs waiting to be written; giving up on run %s", MAX_PENDING,
+                      dropped.run_id)
 
     def _written(self, row: Row) -> None:
         led = self._ledger
