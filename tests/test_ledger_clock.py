@@ -114,6 +114,8 @@ def _run(tmp_path: Path, start_exporter: type[ExporterProcess], fake_nvml_lib: P
 
 
 def _check(row: dict[str, str], duration: float) -> None:
+    print("clock figures: energy", row["energy_j"], "J for", f"{WATTS * duration:.0f}", "duration", row["duration_s"],
+          f"for {duration:.2f}", "power", row["avg_power_w"], "tokens/s", row["tokens_per_s"])
     assert float(row["duration_s"]) == pytest.approx(duration, abs=1.5)
     assert float(row["energy_j"]) == pytest.approx(WATTS * duration, rel=0.08)
     assert float(row["avg_power_w"]) == pytest.approx(WATTS, rel=0.03)

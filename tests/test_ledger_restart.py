@@ -109,6 +109,8 @@ def test_a_run_spanning_an_exporter_restart_is_one_run_with_every_token_and_joul
     wait_until(lambda: any(r["status"] == "finished" for r in _rows(runs_csv)), timeout=15,
                what="the finished run's CSV row")
     rows = _rows(runs_csv)
+    print("restart figures:", sig.name, [(r["status"], r["tokens"], r["energy_j"], r["duration_s"]) for r in rows],
+          "trainer tokens", trainer.steps * TOKENS_PER_STEP)
     assert [r["run_id"] for r in rows] == ["restart"], "one row for a run spanning the restart"
     row = rows[0]
     assert float(row["tokens"]) == trainer.steps * TOKENS_PER_STEP, "every token once"

@@ -69,10 +69,6 @@ class SteadyClock:
     def __call__(self) -> float:
         return self.wall_anchor + (time.monotonic() - self.mono_anchor)
 
-    def offset(self) -> float:
-        """steady - wall, now: add it to a wall-clock time taken a moment ago to put it on this clock."""
-        return self() - time.time()
-
     def adopt(self, other: SteadyClock) -> bool:
         """Continue ``other`` (a journaled clock) when it comes from this boot: the axis carries on."""
         if not other.boot or other.boot != self.boot:

@@ -236,8 +236,8 @@ class RunLedger:
                     self._carbon_error_logged = True
         frame = frame_of(snapshot, intensity, pue)
         if self._wall is not None:
-            # Stamped by the wall clock a moment ago: put it on the ledger's (steady) clock.
-            frame = restart.on_clock(frame, self._clock() - self._wall())
+            # Stamped by the wall clock: dated on the ledger's (steady) clock instead.
+            frame = restart.on_clock(frame, self._clock())
         with self._lock:
             if self._history and frame.t <= self._history[-1].t:
                 return  # a repeated or out-of-order snapshot adds nothing

@@ -10,8 +10,8 @@ restore, the file writer's bookkeeping, and the mapping of every time the ledger
   restored series takes the trainer's next value as it comes (nothing counts twice, nothing is lost);
   should that value be lower (the exporter's folding of an earlier trainer restart was lost with the
   process) the series continues from its restored count (``reconcile``).
-- **Time.** The ledger runs on the steady clock (``journal.SteadyClock``): a snapshot's wall-clock stamp is
-  moved onto it (``on_clock``), and a point's trainer timestamp is placed relative to when it arrived
+- **Time.** The ledger runs on the steady clock (``journal.SteadyClock``): a snapshot is dated when the
+  ledger receives it (``on_clock``), and a point's trainer timestamp is placed relative to when it arrived
   (``steady_point_time``): it keeps its order and spacing within its stream, but a sender's clock that is
   off or steps moves no energy between runs.
 
@@ -50,9 +50,11 @@ SHUTDOWN_FILES_S = 1.5
 MAX_PENDING = 1000
 
 
-def on_clock(frame: Frame, offset: float) -> Frame:
-    """``frame`` with its time moved by ``offset`` (steady clock minus wall clock, now)."""
-    return replace(frame, t=frame.t + offset) if offset else frame
+def on_clock(frame: Frame, now: float) -> Frame:
+    """``frame`` dated ``now`` on the steady clock, when the ledger received it (right after the sampler
+    made it). Not its wall-clock stamp moved by the clocks' offset: a step between the two readings would
+    put it an hour away, and a frame in the future would stop the ledger counting until then."""
+    return replace(frame, t=now)
 
 
 def steady_point_time(offsets: dict[str, dict[str, float]], run_id: str, rank: str, t: float, received: float,
