@@ -249,12 +249,21 @@ class JournalWriter:
                 self._cond.wait(left)
             return True
 
-    def close(self) -> None:
+    def close(self, timeout: float = 0.5) -> None:
+        """Stop the thread once the checkpoints asked for are written (waiting at most ``timeout`` s: a
+        stalled disk keeps it, a daemon thread, and the process exits anyway)."""
         with self._cond:
             self._stop = True
             self._cond.notify_all()
+        self._thread.join(timeout)
 
     def _loop(self) -> None:
+        try:
+            self._run()
+        finally:
+            self._journal.close()
+
+    def _run(self) -> None:
         while True:
             with self._cond:
                 while self._done >= self._wanted and not self._stop:
