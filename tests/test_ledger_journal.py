@@ -136,3 +136,26 @@ def test_a_journaled_row_already_appended_is_not_appended_again_and_leftovers_go
     leftovers = [p for p in (*tmp_path.iterdir(), *(tmp_path / "runs").iterdir()) if p.name.endswith(".tmp")]
     assert leftovers == []
     assert os.path.exists(tmp_path / "runs" / "done.json")
+
+
+def test_a_senders_clock_is_placed_against_arrival_and_keeps_its_spacing() -> None:
+    """``restart.steady_point_time``: clocks that agree are trusted (a late point stays late); a skewed one
+    is placed by arrival; a step either way never puts a point after its arrival or an hour away."""
+    from gpu_energy_exporter.ledger.restart import steady_point_time
+
+    offsets: dict[str, dict[str, float]] = {}
+
+    def place(run: str, t: float, received: float) -> float:
+        return steady_point_time(offsets, run, "0", t, received, late_window_s=120.0)
+
+    assert place("ok", 100.0, 100.2) == 100.0
+    assert place("ok", 90.0, 130.0) == 90.0  # a retried export: late, kept at its own time
+    assert place("behind", 70.0, 100.0) == 100.0  # 30 s behind: at its arrival
+    assert place("behind", 71.0, 101.0) == 101.0  # its spacing kept
+    assert place("behind", 71.5, 101.6) == pytest.approx(101.5)
+    assert place("ahead", 3700.0, 100.0) == 100.0  # an hour ahead
+    assert place("ahead", 3701.0, 101.0) == 101.0
+    assert place("ok", 3800.0, 140.0) == 140.0  # stepped forward an hour: never after its arrival
+    assert place("ok", 3801.0, 141.0) == 141.0
+    assert place("ok", 202.0, 142.0) == 142.0  # and back an hour: re-anchored at its arrival
+    assert place("ok", 203.0, 143.0) == 143.0
