@@ -3,16 +3,18 @@
 Fed from two sides: ``on_point`` receives every point the OTLP store accepted (request threads) and
 ``on_snapshot`` every sampler snapshot (sampler thread). A run lives from its first point until every
 rank that pushed has sent ``training_run_finished 1`` (or until nothing was pushed for ``stale_after``,
-in which case it ends at its last point). Then one row is appended to the CSV and a JSON summary is
-written beside it (``<csv dir>/runs/<run id>.json``), both atomically (temp file, fsync, rename).
+in which case it ends at its last point). Then it is journaled, and the file writer's thread appends one
+row to the CSV and writes a JSON summary beside it (``<csv dir>/runs/<run id>.json``, atomically). With a
+journal (``state_dir``) open runs outlive the process (``restart``); all times are on ``clock`` (in the
+daemon the steady clock, with ``wall`` the clock snapshots are stamped with).
 ``collect()`` serves per-run series on /metrics; ``runs()`` / ``run(run_id)`` feed the JSON API
 (``daemon/api.py``: ``/api/v1/runs``, ``/api/v1/run?id=``) that ``top``, ``report`` and ``runs --url`` read.
 
 How the figures are made: the package's docstring (``gpu_energy_exporter.ledger``) and docs/ledger.md.
 
 This module never calls NVML or reads hardware, never integrates power into energy, and never raises
-into the sampler or request threads: a failing write is logged and counted, the run is kept and retried
-with back-off on the sampler thread, and once more at shutdown.
+into the sampler or request threads, and never touches a file on them: a failing write is logged and
+counted, the row is kept (journaled) and retried with back-off by the file writer's thread.
 
 This module is the ledger's driver: the lock, the snapshot history, who holds which GPU, when runs open
 and close, the write-retry queue and what /metrics and the JSON API get. The arithmetic lives beside it:
@@ -55,8 +57,12 @@ class RunLedger:
 
     ``csv_path``: ``--runs.csv`` (None keeps runs in memory only). ``warmup_s``: ``--runs.warmup``.
     ``stale_after_s``: ``--runs.stale-after``. ``carbon``: returns (grid intensity g/kWh, PUE), called
-    once per snapshot on the sampler thread; None means no CO2 figures. ``clock``: wall time (staleness,
-    how long finished runs are kept).
+    once per snapshot on the sampler thread; None means no CO2 figures. ``clock``: the ledger's time
+    (intervals, staleness, how long finished runs are kept); ``wall``: the clock snapshots are stamped
+    with when ``clock`` is another one (the daemon's steady clock): snapshots are then dated by ``clock``
+    and senders' timestamps placed against their arrival. ``state_dir``: ``--runs.state-dir`` (None: no
+    journal, runs in memory only); ``background_writes``: files written by their own thread (the daemon)
+    rather than on the thread that closes a run; ``journal_interval_s``: ``--runs.journal-interval``.
     """
 
     def __init__(
