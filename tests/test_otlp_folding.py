@@ -96,3 +96,30 @@ def test_name_collisions_between_families_and_with_reserved_names() -> None:
     refusal = admission.name_collision("up", "gauge", {}, {})
     assert refusal is not None and refusal[0] == "name_collision"
     assert admission.name_collision("y", "histogram", claims, {fam.name: fam}) is None
+
+
+S = 10**9  # ns
+
+
+def gauge(value: float, t: int) -> Point:
+    return Point("gauge", "g", "h", "", (), "r", 0, t, False, value=value)
+
+
+def test_a_sender_clock_stepped_back_is_followed_and_a_retry_still_refused() -> None:
+    """Issue 20: the node's clock stepped back 1 h mid-run and every later push was refused (out_of_order),
+    freezing the run. A point's time orders its stream; more progress at an earlier time is a step."""
+    hour = 3600 * S
+    s, _ = fold([counter(100, hour + 10 * S), counter(200, hour + 11 * S)])
+    folding.update(counter(300, 12 * S), s, False)  # the clock went back an hour, the count went on
+    folding.update(counter(400, 13 * S), s, False)
+    assert folding.exposed("counter", s) == (400.0,)
+    with pytest.raises(folding.OutOfOrder):  # a retried export: older and no more progress
+        folding.update(counter(300, 12 * S), s, False)
+    g, _ = fold([gauge(0.0, hour + 10 * S), gauge(0.0, hour + 11 * S)])
+    with pytest.raises(folding.OutOfOrder):  # seconds older: a retry, dropped as before
+        folding.update(gauge(1.0, hour + 5 * S), g, False)
+    folding.update(gauge(1.0, 12 * S), g, False)  # an hour older: the clock stepped back
+    assert folding.exposed("gauge", g) == (1.0,)
+    h, _ = fold([histogram((1, 1), (1.0,), hour + 10 * S)])
+    folding.update(histogram((2, 1), (1.0,), 12 * S), h, False)
+    assert folding.exposed("histogram", h)[-2] == 3.0  # _count

@@ -225,8 +225,10 @@ FLAGS: tuple[Flag, ...] = (
          "Most buckets in one histogram data point; points with more are rejected.", "N"),
     Flag("otlp.max-quantiles-per-point", _positive_int, "64",
          "Most quantiles in one summary data point; points with more are rejected.", "N"),
-    Flag("otlp.max-future-skew", parse_duration, "5m",
-         "Points (or stream start times) dated more than this after their request arrived are rejected.",
+    Flag("otlp.max-future-skew", parse_duration, "24h",
+         "Points (or stream start times) dated more than this after their request arrived are rejected "
+         "(a point's time only orders its stream: a trainer's or the exporter's clock stepped by an hour "
+         "loses nothing).",
          "DURATION"),
     Flag("otlp.max-new-runs-per-request", _positive_int, "16",
          "Most new run ids one request may start; their points beyond it are rejected (a flood of run ids "
@@ -300,6 +302,13 @@ FLAGS: tuple[Flag, ...] = (
          "Start of each run excluded from its efficiency figures (J/token, tokens/s).", "DURATION"),
     Flag("runs.stale-after", parse_duration, "5m",
          "A run that pushed nothing for this long is finished as stale.", "DURATION"),
+    Flag("runs.state-dir", _text, None,
+         "Directory of the run ledger's journal: open runs and rows not yet written survive a restart "
+         "(SIGTERM or SIGKILL) and continue as the same runs. Default: .runs-state beside --runs.csv; "
+         "without either, runs are kept in memory only. Put it on a local disk.", "DIR"),
+    Flag("runs.journal-interval", parse_duration, "5s",
+         "How often the open runs are checkpointed into the journal (a run closing is journaled at "
+         "once); what a SIGKILL can lose of a run's timeline, never of its energy or tokens.", "DURATION"),
     Flag("kubernetes.pod-resources-socket", _text, "/var/lib/kubelet/pod-resources/kubelet.sock",
          "Kubelet pod-resources socket used to attribute GPUs to pods.", "PATH"),
     Flag("kubernetes.refresh-interval", parse_duration, "10s",
@@ -344,7 +353,7 @@ class Config:
     otlp_max_labels_per_point: int = 32
     otlp_max_buckets_per_point: int = 256
     otlp_max_quantiles_per_point: int = 64
-    otlp_max_future_skew: float = 300.0
+    otlp_max_future_skew: float = 86400.0
     otlp_max_new_runs_per_request: int = 16
     otlp_max_new_series_per_request: int = 2000
     otlp_evict_idle_after: float = 120.0
@@ -373,6 +382,8 @@ class Config:
     runs_csv: str | None = None
     runs_warmup: float = 30.0
     runs_stale_after: float = 300.0
+    runs_state_dir: str | None = None
+    runs_journal_interval: float = 5.0
     kubernetes_pod_resources_socket: str = "/var/lib/kubelet/pod-resources/kubelet.sock"
     kubernetes_refresh_interval: float = 10.0
     collector_slurm_job_mapping_dir: str = "/run/gpu-energy-exporter/slurm-jobs"

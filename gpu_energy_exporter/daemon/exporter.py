@@ -8,6 +8,7 @@ and raises ``ConfigError`` before anything starts; ``start()`` binds the ports a
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Callable
 from typing import Any
@@ -40,6 +41,7 @@ from gpu_energy_exporter.http.server import HTTPServer
 from gpu_energy_exporter.http.webconfig import load_web_config
 from gpu_energy_exporter.ledger import RunLedger
 from gpu_energy_exporter.otlp.grpcreceiver import GRPCReceiver
+from gpu_energy_exporter.ledger.journal import SteadyClock
 from gpu_energy_exporter.otlp.push import OTLPPusher, PushSettings, load_headers_file
 from gpu_energy_exporter.otlp.receiver import OTLPReceiver, load_bearer_token
 from gpu_energy_exporter.otlp.store import TrainingStore
@@ -154,9 +156,14 @@ class Exporter:
             evict_idle_after=config.otlp_evict_idle_after,
         )
         self.snapshot_collector.add_live_source(self.store.collect)
+        # The ledger runs on the steady clock (a wall-clock step moves no figure); the wall clock only
+        # stamps the snapshots it receives, which it moves onto its own axis.
+        steady = SteadyClock.start() if self._clock is time.time else self._clock
         self.ledger = RunLedger(
             config.runs_csv, warmup_s=config.runs_warmup, stale_after_s=config.runs_stale_after,
-            carbon=self.carbon_now, clock=self._clock,
+            carbon=self.carbon_now, clock=steady, wall=self._clock if steady is not self._clock else None,
+            state_dir=runs_state_dir(config), background_writes=True,
+            journal_interval_s=config.runs_journal_interval,
         )
         problem = self.ledger.check_writable()
         if problem:
@@ -305,6 +312,16 @@ class Exporter:
             self.otlp_grpc.shutdown()
         self.sampler.stop()
         self.ledger.close()
+
+
+def runs_state_dir(config: Config) -> str | None:
+    """Where the ledger's journal lives: ``--runs.state-dir``, else ``.runs-state`` beside ``--runs.csv``;
+    None (runs in memory only) without either."""
+    if config.runs_state_dir:
+        return config.runs_state_dir
+    if config.runs_csv:
+        return os.path.join(os.path.dirname(os.path.abspath(config.runs_csv)), ".runs-state")
+    return None
 
 
 def _bind_message(flag: str, exc: ConfigError) -> str:

@@ -8,7 +8,10 @@ Modules, top to bottom:
 - ``runs``: a run's state, the points that change it, its accumulator moved over the snapshot history;
 - ``accounting``: pure energy accounting of one snapshot interval; ``split``: pure sharing of a GPU;
 - ``frames``: what a snapshot says about the GPUs, as plain values;
-- ``files``: the runs CSV and JSON summaries, written atomically; ``specs``: the ledger's series.
+- ``files``: the runs CSV (rows appended) and JSON summaries (written atomically); ``filewriter``: the
+  thread that writes them; ``journal``: the journal of open runs and unwritten rows, and the steady clock;
+  ``restart``: checkpoints, restore after a restart, and every time placed on the steady clock;
+  ``specs``: the ledger's series.
 
 The names of the figures (CSV columns, the JSON summary's schema, the per-run series) are
 ``core.runs_schema``, shared with the workstation commands that read them.

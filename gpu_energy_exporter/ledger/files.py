@@ -1,8 +1,9 @@
 """The run ledger's files: the runs CSV and the JSON summaries beside it, written atomically, and the
 back-off of writes that failed.
 
-Readers (``runs``, ``report``, a spreadsheet) see either the old file or the new one, never a mix: every
-write goes to a temporary file in the same directory, is fsynced and renamed over the old one. These
+Readers (``runs``, ``report``, a spreadsheet) never see half a file: a JSON summary goes to a temporary file
+in the same directory, is fsynced and renamed over the old one; a CSV row is appended and fsynced (a torn
+last line, from a crash mid-append, is cut off before the next row). These
 functions take plain values (a path, a row, a document) and raise ``OSError``; the ledger decides what a
 failure means (keep the run, retry later). Nothing here knows about runs, snapshots or locks.
 """
@@ -90,33 +91,99 @@ HEADER_LINE: bytes = _csv_line(COLUMN_NAMES)
 def append_csv_row(path: str, row: Mapping[str, Any], clock: Callable[[], float] = time.time) -> None:
     """Append one row to the ledger CSV, writing the header for a new file.
 
-    The whole file is rewritten to a temporary file and renamed (rows are few), so a crash never leaves a
-    half-written row. A file whose header is not ours is renamed aside (``<path>.<time>.old``, with a
-    warning), never appended to or overwritten.
+    Appended (``O_APPEND``) and fsynced, never the whole file rewritten: the cost and the memory of a row do
+    not grow with the file, and it needs free space for one line. A torn last line (the process killed
+    mid-append) is cut off before the row is added (``repair_tail``). A file whose header is not ours is
+    renamed aside (``<path>.<time>.old``, with a warning), never appended to or overwritten.
     """
+    line = csv_line(row)
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     try:
-        with open(path, "rb") as f:
-            existing = f.read()
+        size = os.fstat(fd).st_size
+        if size and not _our_header(path):
+            os.close(fd)
+            fd = -1
+            _move_aside(path, clock)
+            fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            size = 0
+        if size:
+            size = repair_tail(path, fd, size)
+        data = (HEADER_LINE if size == 0 else b"") + line
+        written = 0
+        while written < len(data):
+            written += os.write(fd, data[written:])
+        os.fsync(fd)
+    except BaseException:
+        if fd >= 0:
+            os.close(fd)
+            fd = -1
+        raise
+    finally:
+        if fd >= 0:
+            os.close(fd)
+
+
+def csv_line(row: Mapping[str, Any]) -> bytes:
+    """One CSV line of a run's summary (every cell through ``format_csv_value``)."""
+    return _csv_line(format_csv_value(row.get(name)) for name in COLUMN_NAMES)
+
+
+def _our_header(path: str) -> bool:
+    with open(path, "rb") as f:
+        first = f.read(len(HEADER_LINE) + 2)
+    return first.split(b"\n", 1)[0].rstrip(b"\r") + b"\n" == HEADER_LINE
+
+
+def _move_aside(path: str, clock: Callable[[], float]) -> None:
+    stamp = utc_stamp(clock())
+    aside = f"{path}.{stamp}.old"
+    n = 1
+    while os.path.exists(aside):
+        n += 1
+        aside = f"{path}.{stamp}-{n}.old"
+    os.replace(path, aside)
+    log.warning("runs CSV %s has a different header (another tool's file or an older ledger version); moved "
+                "it to %s and started a new file", path, aside)
+
+
+#: How much of the CSV's end is read to repair a torn line or to find a row already written.
+TAIL_BYTES = 256 * 1024
+
+
+def _tail(path: str, size: int) -> tuple[int, bytes]:
+    start = max(0, size - TAIL_BYTES)
+    with open(path, "rb") as f:
+        f.seek(start)
+        return start, f.read(size - start)
+
+
+def repair_tail(path: str, fd: int, size: int) -> int:
+    """Cut a torn last line (no newline at the end: a write interrupted by a crash) off the CSV; the new
+    size. Reads at most ``TAIL_BYTES``."""
+    start, tail = _tail(path, size)
+    if tail.endswith(b"\n"):
+        return size
+    cut = tail.rfind(b"\n")
+    if cut < 0 and start > 0:
+        return size  # one line longer than the tail: not ours to cut
+    new_size = start + cut + 1
+    log.warning("runs CSV %s: removed a half-written last line (%d bytes) left by an interrupted write",
+                path, size - new_size)
+    os.ftruncate(fd, new_size)
+    return new_size
+
+
+def row_written(path: str, row: Mapping[str, Any]) -> bool:
+    """Whether this exact row is among the CSV's last lines (a row journaled as pending whose append had
+    completed when the process died): appending it again would count the run twice."""
+    try:
+        size = os.stat(path).st_size
+        if not size:
+            return False
+        _, tail = _tail(path, size)
     except FileNotFoundError:
-        existing = b""
-    if existing and existing.split(b"\n", 1)[0].rstrip(b"\r") + b"\n" != HEADER_LINE:
-        stamp = utc_stamp(clock())
-        aside = f"{path}.{stamp}.old"
-        n = 1
-        while os.path.exists(aside):
-            n += 1
-            aside = f"{path}.{stamp}-{n}.old"
-        os.replace(path, aside)
-        log.warning(
-            "runs CSV %s has a different header (another tool's file or an older ledger version); moved "
-            "it to %s and started a new file", path, aside)
-        existing = b""
-    if not existing:
-        existing = HEADER_LINE
-    elif not existing.endswith(b"\n"):
-        existing += b"\n"
-    line = _csv_line(format_csv_value(row.get(name)) for name in COLUMN_NAMES)
-    atomic_write(path, lambda f: f.write(existing + line))
+        return False
+    return csv_line(row) in tail
 
 
 def format_csv_value(value: Any) -> str:
@@ -193,9 +260,21 @@ def summary_name(runs_dir: str, run_id: str, written: str | None, start: float) 
     ``written``: the name already written for this run (a retried write keeps it). The same run id again
     (resumed, or reused) keeps the earlier summary: the new one gets the run's start time in its name."""
     name = written or summary_filename(run_id)
-    if written is None and os.path.exists(os.path.join(runs_dir, name)):
+    if written is None and os.path.exists(os.path.join(runs_dir, name)) \
+            and _start_of(os.path.join(runs_dir, name)) != start:
         return name[: -len(".json")] + f".{utc_stamp(start)}.json", True
     return name, False
+
+
+def _start_of(path: str) -> float | None:
+    """The run start a summary file records (the same run written again after a restart keeps its name)."""
+    try:
+        with open(path, "rb") as f:
+            doc = json.load(f)
+    except (OSError, ValueError):
+        return None
+    start = doc.get("start_unix") if isinstance(doc, dict) else None
+    return float(start) if isinstance(start, (int, float)) else None
 
 
 def write_json(path: str, doc: dict[str, Any]) -> None:

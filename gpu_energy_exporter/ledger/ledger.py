@@ -3,16 +3,18 @@
 Fed from two sides: ``on_point`` receives every point the OTLP store accepted (request threads) and
 ``on_snapshot`` every sampler snapshot (sampler thread). A run lives from its first point until every
 rank that pushed has sent ``training_run_finished 1`` (or until nothing was pushed for ``stale_after``,
-in which case it ends at its last point). Then one row is appended to the CSV and a JSON summary is
-written beside it (``<csv dir>/runs/<run id>.json``), both atomically (temp file, fsync, rename).
+in which case it ends at its last point). Then it is journaled, and the file writer's thread appends one
+row to the CSV and writes a JSON summary beside it (``<csv dir>/runs/<run id>.json``, atomically). With a
+journal (``state_dir``) open runs outlive the process (``restart``); all times are on ``clock`` (in the
+daemon the steady clock, with ``wall`` the clock snapshots are stamped with).
 ``collect()`` serves per-run series on /metrics; ``runs()`` / ``run(run_id)`` feed the JSON API
 (``daemon/api.py``: ``/api/v1/runs``, ``/api/v1/run?id=``) that ``top``, ``report`` and ``runs --url`` read.
 
 How the figures are made: the package's docstring (``gpu_energy_exporter.ledger``) and docs/ledger.md.
 
 This module never calls NVML or reads hardware, never integrates power into energy, and never raises
-into the sampler or request threads: a failing write is logged and counted, the run is kept and retried
-with back-off on the sampler thread, and once more at shutdown.
+into the sampler or request threads, and never touches a file on them: a failing write is logged and
+counted, the row is kept (journaled) and retried with back-off by the file writer's thread.
 
 This module is the ledger's driver: the lock, the snapshot history, who holds which GPU, when runs open
 and close, the write-retry queue and what /metrics and the JSON API get. The arithmetic lives beside it:
@@ -24,7 +26,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 import threading
 import time
 from collections import deque
@@ -33,10 +34,12 @@ from typing import Any
 
 from prometheus_client.core import Metric
 
+from gpu_energy_exporter.core import contract
 from gpu_energy_exporter.core.runs_schema import KEEP_FINISHED_S, SUMMARY_SCHEMA
 from gpu_energy_exporter.core.state import Snapshot
-from gpu_energy_exporter.ledger import accounting, files, runs, specs
-from gpu_energy_exporter.ledger.files import append_csv_row, iso_utc
+from gpu_energy_exporter.ledger import accounting, files, restart, runs, specs
+from gpu_energy_exporter.ledger.files import iso_utc
+from gpu_energy_exporter.ledger.filewriter import Row
 from gpu_energy_exporter.ledger.frames import Frame, frame_of
 from gpu_energy_exporter.ledger.runs import PointLike, Run
 from gpu_energy_exporter.ledger.split import Holding
@@ -54,8 +57,12 @@ class RunLedger:
 
     ``csv_path``: ``--runs.csv`` (None keeps runs in memory only). ``warmup_s``: ``--runs.warmup``.
     ``stale_after_s``: ``--runs.stale-after``. ``carbon``: returns (grid intensity g/kWh, PUE), called
-    once per snapshot on the sampler thread; None means no CO2 figures. ``clock``: wall time (staleness,
-    how long finished runs are kept).
+    once per snapshot on the sampler thread; None means no CO2 figures. ``clock``: the ledger's time
+    (intervals, staleness, how long finished runs are kept); ``wall``: the clock snapshots are stamped
+    with when ``clock`` is another one (the daemon's steady clock): snapshots are then dated by ``clock``
+    and senders' timestamps placed against their arrival. ``state_dir``: ``--runs.state-dir`` (None: no
+    journal, runs in memory only); ``background_writes``: files written by their own thread (the daemon)
+    rather than on the thread that closes a run; ``journal_interval_s``: ``--runs.journal-interval``.
     """
 
     def __init__(
@@ -71,6 +78,10 @@ class RunLedger:
         max_finished_runs: int = 100,
         max_active_runs: int = 256,
         late_window_s: float = 120.0,
+        state_dir: str | None = None,
+        wall: Callable[[], float] | None = None,
+        background_writes: bool = False,
+        journal_interval_s: float = 5.0,
     ) -> None:
         if warmup_s < 0 or stale_after_s <= 0:
             raise ValueError("warmup_s must be >= 0 and stale_after_s > 0")
@@ -89,7 +100,6 @@ class RunLedger:
         # Snapshots are kept long enough to replay a stale run from its last point.
         self._history_s = stale_after_s + late_window_s
         self._lock = threading.RLock()
-        self._write_lock = threading.Lock()
         self._history: deque[Frame] = deque()
         self._active: dict[str, Run] = {}
         self._closed: list[Run] = []  # finished, kept for keep_finished_s
@@ -97,9 +107,12 @@ class RunLedger:
         self._rejected = 0.0
         self._evicted = 0.0
         self._write_errors = 0.0
-        # Closed runs whose files could not be written: retried with back-off, and at shutdown.
-        self._pending: list[Run] = []
-        self._max_pending = max(1000, max_finished_runs)
+        # Closed runs not written yet (journaled until they are): seq -> row. The file writer retries
+        # failed ones with back-off.
+        self._pending: dict[int, Row] = {}
+        self._seq = 0
+        self._wall = wall  # the wall clock snapshots are stamped with, when ``clock`` is another (steady) one
+        self._offsets: dict[str, dict[str, float]] = {}  # run id -> rank -> sender clock offset (restart)
         # Who uses which GPU, by snapshot time (ledger_split.Holding), rebuilt when runs change.
         self._holders_gen = 0
         self._peak_rows: dict[str, dict[str, float]] = {}  # GPU model -> precision -> peak FLOP/s
@@ -115,6 +128,8 @@ class RunLedger:
         # snapshot counted and every expiry of finished runs.
         self._snapshots = 0
         self._expirations = 0
+        # The journal (open runs outlive the exporter) and the file writer: ``restart``.
+        self._durable = restart.Durable(self, state_dir, background_writes, journal_interval_s)
 
     # ------------------------------------------------------------------------------------------------
     # points (request threads)
@@ -152,14 +167,22 @@ class RunLedger:
             return
         progress = name in runs.COUNTERS or name == runs.HISTOGRAM
         self._version += 1
+        if received is None:
+            received = self._clock()
+        if self._wall is not None:  # on the steady clock: senders' clocks are placed against it
+            t = restart.steady_point_time(self._offsets, run_id, labels.get(contract.ATTR_RANK, ""), t, received,
+                                          self._late_window_s)
         run = self._active.get(run_id)
         if run is None:
             run = self._new_run(run_id, name, value, t)
             if run is None:
+                self._offsets.pop(run_id, None)
                 return
         gpus_before = len(run.gpus)
         end_before = run.e
-        runs.apply_point(run, name, labels, value, t, count, self._clock() if received is None else received, key)
+        if run.restored is not None and progress:
+            restart.reconcile(run, name, labels, value, key)
+        runs.apply_point(run, name, labels, value, t, count, received, key)
         if len(run.gpus) != gpus_before:
             self._holders_gen += 1  # a GPU named for the first time
         if run.tentative:
@@ -172,6 +195,7 @@ class RunLedger:
             self._holders_changed(run, run.s)
             runs.replay(run, run.acc, self._history, run.s, math.inf, self._holders, live=True)
             log.info("run %s started (first point at %s)", run_id, iso_utc(run.s))
+            self._durable.started()
             return
         if len(run.gpus) != gpus_before:
             self._holders_changed(run, run.s)
@@ -189,6 +213,7 @@ class RunLedger:
             if idle:
                 victim = min(idle, key=lambda r: r.last_point_received)
                 del self._active[victim.run_id]
+                self._offsets.pop(victim.run_id, None)
                 self._evicted += 1
         if len(self._active) >= self._max_active:
             self._rejected += 1
@@ -216,13 +241,19 @@ class RunLedger:
                     log.warning("run ledger: carbon intensity unavailable (%s); CO2 figures will be missing", exc)
                     self._carbon_error_logged = True
         frame = frame_of(snapshot, intensity, pue)
-        done: list[Run] = []
+        if self._wall is not None:
+            # Stamped by the wall clock: dated on the ledger's (steady) clock instead.
+            frame = restart.on_clock(frame, self._clock())
         with self._lock:
             if self._history and frame.t <= self._history[-1].t:
                 return  # a repeated or out-of-order snapshot adds nothing
             self._version += 1
             self._snapshots += 1
             prev = self._history[-1] if self._history else None
+            if prev is not None and self._durable.gap_pending:
+                if not self._durable.gap_ready(prev, frame):
+                    return  # the GPU counters are not readable yet: the gap closes at a later snapshot
+                self._durable.note_gap(prev, frame)
             self._history.append(frame)
             for key, gf in frame.gpus.items():
                 if key not in self._unattributed:
@@ -235,6 +266,7 @@ class RunLedger:
                 if run.tentative:
                     if run.e is not None or now - run.last_point_received > self.stale_after_s:
                         del self._active[run.run_id]  # never a run: no row, no series
+                        self._offsets.pop(run.run_id, None)
                     continue
                 if prev is not None:
                     runs.advance(run, prev, frame, self._holders, self._late_window_s)
@@ -249,11 +281,8 @@ class RunLedger:
                     self._holders_changed(run, run.e)
                 if run.e is not None and (frame.t >= run.e or run.status == "stale"):
                     self._close(run, run.status if run.status == "stale" else "finished")
-                    done.append(run)
             self._expire(now)
-        for run in done:
-            self._write(run)
-        self._retry_writes(now)
+        self._durable.after_snapshot(now)
 
     def _settle(self, f0: Frame, f1: Frame) -> None:
         """Add the unattributed part of each GPU's energy over (f0, f1] to its total."""
@@ -297,11 +326,18 @@ class RunLedger:
         run.closed_at = self._clock()
         run.summary = self._summary(run)
         del self._active[run.run_id]
+        self._offsets.pop(run.run_id, None)
         self._closed.append(run)
         self._finished_counts[status] = self._finished_counts.get(status, 0.0) + 1
         s = run.summary
         log.info("run %s %s: %.0fs, %s tokens, %s J, %s J/token", run.run_id, status, s["duration_s"],
                  fmt(s["tokens"]), fmt(s["energy_j"]), fmt(s["j_per_token"]))
+        if self.csv_path is not None:
+            self._seq += 1
+            row = Row(self._seq, run.run_id, run.s, dict(s), self._document(run, dict(s)))
+            row.extra["run"] = run
+            self._pending[row.seq] = row
+            self._durable.closed(row)
 
     def _expire(self, now: float) -> None:
         kept = [r for r in self._closed if r.closed_at is not None and now - r.closed_at <= self._keep_finished_s]
@@ -318,11 +354,13 @@ class RunLedger:
             return self._version
 
     def close(self) -> None:
-        """Close every active run and write it: a finishing run as ``finished`` (at its end), the others as
-        ``exporter_stopped`` at the last snapshot counted; runs that never pushed training progress are
-        dropped. Runs whose earlier writes failed are tried once more. Call once at shutdown, after the
-        sampler stopped."""
-        done: list[Run] = []
+        """Shutdown, after the sampler stopped. With a journal (``state_dir``) open runs stay open: the last
+        checkpoint keeps them and the next start restores them (a run spanning a restart is one run);
+        without one they are closed as ``exporter_stopped`` at their last point. A finishing run is closed
+        as ``finished``; runs that never pushed training progress are dropped. Rows not written yet are
+        tried once more; what cannot be written in time stays journaled. Returns within a few seconds
+        whatever the file system does."""
+        keep_open = self._durable.journal is not None
         with self._lock:
             self._version += 1
             for run in list(self._active.values()):
@@ -331,19 +369,19 @@ class RunLedger:
                     continue
                 if run.status == "finishing":
                     self._close(run, "finished")
-                else:
-                    run.e = max(run.acc.t, run.s)
+                elif not keep_open:
+                    # Counters are known as of the last point: the energy after it has no tokens yet.
+                    run.e = max(min(run.last_point_t, run.acc.t), run.s)
                     run.notes.append("the exporter stopped while the run was going")
                     self._close(run, "exporter_stopped")
-                done.append(run)
-        for run in done:
-            self._write(run)
-        self._retry_writes(math.inf)
+        self._durable.shutdown()
         with self._lock:
-            lost = [r.run_id for r in self._pending]
+            lost = [r.run_id for r in self._pending.values()]
         if lost:
-            log.error("run ledger: %d finished run(s) could not be written to %s and are lost at shutdown: %s",
-                      len(lost), self.csv_path, ", ".join(lost))
+            where = ("kept in the journal and written at the next start" if keep_open
+                     else "lost at shutdown")
+            log.error("run ledger: %d finished run(s) could not be written to %s in time: %s (%s)",
+                      len(lost), self.csv_path, ", ".join(lost), where)
 
     # ------------------------------------------------------------------------------------------------
     # figures
@@ -402,61 +440,6 @@ class RunLedger:
         return {"schema": SUMMARY_SCHEMA, "start_unix": run.s, "end_unix": run.e,
                 "configured_warmup_s": self.warmup_s, **summary, **details(run)}
 
-    def _write(self, run: Run) -> bool:
-        """Write a closed run's JSON summary and CSV row. On failure the run is kept in ``_pending`` and
-        retried with back-off (``_retry_writes``), at the latest at shutdown."""
-        if self.csv_path is None or run.summary is None:
-            return True
-        with self._lock:
-            summary = dict(run.summary)
-            doc = self._document(run, summary)
-        with self._write_lock:
-            try:
-                runs_dir = files.summaries_dir(self.csv_path)
-                name, renamed = files.summary_name(runs_dir, run.run_id, run.written_json, run.s)
-                if renamed:  # the same run id again (resumed, or reused): the earlier summary is kept
-                    summary["summary_file"] = doc["summary_file"] = os.path.join(files.RUNS_DIR, name)
-                    with self._lock:
-                        if run.summary is not None:
-                            run.summary["summary_file"] = summary["summary_file"]
-                files.write_json(os.path.join(runs_dir, name), doc)
-                run.written_json = name
-                append_csv_row(self.csv_path, summary, self._clock)
-            except OSError as exc:
-                with self._lock:
-                    self._write_errors += 1
-                    self._version += 1
-                    run.write_failures += 1
-                    run.next_write_try = self._clock() + files.retry_delay(run.write_failures)
-                    first = run not in self._pending
-                    if first:
-                        self._pending.append(run)
-                        if len(self._pending) > self._max_pending:
-                            dropped = self._pending.pop(0)
-                            log.error("run ledger: more than %d runs waiting to be written; giving up on run %s",
-                                      self._max_pending, dropped.run_id)
-                if first:
-                    log.error("run %s: cannot write the run ledger (%s: %s); the run is kept and retried until "
-                              "it is written (at the latest at shutdown). Check that the directory of --runs.csv "
-                              "exists and is writable.",
-                              run.run_id, getattr(exc, "filename", None) or self.csv_path, exc.strerror or exc)
-                return False
-        with self._lock:
-            if run in self._pending:
-                self._pending.remove(run)
-                self._version += 1
-                log.warning("run %s: written to the run ledger after %d failed attempt(s)", run.run_id,
-                            run.write_failures)
-        return True
-
-    def _retry_writes(self, now: float) -> None:
-        """Retry the pending writes that are due (all of them with ``now = inf``), oldest first."""
-        with self._lock:
-            due = [r for r in self._pending if r.next_write_try <= now]
-        for run in due:
-            if not self._write(run):
-                break  # the fault is still there: the others wait for their own turn
-
     # ------------------------------------------------------------------------------------------------
     # reading
 
@@ -495,6 +478,8 @@ class RunLedger:
             served = [(run_id, r.status, s, specs.counter_values(r.exposed, s, self.warmup_s))
                       for run_id, (r, s) in by_id.items()]
             finished = dict(self._finished_counts)
-            rejected, errors, evicted, pending = self._rejected, self._write_errors, self._evicted, len(self._pending)
+            rejected, errors, evicted = self._rejected, self._write_errors, self._evicted
+            pending = len(self._pending)
+            backlog = self._durable.backlog_s()
             unattributed = sorted(self._unattributed.values(), key=lambda x: (len(x[0]), x[0], x[1]))
-        return specs.families(served, finished, rejected, errors, evicted, pending, unattributed)
+        return specs.families(served, finished, rejected, errors, evicted, pending, unattributed, backlog)

@@ -136,6 +136,9 @@ class Run:
         self.next_write_try = 0.0
         self.changes = 0  # bumped by every point applied to the run (a part of its live summary's stamp)
         self.live_memo: tuple[tuple[int, ...], dict[str, Any]] | None = None  # (stamp, live summary)
+        # Restored from the journal after a restart: series key -> whether its first point since was seen
+        # (``ledger.restart.reconcile``); None for a run this process started.
+        self.restored: dict[tuple[str, LabelKey], bool] | None = None
 
     # -- counters ------------------------------------------------------------------------------------
 

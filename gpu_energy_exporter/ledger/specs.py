@@ -60,8 +60,13 @@ LEDGER_WRITE_ERRORS = metrics.define(
     collector=COLLECTOR)
 LEDGER_WRITES_PENDING = metrics.define(
     "ledger", "writes_pending", "gauge",
-    "Finished runs not yet written to the runs CSV because writing failed; retried with back-off and at "
-    "shutdown.", collector=COLLECTOR)
+    "Finished runs not yet written to the runs CSV (the write backlog): journaled, written by the ledger's "
+    "file thread; grows while the file system is slow, stalled or failing (failed writes are retried with "
+    "back-off).", collector=COLLECTOR)
+LEDGER_WRITE_BACKLOG = metrics.define(
+    "ledger", "write_backlog_seconds", "gauge",
+    "How long the oldest finished run not yet written to the runs CSV has waited (0 when none waits).",
+    collector=COLLECTOR, unit="seconds")
 LEDGER_UNATTRIBUTED = metrics.define(
     "ledger", "unattributed_energy_joules_total", "counter",
     "Energy of a GPU charged to no run (no run used it then), counted once no late point can change that: "
@@ -133,7 +138,8 @@ ServedRun = tuple[str, str, Mapping[str, Any], Mapping[str, float]]
 
 
 def families(runs: Iterable[ServedRun], finished: Mapping[str, float], rejected: float, errors: float,
-             evicted: float, pending: int, unattributed: Sequence[tuple[str, str, float]]) -> list[Metric]:
+             evicted: float, pending: int, unattributed: Sequence[tuple[str, str, float]],
+             backlog_s: float = 0.0) -> list[Metric]:
     """The ledger's part of one /metrics collection: per-run series and the ledger's self-metrics."""
     fams = {spec.name: spec.family() for spec in RUN_SERIES}
     for run_id, status, s, counters in runs:
@@ -159,7 +165,9 @@ def families(runs: Iterable[ServedRun], finished: Mapping[str, float], rejected:
     metrics.add(ev, [], evicted)
     pend = LEDGER_WRITES_PENDING.family()
     metrics.add(pend, [], float(pending))
+    backlog = LEDGER_WRITE_BACKLOG.family()
+    metrics.add(backlog, [], backlog_s)
     free = LEDGER_UNATTRIBUTED.family()
     for index, uuid, joules in unattributed:
         metrics.add(free, [index, uuid], joules)
-    return [*fams.values(), done, rej, err, ev, pend, free]
+    return [*fams.values(), done, rej, err, ev, pend, backlog, free]

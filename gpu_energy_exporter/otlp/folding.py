@@ -21,6 +21,10 @@ How temporality becomes a Prometheus counter, and why (``rate()`` / ``increase()
   leaves the series as it was (``Stream.state`` / ``restore``; the store checks ``totals_finite``).
 - Gauges and cumulative non-monotonic sums expose the last value (older points are dropped); summaries
   are exposed as sent.
+- A point's time orders its stream and nothing else: a cumulative point of the same stream dated before
+  the last one but with more progress (a higher value or count), or any point dated more than
+  ``CLOCK_STEP_NS`` before the last one, means the sender's clock stepped back; it is taken and orders the
+  stream from then on. A retried export (no more progress, seconds old) is still ``out_of_order``.
 
 Pure: ``update`` takes a ``Point`` and a ``Stream`` (plain values) and returns how many restarts it folded.
 This module never takes a lock, never starts a thread, never reads a clock and never encodes a line; the
@@ -95,7 +99,7 @@ def update(p: Point, s: Stream, new: bool) -> int:
     if kind == "histogram":
         return _update_histogram(p, s, new)
     # gauge, unknown, summary: the last value wins
-    if not new and p.time_ns < s.time_ns:
+    if not new and p.time_ns < s.time_ns and not _clock_stepped_back(p, s):
         raise OutOfOrder("point older than the last one")
     s.raw = p.value if kind != "summary" else 0.0
     s.quantiles = p.quantiles
@@ -127,13 +131,30 @@ def _update_counter(p: Point, s: Stream, new: bool) -> int:
         restarts = _fold_counter(s, p.value)
         s.start_ns = p.start_ns
     elif p.time_ns < s.time_ns:
-        raise OutOfOrder("point older than the last one")
+        if not (p.value > s.raw or _clock_stepped_back(p, s)):
+            raise OutOfOrder("point older than the last one")
+        # The same stream, more progress, an earlier time: the sender's clock stepped back. The point's
+        # time orders the stream from now on.
+        s.raw, s.time_ns = p.value, p.time_ns
+        return 0
     elif p.value < s.raw:
         restarts = _fold_counter(s, p.value)  # went down without a new start time: still a restart
     else:
         s.raw = p.value
     s.time_ns = max(s.time_ns, p.time_ns)
     return restarts
+
+
+#: A point this much older than its series' last one is not a retried export (an exporter retries for
+#: seconds, never holds a point for minutes): the sender's clock stepped back.
+CLOCK_STEP_NS = 120 * 10**9
+
+
+def _clock_stepped_back(p: Point, s: Stream) -> bool:
+    if s.time_ns - p.time_ns <= CLOCK_STEP_NS:
+        return False
+    s.time_ns = p.time_ns  # ordered by the sender's new clock from here on
+    return True
 
 
 def _fold_counter(s: Stream, value: float) -> int:
@@ -181,7 +202,7 @@ def _update_histogram(p: Point, s: Stream, new: bool) -> int:
         _fold_histogram(s, counts, psum, float(p.count))
         restarts = 1
         s.start_ns = p.start_ns
-    elif p.time_ns < s.time_ns:
+    elif p.time_ns < s.time_ns and not (p.count > s.raw_count or _clock_stepped_back(p, s)):
         raise OutOfOrder("point older than the last one")
     elif p.count < s.raw_count or any(map(operator.lt, counts, s.raw_counts)):  # same layout (else: above)
         _fold_histogram(s, counts, psum, float(p.count))

@@ -23,7 +23,7 @@ class Limits:
     max_buckets_per_point: int = 256
     max_quantiles_per_point: int = 64
     max_series_bytes: int = 256 * 1024
-    max_future_skew_ns: int = 300 * 10**9
+    max_future_skew_ns: int = 86400 * 10**9  # a clock stepped by an hour loses nothing
 
     def __post_init__(self) -> None:
         for name in self.__slots__:

@@ -371,7 +371,29 @@ static double wall_now(void) {
     return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
 }
 
-static double now(void) { return g_driver.has_frozen_time ? g_driver.frozen_time : wall_now(); }
+/* ---- Steady time (issue 20, clock steps): with FAKE_NVML_STEADY=1 the driver's time is the wall clock of
+ * its first read carried on by CLOCK_MONOTONIC, as a real GPU's energy counter is: a step of the process's
+ * wall clock (libfaketime in tests/test_ledger_clock.py) moves no counter. */
+static double steady_wall_now(void) {
+    static int mode = -1;
+    static double wall0, mono0;
+    struct timespec ts;
+    if (mode < 0) {
+        const char *env = getenv("FAKE_NVML_STEADY");
+        mode = env != NULL && env[0] == '1';
+        if (mode) {
+            wall0 = wall_now();
+            clock_gettime(CLOCK_MONOTONIC, &ts);
+            mono0 = (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+        }
+    }
+    if (!mode) return wall_now();
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return wall0 + ((double)ts.tv_sec + (double)ts.tv_nsec * 1e-9 - mono0);
+}
+/* ---- end of steady time */
+
+static double now(void) { return g_driver.has_frozen_time ? g_driver.frozen_time : steady_wall_now(); }
 
 static double trace_power(const struct trace *tr, double t) {
     if (t < 0) t = 0;  /* before the epoch the trace holds its value at 0 */
