@@ -40,8 +40,8 @@ from gpu_energy_exporter.engine.sampler import Sampler
 from gpu_energy_exporter.http.server import HTTPServer
 from gpu_energy_exporter.http.webconfig import load_web_config
 from gpu_energy_exporter.ledger import RunLedger
-from gpu_energy_exporter.otlp.grpcreceiver import GRPCReceiver
 from gpu_energy_exporter.ledger.journal import SteadyClock
+from gpu_energy_exporter.otlp.grpcreceiver import GRPCReceiver
 from gpu_energy_exporter.otlp.push import OTLPPusher, PushSettings, load_headers_file
 from gpu_energy_exporter.otlp.receiver import OTLPReceiver, load_bearer_token
 from gpu_energy_exporter.otlp.store import TrainingStore
