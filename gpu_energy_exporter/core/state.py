@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from prometheus_client.core import Metric
 
 from gpu_energy_exporter.core.metrics import GPU_LABELS, define
+from gpu_energy_exporter.core.procinfo import ProcessIdentity
 
 #: How a GPU's energy counter is obtained (the ``energy_method`` info label).
 ENERGY_METHOD_COUNTER = "counter"  # nvmlDeviceGetTotalEnergyConsumption (Volta and newer)
@@ -68,6 +69,9 @@ class GPUProcess:
     #: Percent as the driver reports it, on purpose: it is never exposed, only a relative weight for
     #: sharing one GPU's energy between pods, and scaling it would move the last digit of that split.
     sm_util_pct: float | None = None
+    #: The process as the host's /proc describes it (pid namespaces, container, pod): None when it was not
+    #: looked up (no process table) or is not there (the exporter does not see the host's processes).
+    host: ProcessIdentity | None = None
 
 
 @dataclass(frozen=True)

@@ -80,6 +80,8 @@ class Exporter:
                 interval=config.collector_interval,
                 energy_timestamps=config.collector_gpu_energy_timestamps,
                 clock=clock,
+                process_interval=config.collector_gpu_process_interval,
+                procfs=config.path_procfs,
             )
             collectors.append(self.gpu)
         if config.enabled("host"):
@@ -134,7 +136,7 @@ class Exporter:
         self.snapshot_collector.add_live_source(self.store.collect)
         self.ledger = RunLedger(
             config.runs_csv, warmup_s=config.runs_warmup, stale_after_s=config.runs_stale_after,
-            carbon=self.carbon_now, clock=self._clock,
+            carbon=self.carbon_now, clock=self._clock, claim_grace_s=config.runs_claim_grace,
         )
         problem = self.ledger.check_writable()
         if problem:

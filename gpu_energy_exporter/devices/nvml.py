@@ -320,9 +320,13 @@ class NVMLBackend(GPUBackend):
         if utilization and procs:
             last_seen = self._process_util_ts.get(i, 0)
             samples = self._nvml.field(i, "process_utilization", process_utilization, h, last_seen)
+            # Every sample since the last call (the driver keeps a few per second): their mean per pid is the
+            # process's SM use over the whole period, not at one instant.
+            seen: dict[int, list[float]] = {}
             for s in samples or ():
-                sm[int(s.pid)] = float(s.smUtil)
+                seen.setdefault(int(s.pid), []).append(float(s.smUtil))
                 self._process_util_ts[i] = max(self._process_util_ts.get(i, 0), int(s.timeStamp))
+            sm = {pid: sum(v) / len(v) for pid, v in seen.items()}
         return tuple(
             GPUProcess(
                 pid=int(p.pid),

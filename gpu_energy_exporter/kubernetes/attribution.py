@@ -3,7 +3,8 @@
 Pure arithmetic: times, energy counters and the GPU to pod map come in as arguments; this module never
 does I/O, never reads a clock and never imports grpc or NVML.
 
-How one GPU's energy delta between two updates is split (the ``method`` label):
+How one GPU's energy delta between two updates is split (the ``method`` label; the rule is
+``core.sharing.split``, shared with the run ledger, mapped here onto the kubelet's slots):
 
 - ``exclusive``: one container holds the whole GPU (``nvidia.com/gpu``). It gets all of the delta, idle
   power included: energy belongs to whoever holds the hardware.
@@ -36,6 +37,7 @@ from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
+from gpu_energy_exporter.core import sharing
 from gpu_energy_exporter.core.state import GPUIdentity
 from gpu_energy_exporter.kubernetes.assignments import DeviceAssignment, PodRef
 
@@ -44,6 +46,9 @@ METHOD_MIG_SLICES = "mig_slices"
 METHOD_SM_UTILIZATION = "sm_utilization"
 METHOD_SHARED_EVEN = "shared_even"
 METHODS = (METHOD_EXCLUSIVE, METHOD_MIG_SLICES, METHOD_SM_UTILIZATION, METHOD_SHARED_EVEN)
+#: The splitter's rule -> this series' ``method`` label (kept as they were named before the rule was shared).
+_METHOD = {sharing.RULE_EXCLUSIVE: METHOD_EXCLUSIVE, sharing.RULE_MIG: METHOD_MIG_SLICES,
+           sharing.RULE_SM_UTIL: METHOD_SM_UTILIZATION, sharing.RULE_EVEN: METHOD_SHARED_EVEN}
 
 __all__ = ["DeviceAssignment", "PodEnergyAttributor", "PodRef", "Slot", "mig_slices", "resolve", "split"]
 
@@ -120,36 +125,24 @@ def split(
 ) -> list[tuple[PodRef, str, float]]:
     """Split one GPU's energy delta over the slots holding it; see the module docstring for the rules.
 
-    ``weights`` (container -> summed SM utilisation over the interval) is used only for a whole GPU that
-    several containers share. The parts always sum to ``delta_j`` when ``slots`` is not empty.
+    The rule itself is ``core.sharing.split`` (the one the run ledger uses too); this maps slots onto it.
+    ``weights`` (container -> summed SM utilisation of its processes over the interval) is used only for a
+    whole GPU that several containers share; a container missing from it ran no process there (weight 0).
+    The parts always sum to ``delta_j`` when ``slots`` is not empty.
     """
     if not slots:
         return []
-    units: dict[str, list[Slot]] = defaultdict(list)
+    replicas: dict[tuple[PodRef, str], int] = defaultdict(int)
     for s in slots:
-        units[s.mig_uuid].append(s)
-    is_mig = any(s.mig_uuid for s in slots)
-    unit_weight = {u: (max(s.slices for s in ss) if u else 1) for u, ss in units.items()}
-    total_weight = sum(unit_weight.values())
-    out: list[tuple[PodRef, str, float]] = []
-    for unit, unit_slots in sorted(units.items()):
-        energy = delta_j * unit_weight[unit] / total_weight
-        replicas: dict[PodRef, int] = defaultdict(int)
-        for s in unit_slots:
-            replicas[s.pod] += 1
-        n = sum(replicas.values())
-        if is_mig:
-            out.extend((pod, METHOD_MIG_SLICES, energy * k / n) for pod, k in sorted(replicas.items()))
-        elif len(replicas) == 1:
-            out.append((unit_slots[0].pod, METHOD_EXCLUSIVE, energy))
-        else:
-            w = {pod: max(0.0, float((weights or {}).get(pod, 0.0))) for pod in replicas}
-            total = sum(w.values())
-            if total > 0:
-                out.extend((pod, METHOD_SM_UTILIZATION, energy * w[pod] / total) for pod in sorted(w))
-            else:
-                out.extend((pod, METHOD_SHARED_EVEN, energy * k / n) for pod, k in sorted(replicas.items()))
-    return out
+        replicas[(s.pod, s.mig_uuid)] += 1
+    members = [
+        sharing.Member(
+            s.pod, s.mig_uuid, max(1, s.slices),
+            None if weights is None else max(0.0, float(weights.get(s.pod, 0.0))) / replicas[(s.pod, s.mig_uuid)],
+        )
+        for s in sorted(slots)
+    ]
+    return [(pod, _METHOD[rule], part) for pod, rule, part in sharing.split(delta_j, members)]
 
 
 class PodEnergyAttributor:

@@ -11,7 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from gpu_energy_exporter.collectors.host import MEMORY_AVAILABLE
-from gpu_energy_exporter.core.state import GPUState, Snapshot
+from gpu_energy_exporter.core.state import GPUProcess, GPUState, Snapshot
+from gpu_energy_exporter.ledger.split import Proc
 
 
 @dataclass(frozen=True, slots=True)
@@ -25,6 +26,10 @@ class GPUFrame:
     idle_w: float | None
     idle_source: str
     index: int = -1
+    #: The compute processes NVML listed on the GPU, with their SM use and host identity; None when not
+    #: known: not read, GPU down, or none of the listed pids is in the exporter's view of /proc (no host
+    #: pid namespace): then the runs' claims alone split the GPU (``ledger.split``).
+    procs: tuple[Proc, ...] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,7 +61,18 @@ def gpu_frame(g: GPUState) -> GPUFrame:
         uuid=g.identity.uuid, name=g.identity.name,
         energy_j=g.energy_j if g.up else None, power_w=power, memory_used=mem, memory_total=total,
         idle_w=g.idle_power_w, idle_source=g.idle_power_source, index=g.identity.index,
+        procs=procs_of(r.processes) if r is not None and g.up else None,
     )
+
+
+def procs_of(processes: tuple[GPUProcess, ...] | None) -> tuple[Proc, ...] | None:
+    """A reading's processes as the splitter's members; None when the list says nothing usable (not read,
+    or not one listed pid found in the host's process table)."""
+    if processes is None:
+        return None
+    if processes and all(p.host is None for p in processes):
+        return None
+    return tuple(Proc(p.pid, p.sm_util_pct, p.host) for p in processes)
 
 
 def frame_of(snapshot: Snapshot, intensity: float | None, pue: float | None) -> Frame:

@@ -17,9 +17,10 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from gpu_energy_exporter.core import contract
+from gpu_energy_exporter.core.memo import remember
 from gpu_energy_exporter.ledger.accounting import Acc, Timeline, integrate
 from gpu_energy_exporter.ledger.frames import Frame, GPUFrame, uuid_key
-from gpu_energy_exporter.ledger.split import Holding
+from gpu_energy_exporter.ledger.split import Holding, Proc
 
 #: Training progress: the counters whose first point makes a tentative run id a run (with ``HISTOGRAM``).
 COUNTERS = frozenset(i.prometheus for i in (contract.TOKENS, contract.SAMPLES, contract.STEPS, contract.FLOPS))
@@ -57,6 +58,92 @@ class PointLike(Protocol):
     def value(self) -> float: ...
     @property
     def time(self) -> float: ...
+
+
+#: Which process pushed a point: (host name, pid in its own namespace, container id, pod UID) from its resource.
+ProcessKey = tuple[str, int, str, str]
+
+#: How long a rank stays held by the process that pushed it last: another process pushing the same rank
+#: within this is refused (two live processes cannot be one rank); after it, the rank's process restarted.
+RANK_HELD_S = 30.0
+
+REFUSED_JOB = "job_mismatch"  # the job identity (Slurm job, torchrun rendezvous, world size) disagrees
+REFUSED_WORLD = "world_size"  # more processes than the run's world size
+REFUSED_RANK = "rank_taken"  # another live process pushes that rank
+REFUSED_REASONS = (REFUSED_JOB, REFUSED_WORLD, REFUSED_RANK)
+
+
+def process_key(resource: Mapping[str, str]) -> ProcessKey | None:
+    """The pushing process from a point's resource labels; None when it sent no usable pid."""
+    try:
+        pid = int(resource.get(contract.LABEL_PROCESS_PID, ""))
+    except ValueError:
+        return None
+    if pid <= 0:
+        return None
+    return (resource.get(contract.LABEL_HOST_NAME, ""), pid, resource.get(contract.LABEL_CONTAINER_ID, ""),
+            resource.get(contract.LABEL_POD_UID, ""))
+
+
+def admit_process(run: Run, key: ProcessKey, resource: Mapping[str, str], rank: str, received: float) -> str:
+    """"" when the process may push for the run (recorded), else the reason it is refused. The first process
+    sets the run's job identity; a later one joins as another rank only when every identity label both
+    have agrees, the world size leaves room, and no other live process pushes the same rank."""
+    entry = run.procs.get(key)
+    if entry is not None:
+        entry[2] = received
+        return ""
+    job = {k: resource[k] for k in contract.JOB_IDENTITY_LABELS if resource.get(k)}
+    if run.procs:
+        if any(run.job.get(k, v) != v for k, v in job.items()):
+            return REFUSED_JOB
+        try:
+            world = int(run.job.get(contract.LABEL_WORLD_SIZE) or job.get(contract.LABEL_WORLD_SIZE) or 0)
+        except ValueError:
+            world = 0
+        if world and len(run.procs) >= world and not any(
+                received - last > RANK_HELD_S for _, _, last in run.procs.values()):
+            return REFUSED_WORLD
+        if any(r == rank and received - last <= RANK_HELD_S for r, _, last in run.procs.values()):
+            return REFUSED_RANK
+    for k, v in job.items():
+        run.job.setdefault(k, v)
+    run.procs[key] = [rank, received, received]
+    return ""
+
+
+def note_process(run: Run, resource: tuple[tuple[str, str], ...], labels: Mapping[str, str], received: float
+                 ) -> tuple[str, bool]:
+    """(why the point's process is refused or "", whether it is a process new to the run) for a point of
+    ``run`` carried by a resource with ``resource`` labels (points with no pid are taken as they come)."""
+    if not resource:
+        return "", False
+    found = _RESOURCES.get(resource)
+    if found is None:  # one request's points share one resource tuple; a trainer repeats it every export
+        attrs = dict(resource)
+        found = (process_key(attrs), attrs)
+        remember(_RESOURCES, resource, found, 1024)
+    key, attrs = found
+    if key is None:
+        return "", False
+    known = key in run.procs
+    refused = admit_process(run, key, attrs, labels.get(_RANK, ""), received)
+    return refused, not known and not refused
+
+
+_RESOURCES: dict[tuple[tuple[str, str], ...], tuple[ProcessKey | None, dict[str, str]]] = {}
+
+
+def own_pids(run: Run, procs: Sequence[Proc]) -> frozenset[int]:
+    """The host pids among ``procs`` (listed on one GPU) that are the run's own processes: each process the
+    run declared matches exactly one listed process (a pid namespace's pid alone, matching several, is
+    ambiguous and matches none)."""
+    out: set[int] = set()
+    for _host, pid, container, pod in run.procs:
+        found = [p.pid for p in procs if p.host is not None and p.host.matches(pid, container, pod)]
+        if len(found) == 1:
+            out.add(found[0])
+    return frozenset(out)
 
 
 #: A point's labels as their sorted items: a counter series' identity within its run (with its name).
@@ -136,6 +223,12 @@ class Run:
         self.next_write_try = 0.0
         self.changes = 0  # bumped by every point applied to the run (a part of its live summary's stamp)
         self.live_memo: tuple[tuple[int, ...], dict[str, Any]] | None = None  # (stamp, live summary)
+        # The processes that pushed for the run (``ProcessKey``) -> (rank, first seen, last seen), and the job
+        # identity they share (``contract.JOB_IDENTITY_LABELS``): what ties the run to NVML's processes.
+        self.procs: dict[ProcessKey, list[Any]] = {}
+        self.job: dict[str, str] = {}
+        self.unconfirmed: dict[str, str] = {}  # GPU key -> why its claim went uncharged after the grace
+        self.silent: set[int] = set()  # pids of processes that are no run's that shared its GPUs (some)
 
     # -- counters ------------------------------------------------------------------------------------
 
@@ -201,6 +294,10 @@ class Run:
                 self.gpu_order.append(key)
         self.splits |= seg.splits
         self.sharers |= seg.sharers
+        for key, reason in seg.unconfirmed.items():
+            self.unconfirmed.setdefault(key, reason)
+        if len(self.silent) < 64:
+            self.silent |= seg.silent
         if live and seg.inside:
             power = tuple(f1.gpus[k].power_w if k in f1.gpus else None for k in self.gpu_order)
             self.timeline.add((
@@ -322,19 +419,27 @@ def _apply_finished(run: Run, rank: str, value: float, t: float) -> None:
 # the accumulator over the snapshot history
 
 
-def holdings(frame: Frame, tracked: Iterable[Run]) -> dict[str, list[Holding]]:
-    """Physical GPU key -> the runs using it (with the MIG instance they name), as known now. Runs still
-    tentative hold nothing; closed runs hold their GPUs from start to end."""
+def holdings(frame: Frame, tracked: Iterable[Run], grace_s: float = math.inf) -> dict[str, list[Holding]]:
+    """Physical GPU key -> the runs using it (with the MIG instance they name, and the pids NVML lists there
+    that are theirs), as known now. Runs still tentative hold nothing; closed runs hold their GPUs from start
+    to end. A listed pid two runs declare goes to the run that started first (a later run cannot take a
+    running one's process by naming its pid)."""
     out: dict[str, list[Holding]] = {}
-    for run in tracked:
-        if run.tentative:
-            continue
+    order = sorted((r for r in tracked if not r.tentative), key=lambda r: r.s)
+    for run in order:
         end = run.e if run.e is not None else math.inf
         for key in run.gpus:
             parent = frame.mig_parent.get(key, key)
-            if parent not in frame.gpus:
+            g = frame.gpus.get(parent)
+            if g is None:
                 continue
-            out.setdefault(parent, []).append(Holding(run.run_id, run.s, end, key if parent != key else ""))
+            held = out.setdefault(parent, [])
+            pids = own_pids(run, g.procs) if g.procs is not None and run.procs else frozenset()
+            if pids:
+                taken = {pid for h in held for pid in h.pids}
+                pids = frozenset(pids - taken)
+            held.append(Holding(run.run_id, run.s, end, key if parent != key else "", 1, pids,
+                                run.s + grace_s, bool(run.procs)))
     return out
 
 

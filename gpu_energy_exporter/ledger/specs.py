@@ -39,6 +39,8 @@ from gpu_energy_exporter.core.runs_schema import (
     RUN_TOKENS,
     RUN_TOKENS_PER_SECOND,
 )
+from gpu_energy_exporter.ledger.runs import REFUSED_REASONS
+from gpu_energy_exporter.ledger.split import UNCONFIRMED_REASONS
 
 LEDGER_RUNS_FINISHED = metrics.define(
     "ledger", "runs_finished_total", "counter",
@@ -66,7 +68,42 @@ LEDGER_UNATTRIBUTED = metrics.define(
     "--runs.stale-after + 120 s after the fact. Per GPU, runs' energy + this = the GPU's energy.",
     metrics.GPU_LABELS, collector=COLLECTOR, unit="joules")
 
+LEDGER_UNCONFIRMED_CLAIMS = metrics.define(
+    "ledger", "unconfirmed_claims_total", "counter",
+    "GPUs runs named but were not charged for, past --runs.claim-grace, because NVML listed none of the run's "
+    "processes there (reason no_process) or the run never sent its process.pid (no_pid); counted once per run "
+    "and GPU. Their energy stays the GPU's unattributed energy.", ("reason",), collector=COLLECTOR)
+LEDGER_REFUSED_PROCESSES = metrics.define(
+    "ledger", "refused_processes_total", "counter",
+    "Points refused because the process pushing them under an existing run id is not one of the run's: its "
+    "job identity disagrees (job_mismatch), the run's world size is full (world_size), or another live process "
+    "pushes that rank (rank_taken).", ("reason",), collector=COLLECTOR)
+
 STATUSES = ("finished", "stale", "exporter_stopped")
+
+
+class ClaimTally:
+    """Counts of refused processes and of closed runs' unconfirmed GPU claims, by reason (the ledger's
+    lock held)."""
+
+    def __init__(self) -> None:
+        self.refused: dict[str, float] = dict.fromkeys(REFUSED_REASONS, 0.0)
+        self.unconfirmed: dict[str, float] = dict.fromkeys(UNCONFIRMED_REASONS, 0.0)
+
+    def refuse(self, reason: str) -> None:
+        self.refused[reason] = self.refused.get(reason, 0.0) + 1
+
+    def closed(self, reasons: Iterable[str]) -> None:
+        for reason in reasons:
+            self.unconfirmed[reason] = self.unconfirmed.get(reason, 0.0) + 1
+
+    def counts(self, active: Iterable[Iterable[str]]) -> tuple[dict[str, float], dict[str, float]]:
+        """(unconfirmed claims by reason, closed runs' and ``active`` runs' reasons; refused by reason)."""
+        unconfirmed = dict(self.unconfirmed)
+        for reasons in active:
+            for reason in reasons:
+                unconfirmed[reason] = unconfirmed.get(reason, 0.0) + 1
+        return unconfirmed, dict(self.refused)
 
 #: The per-run counters on /metrics and the summary figure each one serves (``counter_values``).
 COUNTER_COLUMNS = (
@@ -117,7 +154,8 @@ ServedRun = tuple[str, str, Mapping[str, Any], Mapping[str, float]]
 
 
 def families(runs: Iterable[ServedRun], finished: Mapping[str, float], rejected: float, errors: float,
-             evicted: float, pending: int, unattributed: Sequence[tuple[str, str, float]]) -> list[Metric]:
+             evicted: float, pending: int, unattributed: Sequence[tuple[str, str, float]],
+             claims: tuple[Mapping[str, float], Mapping[str, float]] = ({}, {})) -> list[Metric]:
     """The ledger's part of one /metrics collection: per-run series and the ledger's self-metrics."""
     fams = {spec.name: spec.family() for spec in RUN_SERIES}
     for run_id, status, s, counters in runs:
@@ -146,4 +184,8 @@ def families(runs: Iterable[ServedRun], finished: Mapping[str, float], rejected:
     free = LEDGER_UNATTRIBUTED.family()
     for index, uuid, joules in unattributed:
         metrics.add(free, [index, uuid], joules)
-    return [*fams.values(), done, rej, err, ev, pend, free]
+    unconfirmed, refused = LEDGER_UNCONFIRMED_CLAIMS.family(), LEDGER_REFUSED_PROCESSES.family()
+    for fam, counts in ((unconfirmed, claims[0]), (refused, claims[1])):
+        for reason in sorted(counts):
+            metrics.add(fam, [reason], counts[reason])
+    return [*fams.values(), done, rej, err, ev, pend, free, unconfirmed, refused]

@@ -8,6 +8,7 @@ column names and what each figure means are ``core.runs_schema.COLUMNS`` (docs/l
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -31,6 +32,7 @@ from gpu_energy_exporter.ledger.runs import (
     SeriesState,
     rank_order,
 )
+from gpu_energy_exporter.reference.gpu_specs import lookup_peak_flops
 
 Local = Callable[[SeriesState], bool]
 
@@ -50,6 +52,13 @@ def local_check(frame: Frame | None) -> Local:
         return any(k in frame.gpus or k in frame.mig_parent for k in series.gpus)
 
     return local
+
+
+@functools.lru_cache(maxsize=256)
+def peak_row(model: str) -> dict[str, float]:
+    """Peak FLOP/s of a GPU model by precision (the bundled table, looked up once per model)."""
+    row = lookup_peak_flops(model)
+    return dict(row.flops) if row is not None else {}
 
 
 def peak_flops(gpus: Mapping[str, str], frame: Frame | None, precision: str,
@@ -126,6 +135,7 @@ def summarize(run: Run, acc: Acc, *, warmup_s: float, local: Local, carbon_confi
         notes.append("MIG instances: charged their share of the parent GPU's energy, every instance in use "
                      "weighing 1 (MIG profiles unknown)")
 
+    notes.extend(claim_notes(run, acc))
     keys = list(run.gpu_order)
     missing = [k for k in run.gpus if k not in run.resolved]
     measured = acc.measured_gpu_s > 0
@@ -288,3 +298,22 @@ def fmt(value: Any) -> str:
     if isinstance(value, float):
         return f"{value:.4g}"
     return str(value)
+
+
+def claim_notes(run: Run, acc: Acc) -> list[str]:
+    """What the GPUs' process lists said about the run's claims (docs/ledger.md, "What a claim needs")."""
+    notes = []
+    for key, seconds in sorted(acc.unconfirmed_s.items()):
+        why = ("the run never sent its process.pid" if run.unconfirmed.get(key) == ledger_split.UNCONFIRMED_NO_PID
+               else "NVML listed none of the run's processes there")
+        notes.append(f"GPU {run.gpus.get(key, key)} claimed but not confirmed for {seconds:.1f}s after the claim "
+                     f"grace ({why}): not charged for that time")
+    if acc.unverified_s:
+        names = ", ".join(run.gpus.get(k, k) for k in sorted(acc.unverified_s))
+        notes.append(f"GPU(s) {names}: charged on the run's claim alone for part of the run (NVML's process list "
+                     "or the host's process table was not available, or MIG): not verified by process")
+    if run.silent:
+        pids = ", ".join(str(p) for p in sorted(run.silent)[:8])
+        notes.append(f"processes that are no run's (pid {pids}) shared its GPUs and kept their share "
+                     "(the GPU's unattributed energy)")
+    return notes

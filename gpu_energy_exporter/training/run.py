@@ -120,6 +120,7 @@ class TrainingRun:
             headers=headers,
             export_interval=export_interval,
             export_timeout=export_timeout,
+            world_size=world_size,
         )
         self._exporter = self._meter.exporter
         # A script that never calls finish() still flushes at exit (bounded like finish()).
