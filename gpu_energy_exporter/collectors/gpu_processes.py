@@ -21,11 +21,12 @@ Never calls NVML itself and never touches anything under procfs but ``<pid>/stat
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 
 from gpu_energy_exporter.core.procinfo import ProcessIdentity, parse_cgroup, parse_nspid
 from gpu_energy_exporter.core.state import GPUReading
+from gpu_energy_exporter.kubernetes.assignments import PodRef
 
 #: Pids remembered per table at most (a node lists far fewer compute processes).
 _MAX_PIDS = 4096
@@ -109,3 +110,38 @@ class UtilizationCadence:
         )
         return replace(reading, processes=out)
 
+
+class ProcfsPods:
+    """``pid_to_pod`` for the kubernetes collector: the container (one of the GPU's holders) that runs a host
+    pid, found from the process's ``HOSTNAME`` (the kubelet sets it to the pod's name unless the pod sets
+    ``spec.hostname``) in ``<procfs>/<pid>/environ``. The kubelet's pod-resources API names pods, not their
+    UIDs, so the cgroup's pod UID cannot be joined to it. Reading another process's environment needs the
+    host's pid namespace (``hostPID``) or the host's /proc, and root (docs/deploy.md says what that grants). A
+    process can only name a pod holding the same GPU (``candidates``); one that names none, or a pod with
+    several holding containers, is not resolved (the GPU is then split evenly)."""
+
+    def __init__(self, procfs: str) -> None:
+        self._procfs = procfs
+        self._names: dict[int, str] = {}
+
+    def hostname(self, pid: int) -> str:
+        name = self._names.get(pid)
+        if name is None:
+            name = ""
+            try:
+                with open(os.path.join(self._procfs, str(pid), "environ"), "rb") as f:
+                    for item in f.read(1 << 16).split(b"\0"):
+                        if item.startswith(b"HOSTNAME="):
+                            name = item[9:].decode("utf-8", "replace")
+                            break
+            except OSError:
+                pass  # not visible (no host pid namespace), gone, or not permitted: unresolved
+            if len(self._names) >= _MAX_PIDS:
+                self._names.clear()
+            self._names[pid] = name
+        return name
+
+    def __call__(self, pid: int, candidates: Sequence[PodRef]) -> PodRef | None:
+        name = self.hostname(pid)
+        found = [c for c in candidates if name and c.pod == name]
+        return found[0] if len(found) == 1 else None

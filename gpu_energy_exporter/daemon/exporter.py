@@ -101,7 +101,12 @@ class Exporter:
 
             if self.gpu is None:
                 raise ConfigError("--collector.kubernetes needs the gpu collector (remove --no-collector.gpu)")
-            collectors.append(KubernetesCollector.from_config(config, self.gpu.states))
+            from gpu_energy_exporter.collectors.gpu_processes import ProcfsPods
+
+            # Processes NVML lists are placed in pods through the host's /proc (hostPID or the host's /proc
+            # mounted, docs/deploy.md), so a time-sliced GPU is split by each pod's SM use.
+            collectors.append(KubernetesCollector.from_config(config, self.gpu.states,
+                                                              pid_to_pod=ProcfsPods(config.path_procfs)))
         self.collectors = collectors
         self.sampler = Sampler(
             collectors, config.collector_interval, gpu_states=self.gpu.states if self.gpu else None, clock=clock

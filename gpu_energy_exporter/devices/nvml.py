@@ -331,7 +331,8 @@ class NVMLBackend(GPUBackend):
             GPUProcess(
                 pid=int(p.pid),
                 used_memory_bytes=int(p.usedGpuMemory) if p.usedGpuMemory is not None else None,
-                sm_util_pct=sm.get(int(p.pid)),
+                # Listed, but no sample since the last call while others have one: it used no SMs then.
+                sm_util_pct=sm.get(int(p.pid), 0.0 if sm else None),
             )
             for p in procs
         )

@@ -16,7 +16,8 @@ How one GPU's energy delta between two updates is split (the ``method`` label; t
   nobody holds get nothing: the held ones absorb the whole GPU's energy.
 - ``sm_utilization``: several containers share one GPU (time-slicing or MPS replicas, ids
   ``GPU-...::N``) and per-process SM utilisation is known for the interval; the delta is split in
-  proportion to each container's summed SM utilisation.
+  proportion to each container's summed SM utilisation. Processes that run in no container holding the
+  GPU keep their share (``UNOWNED``), which is counted as unattributed.
 - ``shared_even``: shared as above without usable utilisation (not reported, or zero for everybody):
   split evenly per replica held.
 
@@ -50,7 +51,10 @@ METHODS = (METHOD_EXCLUSIVE, METHOD_MIG_SLICES, METHOD_SM_UTILIZATION, METHOD_SH
 _METHOD = {sharing.RULE_EXCLUSIVE: METHOD_EXCLUSIVE, sharing.RULE_MIG: METHOD_MIG_SLICES,
            sharing.RULE_SM_UTIL: METHOD_SM_UTILIZATION, sharing.RULE_EVEN: METHOD_SHARED_EVEN}
 
-__all__ = ["DeviceAssignment", "PodEnergyAttributor", "PodRef", "Slot", "mig_slices", "resolve", "split"]
+__all__ = ["UNOWNED", "DeviceAssignment", "PodEnergyAttributor", "PodRef", "Slot", "mig_slices", "resolve", "split"]
+
+#: The owner, in ``split``'s weights and parts, of the processes on a GPU that run in none of its holders.
+UNOWNED = PodRef("", "", "")
 
 _MIG_PROFILE = re.compile(r"mig-(\d+)g\.")
 
@@ -142,6 +146,10 @@ def split(
         )
         for s in sorted(slots)
     ]
+    if weights and weights.get(UNOWNED, 0.0) > 0 and not any(s.mig_uuid for s in slots):
+        # Processes on the GPU that run in no pod holding it keep their share: ``UNOWNED`` gets it, and the
+        # attributor counts it as unattributed.
+        members.append(sharing.Member(UNOWNED, "", 1, float(weights[UNOWNED])))
     return [(pod, _METHOD[rule], part) for pod, rule, part in sharing.split(delta_j, members)]
 
 
@@ -189,6 +197,9 @@ class PodEnergyAttributor:
                 self._unattributed[gpu_uuid] = unattributed + delta
                 continue
             for pod, method, joules in split(delta, slots, (weights or {}).get(gpu_uuid)):
+                if pod == UNOWNED:
+                    self._unattributed[gpu_uuid] += joules
+                    continue
                 key = (pod, method)
                 self._container[key] = self._container.get(key, 0.0) + joules
         self._expire(now)
