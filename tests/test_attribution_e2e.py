@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from fakenvml import Constant, Process, Scenario, h100
+from fakenvml import GPU, Constant, Process, Scenario, h100, mig_uuids
 from helpers import Child, ExporterProcess, sample_value, wait_until
 
 TESTS = Path(__file__).resolve().parent
@@ -48,10 +48,13 @@ def _metrics(exp: ExporterProcess) -> str:
 class Machine:
     """The exporter on a scripted fake machine, and trainer processes the fake lists on its GPUs."""
 
-    def __init__(self, start_exporter: type[ExporterProcess], lib: Path, tmp: Path, gpus: int = 1) -> None:
+    def __init__(self, start_exporter: type[ExporterProcess], lib: Path, tmp: Path, gpus: int = 1,
+                 devices: list[GPU] | None = None) -> None:
         self.tmp = tmp
+        self.lib = lib
         self.path = tmp / "scenario.ini"
-        self.scenario = Scenario(epoch=time.time() - 60, gpus=[h100(i, power=Constant(POWER_W)) for i in range(gpus)])
+        self.scenario = Scenario(epoch=time.time() - 60,
+                                 gpus=devices or [h100(i, power=Constant(POWER_W)) for i in range(gpus)])
         self.scenario.write(self.path)
         self.go = tmp / "go"
         from gpu_energy_exporter.core.config import FLAGS
@@ -69,10 +72,12 @@ class Machine:
         return self.scenario.gpu(index).uuid
 
     def trainer(self, run_id: str, gpus: list[int], seconds: float, tokens: int = 100, world: int = 1,
-                rank: int = 0) -> Child:
+                rank: int = 0, env: dict[str, str] | None = None) -> Child:
+        """A trainer naming ``gpus`` (NVML indices); none: the helper finds them (``env``'s
+        CUDA_VISIBLE_DEVICES through the fake NVML)."""
         child = Child([sys.executable, str(TESTS / "trainer_child.py"), self.exp.otlp_url, run_id,
-                       ",".join(self.uuid(i) for i in gpus), str(seconds), str(tokens), str(world), str(rank)],
-                      env={"TRAINER_GO_FILE": str(self.go)}, name=f"trainer-{run_id}")
+                       ",".join(self.uuid(i) for i in gpus) or "-", str(seconds), str(tokens), str(world), str(rank)],
+                      env={"TRAINER_GO_FILE": str(self.go), **(env or {})}, name=f"trainer-{run_id}")
         self.children.append(child)
         return child
 
@@ -110,8 +115,8 @@ class Machine:
 def machine(start_exporter: type[ExporterProcess], fake_nvml_lib: Path, tmp_path: Path):  # type: ignore[no-untyped-def]
     made: list[Machine] = []
 
-    def make(gpus: int = 1) -> Machine:
-        m = Machine(start_exporter, fake_nvml_lib, tmp_path, gpus)
+    def make(gpus: int = 1, devices: list[GPU] | None = None) -> Machine:
+        m = Machine(start_exporter, fake_nvml_lib, tmp_path, gpus, devices)
         made.append(m)
         return m
     yield make
@@ -184,3 +189,37 @@ def test_case3_a_process_pushing_under_anothers_run_id_is_refused(machine) -> No
     assert doc["energy_j"] == pytest.approx(truth, rel=0.01)
     text = _metrics(m.exp)
     assert (sample_value(text, "gpuenergy_ledger_refused_processes_total", reason="world_size") or 0) >= 1
+
+
+def test_case4_runs_on_a_3g_and_a_1g_mig_slice_are_charged_by_slices_with_the_slices_sm_for_mfu(
+        machine) -> None:  # type: ignore[no-untyped-def]
+    from gpu_energy_exporter.reference.gpu_specs import lookup_peak_flops
+
+    parent = h100(0, power=Constant(POWER_W))
+    migs = mig_uuids(parent.uuid, 2)
+    gpu = dataclasses.replace(parent, mig_mode=1, mig_devices=migs, mig_profiles=((3, 3, 60), (1, 1, 16)),
+                              multiprocessor_count=132)
+    m = machine(devices=[gpu])
+    peak = lookup_peak_flops(gpu.name)
+    assert peak is not None
+    flops_per_step = 1e12
+    # Each trainer finds its GPU as a real one does: CUDA_VISIBLE_DEVICES=MIG-..., NVML (the fake) loaded.
+    nvml = {"LD_LIBRARY_PATH": str(m.lib.parent), "FAKE_NVML_SCENARIO": str(m.path),
+            "TRAINER_FLOPS_PER_STEP": str(flops_per_step)}
+    big = m.trainer("mig-3g", [], seconds=6, env={**nvml, "CUDA_VISIBLE_DEVICES": migs[0]})
+    small = m.trainer("mig-1g", [], seconds=6, env={**nvml, "CUDA_VISIBLE_DEVICES": migs[1]})
+    m.list_processes({0: [(big.pid, 0), (small.pid, 0)]})
+    docs = {r: _finished(m.exp, r) for r in ("mig-3g", "mig-1g")}
+    a, b = docs["mig-3g"], docs["mig-1g"]
+    both = max(0.0, min(a["end_unix"], b["end_unix"]) - max(a["start_unix"], b["start_unix"]))
+    for doc, slices, sms in ((a, 3, 60), (b, 1, 16)):
+        alone = doc["end_unix"] - doc["start_unix"] - both
+        # The instances in use share the GPU by compute slices (3:1); alone, an instance absorbs all of it.
+        truth = POWER_W * (alone + both * slices / 4)
+        _report(f"case 4 (MIG {slices}g)", doc["run_id"], doc["energy_j"], truth)
+        assert doc["energy_j"] == pytest.approx(truth, rel=0.01)
+        assert doc["energy_split"] == "mig"
+        # MFU against the instance's SMs: 60 or 16 of the H100's 132.
+        assert doc["peak_flops_per_s"] == pytest.approx(peak.flops["bf16"] * sms / 132, rel=1e-6)
+        print(f"[issue 19] case 4 (MIG {slices}g): peak {doc['peak_flops_per_s']:.4g} FLOP/s, truth "
+              f"{peak.flops['bf16'] * sms / 132:.4g}; MFU {doc['mfu']}")

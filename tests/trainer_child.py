@@ -25,12 +25,14 @@ def main(argv: list[str]) -> int:
         deadline = time.monotonic() + 60
         while not os.path.exists(go) and time.monotonic() < deadline:
             time.sleep(0.02)
-    run = start_run(run_id, endpoint=endpoint, export_interval=0.3, gpu_uuids=gpus.split(","),
+    flops = float(os.environ.get("TRAINER_FLOPS_PER_STEP", "0"))
+    # GPU_UUIDS "-": the helper finds them itself (CUDA_VISIBLE_DEVICES, NVML), as a real trainer does
+    run = start_run(run_id, endpoint=endpoint, export_interval=0.3, gpu_uuids=None if gpus == "-" else gpus.split(","),
                     world_size=world, rank=rank, model="tiny", precision="bf16")
     print("started", flush=True)
     deadline = time.monotonic() + float(seconds)
     while time.monotonic() < deadline:
-        run.step(tokens=int(tokens), samples=1)
+        run.step(tokens=int(tokens), samples=1, flops=flops)
         time.sleep(0.05)
     run.finish()
     print("finished", flush=True)

@@ -59,6 +59,32 @@ class MIGDevice:
     uuid: str  # "MIG-..."
     parent_uuid: str
     index: int  # MIG device index within the parent
+    #: The instance's profile from nvmlDeviceGetAttributes_v2 (0: not known): its GPU-instance and
+    #: compute-instance slices (of 7 on A100/H100) and its SMs. Energy of the parent is shared by compute
+    #: slices; MFU uses the instance's share of the GPU's SMs.
+    gpu_instance_slices: int = 0
+    compute_instance_slices: int = 0
+    multiprocessor_count: int = 0
+    #: the parent GPU's SMs (0: not known; then the share is compute slices / 7)
+    parent_multiprocessor_count: int = 0
+
+    @property
+    def slices(self) -> int:
+        """Compute slices (1 when not known: every instance then weighs the same)."""
+        return self.compute_instance_slices or 1
+
+    @property
+    def sm_share(self) -> float | None:
+        """The instance's share of its GPU's SMs (None: not known)."""
+        if self.multiprocessor_count and self.parent_multiprocessor_count:
+            return min(1.0, self.multiprocessor_count / self.parent_multiprocessor_count)
+        if self.compute_instance_slices:
+            return min(1.0, self.compute_instance_slices / MIG_MAX_COMPUTE_SLICES)
+        return None
+
+
+#: Compute slices of a whole A100 / H100 / B200 (MIG's 7g profile).
+MIG_MAX_COMPUTE_SLICES = 7
 
 
 @dataclass(frozen=True)

@@ -22,6 +22,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import pynvml
@@ -221,7 +222,18 @@ class NVMLBackend(GPUBackend):
             except Exception as exc:  # noqa: BLE001
                 self._nvml.lose(index, "mig_device", REASON_EXCEPTION, f"{type(exc).__name__}: {exc}")
                 continue
-            devices.append(MIGDevice(uuid=mig_uuid, parent_uuid=uuid, index=mig_index))
+            attrs = self._nvml.field(index, "mig_attributes", "nvmlDeviceGetAttributes_v2", mh)
+            devices.append(MIGDevice(
+                uuid=mig_uuid, parent_uuid=uuid, index=mig_index,
+                gpu_instance_slices=int(attrs.gpuInstanceSliceCount) if attrs is not None else 0,
+                compute_instance_slices=int(attrs.computeInstanceSliceCount) if attrs is not None else 0,
+                multiprocessor_count=int(attrs.multiprocessorCount) if attrs is not None else 0,
+            ))
+        if devices:
+            # The whole GPU's SMs, where the driver answers on the parent (MFU's share of the GPU).
+            whole = self._nvml.field(index, "attributes", "nvmlDeviceGetAttributes_v2", h)
+            sms = int(whole.multiprocessorCount) if whole is not None else 0
+            devices = [replace(d, parent_multiprocessor_count=sms) for d in devices]
         return True, tuple(devices)
 
     # ------------------------------------------------------------------------------------------------

@@ -10,8 +10,10 @@ How one GPU's energy delta between two updates is split (the ``method`` label; t
   power included: energy belongs to whoever holds the hardware.
 - ``mig_slices``: the GPU is partitioned with MIG. NVML has no per-instance power, so instance energy is
   not measurable; the parent GPU's delta is split once over the MIG instances that are held, in
-  proportion to their compute slices (``mig-3g.40gb`` weighs 3, ``mig-1g.10gb`` 1; a profile we cannot
-  parse weighs 1), and evenly between containers sharing one instance. The parent's energy is never
+  proportion to their compute slices as NVML reports them (``nvmlDeviceGetAttributes_v2``, the run ledger
+  weighs them the same), else as the device plugin's resource name says (``mig-3g.40gb`` weighs 3,
+  ``mig-1g.10gb`` 1; a profile we cannot parse weighs 1), and evenly between containers sharing one
+  instance. The parent's energy is never
   repeated per instance, so summing over pods gives the GPU's energy, not a multiple of it. Instances
   nobody holds get nothing: the held ones absorb the whole GPU's energy.
 - ``sm_utilization``: several containers share one GPU (time-slicing or MPS replicas, ids
@@ -94,9 +96,12 @@ def resolve(
     by_uuid = {g.uuid: g for g in gpus}
     by_index = {str(g.index): g for g in gpus}
     mig_parent: dict[str, tuple[str, int]] = {}
+    nvml_slices: dict[str, int] = {}  # MIG uuid -> compute slices NVML reports (the ledger uses the same)
     for g in gpus:
         for m in g.mig_devices:
             mig_parent[m.uuid] = (m.parent_uuid or g.uuid, m.index)
+            if m.compute_instance_slices:
+                nvml_slices[m.uuid] = m.compute_instance_slices
     holdings: dict[str, list[Slot]] = defaultdict(list)
     unresolved: set[str] = set()
     for a in assignments:
@@ -106,7 +111,7 @@ def resolve(
         if raw in by_uuid:
             slot = Slot(raw, a.pod, device_id=a.device_id)
         elif raw in mig_parent:
-            slot = Slot(mig_parent[raw][0], a.pod, raw, slices, a.device_id)
+            slot = Slot(mig_parent[raw][0], a.pod, raw, nvml_slices.get(raw, slices), a.device_id)
         elif raw.startswith("MIG-GPU-") and raw[4:].split("/", 1)[0] in by_uuid:
             slot = Slot(raw[4:].split("/", 1)[0], a.pod, raw, slices, a.device_id)
         elif raw in by_index:
@@ -116,7 +121,7 @@ def resolve(
             parent = by_index[parent_index]
             mig = next((m for m in parent.mig_devices if str(m.index) == mig_index), None)
             if mig is not None:
-                slot = Slot(parent.uuid, a.pod, mig.uuid, slices, a.device_id)
+                slot = Slot(parent.uuid, a.pod, mig.uuid, mig.compute_instance_slices or slices, a.device_id)
         if slot is None:
             unresolved.add(a.device_id)
         else:

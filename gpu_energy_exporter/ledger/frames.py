@@ -8,7 +8,7 @@ module never calls NVML and never integrates power into energy.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from gpu_energy_exporter.collectors.host import MEMORY_AVAILABLE
 from gpu_energy_exporter.core.state import GPUProcess, GPUState, Snapshot
@@ -40,6 +40,8 @@ class Frame:
     intensity: float | None  # g/kWh
     pue: float | None
     host_available: float | None  # bytes
+    #: MIG uuid key -> (compute slices, share of the parent's SMs or None), from NVML's instance attributes
+    mig_profile: dict[str, tuple[int, float | None]] = field(default_factory=dict)
 
 
 def uuid_key(uuid: str) -> str:
@@ -79,9 +81,11 @@ def frame_of(snapshot: Snapshot, intensity: float | None, pue: float | None) -> 
     """The frame of one snapshot, with the grid intensity (g/kWh) and PUE in force when it was taken."""
     gpus: dict[str, GPUFrame] = {}
     mig: dict[str, str] = {}
+    profile: dict[str, tuple[int, float | None]] = {}
     for g in snapshot.gpus:
         key = uuid_key(g.identity.uuid)
         gpus[key] = gpu_frame(g)
         for m in g.identity.mig_devices:
             mig[uuid_key(m.uuid)] = key
-    return Frame(snapshot.timestamp, gpus, mig, intensity, pue, snapshot.value(MEMORY_AVAILABLE.name))
+            profile[uuid_key(m.uuid)] = (m.slices, m.sm_share)
+    return Frame(snapshot.timestamp, gpus, mig, intensity, pue, snapshot.value(MEMORY_AVAILABLE.name), profile)

@@ -438,7 +438,8 @@ def holdings(frame: Frame, tracked: Iterable[Run], grace_s: float = math.inf) ->
             if pids:
                 taken = {pid for h in held for pid in h.pids}
                 pids = frozenset(pids - taken)
-            held.append(Holding(run.run_id, run.s, end, key if parent != key else "", 1, pids,
+            slices = frame.mig_profile.get(key, (1, None))[0] if parent != key else 1
+            held.append(Holding(run.run_id, run.s, end, key if parent != key else "", slices, pids,
                                 run.s + grace_s, bool(run.procs)))
     return out
 

@@ -64,8 +64,9 @@ def peak_row(model: str) -> dict[str, float]:
 def peak_flops(gpus: Mapping[str, str], frame: Frame | None, precision: str,
                rows: Callable[[str], Mapping[str, float]]) -> float | None:
     """Peak FLOP/s of a run's local GPUs (``gpus``: its uuid keys) at ``precision``; a MIG instance counts
-    1 / (instances on its parent). ``rows``: GPU model -> precision -> peak FLOP/s. None when any local
-    GPU's model or the precision has no figure."""
+    its share of the parent's SMs (NVML's instance attributes), or 1 / (instances on its parent) where the
+    driver does not say. ``rows``: GPU model -> precision -> peak FLOP/s. None when any local GPU's model or
+    the precision has no figure."""
     if frame is None or not precision:
         return None
     per_parent: dict[str, int] = {}
@@ -76,7 +77,8 @@ def peak_flops(gpus: Mapping[str, str], frame: Frame | None, precision: str,
         parent = frame.mig_parent.get(key, key)
         if parent not in frame.gpus:
             continue
-        part = 1.0 / per_parent[parent] if parent != key else 1.0
+        sm_share = frame.mig_profile.get(key, (1, None))[1]
+        part = (sm_share if sm_share is not None else 1.0 / per_parent[parent]) if parent != key else 1.0
         share[parent] = min(1.0, share.get(parent, 0.0) + part)
     if not share:
         return None
@@ -132,8 +134,8 @@ def summarize(run: Run, acc: Acc, *, warmup_s: float, local: Local, carbon_confi
         notes.append(f"shared its GPUs with run(s) {listed}: energy split "
                      f"({', '.join(sorted(run.splits))})")
     if ledger_split.SPLIT_MIG in run.splits:
-        notes.append("MIG instances: charged their share of the parent GPU's energy, every instance in use "
-                     "weighing 1 (MIG profiles unknown)")
+        notes.append("MIG instances: charged their compute slices' share of the parent GPU's energy (instances "
+                     "in use only; an instance whose profile NVML does not give weighs 1)")
 
     notes.extend(claim_notes(run, acc))
     keys = list(run.gpu_order)

@@ -266,6 +266,10 @@ class GPU:
     mig_pending_mode: int | None = None
     max_mig_devices: int = 7
     mig_devices: tuple[str, ...] = ()  # MIG device UUIDs ("MIG-..."), reachable while mig_mode is 1
+    #: issue 19: each MIG device's (GPU-instance slices, compute-instance slices, SMs), in mig_devices' order,
+    #: as nvmlDeviceGetAttributes_v2 reports them (e.g. (3, 3, 60) for a 3g.40gb on an H100)
+    mig_profiles: tuple[tuple[int, int, int], ...] = ()
+    multiprocessor_count: int = 0  # the whole GPU's SMs for nvmlDeviceGetAttributes_v2 (0: NOT_SUPPORTED)
     gpm_supported: bool = False
     gpm: Mapping[int, float] = field(default_factory=dict)  # GPM metric id -> percent (others: unsupported)
     energy_counter: bool = True
@@ -377,6 +381,10 @@ class GPU:
         put("max_mig_devices", self.max_mig_devices)
         if self.mig_devices:
             put("mig_devices", " ".join(self.mig_devices))
+        if self.mig_profiles:
+            put("mig_profiles", " ".join(f"{gi}:{ci}:{sm}" for gi, ci, sm in self.mig_profiles))
+        if self.multiprocessor_count:
+            put("multiprocessor_count", self.multiprocessor_count)
         put("gpm_supported", _yes(self.gpm_supported))
         for metric_id, pct in sorted(self.gpm.items()):
             put(GPM_KEYS[metric_id], _num(pct))
