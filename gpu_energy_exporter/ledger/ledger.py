@@ -35,7 +35,7 @@ from prometheus_client.core import Metric
 
 from gpu_energy_exporter.core.runs_schema import SUMMARY_SCHEMA
 from gpu_energy_exporter.core.state import Snapshot
-from gpu_energy_exporter.ledger import accounting, files, runs, specs
+from gpu_energy_exporter.ledger import accounting, claims, files, runs, specs
 from gpu_energy_exporter.ledger.files import append_csv_row, iso_utc
 from gpu_energy_exporter.ledger.frames import Frame, frame_of
 from gpu_energy_exporter.ledger.runs import PointLike, Run
@@ -160,7 +160,7 @@ class RunLedger:
             return
         gpus_before, end_before = len(run.gpus), run.e
         received = self._clock() if received is None else received
-        refused, new_process = runs.note_process(run, resource, labels, received)
+        refused, new_process = claims.note_process(run, resource, labels, received)
         if refused:  # another process under the run's id whose job identity disagrees (docs/ledger.md)
             return self._claims.refuse(refused)
         runs.apply_point(run, name, labels, value, t, count, received, key)

@@ -39,7 +39,7 @@ from gpu_energy_exporter.core.runs_schema import (
     RUN_TOKENS,
     RUN_TOKENS_PER_SECOND,
 )
-from gpu_energy_exporter.ledger.runs import REFUSED_REASONS
+from gpu_energy_exporter.ledger.claims import REFUSED_REASONS
 from gpu_energy_exporter.ledger.split import UNCONFIRMED_REASONS
 
 LEDGER_RUNS_FINISHED = metrics.define(
