@@ -69,7 +69,10 @@ def test_claims_are_charged_only_when_confirmed_after_the_grace() -> None:
     new = Holding("n", 0.0, grace_end=5.0)
     c = split.charge("n", 0.0, 10.0, 0.0, 10.0, [new], ())
     assert c.share_s == pytest.approx(5.0) and c.unconfirmed_s == pytest.approx(5.0)
-    assert c.reason == split.UNCONFIRMED_NO_PID and c.splits == {"grace"}
+    assert c.reason == split.UNCONFIRMED_NO_PID and c.splits == {"exclusive"}  # alone, nothing listed
+    # Sharing with a process that is no run's (its own, not matched yet?): the "grace" rule, its share only.
+    c = split.charge("n", 0.0, 10.0, 0.0, 10.0, [new], (Proc(7, 30.0),))
+    assert c.share_s == pytest.approx(5.0) and c.splits == {"grace"}
     assert split.unattributed(0.0, 10.0, [new], ()) == pytest.approx(5.0)
     # No process list (no host /proc): the claims alone, as before, and said so.
     c = split.charge("x", 0.0, 10.0, 0.0, 10.0, [victim, attacker], None)

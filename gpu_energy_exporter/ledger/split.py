@@ -15,6 +15,7 @@ ledger from the pid, container and pid namespaces) or by nobody. So:
 - ``grace``: a run that names the GPU but none of whose processes NVML lists yet, within
   ``--runs.claim-grace`` of its start (CUDA takes a while to create its context): it shares, evenly with
   other such runs, only the part of the GPU no run's process uses. It can never take a confirmed run's part.
+  (Alone on a GPU that lists no process at all, it takes the whole GPU under the name ``exclusive``.)
 - after the grace period such a claim is *unconfirmed*: charged nothing, counted (``Charge.unconfirmed_s``).
 
 Where the process list is not known (NVML gave none, or none of the listed pids is in the exporter's view
@@ -155,8 +156,12 @@ def piece_shares(active: Sequence[Holding], procs: Sequence[Proc] | None, at: fl
     waiting = sorted({h.run_id for h in active if h.run_id not in confirmed and at < h.grace_end})
     free = 1.0 - sum(f for f, _ in out.values())
     if waiting and free > 1e-12:
+        # Alone on a GPU where no process is listed yet (CUDA starting, or its process just exited before
+        # its finish point): the whole GPU, as a lone claim always was (``exclusive``, so the split label
+        # of a run does not change at every start and end); anything else is ``grace``.
+        alone = len(waiting) == 1 and not procs and not out
         for run in waiting:
-            out[run] = (free / len(waiting), SPLIT_GRACE)
+            out[run] = (free / len(waiting), SPLIT_EXCLUSIVE if alone else SPLIT_GRACE)
     return out
 
 
