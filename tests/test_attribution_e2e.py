@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import shutil
 import sys
 import time
 import urllib.request
@@ -21,6 +22,7 @@ from fakenvml import GPU, Constant, Process, Scenario, h100, mig_uuids
 from helpers import Child, ExporterProcess, sample_value, wait_until
 
 TESTS = Path(__file__).resolve().parent
+FIXTURE = TESTS / "fixtures" / "procfs-host"
 GIB = 1 << 30
 POWER_W = 500.0
 
@@ -49,7 +51,7 @@ class Machine:
     """The exporter on a scripted fake machine, and trainer processes the fake lists on its GPUs."""
 
     def __init__(self, start_exporter: type[ExporterProcess], lib: Path, tmp: Path, gpus: int = 1,
-                 devices: list[GPU] | None = None) -> None:
+                 devices: list[GPU] | None = None, procfs: Path | None = None) -> None:
         self.tmp = tmp
         self.lib = lib
         self.path = tmp / "scenario.ini"
@@ -65,6 +67,7 @@ class Machine:
         self.exp = start_exporter([
             f"--nvml.library={lib}", "--collector.interval=200ms", "--runs.warmup=0s",
             *(flag for flag in new if flag.split("=")[0] in known),
+            *([f"--path.procfs={procfs}"] if procfs is not None else []),
         ], {"FAKE_NVML_SCENARIO": str(self.path)}).wait_ready()
         self.children: list[Child] = []
 
@@ -115,8 +118,8 @@ class Machine:
 def machine(start_exporter: type[ExporterProcess], fake_nvml_lib: Path, tmp_path: Path):  # type: ignore[no-untyped-def]
     made: list[Machine] = []
 
-    def make(gpus: int = 1, devices: list[GPU] | None = None) -> Machine:
-        m = Machine(start_exporter, fake_nvml_lib, tmp_path, gpus, devices)
+    def make(gpus: int = 1, devices: list[GPU] | None = None, procfs: Path | None = None) -> Machine:
+        m = Machine(start_exporter, fake_nvml_lib, tmp_path, gpus, devices, procfs)
         made.append(m)
         return m
     yield make
@@ -143,6 +146,33 @@ def test_case1_two_runs_sharing_a_gpu_are_charged_by_their_sm_use(machine) -> No
         assert doc["energy_j"] == pytest.approx(truth, rel=0.01)
         assert doc["j_per_token"] == pytest.approx(truth / doc["tokens"], rel=0.01)
         assert "sm_util" in doc["energy_split"]
+
+
+def test_case1_in_containers_the_trainers_pids_are_found_through_nspid_and_cgroup(
+        machine, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    from gpu_energy_exporter.core.procinfo import parse_cgroup
+
+    # The host's /proc as a DaemonSet sees it (a fixture tree): NVML lists host pids 4001 and 4002, whose
+    # NSpid lines end in the trainers' own pids (what they send as process.pid) and whose cgroups name the
+    # container the trainers say they run in (their own cgroup's, as the helper reads it).
+    procfs = tmp_path / "proc"
+    shutil.copytree(FIXTURE, procfs)
+    _, own_container = parse_cgroup(Path("/proc/self/cgroup").read_text())
+    container = own_container or "c" * 64
+    m = machine(procfs=procfs)
+    a = m.trainer("ns-a", [0], seconds=6, tokens=900)
+    b = m.trainer("ns-b", [0], seconds=6, tokens=100)
+    for host_pid, child in ((4001, a), (4002, b)):
+        d = procfs / str(host_pid)
+        d.mkdir()
+        (d / "status").write_text(f"Name:\tpython\nPid:\t{host_pid}\nNSpid:\t{host_pid}\t{child.pid}\n")
+        (d / "cgroup").write_text(f"0::/system.slice/docker-{container}.scope\n" if own_container else "0::/\n")
+    m.list_processes({0: [(4001, 90), (4002, 10)]})
+    for run_id, share in (("ns-a", 0.9), ("ns-b", 0.1)):
+        doc = _finished(m.exp, run_id)
+        truth = share * m.true_j(0, doc)
+        _report("case 1 in containers (90/10 SM, NSpid)", run_id, doc["energy_j"], truth)
+        assert doc["energy_j"] == pytest.approx(truth, rel=0.01)
 
 
 def test_case2_a_silent_process_keeps_its_share(machine) -> None:  # type: ignore[no-untyped-def]
