@@ -180,6 +180,12 @@ def test_case2_a_silent_process_keeps_its_share(machine) -> None:  # type: ignor
     run = m.trainer("loud", [0], seconds=6)
     quiet = m.silent()
     m.list_processes({0: [(run.pid, 50), (quiet.pid, 50)]})
+
+    def visible() -> bool:  # while the run goes on: one listed process is the run's, one is no run's
+        text = _metrics(m.exp)
+        return (sample_value(text, "gpuenergy_ledger_gpu_processes", gpu="0", owner="run") == 1.0
+                and sample_value(text, "gpuenergy_ledger_gpu_processes", gpu="0", owner="no_run") == 1.0)
+    wait_until(visible, timeout=20, what="the silent process to show as no run's")
     doc = _finished(m.exp, "loud")
     truth = 0.5 * m.true_j(0, doc)
     _report("case 2 (run + silent process, 50/50 SM)", "loud", doc["energy_j"], truth)
