@@ -117,3 +117,19 @@ def test_a_run_owns_the_listed_process_its_trainer_is_even_inside_a_container() 
     admit(solo, one, "0", 0.0)
     twin = {"process_pid": "31"}
     assert admit(solo, twin, "0", 1.0) == claims.REFUSED_RANK
+
+
+def test_the_helper_sends_its_container_and_job_identity(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from gpu_energy_exporter.training.meter import process_identity
+
+    cgroup = tmp_path / "cgroup"
+    cgroup.write_text("0::/kubepods.slice/kubepods-pod0f2b6a52_1d1e_4c4b_9a39_8f2b1c0de0a1.slice/"
+                      f"cri-containerd-{CID}.scope\n")
+    env = {"SLURM_JOB_ID": "4242", "MASTER_ADDR": "node-1", "MASTER_PORT": "29500"}
+    assert process_identity(4, env, str(cgroup)) == {
+        "training.world_size": 4, "container.id": CID, "k8s.pod.uid": "0f2b6a52-1d1e-4c4b-9a39-8f2b1c0de0a1",
+        "slurm.job.id": "4242", "training.job.id": "node-1:29500"}
+    cgroup.write_text("0::/\n")
+    assert process_identity(1, {"TORCHELASTIC_RUN_ID": "r1"}, str(cgroup)) == {
+        "training.world_size": 1, "training.job.id": "r1"}
+    assert process_identity(1, {}, str(tmp_path / "missing")) == {"training.world_size": 1}

@@ -21,6 +21,7 @@ Never calls NVML itself and never touches anything under procfs but ``<pid>/stat
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 
@@ -120,12 +121,18 @@ class ProcfsPods:
     process can only name a pod holding the same GPU (``candidates``); one that names none, or a pod with
     several holding containers, is not resolved (the GPU is then split evenly)."""
 
-    def __init__(self, procfs: str) -> None:
+    #: A pid's answer is read again after this long (a pid reused by another pod's process is found).
+    TTL_S = 60.0
+
+    def __init__(self, procfs: str, monotonic: Callable[[], float] = time.monotonic) -> None:
         self._procfs = procfs
-        self._names: dict[int, str] = {}
+        self._monotonic = monotonic
+        self._names: dict[int, tuple[str, float]] = {}
 
     def hostname(self, pid: int) -> str:
-        name = self._names.get(pid)
+        now = self._monotonic()
+        cached = self._names.get(pid)
+        name = cached[0] if cached is not None and now - cached[1] < self.TTL_S else None
         if name is None:
             name = ""
             try:
@@ -138,7 +145,7 @@ class ProcfsPods:
                 pass  # not visible (no host pid namespace), gone, or not permitted: unresolved
             if len(self._names) >= _MAX_PIDS:
                 self._names.clear()
-            self._names[pid] = name
+            self._names[pid] = (name, now)
         return name
 
     def __call__(self, pid: int, candidates: Sequence[PodRef]) -> PodRef | None:
