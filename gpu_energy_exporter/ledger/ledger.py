@@ -495,6 +495,6 @@ class RunLedger:
             rejected, errors, evicted = self._rejected, self._write_errors, self._evicted
             pending = len(self._pending)
             unattributed = sorted(self._unattributed.values(), key=lambda x: (len(x[0]), x[0], x[1]))
-            claims = self._claims.counts((r.unconfirmed.values() for r in self._active.values()),
-                                         self._history[-1] if self._history else None, self._holders)
-        return specs.families(served, finished, rejected, errors, evicted, pending, unattributed, claims)
+            tally = self._claims.counts((r.unconfirmed.values() for r in self._active.values()),
+                                        self._history[-1] if self._history else None, self._holders)
+        return specs.families(served, finished, rejected, errors, evicted, pending, unattributed, tally)
