@@ -259,3 +259,24 @@ def test_case4_runs_on_a_3g_and_a_1g_mig_slice_are_charged_by_slices_with_the_sl
         assert doc["peak_flops_per_s"] == pytest.approx(peak.flops["bf16"] * sms / 132, rel=1e-6)
         print(f"[issue 19] case 4 (MIG {slices}g): peak {doc['peak_flops_per_s']:.4g} FLOP/s, truth "
               f"{peak.flops['bf16'] * sms / 132:.4g}; MFU {doc['mfu']}")
+
+
+def test_without_the_host_process_table_the_claims_decide_and_the_result_says_so(
+        machine, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    # --path.procfs names a /proc without the trainers (an exporter in a container without the host's /proc):
+    # NVML's pids cannot be tied to runs, so two runs on one GPU are split by their claims, evenly, as before.
+    procfs = tmp_path / "proc"
+    shutil.copytree(FIXTURE, procfs)
+    m = machine(procfs=procfs)
+    a = m.trainer("blind-a", [0], seconds=5, tokens=900)
+    b = m.trainer("blind-b", [0], seconds=5, tokens=100)
+    m.list_processes({0: [(a.pid, 90), (b.pid, 10)]})
+    docs = {r: _finished(m.exp, r) for r in ("blind-a", "blind-b")}
+    both = min(d["end_unix"] for d in docs.values()) - max(d["start_unix"] for d in docs.values())
+    for doc in docs.values():
+        alone = doc["end_unix"] - doc["start_unix"] - both
+        truth = POWER_W * (alone + both / 2)
+        assert doc["energy_j"] == pytest.approx(truth, rel=0.01)
+        assert "even" in doc["energy_split"]
+        assert "charged on the run's claim alone" in doc["ledger_notes"]
+    assert sample_value(_metrics(m.exp), "gpuenergy_ledger_gpu_processes", gpu="0", owner="run") is None
