@@ -84,6 +84,11 @@ def note_process(run: Run, resource: tuple[tuple[str, str], ...], labels: Mappin
     ``run`` carried by a resource with ``resource`` labels (points with no pid are taken as they come)."""
     if not resource:
         return "", False
+    rank = labels.get(_RANK, "")
+    # The points of one request (one ``received``) share one resource tuple: the first one decides for all
+    # (this runs for every point a trainer pushes).
+    if run.admitted[0] is resource and run.admitted[1] == received and run.admitted[2] == rank:
+        return "", False
     found = _RESOURCES.get(resource)
     if found is None:  # one request's points share one resource tuple; a trainer repeats it every export
         attrs = dict(resource)
@@ -93,7 +98,9 @@ def note_process(run: Run, resource: tuple[tuple[str, str], ...], labels: Mappin
     if key is None:
         return "", False
     known = key in run.procs
-    refused = admit_process(run, key, attrs, labels.get(_RANK, ""), received)
+    refused = admit_process(run, key, attrs, rank, received)
+    if not refused:
+        run.admitted = (resource, received, rank)
     return refused, not known and not refused
 
 

@@ -141,6 +141,7 @@ class Run:
         # identity they share (``contract.JOB_IDENTITY_LABELS``): what ties the run to NVML's processes.
         self.procs: dict[ProcessKey, list[Any]] = {}
         self.job: dict[str, str] = {}
+        self.admitted: tuple[object, float, str] = ((), -1.0, "")  # (resource, received, rank) last admitted
         self.unconfirmed: dict[str, str] = {}  # GPU key -> why its claim went uncharged after the grace
         self.silent: set[int] = set()  # pids of processes that are no run's that shared its GPUs (some)
 
