@@ -90,10 +90,11 @@ class Machine:
         self.children.append(child)
         return child
 
-    def list_processes(self, procs: dict[int, list[tuple[int, int]]]) -> None:
-        """Make NVML list ``procs`` (GPU index -> [(pid, SM %)]), wait until the exporter sees them, then let
-        the trainers start."""
-        gpus = [dataclasses.replace(g, processes=tuple(Process(pid, GIB, sm) for pid, sm in procs.get(g.index, ())))
+    def list_processes(self, procs: dict[int, list[tuple[int, ...]]]) -> None:
+        """Make NVML list ``procs`` (GPU index -> [(pid, SM %[, MIG device index])]), wait until the exporter
+        sees them, then let the trainers start."""
+        gpus = [dataclasses.replace(g, processes=tuple(Process(p[0], GIB, p[1], 0, *p[2:])
+                                                       for p in procs.get(g.index, ())))
                 for g in self.scenario.gpus]
         self.scenario = dataclasses.replace(self.scenario, gpus=gpus)
         self.scenario.write(self.path)
@@ -244,14 +245,16 @@ def test_case4_runs_on_a_3g_and_a_1g_mig_slice_are_charged_by_slices_with_the_sl
             "TRAINER_FLOPS_PER_STEP": str(flops_per_step)}
     big = m.trainer("mig-3g", [], seconds=6, env={**nvml, "CUDA_VISIBLE_DEVICES": migs[0]})
     small = m.trainer("mig-1g", [], seconds=6, env={**nvml, "CUDA_VISIBLE_DEVICES": migs[1]})
-    m.list_processes({0: [(big.pid, 0), (small.pid, 0)]})
-    docs = {r: _finished(m.exp, r) for r in ("mig-3g", "mig-1g")}
+    # Another client names the 3g instance as its GPU; none of its processes runs there.
+    m.trainer("mig-claim", [], seconds=6, env={"CUDA_VISIBLE_DEVICES": migs[0]})
+    # NVML lists each trainer on its own instance (its GPU and compute instance ids).
+    m.list_processes({0: [(big.pid, 0, 0), (small.pid, 0, 1)]})
+    docs = {r: _finished(m.exp, r) for r in ("mig-3g", "mig-1g", "mig-claim")}
     a, b = docs["mig-3g"], docs["mig-1g"]
-    both = max(0.0, min(a["end_unix"], b["end_unix"]) - max(a["start_unix"], b["start_unix"]))
     for doc, slices, sms in ((a, 3, 60), (b, 1, 16)):
-        alone = doc["end_unix"] - doc["start_unix"] - both
-        # The instances in use share the GPU by compute slices (3:1); alone, an instance absorbs all of it.
-        truth = POWER_W * (alone + both * slices / 4)
+        # Both instances run a process from before either run starts to after both end: each run is charged
+        # its instance's compute slices' share of the GPU (3:1) for its whole life.
+        truth = POWER_W * slices / 4 * (doc["end_unix"] - doc["start_unix"])
         _report(f"case 4 (MIG {slices}g)", doc["run_id"], doc["energy_j"], truth)
         assert doc["energy_j"] == pytest.approx(truth, rel=0.01)
         assert doc["energy_split"] == "mig"
@@ -259,6 +262,10 @@ def test_case4_runs_on_a_3g_and_a_1g_mig_slice_are_charged_by_slices_with_the_sl
         assert doc["peak_flops_per_s"] == pytest.approx(peak.flops["bf16"] * sms / 132, rel=1e-6)
         print(f"[issue 19] case 4 (MIG {slices}g): peak {doc['peak_flops_per_s']:.4g} FLOP/s, truth "
               f"{peak.flops['bf16'] * sms / 132:.4g}; MFU {doc['mfu']}")
+    claim = docs["mig-claim"]
+    print(f"[issue 19] case 4: a claim on the 3g instance with no process there: {claim['energy_j'] or 0.0:.1f} J")
+    assert (claim["energy_j"] or 0.0) <= 0.01 * a["energy_j"]
+    assert "claimed but not confirmed" in claim["ledger_notes"]
 
 
 def test_without_the_host_process_table_the_claims_decide_and_the_result_says_so(

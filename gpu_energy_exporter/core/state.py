@@ -67,6 +67,9 @@ class MIGDevice:
     multiprocessor_count: int = 0
     #: the parent GPU's SMs (0: not known; then the share is compute slices / 7)
     parent_multiprocessor_count: int = 0
+    #: its GPU and compute instance ids (-1: not known): how the process list names the instance
+    gpu_instance_id: int = -1
+    compute_instance_id: int = -1
 
     @property
     def slices(self) -> int:
@@ -98,6 +101,8 @@ class GPUProcess:
     #: The process as the host's /proc describes it (pid namespaces, container, pod): None when it was not
     #: looked up (no process table) or is not there (the exporter does not see the host's processes).
     host: ProcessIdentity | None = None
+    #: the MIG instance it runs on ("" the whole GPU, or not known)
+    mig_uuid: str = ""
 
 
 @dataclass(frozen=True)

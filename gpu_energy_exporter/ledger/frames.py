@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from gpu_energy_exporter.collectors.host import MEMORY_AVAILABLE
-from gpu_energy_exporter.core.state import GPUProcess, GPUState, Snapshot
+from gpu_energy_exporter.core.state import GPUProcess, GPUState, MIGDevice, Snapshot
 from gpu_energy_exporter.ledger.split import Proc
 
 
@@ -63,18 +63,21 @@ def gpu_frame(g: GPUState) -> GPUFrame:
         uuid=g.identity.uuid, name=g.identity.name,
         energy_j=g.energy_j if g.up else None, power_w=power, memory_used=mem, memory_total=total,
         idle_w=g.idle_power_w, idle_source=g.idle_power_source, index=g.identity.index,
-        procs=procs_of(r.processes) if r is not None and g.up else None,
+        procs=procs_of(r.processes, g.identity.mig_devices) if r is not None and g.up else None,
     )
 
 
-def procs_of(processes: tuple[GPUProcess, ...] | None) -> tuple[Proc, ...] | None:
-    """A reading's processes as the splitter's members; None when the list says nothing usable (not read,
-    or not one listed pid found in the host's process table)."""
+def procs_of(processes: tuple[GPUProcess, ...] | None, migs: tuple[MIGDevice, ...] = ()) -> tuple[Proc, ...] | None:
+    """A reading's processes as the splitter's members (placed on their MIG instance, with its slices);
+    None when the list says nothing usable (not read, or not one listed pid found in the host's process
+    table)."""
     if processes is None:
         return None
     if processes and all(p.host is None for p in processes):
         return None
-    return tuple(Proc(p.pid, p.sm_util_pct, p.host) for p in processes)
+    slices = {m.uuid: m.slices for m in migs}
+    return tuple(Proc(p.pid, p.sm_util_pct, p.host, uuid_key(p.mig_uuid) if p.mig_uuid else "",
+                      slices.get(p.mig_uuid, 1)) for p in processes)
 
 
 def frame_of(snapshot: Snapshot, intensity: float | None, pue: float | None) -> Frame:

@@ -18,8 +18,11 @@ ledger from the pid, container and pid namespaces) or by nobody. So:
   (Alone on a GPU that lists no process at all, it takes the whole GPU under the name ``exclusive``.)
 - after the grace period such a claim is *unconfirmed*: charged nothing, counted (``Charge.unconfirmed_s``).
 
-Where the process list is not known (NVML gave none, or none of the listed pids is in the exporter's view
-of ``/proc``: a container without the host's pid namespace), the claims alone decide, as before processes
+On a MIG-partitioned GPU each process is placed on its instance (``Proc.unit``, with its compute slices): the
+instances in use share the GPU by slices (``mig``), and each instance's part goes to the owners of the
+processes on it. Where the process list is not known (NVML gave none, none of the listed pids is in the
+exporter's view of ``/proc``: a container without the host's pid namespace, or runs name MIG instances and
+the driver did not place the processes on instances), the claims alone decide, as before processes
 were read: one run ``exclusive``, several ``even``, MIG instances ``mig`` by slices (``Charge.unverified_s``
 says how long, and the run's notes say so).
 
@@ -61,6 +64,8 @@ class Proc:
     pid: int
     sm: float | None = None
     host: ProcessIdentity | None = None
+    unit: str = ""  # the MIG instance (uuid key) it runs on, "" for the whole GPU
+    slices: int = 1  # that instance's compute slices
 
 
 __all__ = ["SPLITS", "Charge", "Holding", "Proc", "charge", "piece_shares", "shares", "unattributed"]
@@ -138,14 +143,14 @@ def piece_shares(active: Sequence[Holding], procs: Sequence[Proc] | None, at: fl
     the rest is the GPU's unattributed energy."""
     if not active:
         return {}
-    if procs is None or any(h.mig_uuid for h in active):
-        # No process list, or MIG instances (whose processes the ledger does not place yet): the claims.
-        return shares(active)
+    if not by_process(active, procs):
+        return shares(active)  # no process list (or MIG processes not placed on instances): the claims
+    assert procs is not None
     owner: dict[int, str] = {}
     for h in active:
         for pid in h.pids:
             owner.setdefault(pid, h.run_id)
-    members = [sharing.Member(owner.get(p.pid, f"\0pid {p.pid}"), weight=p.sm) for p in procs]
+    members = [sharing.Member(owner.get(p.pid, f"\0pid {p.pid}"), p.unit, p.slices, p.sm) for p in procs]
     out: dict[str, tuple[float, str]] = {}
     for who, rule, part in sharing.split(1.0, members):
         if who.startswith("\0"):
@@ -163,6 +168,12 @@ def piece_shares(active: Sequence[Holding], procs: Sequence[Proc] | None, at: fl
         for run in waiting:
             out[run] = (free / len(waiting), SPLIT_EXCLUSIVE if alone else SPLIT_GRACE)
     return out
+
+
+def by_process(active: Sequence[Holding], procs: Sequence[Proc] | None) -> bool:
+    """Whether the processes decide the split (else the claims): the list is known and, where runs name MIG
+    instances, every listed process is placed on its instance."""
+    return procs is not None and (not any(h.mig_uuid for h in active) or all(p.unit for p in procs))
 
 
 def _pieces(t0: float, t1: float, holdings: Sequence[Holding]) -> list[tuple[float, float, list[Holding]]]:
@@ -196,14 +207,13 @@ def charge(run_id: str, t0: float, t1: float, lo: float, hi: float, holdings: Se
         part = piece_shares(active, procs, a)
         if run_id not in part:
             mine = next((h for h in active if h.run_id == run_id), None)
-            if mine is not None and procs is not None and not mine.mig_uuid and not mine.pids \
-                    and a >= mine.grace_end:
+            if mine is not None and by_process(active, procs) and not mine.pids and a >= mine.grace_end:
                 unconfirmed_s += y - x
                 reason = UNCONFIRMED_NO_PROCESS if mine.has_pid else UNCONFIRMED_NO_PID
             continue
         frac, rule = part[run_id]
         share_s += frac * (y - x)
-        if procs is None or rule == SPLIT_MIG:
+        if not by_process(active, procs):
             unverified_s += y - x
         splits.add(rule)
         sharers.update(r for r in part if r != run_id)

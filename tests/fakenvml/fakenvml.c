@@ -206,6 +206,7 @@ struct proc {
     unsigned int pid;
     unsigned long long used_bytes;
     unsigned int sm_pct, mem_pct;
+    int mig; /* issue 19: the MIG device (index) the process runs on, -1 for the whole GPU */
 };
 
 /* GPM metrics the scenario can script: id, scenario key, short name. */
@@ -773,7 +774,8 @@ static int gpu_key(struct gpu_cfg *c, const char *key, const char *v) {
         if (c->nproc >= MAX_PROCS) return -1;
         struct proc *p = &c->procs[c->nproc];
         p->mem_pct = 0;
-        int n = sscanf(v, "%u %llu %u %u", &p->pid, &p->used_bytes, &p->sm_pct, &p->mem_pct);
+        p->mig = -1;
+        int n = sscanf(v, "%u %llu %u %u %d", &p->pid, &p->used_bytes, &p->sm_pct, &p->mem_pct, &p->mig);
         if (n < 3) return -1;
         c->nproc++;
         return 0;
@@ -1448,6 +1450,15 @@ EXPORT nvmlReturn_t nvmlDeviceGetCurrentClocksThrottleReasons(nvmlDevice_t devic
 
 /* ---- Processes ------------------------------------------------------------------------------------ */
 
+/* issue 19: a process on a MIG device carries that device's GPU and compute instance ids (see
+   nvmlDeviceGetGpuInstanceId below: MIG device m is GPU instance m + 1, compute instance 0). */
+static void fill_process_instance(const struct gpu *g, const struct proc *p, nvmlProcessInfo_t *info) {
+    if (g->c.mig_mode && p->mig >= 0 && p->mig < g->c.nmig) {
+        info->gpuInstanceId = (unsigned int)p->mig + 1;
+        info->computeInstanceId = 0;
+    }
+}
+
 static nvmlReturn_t fill_processes(struct gpu *g, unsigned int *count, nvmlProcessInfo_t *infos) {
     if (!count) return NVML_ERROR_INVALID_ARGUMENT;
     unsigned int n = (unsigned int)g->c.nproc;
@@ -1460,6 +1471,7 @@ static nvmlReturn_t fill_processes(struct gpu *g, unsigned int *count, nvmlProce
         infos[i].usedGpuMemory = g->c.procs[i].used_bytes;
         infos[i].gpuInstanceId = 0xffffffffu;
         infos[i].computeInstanceId = 0xffffffffu;
+        fill_process_instance(g, &g->c.procs[i], &infos[i]); /* issue 19 */
     }
     *count = n;
     return NVML_SUCCESS;
@@ -1527,6 +1539,27 @@ typedef struct {
     unsigned int sharedJpegCount, sharedOfaCount, gpuInstanceSliceCount, computeInstanceSliceCount;
     unsigned long long memorySizeMB;
 } nvmlDeviceAttributes_t;
+
+/* issue 19: the GPU instance and compute instance of a MIG device (what the process list names). */
+EXPORT nvmlReturn_t nvmlDeviceGetGpuInstanceId(nvmlDevice_t device, unsigned int *id) {
+    struct gpu *g;
+    int mig;
+    ENTER_ANY(device, g, mig);
+    if (!id) return leave(NVML_ERROR_INVALID_ARGUMENT);
+    if (mig < 0) return leave(NVML_ERROR_NOT_SUPPORTED);
+    *id = (unsigned int)mig + 1;
+    return leave(NVML_SUCCESS);
+}
+
+EXPORT nvmlReturn_t nvmlDeviceGetComputeInstanceId(nvmlDevice_t device, unsigned int *id) {
+    struct gpu *g;
+    int mig;
+    ENTER_ANY(device, g, mig);
+    if (!id) return leave(NVML_ERROR_INVALID_ARGUMENT);
+    if (mig < 0) return leave(NVML_ERROR_NOT_SUPPORTED);
+    *id = 0;
+    return leave(NVML_SUCCESS);
+}
 
 /* On a MIG device: its profile. On a whole GPU: NOT_SUPPORTED unless the scenario gives its SM count (a real
    H100 that is not partitioned answered NOT_SUPPORTED). */

@@ -196,6 +196,7 @@ class Process:
     used_memory_bytes: int
     sm_util_pct: int = 0
     mem_util_pct: int = 0
+    mig_index: int = -1  # issue 19: the MIG device it runs on (its GPU/compute instance ids in the list)
 
 
 @dataclass(frozen=True)
@@ -373,7 +374,8 @@ class GPU:
             put("power_management_limit_mw", self.power_management_limit_mw)
         put("clocks_event_reasons", f"0x{self.clocks_event_reasons:x}")
         for p in self.processes:
-            put("process", f"{p.pid} {p.used_memory_bytes} {p.sm_util_pct} {p.mem_util_pct}")
+            put("process", f"{p.pid} {p.used_memory_bytes} {p.sm_util_pct} {p.mem_util_pct}"
+                + (f" {p.mig_index}" if p.mig_index >= 0 else ""))
         put("mig_capable", _yes(self.mig_capable))
         put("mig_mode", self.mig_mode)
         if self.mig_pending_mode is not None:
