@@ -77,8 +77,9 @@ LEDGER_UNCONFIRMED_CLAIMS = metrics.define(
 LEDGER_PROCESSES = metrics.define(
     "ledger", "gpu_processes", "gauge",
     "Compute processes NVML listed on the GPU at the last snapshot, by owner: run (one of a run's own "
-    "processes) or no_run (a process no run pushed for: it keeps its share of the GPU, as unattributed "
-    "energy). Absent where the process list or the host's process table is not available.",
+    "processes), pod (no run's, in a Kubernetes pod: its energy is on the pod series) or no_run (neither). "
+    "Processes that are no run's keep their share of the GPU, as the ledger's unattributed energy. Absent "
+    "where the process list or the host's process table is not available.",
     (*metrics.GPU_LABELS, "owner"), collector=COLLECTOR)
 LEDGER_REFUSED_PROCESSES = metrics.define(
     "ledger", "refused_processes_total", "counter",
@@ -124,8 +125,10 @@ class ClaimTally:
                     continue  # not known: no series rather than a wrong 0
                 owned = {pid for h in held.get(key, ()) if h.start <= latest.t <= h.end for pid in h.pids}
                 runs_n = sum(1 for p in g.procs if p.pid in owned)
+                pods_n = sum(1 for p in g.procs if p.pid not in owned and p.host is not None and p.host.pod_uid)
                 listed[(str(g.index), g.uuid, "run")] = float(runs_n)
-                listed[(str(g.index), g.uuid, "no_run")] = float(len(g.procs) - runs_n)
+                listed[(str(g.index), g.uuid, "pod")] = float(pods_n)
+                listed[(str(g.index), g.uuid, "no_run")] = float(len(g.procs) - runs_n - pods_n)
         return unconfirmed, dict(self.refused), listed
 
 #: The per-run counters on /metrics and the summary figure each one serves (``counter_values``).
