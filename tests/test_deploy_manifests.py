@@ -122,8 +122,8 @@ def container(docs: tuple[dict[str, Any], ...]) -> dict[str, Any]:
 
 def test_expected_overlays_and_components_exist() -> None:
     assert {"tls-basic-auth", "trainer-example", "pod-attribution", "without-prometheus-operator"} <= set(OVERLAYS)
-    assert {"tls-basic-auth", "pod-attribution-root", "runtime-class-nvidia", "podmonitor", "dcgm-compat"} <= set(
-        COMPONENTS)
+    assert {"tls-basic-auth", "pod-attribution-root", "runtime-class-nvidia", "podmonitor", "dcgm-compat",
+            "pod-sm-split"} <= set(COMPONENTS)
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -288,7 +288,13 @@ def test_daemonset_runs_on_gpu_nodes_without_taking_a_gpu(rendered: Renders, var
     assert env["NVIDIA_DRIVER_CAPABILITIES"]["value"] == "utility"
     sc = c["securityContext"]
     assert sc["allowPrivilegeEscalation"] is False and sc["capabilities"]["drop"] == ["ALL"]
-    assert "add" not in sc["capabilities"] and not sc.get("privileged")
+    # only the opt-in pod-sm-split component adds one capability (reading trainers' environments)
+    assert sc["capabilities"].get("add", []) == (["SYS_PTRACE"] if variant == "all-components" else [])
+    assert not sc.get("privileged")
+    # the host's process table, read-only, without hostPID (issue 19: NVML's pids resolved to runs and pods)
+    assert "--path.procfs=/host/proc" in c["args"]
+    assert {"name": "proc", "mountPath": "/host/proc", "readOnly": True} in c["volumeMounts"]
+    assert {"name": "proc", "hostPath": {"path": "/proc", "type": "Directory"}} in pod["volumes"]
     assert pod["securityContext"]["seccompProfile"]["type"] == "RuntimeDefault"
     assert not pod.get("hostNetwork") and not pod.get("hostPID")  # no 4318 host-port clash
     assert not any("hostPort" in p for p in c["ports"])

@@ -182,12 +182,15 @@ def test_shared_gpu_split_by_sm_utilisation_of_resolved_processes(socket_path: s
         return value(got, "gpuenergy_k8s_container_energy_joules_total", k8s_namespace="ml", k8s_pod=pod,
                      k8s_container="c", method=method)
 
-    # 103 belongs to a pod not on this GPU (its answer is ignored); 104 has no utilisation sample.
-    assert joules("a", "sm_utilization") == pytest.approx(600.0)
-    assert joules("b", "sm_utilization") == pytest.approx(200.0)
+    # 103 runs in a pod not holding this GPU: it keeps its share (99 of 179), unattributed (issue 19); 104 has
+    # no utilisation sample: it used no SMs in the period.
+    assert joules("a", "sm_utilization") == pytest.approx(800.0 * 60 / 179)
+    assert joules("b", "sm_utilization") == pytest.approx(800.0 * 20 / 179)
+    assert value(got, "gpuenergy_k8s_unattributed_energy_joules_total", gpu="1", gpu_uuid=G1) == pytest.approx(
+        800.0 * 99 / 179)
     assert joules("a", "shared_even") == pytest.approx(100.0)  # no processes: even
     assert joules("b", "shared_even") == pytest.approx(100.0)
-    assert {pid for pid, _ in asked} == {101, 102, 103}
+    assert {pid for pid, _ in asked} == {101, 102, 103, 104}
     assert all(c == (a, b) for _, c in asked)
 
 

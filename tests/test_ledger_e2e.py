@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import csv
 import json
+import os
 import time
 import urllib.request
 from pathlib import Path
 from typing import Any
 
 import pytest
-from fakenvml import Constant, Scenario, Square, h100
+from fakenvml import Constant, Process, Scenario, Square, h100
 from helpers import ExporterProcess, wait_until
 
 TOKENS_PER_STEP = 1024
@@ -32,7 +33,10 @@ def test_ledger_j_per_token_equals_the_hand_computed_value(
     from gpu_energy_exporter.training import start_run
 
     # Two GPUs for the run (bursty steps of 20 ms, and a steady one) and one the run does not use.
-    gpus = [h100(0, power=Square(150.0, 690.0, 0.02, 0.7)), h100(1, power=Constant(333.0)),
+    # NVML lists this process (the trainer) on the two GPUs it uses (a claim no process confirms is charged
+    # nothing once --runs.claim-grace is over).
+    me = (Process(os.getpid(), 1 << 30, 80),)
+    gpus = [h100(0, power=Square(150.0, 690.0, 0.02, 0.7), processes=me), h100(1, power=Constant(333.0), processes=me),
             h100(2, power=Constant(500.0))]
     scenario = Scenario(epoch=time.time() - 60, gpus=gpus)
     scenario.write(tmp_path / "scenario.ini")

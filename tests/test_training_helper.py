@@ -425,17 +425,18 @@ def test_indices_are_cuda_ordinals_in_pci_bus_order_not_nvml_indices() -> None:
     assert resolve_gpus(environ=env, nvml_reader=nvml_node).uuids == (ORD1,)
 
 
-def test_uuids_prefixes_and_mig_resolve_to_parent_gpus() -> None:
+def test_uuids_prefixes_resolve_and_mig_instances_keep_their_uuids() -> None:
     def resolve(visible: str) -> tuple[str, ...]:
         return resolve_gpus(environ={"CUDA_VISIBLE_DEVICES": visible}, nvml_reader=nvml_node).uuids
 
     assert resolve("GPU-cccccccc") == (NODE[0].uuid,)  # unique prefix
     assert resolve("GPU-bbbbbbbb-0000-0000-0000-000000000002,GPU-aaaa") == (ORD1, ORD0)
-    assert resolve("MIG-eeee") == (NODE[2].uuid,)  # a MIG instance joins to its GPU's energy
-    assert resolve("MIG-dddd,MIG-eeee") == (NODE[2].uuid,)  # counted once
+    mig_d, mig_e = NODE[2].mig_uuids
+    assert resolve("MIG-eeee") == (mig_e,)  # a MIG instance keeps its UUID (the exporter knows its parent)
+    assert resolve("MIG-dddd,MIG-eeee") == (mig_d, mig_e)  # two instances: two devices (issue 19)
     assert resolve("MIG-GPU-aaaaaaaa-0000-0000-0000-000000000001/1/0") == (ORD0,)  # legacy form
     assert resolve("GPU-0000") == ()  # matches nothing: nothing visible
-    assert resolve_gpus(["MIG-dddddddd"], nvml_reader=nvml_node).uuids == (NODE[2].uuid,)
+    assert resolve_gpus(["MIG-dddddddd"], nvml_reader=nvml_node).uuids == (mig_d,)
 
 
 def test_the_order_of_answers() -> None:
@@ -452,7 +453,7 @@ def test_the_order_of_answers() -> None:
 def test_device_uuids_from_torch_map_to_parent_gpus() -> None:
     # torch prints a device UUID without NVML's prefix; a MIG instance's UUID is not its GPU's.
     assert _from_torch("cccccccc-0000-0000-0000-000000000003", nvml_node) == (NODE[0].uuid,)
-    assert _from_torch("eeeeeeee-0000-0000-0000-000000000002", nvml_node) == (NODE[2].uuid,)
+    assert _from_torch("eeeeeeee-0000-0000-0000-000000000002", nvml_node) == (NODE[2].mig_uuids[1],)
     assert _from_torch("12345678-0000-0000-0000-000000000000", no_nvml) == ("GPU-12345678-0000-0000-0000-000000000000",)
     assert _from_torch(GPU_A, no_nvml) == (GPU_A,)
     assert _from_torch("not-a-uuid", nvml_node) == ()
@@ -463,7 +464,10 @@ def test_without_nvml_complete_uuids_still_work_and_indices_are_unknown() -> Non
     assert full.label == f"{GPU_A},{GPU_B}"
     legacy = resolve_gpus(environ={"CUDA_VISIBLE_DEVICES": f"MIG-{GPU_A}/3/0"}, nvml_reader=no_nvml)
     assert legacy.uuids == (GPU_A,)
-    for visible in ("0", "GPU-1111", "MIG-dddddddd-0000-0000-0000-000000000001"):
+    mig = resolve_gpus(environ={"CUDA_VISIBLE_DEVICES": "MIG-dddddddd-0000-0000-0000-000000000001"},
+                       nvml_reader=no_nvml)
+    assert mig.uuids == ("MIG-dddddddd-0000-0000-0000-000000000001",)  # complete: no NVML needed
+    for visible in ("0", "GPU-1111", "MIG-dddd"):
         unknown = resolve_gpus(environ={"CUDA_VISIBLE_DEVICES": visible}, nvml_reader=no_nvml)
         assert (unknown.uuids, unknown.label) == ((), "unknown")
 
@@ -498,7 +502,7 @@ def test_cuda_visible_devices_through_real_pynvml(tmp_path: Path) -> None:
     assert label(CUDA_VISIBLE_DEVICES="0") == early.uuid
     assert label(CUDA_VISIBLE_DEVICES="2,0", CUDA_DEVICE_ORDER="PCI_BUS_ID") == f"{late.uuid},{early.uuid}"
     assert label(CUDA_VISIBLE_DEVICES=late.uuid[:12]) == late.uuid
-    assert label(CUDA_VISIBLE_DEVICES=migs[1]) == mig_parent.uuid
+    assert label(CUDA_VISIBLE_DEVICES=migs[1]) == migs[1]  # a MIG instance keeps its UUID (issue 19)
     assert label() == ",".join([early.uuid, mig_parent.uuid, late.uuid])  # nothing said: all of them
 
 

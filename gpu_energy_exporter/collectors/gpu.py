@@ -38,6 +38,7 @@ from gpu_energy_exporter.collectors.gpu_metrics import (
     PER_GPU_SPECS,
     emit_reading,
 )
+from gpu_energy_exporter.collectors.gpu_processes import ProcessTable, UtilizationCadence
 from gpu_energy_exporter.collectors.gpu_tracks import GPUTrack, PowerSampler
 from gpu_energy_exporter.core.energy import EnergyCounter, TrapezoidIntegrator
 from gpu_energy_exporter.core.errors import GPULost, NVMLUnavailable
@@ -67,6 +68,8 @@ class GPUCollector(Collector):
         energy_timestamps: bool = False,
         clock: Callable[[], float] = time.time,
         monotonic: Callable[[], float] = time.monotonic,
+        process_interval: float = 0.0,
+        procfs: str | None = None,
     ) -> None:
         """``interval``: the sampler's period (bounds the credit for a counter reset). ``energy_timestamps``:
         expose the energy counter with the time it was read. ``monotonic``: the clock the plausibility of
@@ -76,7 +79,13 @@ class GPUCollector(Collector):
         self._process_utilization = process_utilization
         # The process list feeds the per-process series, the idle baseline (power while no process runs)
         # and pod attribution; nothing else needs the driver to walk its process table every sample.
-        self._read_processes = processes or process_utilization or idle_power_w is None
+        self._read_processes = (processes or process_utilization or idle_power_w is None or process_interval > 0
+                                or procfs is not None)
+        # Per-process SM utilisation every process_interval on shared GPUs, and each listed pid's host
+        # identity (collectors.gpu_processes): what splits a GPU between runs and pods by what they run.
+        self._cadence = UtilizationCadence(process_interval, monotonic)
+        self._table = ProcessTable(procfs)
+        self._process_counts: dict[int, int] = {}
         self._gpm = gpm
         self._power_interval = power_interval
         self._idle_flag = idle_power_w
@@ -177,13 +186,20 @@ class GPUCollector(Collector):
         backend = self._backend
         fams = {spec.name: spec.family() for spec in PER_GPU_SPECS}
         states = []
+        listed: set[int] = set()
         for t in self._tracks:
             g = t.identity
             labels = [str(g.index), g.uuid]
             try:
                 started = self._monotonic()
-                r = backend.read(g, processes=self._read_processes, process_utilization=self._process_utilization,
-                                 gpm=self._gpm)
+                ask = self._process_utilization or self._cadence.due(g.index, self._process_counts.get(g.index, 0))
+                r = backend.read(g, processes=self._read_processes, process_utilization=ask, gpm=self._gpm)
+                if ask and not self._process_utilization:
+                    self._cadence.asked(g.index)
+                if r.processes is not None:
+                    self._process_counts[g.index] = len(r.processes)
+                    listed.update(p.pid for p in r.processes)
+                    r = self._cadence.apply(g.index, r, self._table, ask)
             except Exception as exc:  # noqa: BLE001 - one GPU never takes the others down
                 message = str(exc) if isinstance(exc, GPULost) else (
                     f"GPU {g.index} ({g.uuid}) could not be sampled ({type(exc).__name__}: {exc}); it shows as "
@@ -212,6 +228,7 @@ class GPUCollector(Collector):
             t.emit_idle(fams, labels, self._idle_flag)
             states.append(t.state(self._idle_flag))
         self._states = tuple(states)
+        self._table.forget_except(listed)
         errors = self._field_errors(backend)
         return [available, *self._static, *[f for f in fams.values() if f.samples], *errors]
 

@@ -34,7 +34,7 @@ from gpu_energy_exporter.kubernetes.assignments import (
     AssignmentView,
     PodRef,
 )
-from gpu_energy_exporter.kubernetes.attribution import PodEnergyAttributor, Slot, resolve
+from gpu_energy_exporter.kubernetes.attribution import UNOWNED, PodEnergyAttributor, Slot, resolve
 
 log = logging.getLogger(__name__)
 
@@ -172,14 +172,16 @@ class KubernetesCollector(Collector):
             candidates = sorted({slot.pod for slot in slots if not slot.mig_uuid})
             if len(candidates) < 2 or s.reading is None or not s.reading.processes:
                 continue
+            if all(p.sm_util_pct is None for p in s.reading.processes):
+                continue  # not measured (yet): even
             w: dict[PodRef, float] = defaultdict(float)
             for p in s.reading.processes:
-                if p.sm_util_pct is None:
-                    continue
+                # No sample for a listed process: it used no SMs in the period NVML reported on.
+                sm = p.sm_util_pct or 0.0
                 pod = self._pid_to_pod(p.pid, candidates)
-                if pod is not None and pod in candidates:
-                    w[pod] += p.sm_util_pct
-            if w:
+                # A process in no pod holding the GPU (or not placed) keeps its share, as unattributed.
+                w[pod if pod is not None and pod in candidates else UNOWNED] += sm
+            if any(v > 0 for pod, v in w.items() if pod != UNOWNED):
                 out[s.identity.uuid] = dict(w)
         return out
 

@@ -30,6 +30,22 @@ ATTR_RANK = "rank"
 ATTR_GPU_UUID = "gpu_uuid"  # comma-joined when the process uses several GPUs
 POINT_ATTRIBUTES: tuple[str, ...] = (ATTR_RUN_ID, ATTR_RANK, ATTR_GPU_UUID)
 
+#: Resource attributes the helper sends to say which process pushed (OpenTelemetry semantic conventions where
+#: one exists), and the labels they arrive under after translation (``target_info`` and the ledger's view of a
+#: point's resource). The ledger ties a run to the processes NVML lists with them: the pid (in the trainer's
+#: own pid namespace), the container it runs in (from its cgroup), and the job identity every rank of one job
+#: shares (a run id pushed by a process whose job identity disagrees is refused, not merged).
+RESOURCE_PROCESS_PID, LABEL_PROCESS_PID = "process.pid", "process_pid"
+RESOURCE_HOST_NAME, LABEL_HOST_NAME = "host.name", "host_name"
+RESOURCE_CONTAINER_ID, LABEL_CONTAINER_ID = "container.id", "container_id"
+RESOURCE_POD_UID, LABEL_POD_UID = "k8s.pod.uid", "k8s_pod_uid"
+RESOURCE_SLURM_JOB_ID, LABEL_SLURM_JOB_ID = "slurm.job.id", "slurm_job_id"
+#: torchrun's rendezvous id (TORCHELASTIC_RUN_ID), else MASTER_ADDR:MASTER_PORT: the same on every rank of one job.
+RESOURCE_JOB_ID, LABEL_JOB_ID = "training.job.id", "training_job_id"
+RESOURCE_WORLD_SIZE, LABEL_WORLD_SIZE = "training.world_size", "training_world_size"
+#: The labels that make a job's identity (compared when a new process pushes under a run id).
+JOB_IDENTITY_LABELS: tuple[str, ...] = (LABEL_SLURM_JOB_ID, LABEL_JOB_ID, LABEL_WORLD_SIZE)
+
 #: Extra attributes of ``training.run.info`` (the run's metadata). Absent when not known.
 RUN_INFO_ATTRIBUTES: tuple[str, ...] = (
     "model", "backend", "optimizer", "batch_size", "grad_accum", "seq_len", "precision", "precision_raw",

@@ -40,7 +40,7 @@ RUN_INFO = metrics.define(
     "run", "info", "info",
     "Run metadata pushed by the training helper, its status (running, finishing, finished, stale, "
     "exporter_stopped), the GPUs it used (gpu_uuid, comma-joined) and how their energy was split with other "
-    "runs (split: exclusive, even, sm_util, mig, comma-joined when it changed during the run).",
+    "runs (split: exclusive, even, sm_util, mig, grace, comma-joined when it changed during the run).",
     (*_RUN, "status", "model", "backend", "optimizer", "precision", ATTR_GPU_UUID, "split"),
     collector=COLLECTOR)
 RUN_DURATION = metrics.define(
@@ -231,9 +231,8 @@ COLUMNS: tuple[Column, ...] = (
     Column("carbon_intensity_g_per_kwh", "g CO2e/kWh", "Energy-weighted average grid intensity used."),
     Column("pue", "ratio", "Energy-weighted average PUE used (`--carbon.pue`)."),
     Column("peak_flops_per_s", "FLOP/s", "Dense peak FLOP/s of the run's GPUs on this node at the run's "
-           "`precision` (bundled peak table), a MIG instance counting its share of the parent GPU (1 / the "
-           "number of instances on it: MIG profiles are unknown); empty when the precision or a GPU model is "
-           "not in the table."),
+           "`precision` (bundled peak table), a MIG instance counting its share of the parent GPU's SMs "
+           "(NVML's instance attributes); empty when the precision or a GPU model is not in the table."),
     Column("mfu", "ratio", "`flops` in the efficiency window / `window_s` / `peak_flops_per_s`."),
     Column("best_loss", "", "Lowest `training_loss` pushed by the lowest rank that sent loss."),
     Column("best_loss_step", "steps", "`steps` when that loss was pushed (same export)."),
@@ -259,8 +258,9 @@ COLUMNS: tuple[Column, ...] = (
            "bound). GPUs of other nodes are not counted here: see `token_coverage`."),
     Column("energy_split", "", "How the run's GPUs' energy was shared, comma-joined when it changed: "
            "`exclusive` (the run alone on the GPU), `even` (split evenly with other runs on the GPU), "
-           "`sm_util` (split by SM utilisation), `mig` (MIG instances: the parent GPU split over the "
-           "instances in use)."),
+           "`sm_util` (split by its processes' SM utilisation), `mig` (MIG instances: the parent GPU split "
+           "over the instances in use by compute slices), `grace` (an unconfirmed claim within "
+           "`--runs.claim-grace`, sharing only what no run's process used)."),
     Column("summary_file", "", "The JSON summary, relative to the CSV's directory."),
     Column("ledger_notes", "", "What the ledger had to assume, `; `-separated."),
 )

@@ -17,6 +17,7 @@ from prometheus_client.core import Metric
 
 from gpu_energy_exporter.core.health import XidEvent
 from gpu_energy_exporter.core.metrics import GPU_LABELS, define
+from gpu_energy_exporter.core.procinfo import ProcessIdentity
 
 #: How a GPU's energy counter is obtained (the ``energy_method`` info label).
 ENERGY_METHOD_COUNTER = "counter"  # nvmlDeviceGetTotalEnergyConsumption (Volta and newer)
@@ -59,6 +60,35 @@ class MIGDevice:
     uuid: str  # "MIG-..."
     parent_uuid: str
     index: int  # MIG device index within the parent
+    #: The instance's profile from nvmlDeviceGetAttributes_v2 (0: not known): its GPU-instance and
+    #: compute-instance slices (of 7 on A100/H100) and its SMs. Energy of the parent is shared by compute
+    #: slices; MFU uses the instance's share of the GPU's SMs.
+    gpu_instance_slices: int = 0
+    compute_instance_slices: int = 0
+    multiprocessor_count: int = 0
+    #: the parent GPU's SMs (0: not known; then the share is compute slices / 7)
+    parent_multiprocessor_count: int = 0
+    #: its GPU and compute instance ids (-1: not known): how the process list names the instance
+    gpu_instance_id: int = -1
+    compute_instance_id: int = -1
+
+    @property
+    def slices(self) -> int:
+        """Compute slices (1 when not known: every instance then weighs the same)."""
+        return self.compute_instance_slices or 1
+
+    @property
+    def sm_share(self) -> float | None:
+        """The instance's share of its GPU's SMs (None: not known)."""
+        if self.multiprocessor_count and self.parent_multiprocessor_count:
+            return min(1.0, self.multiprocessor_count / self.parent_multiprocessor_count)
+        if self.compute_instance_slices:
+            return min(1.0, self.compute_instance_slices / MIG_MAX_COMPUTE_SLICES)
+        return None
+
+
+#: Compute slices of a whole A100 / H100 / B200 (MIG's 7g profile).
+MIG_MAX_COMPUTE_SLICES = 7
 
 
 @dataclass(frozen=True)
@@ -69,6 +99,11 @@ class GPUProcess:
     #: Percent as the driver reports it, on purpose: it is never exposed, only a relative weight for
     #: sharing one GPU's energy between pods, and scaling it would move the last digit of that split.
     sm_util_pct: float | None = None
+    #: The process as the host's /proc describes it (pid namespaces, container, pod): None when it was not
+    #: looked up (no process table) or is not there (the exporter does not see the host's processes).
+    host: ProcessIdentity | None = None
+    #: the MIG instance it runs on ("" the whole GPU, or not known)
+    mig_uuid: str = ""
 
 
 @dataclass(frozen=True)

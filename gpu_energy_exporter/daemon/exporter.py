@@ -84,6 +84,8 @@ class Exporter:
                 interval=config.collector_interval,
                 energy_timestamps=config.collector_gpu_energy_timestamps,
                 clock=clock,
+                process_interval=config.collector_gpu_process_interval,
+                procfs=config.path_procfs,
             )
             collectors.append(self.gpu)
         if config.enabled("host"):
@@ -115,7 +117,12 @@ class Exporter:
 
             if self.gpu is None:
                 raise ConfigError("--collector.kubernetes needs the gpu collector (remove --no-collector.gpu)")
-            collectors.append(KubernetesCollector.from_config(config, self.gpu.states))
+            from gpu_energy_exporter.collectors.gpu_processes import ProcfsPods
+
+            # Processes NVML lists are placed in pods through the host's /proc (hostPID or the host's /proc
+            # mounted, docs/deploy.md), so a time-sliced GPU is split by each pod's SM use.
+            collectors.append(KubernetesCollector.from_config(config, self.gpu.states,
+                                                              pid_to_pod=ProcfsPods(config.path_procfs)))
         if config.enabled("slurm"):
             from gpu_energy_exporter.collectors.slurm import SlurmCollector
 
@@ -163,7 +170,7 @@ class Exporter:
             config.runs_csv, warmup_s=config.runs_warmup, stale_after_s=config.runs_stale_after,
             carbon=self.carbon_now, clock=steady, wall=self._clock if steady is not self._clock else None,
             state_dir=runs_state_dir(config), background_writes=True,
-            journal_interval_s=config.runs_journal_interval,
+            journal_interval_s=config.runs_journal_interval, claim_grace_s=config.runs_claim_grace,
         )
         problem = self.ledger.check_writable()
         if problem:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import pynvml
@@ -117,6 +118,7 @@ class NVMLBackend(GPUBackend):
         self._gpm_spare: dict[int, Any] = {}  # an allocated GPM sample buffer per GPU, free to be filled
         self._gpm_requests: dict[int, Any] = {}  # the nvmlGpmMetricsGet_t request per GPU, reused
         self._process_util_ts: dict[int, int] = {}
+        self._mig_instances: dict[int, dict[tuple[int, int], str]] = {}  # GPU -> (GI, CI) -> MIG uuid
         self._field_requests: dict[tuple[int, bool], FieldValues] = {}  # read()'s field values, per GPU
         self._process_lists: dict[int, tuple[RunningProcesses, RunningProcesses]] = {}  # _v3, _v2 per GPU
         self._driver = NVMLCalls.call_global("", "nvmlSystemGetDriverVersion")
@@ -222,7 +224,24 @@ class NVMLBackend(GPUBackend):
             except Exception as exc:  # noqa: BLE001
                 self._nvml.lose(index, "mig_device", REASON_EXCEPTION, f"{type(exc).__name__}: {exc}")
                 continue
-            devices.append(MIGDevice(uuid=mig_uuid, parent_uuid=uuid, index=mig_index))
+            attrs = self._nvml.field(index, "mig_attributes", "nvmlDeviceGetAttributes_v2", mh)
+            gi = self._nvml.field(index, "mig_gpu_instance", "nvmlDeviceGetGpuInstanceId", mh)
+            ci = self._nvml.field(index, "mig_compute_instance", "nvmlDeviceGetComputeInstanceId", mh)
+            devices.append(MIGDevice(
+                uuid=mig_uuid, parent_uuid=uuid, index=mig_index,
+                gpu_instance_slices=int(attrs.gpuInstanceSliceCount) if attrs is not None else 0,
+                compute_instance_slices=int(attrs.computeInstanceSliceCount) if attrs is not None else 0,
+                multiprocessor_count=int(attrs.multiprocessorCount) if attrs is not None else 0,
+                gpu_instance_id=int(gi) if gi is not None else -1,
+                compute_instance_id=int(ci) if ci is not None else -1,
+            ))
+            if gi is not None and ci is not None:
+                self._mig_instances.setdefault(index, {})[(int(gi), int(ci))] = mig_uuid
+        if devices:
+            # The whole GPU's SMs, where the driver answers on the parent (MFU's share of the GPU).
+            whole = self._nvml.field(index, "attributes", "nvmlDeviceGetAttributes_v2", h)
+            sms = int(whole.multiprocessorCount) if whole is not None else 0
+            devices = [replace(d, parent_multiprocessor_count=sms) for d in devices]
         return True, tuple(devices)
 
     # ------------------------------------------------------------------------------------------------
@@ -321,14 +340,21 @@ class NVMLBackend(GPUBackend):
         if utilization and procs:
             last_seen = self._process_util_ts.get(i, 0)
             samples = self._nvml.field(i, "process_utilization", process_utilization, h, last_seen)
+            # Every sample since the last call (the driver keeps a few per second): their mean per pid is the
+            # process's SM use over the whole period, not at one instant.
+            seen: dict[int, list[float]] = {}
             for s in samples or ():
-                sm[int(s.pid)] = float(s.smUtil)
+                seen.setdefault(int(s.pid), []).append(float(s.smUtil))
                 self._process_util_ts[i] = max(self._process_util_ts.get(i, 0), int(s.timeStamp))
+            sm = {pid: sum(v) / len(v) for pid, v in seen.items()}
+        instances = self._mig_instances.get(i, {})
         return tuple(
             GPUProcess(
                 pid=int(p.pid),
                 used_memory_bytes=int(p.usedGpuMemory) if p.usedGpuMemory is not None else None,
-                sm_util_pct=sm.get(int(p.pid)),
+                # Listed, but no sample since the last call while others have one: it used no SMs then.
+                sm_util_pct=sm.get(int(p.pid), 0.0 if sm else None),
+                mig_uuid=instances.get((int(p.gpuInstanceId), int(p.computeInstanceId)), ""),
             )
             for p in procs
         )

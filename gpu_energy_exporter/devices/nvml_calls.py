@@ -325,6 +325,9 @@ class ProcessInfo(NamedTuple):
 
     pid: int
     usedGpuMemory: int | None  # noqa: N815 - pynvml's name
+    #: the MIG GPU / compute instance the process runs on (0xFFFFFFFF: none, the whole GPU)
+    gpuInstanceId: int = 0xFFFFFFFF  # noqa: N815
+    computeInstanceId: int = 0xFFFFFFFF  # noqa: N815
 
 
 class RunningProcesses:
@@ -357,7 +360,8 @@ class RunningProcesses:
         if not n:  # also the count-only call answering success: no process
             return []
         na = pynvml.NVML_VALUE_NOT_AVAILABLE_ulonglong.value
-        return [ProcessInfo(p.pid, None if p.usedGpuMemory == na else p.usedGpuMemory)
+        return [ProcessInfo(p.pid, None if p.usedGpuMemory == na else p.usedGpuMemory, p.gpuInstanceId,
+                            p.computeInstanceId)
                 for p in self._buffer[:n]]
 
 

@@ -3,19 +3,23 @@
 Pure arithmetic: times, energy counters and the GPU to pod map come in as arguments; this module never
 does I/O, never reads a clock and never imports grpc or NVML.
 
-How one GPU's energy delta between two updates is split (the ``method`` label):
+How one GPU's energy delta between two updates is split (the ``method`` label; the rule is
+``core.sharing.split``, shared with the run ledger, mapped here onto the kubelet's slots):
 
 - ``exclusive``: one container holds the whole GPU (``nvidia.com/gpu``). It gets all of the delta, idle
   power included: energy belongs to whoever holds the hardware.
 - ``mig_slices``: the GPU is partitioned with MIG. NVML has no per-instance power, so instance energy is
   not measurable; the parent GPU's delta is split once over the MIG instances that are held, in
-  proportion to their compute slices (``mig-3g.40gb`` weighs 3, ``mig-1g.10gb`` 1; a profile we cannot
-  parse weighs 1), and evenly between containers sharing one instance. The parent's energy is never
+  proportion to their compute slices as NVML reports them (``nvmlDeviceGetAttributes_v2``, the run ledger
+  weighs them the same), else as the device plugin's resource name says (``mig-3g.40gb`` weighs 3,
+  ``mig-1g.10gb`` 1; a profile we cannot parse weighs 1), and evenly between containers sharing one
+  instance. The parent's energy is never
   repeated per instance, so summing over pods gives the GPU's energy, not a multiple of it. Instances
   nobody holds get nothing: the held ones absorb the whole GPU's energy.
 - ``sm_utilization``: several containers share one GPU (time-slicing or MPS replicas, ids
   ``GPU-...::N``) and per-process SM utilisation is known for the interval; the delta is split in
-  proportion to each container's summed SM utilisation.
+  proportion to each container's summed SM utilisation. Processes that run in no container holding the
+  GPU keep their share (``UNOWNED``), which is counted as unattributed.
 - ``shared_even``: shared as above without usable utilisation (not reported, or zero for everybody):
   split evenly per replica held.
 
@@ -36,6 +40,7 @@ from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
+from gpu_energy_exporter.core import sharing
 from gpu_energy_exporter.core.state import GPUIdentity
 from gpu_energy_exporter.kubernetes.assignments import DeviceAssignment, PodRef
 
@@ -44,8 +49,14 @@ METHOD_MIG_SLICES = "mig_slices"
 METHOD_SM_UTILIZATION = "sm_utilization"
 METHOD_SHARED_EVEN = "shared_even"
 METHODS = (METHOD_EXCLUSIVE, METHOD_MIG_SLICES, METHOD_SM_UTILIZATION, METHOD_SHARED_EVEN)
+#: The splitter's rule -> this series' ``method`` label (kept as they were named before the rule was shared).
+_METHOD = {sharing.RULE_EXCLUSIVE: METHOD_EXCLUSIVE, sharing.RULE_MIG: METHOD_MIG_SLICES,
+           sharing.RULE_SM_UTIL: METHOD_SM_UTILIZATION, sharing.RULE_EVEN: METHOD_SHARED_EVEN}
 
-__all__ = ["DeviceAssignment", "PodEnergyAttributor", "PodRef", "Slot", "mig_slices", "resolve", "split"]
+__all__ = ["UNOWNED", "DeviceAssignment", "PodEnergyAttributor", "PodRef", "Slot", "mig_slices", "resolve", "split"]
+
+#: The owner, in ``split``'s weights and parts, of the processes on a GPU that run in none of its holders.
+UNOWNED = PodRef("", "", "")
 
 _MIG_PROFILE = re.compile(r"mig-(\d+)g\.")
 
@@ -85,9 +96,12 @@ def resolve(
     by_uuid = {g.uuid: g for g in gpus}
     by_index = {str(g.index): g for g in gpus}
     mig_parent: dict[str, tuple[str, int]] = {}
+    nvml_slices: dict[str, int] = {}  # MIG uuid -> compute slices NVML reports (the ledger uses the same)
     for g in gpus:
         for m in g.mig_devices:
             mig_parent[m.uuid] = (m.parent_uuid or g.uuid, m.index)
+            if m.compute_instance_slices:
+                nvml_slices[m.uuid] = m.compute_instance_slices
     holdings: dict[str, list[Slot]] = defaultdict(list)
     unresolved: set[str] = set()
     for a in assignments:
@@ -97,7 +111,7 @@ def resolve(
         if raw in by_uuid:
             slot = Slot(raw, a.pod, device_id=a.device_id)
         elif raw in mig_parent:
-            slot = Slot(mig_parent[raw][0], a.pod, raw, slices, a.device_id)
+            slot = Slot(mig_parent[raw][0], a.pod, raw, nvml_slices.get(raw, slices), a.device_id)
         elif raw.startswith("MIG-GPU-") and raw[4:].split("/", 1)[0] in by_uuid:
             slot = Slot(raw[4:].split("/", 1)[0], a.pod, raw, slices, a.device_id)
         elif raw in by_index:
@@ -107,7 +121,7 @@ def resolve(
             parent = by_index[parent_index]
             mig = next((m for m in parent.mig_devices if str(m.index) == mig_index), None)
             if mig is not None:
-                slot = Slot(parent.uuid, a.pod, mig.uuid, slices, a.device_id)
+                slot = Slot(parent.uuid, a.pod, mig.uuid, mig.compute_instance_slices or slices, a.device_id)
         if slot is None:
             unresolved.add(a.device_id)
         else:
@@ -120,36 +134,28 @@ def split(
 ) -> list[tuple[PodRef, str, float]]:
     """Split one GPU's energy delta over the slots holding it; see the module docstring for the rules.
 
-    ``weights`` (container -> summed SM utilisation over the interval) is used only for a whole GPU that
-    several containers share. The parts always sum to ``delta_j`` when ``slots`` is not empty.
+    The rule itself is ``core.sharing.split`` (the one the run ledger uses too); this maps slots onto it.
+    ``weights`` (container -> summed SM utilisation of its processes over the interval) is used only for a
+    whole GPU that several containers share; a container missing from it ran no process there (weight 0).
+    The parts always sum to ``delta_j`` when ``slots`` is not empty.
     """
     if not slots:
         return []
-    units: dict[str, list[Slot]] = defaultdict(list)
+    replicas: dict[tuple[PodRef, str], int] = defaultdict(int)
     for s in slots:
-        units[s.mig_uuid].append(s)
-    is_mig = any(s.mig_uuid for s in slots)
-    unit_weight = {u: (max(s.slices for s in ss) if u else 1) for u, ss in units.items()}
-    total_weight = sum(unit_weight.values())
-    out: list[tuple[PodRef, str, float]] = []
-    for unit, unit_slots in sorted(units.items()):
-        energy = delta_j * unit_weight[unit] / total_weight
-        replicas: dict[PodRef, int] = defaultdict(int)
-        for s in unit_slots:
-            replicas[s.pod] += 1
-        n = sum(replicas.values())
-        if is_mig:
-            out.extend((pod, METHOD_MIG_SLICES, energy * k / n) for pod, k in sorted(replicas.items()))
-        elif len(replicas) == 1:
-            out.append((unit_slots[0].pod, METHOD_EXCLUSIVE, energy))
-        else:
-            w = {pod: max(0.0, float((weights or {}).get(pod, 0.0))) for pod in replicas}
-            total = sum(w.values())
-            if total > 0:
-                out.extend((pod, METHOD_SM_UTILIZATION, energy * w[pod] / total) for pod in sorted(w))
-            else:
-                out.extend((pod, METHOD_SHARED_EVEN, energy * k / n) for pod, k in sorted(replicas.items()))
-    return out
+        replicas[(s.pod, s.mig_uuid)] += 1
+    members = [
+        sharing.Member(
+            s.pod, s.mig_uuid, max(1, s.slices),
+            None if weights is None else max(0.0, float(weights.get(s.pod, 0.0))) / replicas[(s.pod, s.mig_uuid)],
+        )
+        for s in sorted(slots)
+    ]
+    if weights and weights.get(UNOWNED, 0.0) > 0 and not any(s.mig_uuid for s in slots):
+        # Processes on the GPU that run in no pod holding it keep their share: ``UNOWNED`` gets it, and the
+        # attributor counts it as unattributed.
+        members.append(sharing.Member(UNOWNED, "", 1, float(weights[UNOWNED])))
+    return [(pod, _METHOD[rule], part) for pod, rule, part in sharing.split(delta_j, members)]
 
 
 class PodEnergyAttributor:
@@ -196,6 +202,9 @@ class PodEnergyAttributor:
                 self._unattributed[gpu_uuid] = unattributed + delta
                 continue
             for pod, method, joules in split(delta, slots, (weights or {}).get(gpu_uuid)):
+                if pod == UNOWNED:
+                    self._unattributed[gpu_uuid] += joules
+                    continue
                 key = (pod, method)
                 self._container[key] = self._container.get(key, 0.0) + joules
         self._expire(now)

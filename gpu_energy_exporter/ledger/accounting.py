@@ -45,10 +45,14 @@ class Acc:
     carbon_weighted_pue: float = 0.0  # sum of kWh x pue
     carbon_missing_kwh: float = 0.0
     per_gpu_j: dict[str, float] = field(default_factory=dict)
+    # seconds per GPU its claim went unconfirmed (charged nothing) / was charged on the claim alone
+    unconfirmed_s: dict[str, float] = field(default_factory=dict)
+    unverified_s: dict[str, float] = field(default_factory=dict)
 
     def copy(self) -> Acc:
         return replace(self, idle_unknown_s=dict(self.idle_unknown_s),
-                       win_idle_unknown_s=dict(self.win_idle_unknown_s), per_gpu_j=dict(self.per_gpu_j))
+                       win_idle_unknown_s=dict(self.win_idle_unknown_s), per_gpu_j=dict(self.per_gpu_j),
+                       unconfirmed_s=dict(self.unconfirmed_s), unverified_s=dict(self.unverified_s))
 
 
 class Timeline:
@@ -85,6 +89,8 @@ class Segment:
     sharers: set[str]  # other runs sharing those GPUs
     vram_sum: float | None  # memory used, summed over those GPUs, at f1
     inside: bool  # f1 was taken inside the run: its instantaneous values belong to it
+    unconfirmed: dict[str, str] = field(default_factory=dict)  # GPU key -> why its claim was not charged
+    silent: set[int] = field(default_factory=set)  # pids of processes that are no run's on its GPUs
 
 
 def integrate(acc: Acc, f0: Frame, f1: Frame, lo: float, hi: float, *, run_id: str, window_start: float,
@@ -115,10 +121,16 @@ def integrate(acc: Acc, f0: Frame, f1: Frame, lo: float, hi: float, *, run_id: s
         acc.expected_gpu_s += overlap
         seg.gpus.append((key, g1))
         hs = holders.get(key, [])
-        share = ledger_split.charge(run_id, f0.t, f1.t, a, b, hs)
-        win_share_s = ledger_split.charge(run_id, f0.t, f1.t, wa, b, hs).share_s if win > 0 else 0.0
+        share = ledger_split.charge(run_id, f0.t, f1.t, a, b, hs, g1.procs)
+        win_share_s = ledger_split.charge(run_id, f0.t, f1.t, wa, b, hs, g1.procs).share_s if win > 0 else 0.0
         seg.splits |= share.splits
         seg.sharers |= share.sharers
+        if share.unconfirmed_s > 0:
+            acc.unconfirmed_s[key] = acc.unconfirmed_s.get(key, 0.0) + share.unconfirmed_s
+            seg.unconfirmed[key] = share.reason
+        seg.silent |= share.silent
+        if share.unverified_s > 0:
+            acc.unverified_s[key] = acc.unverified_s.get(key, 0.0) + share.unverified_s
         if g0 is not None and g0.energy_j is not None and g1.energy_j is not None \
                 and g1.energy_j >= g0.energy_j:
             delta = g1.energy_j - g0.energy_j
@@ -137,7 +149,7 @@ def integrate(acc: Acc, f0: Frame, f1: Frame, lo: float, hi: float, *, run_id: s
             acc.idle_unknown_s[key] = acc.idle_unknown_s.get(key, 0.0) + share.share_s
             acc.win_idle_unknown_s[key] = acc.win_idle_unknown_s.get(key, 0.0) + win_share_s
         if g1.power_w is not None:
-            now_share = ledger_split.shares(h for h in hs if h.start <= f1.t <= h.end)
+            now_share = ledger_split.piece_shares([h for h in hs if h.start <= f1.t <= h.end], g1.procs, f1.t)
             power_sum = (power_sum or 0.0) + g1.power_w * now_share.get(run_id, (0.0, ""))[0]
         if g1.memory_used is not None:
             vram_sum = (vram_sum or 0.0) + g1.memory_used
@@ -179,7 +191,7 @@ def unattributed(f0: Frame, f1: Frame, holders: Mapping[str, Sequence[Holding]]
         g0 = f0.gpus.get(key)
         if g0 is None or g0.energy_j is None or g1.energy_j is None or g1.energy_j < g0.energy_j:
             continue
-        free_s = ledger_split.unattributed(f0.t, f1.t, holders.get(key, []))
+        free_s = ledger_split.unattributed(f0.t, f1.t, holders.get(key, []), g1.procs)
         if free_s > 0:
             yield key, g1, (g1.energy_j - g0.energy_j) * free_s / span
 

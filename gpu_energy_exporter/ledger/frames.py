@@ -8,11 +8,12 @@ module never calls NVML and never integrates power into energy.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from gpu_energy_exporter.collectors.host import MEMORY_AVAILABLE
 from gpu_energy_exporter.core.health import XidEvent
-from gpu_energy_exporter.core.state import GPUState, Snapshot
+from gpu_energy_exporter.core.state import GPUProcess, GPUState, MIGDevice, Snapshot
+from gpu_energy_exporter.ledger.split import Proc
 
 
 @dataclass(frozen=True, slots=True)
@@ -26,6 +27,10 @@ class GPUFrame:
     idle_w: float | None
     idle_source: str
     index: int = -1
+    #: The compute processes NVML listed on the GPU, with their SM use and host identity; None when not
+    #: known: not read, GPU down, or none of the listed pids is in the exporter's view of /proc (no host
+    #: pid namespace): then the runs' claims alone split the GPU (``ledger.split``).
+    procs: tuple[Proc, ...] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,6 +42,8 @@ class Frame:
     pue: float | None
     host_available: float | None  # bytes
     xid_events: tuple[XidEvent, ...] = ()  # the most recent critical Xids of every GPU (core.health)
+    #: MIG uuid key -> (compute slices, share of the parent's SMs or None), from NVML's instance attributes
+    mig_profile: dict[str, tuple[int, float | None]] = field(default_factory=dict)
 
 
 def uuid_key(uuid: str) -> str:
@@ -58,17 +65,33 @@ def gpu_frame(g: GPUState) -> GPUFrame:
         uuid=g.identity.uuid, name=g.identity.name,
         energy_j=g.energy_j if g.up else None, power_w=power, memory_used=mem, memory_total=total,
         idle_w=g.idle_power_w, idle_source=g.idle_power_source, index=g.identity.index,
+        procs=procs_of(r.processes, g.identity.mig_devices) if r is not None and g.up else None,
     )
+
+
+def procs_of(processes: tuple[GPUProcess, ...] | None, migs: tuple[MIGDevice, ...] = ()) -> tuple[Proc, ...] | None:
+    """A reading's processes as the splitter's members (placed on their MIG instance, with its slices);
+    None when the list says nothing usable (not read, or not one listed pid found in the host's process
+    table)."""
+    if processes is None:
+        return None
+    if processes and all(p.host is None for p in processes):
+        return None
+    slices = {m.uuid: m.slices for m in migs}
+    return tuple(Proc(p.pid, p.sm_util_pct, p.host, uuid_key(p.mig_uuid) if p.mig_uuid else "",
+                      slices.get(p.mig_uuid, 1)) for p in processes)
 
 
 def frame_of(snapshot: Snapshot, intensity: float | None, pue: float | None) -> Frame:
     """The frame of one snapshot, with the grid intensity (g/kWh) and PUE in force when it was taken."""
     gpus: dict[str, GPUFrame] = {}
     mig: dict[str, str] = {}
+    profile: dict[str, tuple[int, float | None]] = {}
     for g in snapshot.gpus:
         key = uuid_key(g.identity.uuid)
         gpus[key] = gpu_frame(g)
         for m in g.identity.mig_devices:
             mig[uuid_key(m.uuid)] = key
+            profile[uuid_key(m.uuid)] = (m.slices, m.sm_share)
     return Frame(snapshot.timestamp, gpus, mig, intensity, pue, snapshot.value(MEMORY_AVAILABLE.name),
-                 snapshot.xid_events)
+                 snapshot.xid_events, profile)

@@ -37,14 +37,13 @@ from prometheus_client.core import Metric
 from gpu_energy_exporter.core import contract
 from gpu_energy_exporter.core.runs_schema import KEEP_FINISHED_S, SUMMARY_SCHEMA
 from gpu_energy_exporter.core.state import Snapshot
-from gpu_energy_exporter.ledger import accounting, files, restart, runs, specs
+from gpu_energy_exporter.ledger import accounting, claims, files, restart, runs, specs
 from gpu_energy_exporter.ledger.files import iso_utc
 from gpu_energy_exporter.ledger.filewriter import Row
 from gpu_energy_exporter.ledger.frames import Frame, frame_of
 from gpu_energy_exporter.ledger.runs import PointLike, Run
 from gpu_energy_exporter.ledger.split import Holding
-from gpu_energy_exporter.ledger.summary import details, fmt, local_check, peak_flops, summarize, summary_path
-from gpu_energy_exporter.reference.gpu_specs import lookup_peak_flops
+from gpu_energy_exporter.ledger.summary import details, fmt, local_check, peak_flops, peak_row, summarize, summary_path
 
 log = logging.getLogger(__name__)
 
@@ -82,6 +81,7 @@ class RunLedger:
         wall: Callable[[], float] | None = None,
         background_writes: bool = False,
         journal_interval_s: float = 5.0,
+        claim_grace_s: float = 30.0,
     ) -> None:
         if warmup_s < 0 or stale_after_s <= 0:
             raise ValueError("warmup_s must be >= 0 and stale_after_s > 0")
@@ -105,6 +105,8 @@ class RunLedger:
         self._closed: list[Run] = []  # finished, kept for keep_finished_s
         self._finished_counts: dict[str, float] = dict.fromkeys(specs.STATUSES, 0.0)
         self._rejected = 0.0
+        self.claim_grace_s = claim_grace_s  # --runs.claim-grace (ledger.split)
+        self._claims = specs.ClaimTally()  # refused processes, closed runs' unconfirmed GPU claims
         self._evicted = 0.0
         self._write_errors = 0.0
         # Closed runs not written yet (journaled until they are): seq -> row. The file writer retries
@@ -115,7 +117,6 @@ class RunLedger:
         self._offsets: dict[str, dict[str, float]] = {}  # run id -> rank -> sender clock offset (restart)
         # Who uses which GPU, by snapshot time (ledger_split.Holding), rebuilt when runs change.
         self._holders_gen = 0
-        self._peak_rows: dict[str, dict[str, float]] = {}  # GPU model -> precision -> peak FLOP/s
         self._holders_cache: dict[float, dict[str, list[Holding]]] = {}
         self._holders_cache_gen = -1
         # Energy of each GPU charged to no run, settled when its interval leaves the snapshot history
@@ -151,7 +152,8 @@ class RunLedger:
                 for point in points[start:start + self.POINTS_CHUNK]:
                     count = getattr(point, "count", None)
                     record(point.run_id, point.name, point.labels, point.value, point.time,
-                           float(count) if count is not None else None, getattr(point, "key", None), received)
+                           float(count) if count is not None else None, getattr(point, "key", None), received,
+                           getattr(point, "resource", ()))
 
     def record(self, run_id: str, name: str, labels: Mapping[str, str], value: float, t: float, *,
                count: float | None = None) -> None:
@@ -161,7 +163,8 @@ class RunLedger:
             self._record_locked(run_id, name, labels, value, t, count)
 
     def _record_locked(self, run_id: str, name: str, labels: Mapping[str, str], value: float, t: float,
-                       count: float | None, key: runs.LabelKey | None = None, received: float | None = None) -> None:
+                       count: float | None, key: runs.LabelKey | None = None, received: float | None = None,
+                       resource: tuple[tuple[str, str], ...] = ()) -> None:
         """``key``, ``received``: ``labels`` as their sorted items, the clock's time, when the caller has them."""
         if not run_id or not math.isfinite(value) or not math.isfinite(t):
             return
@@ -172,18 +175,18 @@ class RunLedger:
         if self._wall is not None:  # on the steady clock: senders' clocks are placed against it
             t = restart.steady_point_time(self._offsets, run_id, labels.get(contract.ATTR_RANK, ""), t, received,
                                           self._late_window_s)
-        run = self._active.get(run_id)
+        run = self._active.get(run_id) or self._new_run(run_id, name, value, t)
         if run is None:
-            run = self._new_run(run_id, name, value, t)
-            if run is None:
-                self._offsets.pop(run_id, None)
-                return
-        gpus_before = len(run.gpus)
-        end_before = run.e
+            self._offsets.pop(run_id, None)
+            return
+        gpus_before, end_before = len(run.gpus), run.e
+        refused, new_process = claims.note_process(run, resource, labels, received)
+        if refused:  # another process under the run's id whose job identity disagrees (docs/ledger.md)
+            return self._claims.refuse(refused)
         if run.restored is not None and progress:
             restart.reconcile(run, name, labels, value, key)
         runs.apply_point(run, name, labels, value, t, count, received, key)
-        if len(run.gpus) != gpus_before:
+        if len(run.gpus) != gpus_before or new_process:
             self._holders_gen += 1  # a GPU named for the first time
         if run.tentative:
             if not progress:
@@ -197,7 +200,7 @@ class RunLedger:
             log.info("run %s started (first point at %s)", run_id, iso_utc(run.s))
             self._durable.started()
             return
-        if len(run.gpus) != gpus_before:
+        if len(run.gpus) != gpus_before or new_process:
             self._holders_changed(run, run.s)
         elif run.e != end_before:
             self._holders_changed(run, min(x for x in (run.e, end_before) if x is not None))
@@ -298,7 +301,7 @@ class RunLedger:
         cached = self._holders_cache.get(frame.t)
         if cached is not None:
             return cached
-        out = runs.holdings(frame, (*self._closed, *self._active.values()))
+        out = runs.holdings(frame, (*self._closed, *self._active.values()), self.claim_grace_s)
         if len(self._holders_cache) > 4 * len(self._history) + 16:
             self._holders_cache.clear()
         self._holders_cache[frame.t] = out
@@ -328,6 +331,7 @@ class RunLedger:
         del self._active[run.run_id]
         self._offsets.pop(run.run_id, None)
         self._closed.append(run)
+        self._claims.closed(run.unconfirmed.values())
         self._finished_counts[status] = self._finished_counts.get(status, 0.0) + 1
         s = run.summary
         log.info("run %s %s: %.0fs, %s tokens, %s J, %s J/token", run.run_id, status, s["duration_s"],
@@ -416,15 +420,8 @@ class RunLedger:
         precision = run.metadata.get("precision") or ""
         return summarize(run, run.acc if acc is None else acc, warmup_s=self.warmup_s, local=local_check(latest),
                          carbon_configured=self._carbon is not None,
-                         peak=peak_flops(run.gpus, latest, precision, self._peak_row),
+                         peak=peak_flops(run.gpus, latest, precision, peak_row),
                          summary_file=summary_path(self.csv_path, run.run_id), xids=latest.xid_events if latest else ())
-
-    def _peak_row(self, model: str) -> dict[str, float]:
-        """Peak FLOP/s of a GPU model by precision (the bundled table, looked up once per model)."""
-        if model not in self._peak_rows:
-            row = lookup_peak_flops(model)
-            self._peak_rows[model] = dict(row.flops) if row is not None else {}
-        return self._peak_rows[model]
 
     # ------------------------------------------------------------------------------------------------
     # files
@@ -482,4 +479,6 @@ class RunLedger:
             pending = len(self._pending)
             backlog = self._durable.backlog_s()
             unattributed = sorted(self._unattributed.values(), key=lambda x: (len(x[0]), x[0], x[1]))
-        return specs.families(served, finished, rejected, errors, evicted, pending, unattributed, backlog)
+            tally = self._claims.counts((r.unconfirmed.values() for r in self._active.values()),
+                                        self._history[-1] if self._history else None, self._holders)
+        return specs.families(served, finished, rejected, errors, evicted, pending, unattributed, backlog, tally)

@@ -18,6 +18,7 @@ from typing import Any, Protocol
 
 from gpu_energy_exporter.core import contract
 from gpu_energy_exporter.ledger.accounting import Acc, Timeline, integrate
+from gpu_energy_exporter.ledger.claims import ProcessKey, own_pids
 from gpu_energy_exporter.ledger.frames import Frame, GPUFrame, uuid_key
 from gpu_energy_exporter.ledger.split import Holding
 
@@ -139,6 +140,13 @@ class Run:
         # Restored from the journal after a restart: series key -> whether its first point since was seen
         # (``ledger.restart.reconcile``); None for a run this process started.
         self.restored: dict[tuple[str, LabelKey], bool] | None = None
+        # The processes that pushed for the run (``ProcessKey``) -> (rank, first seen, last seen), and the job
+        # identity they share (``contract.JOB_IDENTITY_LABELS``): what ties the run to NVML's processes.
+        self.procs: dict[ProcessKey, list[Any]] = {}
+        self.job: dict[str, str] = {}
+        self.admitted: tuple[object, float, str] = ((), -1.0, "")  # (resource, received, rank) last admitted
+        self.unconfirmed: dict[str, str] = {}  # GPU key -> why its claim went uncharged after the grace
+        self.silent: set[int] = set()  # pids of processes that are no run's that shared its GPUs (some)
 
     # -- counters ------------------------------------------------------------------------------------
 
@@ -204,6 +212,10 @@ class Run:
                 self.gpu_order.append(key)
         self.splits |= seg.splits
         self.sharers |= seg.sharers
+        for key, reason in seg.unconfirmed.items():
+            self.unconfirmed.setdefault(key, reason)
+        if len(self.silent) < 64:
+            self.silent |= seg.silent
         if live and seg.inside:
             power = tuple(f1.gpus[k].power_w if k in f1.gpus else None for k in self.gpu_order)
             self.timeline.add((
@@ -325,19 +337,28 @@ def _apply_finished(run: Run, rank: str, value: float, t: float) -> None:
 # the accumulator over the snapshot history
 
 
-def holdings(frame: Frame, tracked: Iterable[Run]) -> dict[str, list[Holding]]:
-    """Physical GPU key -> the runs using it (with the MIG instance they name), as known now. Runs still
-    tentative hold nothing; closed runs hold their GPUs from start to end."""
+def holdings(frame: Frame, tracked: Iterable[Run], grace_s: float = math.inf) -> dict[str, list[Holding]]:
+    """Physical GPU key -> the runs using it (with the MIG instance they name, and the pids NVML lists there
+    that are theirs), as known now. Runs still tentative hold nothing; closed runs hold their GPUs from start
+    to end. A listed pid two runs declare goes to the run that started first (a later run cannot take a
+    running one's process by naming its pid)."""
     out: dict[str, list[Holding]] = {}
-    for run in tracked:
-        if run.tentative:
-            continue
+    order = sorted((r for r in tracked if not r.tentative), key=lambda r: r.s)
+    for run in order:
         end = run.e if run.e is not None else math.inf
         for key in run.gpus:
             parent = frame.mig_parent.get(key, key)
-            if parent not in frame.gpus:
+            g = frame.gpus.get(parent)
+            if g is None:
                 continue
-            out.setdefault(parent, []).append(Holding(run.run_id, run.s, end, key if parent != key else ""))
+            held = out.setdefault(parent, [])
+            pids = own_pids(run, g.procs) if g.procs is not None and run.procs else frozenset()
+            if pids:
+                taken = {pid for h in held for pid in h.pids}
+                pids = frozenset(pids - taken)
+            slices = frame.mig_profile.get(key, (1, None))[0] if parent != key else 1
+            held.append(Holding(run.run_id, run.s, end, key if parent != key else "", slices, pids,
+                                run.s + grace_s, bool(run.procs)))
     return out
 
 

@@ -10,7 +10,7 @@ a snapshot and never computes a figure.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from prometheus_client.core import Metric
@@ -41,6 +41,9 @@ from gpu_energy_exporter.core.runs_schema import (
     RUN_WINDOW_ENERGY,
     RUN_WINDOW_TOKENS,
 )
+from gpu_energy_exporter.ledger.claims import REFUSED_REASONS
+from gpu_energy_exporter.ledger.frames import Frame
+from gpu_energy_exporter.ledger.split import UNCONFIRMED_REASONS, Holding
 
 LEDGER_RUNS_FINISHED = metrics.define(
     "ledger", "runs_finished_total", "counter",
@@ -73,7 +76,67 @@ LEDGER_UNATTRIBUTED = metrics.define(
     "--runs.stale-after + 120 s after the fact. Per GPU, runs' energy + this = the GPU's energy.",
     metrics.GPU_LABELS, collector=COLLECTOR, unit="joules")
 
+LEDGER_UNCONFIRMED_CLAIMS = metrics.define(
+    "ledger", "unconfirmed_claims_total", "counter",
+    "GPUs runs named but were not charged for, past --runs.claim-grace, because NVML listed none of the run's "
+    "processes there (reason no_process) or the run never sent its process.pid (no_pid); counted once per run "
+    "and GPU. Their energy stays the GPU's unattributed energy.", ("reason",), collector=COLLECTOR)
+LEDGER_PROCESSES = metrics.define(
+    "ledger", "gpu_processes", "gauge",
+    "Compute processes NVML listed on the GPU at the last snapshot, by owner: run (one of a run's own "
+    "processes), pod (no run's, in a Kubernetes pod: its energy is on the pod series) or no_run (neither). "
+    "Processes that are no run's keep their share of the GPU, as the ledger's unattributed energy. Absent "
+    "where the process list or the host's process table is not available.",
+    (*metrics.GPU_LABELS, "owner"), collector=COLLECTOR)
+LEDGER_REFUSED_PROCESSES = metrics.define(
+    "ledger", "refused_processes_total", "counter",
+    "Points refused because the process pushing them under an existing run id is not one of the run's: its "
+    "job identity disagrees (job_mismatch), the run's world size is full (world_size), or another live process "
+    "pushes that rank (rank_taken).", ("reason",), collector=COLLECTOR)
+
 STATUSES = ("finished", "stale", "exporter_stopped")
+
+#: What ``ClaimTally.counts`` gives ``families``: unconfirmed claims and refused processes by reason, and the
+#: listed processes by (gpu, gpu_uuid, owner).
+Claims = tuple[Mapping[str, float], Mapping[str, float], Mapping[tuple[str, str, str], float]]
+
+
+class ClaimTally:
+    """Counts of refused processes and of closed runs' unconfirmed GPU claims, by reason (the ledger's
+    lock held)."""
+
+    def __init__(self) -> None:
+        self.refused: dict[str, float] = dict.fromkeys(REFUSED_REASONS, 0.0)
+        self.unconfirmed: dict[str, float] = dict.fromkeys(UNCONFIRMED_REASONS, 0.0)
+
+    def refuse(self, reason: str) -> None:
+        self.refused[reason] = self.refused.get(reason, 0.0) + 1
+
+    def closed(self, reasons: Iterable[str]) -> None:
+        for reason in reasons:
+            self.unconfirmed[reason] = self.unconfirmed.get(reason, 0.0) + 1
+
+    def counts(self, active: Iterable[Iterable[str]], latest: Frame | None = None,
+               holders: Callable[[Frame], Mapping[str, Sequence[Holding]]] | None = None) -> Claims:
+        """(unconfirmed claims by reason, closed runs' and ``active`` runs' reasons; refused by reason;
+        (gpu, gpu_uuid, owner) -> processes NVML listed in the ``latest`` frame, by whether they are a run's)."""
+        unconfirmed = dict(self.unconfirmed)
+        for reasons in active:
+            for reason in reasons:
+                unconfirmed[reason] = unconfirmed.get(reason, 0.0) + 1
+        listed: dict[tuple[str, str, str], float] = {}
+        if latest is not None and holders is not None:
+            held = holders(latest)
+            for key, g in latest.gpus.items():
+                if g.procs is None:
+                    continue  # not known: no series rather than a wrong 0
+                owned = {pid for h in held.get(key, ()) if h.start <= latest.t <= h.end for pid in h.pids}
+                runs_n = sum(1 for p in g.procs if p.pid in owned)
+                pods_n = sum(1 for p in g.procs if p.pid not in owned and p.host is not None and p.host.pod_uid)
+                listed[(str(g.index), g.uuid, "run")] = float(runs_n)
+                listed[(str(g.index), g.uuid, "pod")] = float(pods_n)
+                listed[(str(g.index), g.uuid, "no_run")] = float(len(g.procs) - runs_n - pods_n)
+        return unconfirmed, dict(self.refused), listed
 
 #: The per-run counters on /metrics and the summary figure each one serves (``counter_values``).
 COUNTER_COLUMNS = (
@@ -139,7 +202,7 @@ ServedRun = tuple[str, str, Mapping[str, Any], Mapping[str, float]]
 
 def families(runs: Iterable[ServedRun], finished: Mapping[str, float], rejected: float, errors: float,
              evicted: float, pending: int, unattributed: Sequence[tuple[str, str, float]],
-             backlog_s: float = 0.0) -> list[Metric]:
+             backlog_s: float = 0.0, claims: Claims = ({}, {}, {})) -> list[Metric]:
     """The ledger's part of one /metrics collection: per-run series and the ledger's self-metrics."""
     fams = {spec.name: spec.family() for spec in RUN_SERIES}
     for run_id, status, s, counters in runs:
@@ -170,4 +233,11 @@ def families(runs: Iterable[ServedRun], finished: Mapping[str, float], rejected:
     free = LEDGER_UNATTRIBUTED.family()
     for index, uuid, joules in unattributed:
         metrics.add(free, [index, uuid], joules)
-    return [*fams.values(), done, rej, err, ev, pend, backlog, free]
+    unconfirmed, refused = LEDGER_UNCONFIRMED_CLAIMS.family(), LEDGER_REFUSED_PROCESSES.family()
+    for fam, counts in ((unconfirmed, claims[0]), (refused, claims[1])):
+        for reason in sorted(counts):
+            metrics.add(fam, [reason], counts[reason])
+    procs = LEDGER_PROCESSES.family()
+    for labels in sorted(claims[2], key=lambda x: (len(x[0]), x)):
+        metrics.add(procs, list(labels), claims[2][labels])
+    return [*fams.values(), done, rej, err, ev, pend, backlog, free, unconfirmed, refused, procs]

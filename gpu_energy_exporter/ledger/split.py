@@ -1,24 +1,35 @@
 """How the run ledger splits one GPU's energy between the runs using it: pure arithmetic.
 
 Plain values in, figures out: no clock, no I/O, no threads (``accounting.py`` uses it; tests/test_ledger_split.py
-checks it on its own). The split of one instant is the pod attributor's rule, reused
-(``kubernetes.attribution.split``), with runs in place of containers:
+checks it on its own). The rule of one instant is ``core.sharing.split``, the splitter pods use too; this
+module says who the members are.
 
-- ``exclusive``: one run uses the GPU: it is charged all of the GPU's energy, idle power included.
-- ``mig``: the run's GPU ids are MIG instances of the GPU: the GPU's energy is split over the instances in
-  use in proportion to their compute slices, then evenly between runs sharing one instance. Instances no
-  run uses get nothing (the instances in use absorb the whole GPU, as for pods). The ledger does not know
-  MIG profiles (NVML's MIG device identity carries none), so every instance weighs 1 (``Holding.slices``
-  is the hook): exact when the GPU is split into instances of one profile, e.g. 7 x ``1g``.
-- ``sm_util``: several runs share the whole GPU and each run's summed SM utilisation is known: split in
-  proportion. The hook is ``weights``; the ledger passes none today (a point does not carry the trainer's
-  pid, so per-process SM utilisation cannot be matched to a run), so shared GPUs are split evenly.
-- ``even``: several runs share the whole GPU without usable weights: split evenly.
+Where the GPU's process list is known (NVML answered and the host's process table names the processes:
+``procs`` is not None), the processes are the members: each process NVML lists on the GPU is one, weighed
+by its measured SM utilisation, and owned by the run whose process it is (``Holding.pids``, matched by the
+ledger from the pid, container and pid namespaces) or by nobody. So:
+
+- ``sm_util``: several processes share the GPU and each one's SM use is known: split in proportion; a
+  process that pushes nothing keeps its share, which stays the GPU's unattributed energy.
+- ``exclusive`` / ``even``: one owner, or no usable weights (even per process).
+- ``grace``: a run that names the GPU but none of whose processes NVML lists yet, within
+  ``--runs.claim-grace`` of its start (CUDA takes a while to create its context): it shares, evenly with
+  other such runs, only the part of the GPU no run's process uses. It can never take a confirmed run's part.
+  (Alone on a GPU that lists no process at all, it takes the whole GPU under the name ``exclusive``.)
+- after the grace period such a claim is *unconfirmed*: charged nothing, counted (``Charge.unconfirmed_s``).
+
+On a MIG-partitioned GPU each process is placed on its instance (``Proc.unit``, with its compute slices): the
+instances in use share the GPU by slices (``mig``), and each instance's part goes to the owners of the
+processes on it. Where the process list is not known (NVML gave none, none of the listed pids is in the
+exporter's view of ``/proc``: a container without the host's pid namespace, or runs name MIG instances and
+the driver did not place the processes on instances), the claims alone decide, as before processes
+were read: one run ``exclusive``, several ``even``, MIG instances ``mig`` by slices (``Charge.unverified_s``
+says how long, and the run's notes say so).
 
 Over an interval between two counter readings, the runs using the GPU may change (one starts or ends
-inside it). The energy is taken as spread evenly over the interval (the ledger's linear interpolation of
-the counter), the interval is cut at every run's start and end, and each piece is split over the runs
-active in it. Pieces with no run are the GPU's unattributed energy. So for every GPU and every interval
+inside it, or its grace ends). The energy is taken as spread evenly over the interval (the ledger's linear
+interpolation of the counter), the interval is cut at every such moment, and each piece is split over the
+members active in it. What no run gets is the GPU's unattributed energy. So for every GPU and every interval
 ``sum(charged) + unattributed == delta``, and no run is ever charged more than the GPU used.
 """
 
@@ -28,59 +39,77 @@ import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
+from gpu_energy_exporter.core import sharing
 from gpu_energy_exporter.core.memo import remember
-from gpu_energy_exporter.kubernetes.attribution import (
-    METHOD_EXCLUSIVE,
-    METHOD_MIG_SLICES,
-    METHOD_SHARED_EVEN,
-    METHOD_SM_UTILIZATION,
-    PodRef,
-    Slot,
-    split,
-)
+from gpu_energy_exporter.core.procinfo import ProcessIdentity
 
-SPLIT_EXCLUSIVE = "exclusive"
-SPLIT_EVEN = "even"
-SPLIT_SM_UTIL = "sm_util"
-SPLIT_MIG = "mig"
-SPLITS = (SPLIT_EXCLUSIVE, SPLIT_EVEN, SPLIT_SM_UTIL, SPLIT_MIG)
+SPLIT_EXCLUSIVE = sharing.RULE_EXCLUSIVE
+SPLIT_EVEN = sharing.RULE_EVEN
+SPLIT_SM_UTIL = sharing.RULE_SM_UTIL
+SPLIT_MIG = sharing.RULE_MIG
+SPLIT_GRACE = "grace"
+SPLITS = (SPLIT_EXCLUSIVE, SPLIT_EVEN, SPLIT_SM_UTIL, SPLIT_MIG, SPLIT_GRACE)
 
-_FROM_POD_METHOD = {
-    METHOD_EXCLUSIVE: SPLIT_EXCLUSIVE,
-    METHOD_SHARED_EVEN: SPLIT_EVEN,
-    METHOD_SM_UTILIZATION: SPLIT_SM_UTIL,
-    METHOD_MIG_SLICES: SPLIT_MIG,
-}
+#: Why a run's claim on a GPU was not charged (the ``reason`` label of the unconfirmed-claims counter).
+UNCONFIRMED_NO_PROCESS = "no_process"  # the run sent its pid, NVML lists none of its processes on the GPU
+UNCONFIRMED_NO_PID = "no_pid"  # the run never said which process it is (no process.pid in its resource)
+UNCONFIRMED_REASONS = (UNCONFIRMED_NO_PROCESS, UNCONFIRMED_NO_PID)
 
-__all__ = ["SPLITS", "Charge", "Holding", "charge", "shares", "unattributed"]
+
+@dataclass(frozen=True, slots=True)
+class Proc:
+    """One process NVML lists on a GPU: its host pid, measured SM use (None: not measured) and what the
+    host's /proc says about it (None: not found there)."""
+
+    pid: int
+    sm: float | None = None
+    host: ProcessIdentity | None = None
+    unit: str = ""  # the MIG instance (uuid key) it runs on, "" for the whole GPU
+    slices: int = 1  # that instance's compute slices
+
+
+__all__ = ["SPLITS", "Charge", "Holding", "Proc", "charge", "piece_shares", "shares", "unattributed"]
 
 
 @dataclass(frozen=True, slots=True)
 class Holding:
-    """One run using one physical GPU (or one MIG instance of it) from ``start`` to ``end``."""
+    """One run using one physical GPU (or one MIG instance of it) from ``start`` to ``end``.
+
+    ``pids``: the host pids NVML lists on the GPU that are the run's own (matched by the ledger in the frame
+    the holding was built for); ``grace_end``: until when the claim may go unconfirmed; ``has_pid``: whether
+    the run said which processes it is at all."""
 
     run_id: str
     start: float
     end: float = math.inf  # math.inf while the run goes on
     mig_uuid: str = ""  # "" when the run names the whole GPU
     slices: int = 1  # MIG compute slices of the instance (unknown to the ledger: 1)
+    pids: frozenset[int] = frozenset()
+    grace_end: float = math.inf
+    has_pid: bool = False
 
 
 @dataclass(frozen=True, slots=True)
 class Charge:
     """What one run gets of one GPU's interval: ``share_s`` is the run's share integrated over time
     (seconds x fraction), so its energy is ``delta x share_s / span`` and its idle energy ``idle W x
-    share_s``; ``splits`` names the rules used; ``sharers`` the other runs it shared the GPU with."""
+    share_s``; ``splits`` names the rules used; ``sharers`` the other runs it shared the GPU with;
+    ``unconfirmed_s`` the seconds its claim went unconfirmed after the grace period (charged nothing, for
+    ``reason``); ``unverified_s`` the seconds it was charged on its claim alone (no process list)."""
 
     share_s: float
     splits: frozenset[str]
     sharers: frozenset[str]
+    unconfirmed_s: float = 0.0
+    reason: str = ""
+    unverified_s: float = 0.0
+    silent: frozenset[int] = frozenset()  # pids of processes that are no run's, sharing the GPU with it
 
 
 def shares(holdings: Iterable[Holding], weights: Mapping[str, float] | None = None) -> dict[str, tuple[float, str]]:
-    """Run id -> (fraction of the GPU's energy, split rule) at one instant; the holdings are the runs using
-    the GPU then. The fractions sum to 1 when ``holdings`` is not empty. A run holding several instances
-    of one GPU gets the sum of their parts."""
+    """Run id -> (fraction of the GPU's energy, split rule) at one instant, by the claims alone (no process
+    list); the holdings are the runs using the GPU then. The fractions sum to 1 when ``holdings`` is not
+    empty. A run holding several instances of one GPU gets the sum of their parts."""
     if not weights:
         # The split depends only on the set of (run, instance, slices): the ledger asks the same question for
         # every GPU of every interval it counts (and recounts), so the answers are kept (bounded).
@@ -99,21 +128,59 @@ _SHARES_CACHE_MAX = 4096
 
 def _shares(key: frozenset[tuple[str, str, int]],
             weights: Mapping[str, float] | None) -> dict[str, tuple[float, str]]:
-    slots = sorted({Slot(gpu_uuid="", pod=PodRef("", run, ""), mig_uuid=mig, slices=max(1, slices))
-                    for run, mig, slices in key})
-    pod_weights = {PodRef("", run, ""): w for run, w in (weights or {}).items()}
+    members = [sharing.Member(run, mig, max(1, slices), None if weights is None else weights.get(run, 0.0))
+               for run, mig, slices in sorted(key)]
     out: dict[str, tuple[float, str]] = {}
-    for pod, method, part in split(1.0, slots, pod_weights):
-        frac, _ = out.get(pod.pod, (0.0, ""))
-        out[pod.pod] = (frac + part, _FROM_POD_METHOD[method])
+    for run, rule, part in sharing.split(1.0, members):
+        frac, _ = out.get(run, (0.0, ""))
+        out[run] = (frac + part, rule)
     return out
 
 
+def piece_shares(active: Sequence[Holding], procs: Sequence[Proc] | None, at: float) -> dict[str, tuple[float, str]]:
+    """Run id -> (fraction, rule) at time ``at`` (the start of a piece), given the runs active then and the
+    processes NVML lists on the GPU (None: not known, the claims alone decide). Fractions sum to at most 1;
+    the rest is the GPU's unattributed energy."""
+    if not active:
+        return {}
+    if not by_process(active, procs):
+        return shares(active)  # no process list (or MIG processes not placed on instances): the claims
+    assert procs is not None
+    owner: dict[int, str] = {}
+    for h in active:
+        for pid in h.pids:
+            owner.setdefault(pid, h.run_id)
+    members = [sharing.Member(owner.get(p.pid, f"\0pid {p.pid}"), p.unit, p.slices, p.sm) for p in procs]
+    out: dict[str, tuple[float, str]] = {}
+    for who, rule, part in sharing.split(1.0, members):
+        if who.startswith("\0"):
+            continue  # a process that is no run's: the GPU's unattributed energy
+        frac, _ = out.get(who, (0.0, ""))
+        out[who] = (frac + part, rule)
+    confirmed = set(owner.values())
+    waiting = sorted({h.run_id for h in active if h.run_id not in confirmed and at < h.grace_end})
+    free = 1.0 - sum(f for f, _ in out.values())
+    if waiting and free > 1e-12:
+        # Alone on a GPU where no process is listed yet (CUDA starting, or its process just exited before
+        # its finish point): the whole GPU, as a lone claim always was (``exclusive``, so the split label
+        # of a run does not change at every start and end); anything else is ``grace``.
+        alone = len(waiting) == 1 and not procs and not out
+        for run in waiting:
+            out[run] = (free / len(waiting), SPLIT_EXCLUSIVE if alone else SPLIT_GRACE)
+    return out
+
+
+def by_process(active: Sequence[Holding], procs: Sequence[Proc] | None) -> bool:
+    """Whether the processes decide the split (else the claims): the list is known and, where runs name MIG
+    instances, every listed process is placed on its instance."""
+    return procs is not None and (not any(h.mig_uuid for h in active) or all(p.unit for p in procs))
+
+
 def _pieces(t0: float, t1: float, holdings: Sequence[Holding]) -> list[tuple[float, float, list[Holding]]]:
-    """(t0, t1] cut at every holding's start and end: (a, b, holdings active throughout (a, b])."""
+    """(t0, t1] cut at every holding's start, end and grace end: (a, b, holdings active throughout (a, b])."""
     cuts = {t0, t1}
     for h in holdings:
-        for x in (h.start, h.end):
+        for x in (h.start, h.end, h.grace_end):
             if t0 < x < t1:
                 cuts.add(x)
     edges = sorted(cuts)
@@ -125,25 +192,42 @@ def _pieces(t0: float, t1: float, holdings: Sequence[Holding]) -> list[tuple[flo
 
 
 def charge(run_id: str, t0: float, t1: float, lo: float, hi: float, holdings: Sequence[Holding],
-           weights: Mapping[str, float] | None = None) -> Charge:
-    """The part of the GPU's interval (t0, t1] within [lo, hi] that goes to ``run_id``."""
-    share_s = 0.0
+           procs: Sequence[Proc] | None = None) -> Charge:
+    """The part of the GPU's interval (t0, t1] within [lo, hi] that goes to ``run_id``; ``procs``: the
+    processes NVML listed on the GPU at t1 (None: not known)."""
+    share_s = unconfirmed_s = unverified_s = 0.0
+    reason = ""
     splits: set[str] = set()
     sharers: set[str] = set()
+    silent: set[int] = set()
     for a, b, active in _pieces(t0, t1, holdings):
         x, y = max(a, lo), min(b, hi)
         if y <= x:
             continue
-        part = shares(active, weights)
+        part = piece_shares(active, procs, a)
         if run_id not in part:
+            mine = next((h for h in active if h.run_id == run_id), None)
+            if mine is not None and by_process(active, procs) and not mine.pids and a >= mine.grace_end:
+                unconfirmed_s += y - x
+                reason = UNCONFIRMED_NO_PROCESS if mine.has_pid else UNCONFIRMED_NO_PID
             continue
         frac, rule = part[run_id]
         share_s += frac * (y - x)
+        if not by_process(active, procs):
+            unverified_s += y - x
         splits.add(rule)
         sharers.update(r for r in part if r != run_id)
-    return Charge(share_s, frozenset(splits), frozenset(sharers))
+        if procs is not None:
+            owned = {pid for h in active for pid in h.pids}
+            silent.update(p.pid for p in procs if p.pid not in owned)
+    return Charge(share_s, frozenset(splits), frozenset(sharers), unconfirmed_s, reason, unverified_s,
+                  frozenset(silent))
 
 
-def unattributed(t0: float, t1: float, holdings: Sequence[Holding]) -> float:
-    """Seconds of (t0, t1] during which no run used the GPU (its energy then is unattributed)."""
-    return sum(b - a for a, b, active in _pieces(t0, t1, holdings) if not active)
+def unattributed(t0: float, t1: float, holdings: Sequence[Holding], procs: Sequence[Proc] | None = None) -> float:
+    """Seconds x fraction of (t0, t1] that no run was charged (its energy then is the GPU's unattributed)."""
+    total = 0.0
+    for a, b, active in _pieces(t0, t1, holdings):
+        charged = sum(f for f, _ in piece_shares(active, procs, a).values())
+        total += (b - a) * max(0.0, 1.0 - charged)
+    return total

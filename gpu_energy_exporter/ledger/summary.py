@@ -8,6 +8,7 @@ column names and what each figure means are ``core.runs_schema.COLUMNS`` (docs/l
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -33,6 +34,7 @@ from gpu_energy_exporter.ledger.runs import (
     SeriesState,
     rank_order,
 )
+from gpu_energy_exporter.reference.gpu_specs import lookup_peak_flops
 
 Local = Callable[[SeriesState], bool]
 
@@ -54,11 +56,19 @@ def local_check(frame: Frame | None) -> Local:
     return local
 
 
+@functools.lru_cache(maxsize=256)
+def peak_row(model: str) -> dict[str, float]:
+    """Peak FLOP/s of a GPU model by precision (the bundled table, looked up once per model)."""
+    row = lookup_peak_flops(model)
+    return dict(row.flops) if row is not None else {}
+
+
 def peak_flops(gpus: Mapping[str, str], frame: Frame | None, precision: str,
                rows: Callable[[str], Mapping[str, float]]) -> float | None:
     """Peak FLOP/s of a run's local GPUs (``gpus``: its uuid keys) at ``precision``; a MIG instance counts
-    1 / (instances on its parent). ``rows``: GPU model -> precision -> peak FLOP/s. None when any local
-    GPU's model or the precision has no figure."""
+    its share of the parent's SMs (NVML's instance attributes), or 1 / (instances on its parent) where the
+    driver does not say. ``rows``: GPU model -> precision -> peak FLOP/s. None when any local GPU's model or
+    the precision has no figure."""
     if frame is None or not precision:
         return None
     per_parent: dict[str, int] = {}
@@ -69,7 +79,8 @@ def peak_flops(gpus: Mapping[str, str], frame: Frame | None, precision: str,
         parent = frame.mig_parent.get(key, key)
         if parent not in frame.gpus:
             continue
-        part = 1.0 / per_parent[parent] if parent != key else 1.0
+        sm_share = frame.mig_profile.get(key, (1, None))[1]
+        part = (sm_share if sm_share is not None else 1.0 / per_parent[parent]) if parent != key else 1.0
         share[parent] = min(1.0, share.get(parent, 0.0) + part)
     if not share:
         return None
@@ -127,9 +138,10 @@ def summarize(run: Run, acc: Acc, *, warmup_s: float, local: Local, carbon_confi
                      f"({', '.join(sorted(run.splits))})")
     notes += xid_notes([*run.gpu_order, *run.gpus], run.s, end, xids)
     if ledger_split.SPLIT_MIG in run.splits:
-        notes.append("MIG instances: charged their share of the parent GPU's energy, every instance in use "
-                     "weighing 1 (MIG profiles unknown)")
+        notes.append("MIG instances: charged their compute slices' share of the parent GPU's energy (instances "
+                     "in use only; an instance whose profile NVML does not give weighs 1)")
 
+    notes.extend(claim_notes(run, acc))
     keys = list(run.gpu_order)
     missing = [k for k in run.gpus if k not in run.resolved]
     measured = acc.measured_gpu_s > 0
@@ -292,3 +304,22 @@ def fmt(value: Any) -> str:
     if isinstance(value, float):
         return f"{value:.4g}"
     return str(value)
+
+
+def claim_notes(run: Run, acc: Acc) -> list[str]:
+    """What the GPUs' process lists said about the run's claims (docs/ledger.md, "What a claim needs")."""
+    notes = []
+    for key, seconds in sorted(acc.unconfirmed_s.items()):
+        why = ("the run never sent its process.pid" if run.unconfirmed.get(key) == ledger_split.UNCONFIRMED_NO_PID
+               else "NVML listed none of the run's processes there")
+        notes.append(f"GPU {run.gpus.get(key, key)} claimed but not confirmed for {seconds:.1f}s after the claim "
+                     f"grace ({why}): not charged for that time")
+    if acc.unverified_s:
+        names = ", ".join(run.gpus.get(k, k) for k in sorted(acc.unverified_s))
+        notes.append(f"GPU(s) {names}: charged on the run's claim alone for part of the run (NVML's process list "
+                     "or the host's process table was not available, or MIG): not verified by process")
+    if run.silent:
+        pids = ", ".join(str(p) for p in sorted(run.silent)[:8])
+        notes.append(f"processes that are no run's (pid {pids}) shared its GPUs and kept their share "
+                     "(the GPU's unattributed energy)")
+    return notes

@@ -91,6 +91,9 @@ class Point:
     quantiles: tuple[tuple[float, float], ...] = ()  # summary (quantile, value)
     no_value: bool = False  # the sender marked the stream as ended
     cost: int = 0  # series_bytes() of the series this point gives
+    #: the translated attributes of the resource that carried the point (shared by its points; () when none):
+    #: the run ledger reads which process pushed from it (core.contract LABEL_PROCESS_PID...)
+    resource: Labels = ()
 
 
 @dataclass

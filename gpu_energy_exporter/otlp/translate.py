@@ -217,13 +217,18 @@ def translate_request(request: Message, received_ns: int, limits: Limits = DEFAU
     """
     batch = Batch()
     for rm in as_wire(request).resource_metrics[:]:
+        resource_labels: Labels = ()
         if rm.HasField("resource") and len(rm.resource.attributes):
             resource_labels = _resource_labels(rm.resource, limits)
             if resource_labels:
                 batch.resources.append(resource_labels)
+        first = len(batch.points)
         for sm in rm.scope_metrics[:]:
             for metric in sm.metrics[:]:  # a slice (a list) is cheaper to walk than upb's container
                 _translate_metric(metric, batch, received_ns, limits)
+        if resource_labels:
+            for p in batch.points[first:]:
+                p.resource = resource_labels
     return batch
 
 

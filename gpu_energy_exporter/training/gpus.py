@@ -29,8 +29,10 @@ NVML reports by PCI bus id; that is CUDA's order under ``PCI_BUS_ID`` and also u
 all GPUs are the same model (CUDA breaks "fastest" ties by bus id). On a node with mixed models and the
 default order the mapping is ambiguous: we say so once and recommend ``CUDA_DEVICE_ORDER=PCI_BUS_ID``.
 
-MIG: NVML has no per-instance energy, so the exporter reports energy per physical GPU; a MIG instance
-resolves to its parent GPU's UUID, the only UUID that joins to energy.
+MIG: a MIG instance keeps its own ``MIG-`` UUID (issue 19: replacing it with its parent's made two runs on
+a 3g and a 1g slice two runs on one whole GPU). NVML has no per-instance energy; the exporter knows each
+instance's parent and its compute slices, and charges the instance its slices' share of the parent's
+energy. Only the legacy ``MIG-GPU-<parent>/<gi>/<ci>`` form, which names no instance UUID, maps to its parent.
 
 This module must never make training fail, never create a CUDA context (torch is consulted only when it
 is already imported and CUDA already initialised, or for a device a framework already uses), and never
@@ -218,29 +220,29 @@ def map_visible_devices(entries: Sequence[int] | Sequence[str], gpus: Sequence[N
             if found is None:
                 break
             uuid = found
-        if uuid not in out:  # two MIG instances of one GPU: its energy is joined once
+        if uuid not in out:
             out.append(uuid)
     return out
 
 
 def match_uuid(text: str, gpus: Sequence[NVMLGPU]) -> str | None:
-    """The parent GPU UUID of a ``GPU-``/``MIG-`` UUID or unique prefix, or None (unknown, ambiguous)."""
+    """The full UUID of a ``GPU-``/``MIG-`` UUID or unique prefix (a MIG instance keeps its own; a legacy
+    ``MIG-GPU-...`` id gives its parent's), or None (unknown, ambiguous)."""
     legacy = _LEGACY_MIG_RE.match(text)
     if legacy:
         text = legacy.group(1)
     needle = text.lower()
     hits = {g.uuid for g in gpus if g.uuid.lower().startswith(needle)}
-    hits |= {g.uuid for g in gpus for m in g.mig_uuids if m.lower().startswith(needle)}
+    hits |= {m for g in gpus for m in g.mig_uuids if m.lower().startswith(needle)}
     return hits.pop() if len(hits) == 1 else None
 
 
 def _uuid_without_nvml(text: str) -> str | None:
-    """A complete GPU UUID (or legacy MIG id naming its parent) needs no NVML; prefixes and new-style MIG
-    UUIDs do."""
+    """A complete GPU or MIG UUID (or legacy MIG id naming its parent) needs no NVML; prefixes do."""
     legacy = _LEGACY_MIG_RE.match(text)
     if legacy:
         text = legacy.group(1)
-    if text.startswith("GPU-") and _UUID_RE.match(text[4:].lower()):
+    if text.startswith(("GPU-", "MIG-")) and _UUID_RE.match(text[4:].lower()):
         return text
     return None
 
@@ -394,7 +396,8 @@ def _from_visible_devices(value: str, env: Mapping[str, str], nvml_reader: NVMLR
 
 
 def _parents(uuids: Sequence[str], nvml_reader: NVMLReader) -> list[str]:
-    """Map MIG UUIDs and prefixes to parent GPU UUIDs; complete GPU UUIDs pass through without NVML."""
+    """Complete the prefixes (and map legacy MIG ids to their parent); complete GPU and MIG UUIDs pass through
+    without NVML."""
     out: list[str] = []
     gpus: Sequence[NVMLGPU] | None = None
     for uuid in uuids:

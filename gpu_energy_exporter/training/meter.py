@@ -49,6 +49,7 @@ except ImportError as exc:  # pragma: no cover - depends on the installed extras
 
 from gpu_energy_exporter import __version__
 from gpu_energy_exporter.core import contract as I  # noqa: N812 - a namespace of constants
+from gpu_energy_exporter.core.procinfo import parse_cgroup
 from gpu_energy_exporter.training.batch import number
 from gpu_energy_exporter.training.endpoint import GRPC, HTTP_PROTOBUF
 from gpu_energy_exporter.training.export import GuardedExporter, ObservedSession
@@ -145,6 +146,7 @@ class RunMeter:
         export_interval: float,
         export_timeout: float,
         protocol: str = HTTP_PROTOBUF,
+        world_size: int = 1,
     ) -> None:
         self._pid = os.getpid()
         self._started_ns = time.time_ns()
@@ -159,6 +161,7 @@ class RunMeter:
             "service.version": __version__,
             "host.name": socket.gethostname(),
             "process.pid": self._pid,
+            **process_identity(world_size),
         })
         self.scope = InstrumentationScope(I.SCOPE_NAME, __version__)
         session: ObservedSession | None = None
@@ -262,3 +265,30 @@ class RunMeter:
     def _extra_metrics(self) -> list[Metric]:
         """The step-duration histogram, cumulative since the run started."""
         return self._durations.metrics(self._attrs, self._started_ns)
+
+
+def process_identity(world_size: int, environ: Mapping[str, str] | None = None,
+                     cgroup_path: str = "/proc/self/cgroup") -> dict[str, Any]:
+    """Resource attributes that tie this process's pushes to what NVML lists and to its job: the container
+    and pod it runs in (its own cgroup; absent where the cgroup namespace hides them), and the job identity
+    every rank of one job shares (Slurm's job id, torchrun's rendezvous id or master address, world size).
+    The exporter charges a run only for GPUs on which NVML lists one of its processes, and merges a new
+    process into a run only when this identity agrees (docs/ledger.md)."""
+    env = os.environ if environ is None else environ
+    out: dict[str, Any] = {I.RESOURCE_WORLD_SIZE: int(world_size)}
+    try:
+        with open(cgroup_path, encoding="utf-8", errors="replace") as f:
+            pod, container = parse_cgroup(f.read(16384))
+    except OSError:
+        pod = container = ""
+    if container:
+        out[I.RESOURCE_CONTAINER_ID] = container
+    if pod:
+        out[I.RESOURCE_POD_UID] = pod
+    if env.get("SLURM_JOB_ID"):
+        out[I.RESOURCE_SLURM_JOB_ID] = env["SLURM_JOB_ID"]
+    job = env.get("TORCHELASTIC_RUN_ID") or (
+        f"{env['MASTER_ADDR']}:{env.get('MASTER_PORT', '')}" if env.get("MASTER_ADDR") and int(world_size) > 1 else "")
+    if job:
+        out[I.RESOURCE_JOB_ID] = job
+    return out

@@ -124,6 +124,7 @@ class TrainingRun:
             export_interval=export_interval,
             export_timeout=export_timeout,
             protocol=protocol,
+            world_size=world_size,
         )
         self._exporter = self._meter.exporter
         # A script that never calls finish() still flushes at exit (bounded like finish()).

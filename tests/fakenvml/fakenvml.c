@@ -206,6 +206,7 @@ struct proc {
     unsigned int pid;
     unsigned long long used_bytes;
     unsigned int sm_pct, mem_pct;
+    int mig; /* issue 19: the MIG device (index) the process runs on, -1 for the whole GPU */
 };
 
 /* GPM metrics the scenario can script: id, scenario key, short name. */
@@ -281,6 +282,9 @@ struct gpu_cfg {
     struct proc procs[MAX_PROCS];
     int mig_capable, mig_mode, mig_pending, has_mig_pending, max_mig, nmig;
     char mig_uuid[MAX_MIG][STR_LEN];
+    /* issue 19: each MIG device's profile (nvmlDeviceGetAttributes_v2), "mig_profiles = gi:ci:sm ..." in the
+       order of mig_devices; the whole GPU's SM count ("multiprocessor_count", 0: not answered). */
+    int mig_gi[MAX_MIG], mig_ci[MAX_MIG], mig_sm[MAX_MIG], nmig_profiles, multiprocessor_count;
     int gpm_supported;
     int has_gpm[N_GPM];
     double gpm_pct[N_GPM];
@@ -635,6 +639,9 @@ static int parse_int(const char *s, int *out) {
     return 0;
 }
 
+/* issue 19: "gi:ci:sm gi:ci:sm ..." -> the MIG devices' slice and SM counts (see struct gpu_cfg). */
+static int parse_mig_profiles(const char *v, struct gpu_cfg *c);
+
 static int parse_bool(const char *s, int *out) {
     if (!strcasecmp(s, "yes") || !strcasecmp(s, "true") || !strcmp(s, "1") || !strcasecmp(s, "on")) {
         *out = 1;
@@ -821,7 +828,8 @@ static int gpu_key(struct gpu_cfg *c, const char *key, const char *v) {
         if (c->nproc >= MAX_PROCS) return -1;
         struct proc *p = &c->procs[c->nproc];
         p->mem_pct = 0;
-        int n = sscanf(v, "%u %llu %u %u", &p->pid, &p->used_bytes, &p->sm_pct, &p->mem_pct);
+        p->mig = -1;
+        int n = sscanf(v, "%u %llu %u %u %d", &p->pid, &p->used_bytes, &p->sm_pct, &p->mem_pct, &p->mig);
         if (n < 3) return -1;
         c->nproc++;
         return 0;
@@ -844,6 +852,8 @@ static int gpu_key(struct gpu_cfg *c, const char *key, const char *v) {
         }
         return 0;
     }
+    if (!strcmp(key, "mig_profiles")) return parse_mig_profiles(v, c);
+    if (!strcmp(key, "multiprocessor_count")) return parse_int(v, &c->multiprocessor_count);
     if (!strcmp(key, "gpm_supported")) return parse_bool(v, &c->gpm_supported);
     for (int i = 0; i < N_GPM; i++)
         if (!strcmp(key, GPM_METRICS[i].key)) {
@@ -1496,6 +1506,15 @@ EXPORT nvmlReturn_t nvmlDeviceGetCurrentClocksThrottleReasons(nvmlDevice_t devic
 
 /* ---- Processes ------------------------------------------------------------------------------------ */
 
+/* issue 19: a process on a MIG device carries that device's GPU and compute instance ids (see
+   nvmlDeviceGetGpuInstanceId below: MIG device m is GPU instance m + 1, compute instance 0). */
+static void fill_process_instance(const struct gpu *g, const struct proc *p, nvmlProcessInfo_t *info) {
+    if (g->c.mig_mode && p->mig >= 0 && p->mig < g->c.nmig) {
+        info->gpuInstanceId = (unsigned int)p->mig + 1;
+        info->computeInstanceId = 0;
+    }
+}
+
 static nvmlReturn_t fill_processes(struct gpu *g, unsigned int *count, nvmlProcessInfo_t *infos) {
     if (!count) return NVML_ERROR_INVALID_ARGUMENT;
     unsigned int n = (unsigned int)g->c.nproc;
@@ -1508,6 +1527,7 @@ static nvmlReturn_t fill_processes(struct gpu *g, unsigned int *count, nvmlProce
         infos[i].usedGpuMemory = g->c.procs[i].used_bytes;
         infos[i].gpuInstanceId = 0xffffffffu;
         infos[i].computeInstanceId = 0xffffffffu;
+        fill_process_instance(g, &g->c.procs[i], &infos[i]); /* issue 19 */
     }
     *count = n;
     return NVML_SUCCESS;
@@ -1553,6 +1573,70 @@ EXPORT nvmlReturn_t nvmlDeviceGetProcessUtilization(nvmlDevice_t device, nvmlPro
 }
 
 /* ---- MIG ------------------------------------------------------------------------------------------ */
+
+/* issue 19: each MIG device's profile, as nvmlDeviceGetAttributes_v2 reports it on its handle. */
+static int parse_mig_profiles(const char *v, struct gpu_cfg *c) {
+    char buf[LIST_LEN];
+    snprintf(buf, sizeof buf, "%s", v);
+    char *save = NULL;
+    c->nmig_profiles = 0;
+    for (char *tok = strtok_r(buf, " \t,", &save); tok; tok = strtok_r(NULL, " \t,", &save)) {
+        int gi, ci, sm;
+        if (c->nmig_profiles >= MAX_MIG || sscanf(tok, "%d:%d:%d", &gi, &ci, &sm) != 3) return -1;
+        c->mig_gi[c->nmig_profiles] = gi;
+        c->mig_ci[c->nmig_profiles] = ci;
+        c->mig_sm[c->nmig_profiles++] = sm;
+    }
+    return 0;
+}
+
+typedef struct {
+    unsigned int multiprocessorCount, sharedCopyEngineCount, sharedDecoderCount, sharedEncoderCount;
+    unsigned int sharedJpegCount, sharedOfaCount, gpuInstanceSliceCount, computeInstanceSliceCount;
+    unsigned long long memorySizeMB;
+} nvmlDeviceAttributes_t;
+
+/* issue 19: the GPU instance and compute instance of a MIG device (what the process list names). */
+EXPORT nvmlReturn_t nvmlDeviceGetGpuInstanceId(nvmlDevice_t device, unsigned int *id) {
+    struct gpu *g;
+    int mig;
+    ENTER_ANY(device, g, mig);
+    if (!id) return leave(NVML_ERROR_INVALID_ARGUMENT);
+    if (mig < 0) return leave(NVML_ERROR_NOT_SUPPORTED);
+    *id = (unsigned int)mig + 1;
+    return leave(NVML_SUCCESS);
+}
+
+EXPORT nvmlReturn_t nvmlDeviceGetComputeInstanceId(nvmlDevice_t device, unsigned int *id) {
+    struct gpu *g;
+    int mig;
+    ENTER_ANY(device, g, mig);
+    if (!id) return leave(NVML_ERROR_INVALID_ARGUMENT);
+    if (mig < 0) return leave(NVML_ERROR_NOT_SUPPORTED);
+    *id = 0;
+    return leave(NVML_SUCCESS);
+}
+
+/* On a MIG device: its profile. On a whole GPU: NOT_SUPPORTED unless the scenario gives its SM count (a real
+   H100 that is not partitioned answered NOT_SUPPORTED). */
+EXPORT nvmlReturn_t nvmlDeviceGetAttributes_v2(nvmlDevice_t device, nvmlDeviceAttributes_t *attributes) {
+    struct gpu *g;
+    int mig;
+    ENTER_ANY(device, g, mig);
+    if (!attributes) return leave(NVML_ERROR_INVALID_ARGUMENT);
+    memset(attributes, 0, sizeof *attributes);
+    if (mig < 0) {
+        if (!g->c.multiprocessor_count) return leave(NVML_ERROR_NOT_SUPPORTED);
+        attributes->multiprocessorCount = (unsigned int)g->c.multiprocessor_count;
+        attributes->gpuInstanceSliceCount = attributes->computeInstanceSliceCount = 7;
+        return leave(NVML_SUCCESS);
+    }
+    if (mig >= g->c.nmig_profiles) return leave(NVML_ERROR_NOT_SUPPORTED);
+    attributes->gpuInstanceSliceCount = (unsigned int)g->c.mig_gi[mig];
+    attributes->computeInstanceSliceCount = (unsigned int)g->c.mig_ci[mig];
+    attributes->multiprocessorCount = (unsigned int)g->c.mig_sm[mig];
+    return leave(NVML_SUCCESS);
+}
 
 EXPORT nvmlReturn_t nvmlDeviceGetMigMode(nvmlDevice_t device, unsigned int *currentMode, unsigned int *pendingMode) {
     struct gpu *g;

@@ -104,7 +104,9 @@ def _a10(index: int, **overrides: Any) -> GPU:
 
 def _mig_h100() -> GPU:
     g = h100(0, util_gpu_pct=90, memory_used_bytes=20 << 30)
-    return replace(g, mig_mode=1, mig_devices=mig_uuids(g.uuid, 3), processes=_TRAINING)
+    # three instances as an H100 carves them (3g.40gb, 2g.20gb, 1g.10gb): slices and SMs (issue 19)
+    return replace(g, mig_mode=1, mig_devices=mig_uuids(g.uuid, 3), processes=_TRAINING,
+                   mig_profiles=((3, 3, 60), (2, 2, 32), (1, 1, 16)))
 
 
 GENERATIONS: tuple[Generation, ...] = (

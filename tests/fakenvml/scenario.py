@@ -198,6 +198,7 @@ class Process:
     used_memory_bytes: int
     sm_util_pct: int = 0
     mem_util_pct: int = 0
+    mig_index: int = -1  # issue 19: the MIG device it runs on (its GPU/compute instance ids in the list)
 
 
 @dataclass(frozen=True)
@@ -268,6 +269,10 @@ class GPU:
     mig_pending_mode: int | None = None
     max_mig_devices: int = 7
     mig_devices: tuple[str, ...] = ()  # MIG device UUIDs ("MIG-..."), reachable while mig_mode is 1
+    #: issue 19: each MIG device's (GPU-instance slices, compute-instance slices, SMs), in mig_devices' order,
+    #: as nvmlDeviceGetAttributes_v2 reports them (e.g. (3, 3, 60) for a 3g.40gb on an H100)
+    mig_profiles: tuple[tuple[int, int, int], ...] = ()
+    multiprocessor_count: int = 0  # the whole GPU's SMs for nvmlDeviceGetAttributes_v2 (0: NOT_SUPPORTED)
     gpm_supported: bool = False
     gpm: Mapping[int, float] = field(default_factory=dict)  # GPM metric id -> percent (others: unsupported)
     energy_counter: bool = True
@@ -372,7 +377,8 @@ class GPU:
             put("power_management_limit_mw", self.power_management_limit_mw)
         put("clocks_event_reasons", f"0x{self.clocks_event_reasons:x}")
         for p in self.processes:
-            put("process", f"{p.pid} {p.used_memory_bytes} {p.sm_util_pct} {p.mem_util_pct}")
+            put("process", f"{p.pid} {p.used_memory_bytes} {p.sm_util_pct} {p.mem_util_pct}"
+                + (f" {p.mig_index}" if p.mig_index >= 0 else ""))
         put("mig_capable", _yes(self.mig_capable))
         put("mig_mode", self.mig_mode)
         if self.mig_pending_mode is not None:
@@ -380,6 +386,10 @@ class GPU:
         put("max_mig_devices", self.max_mig_devices)
         if self.mig_devices:
             put("mig_devices", " ".join(self.mig_devices))
+        if self.mig_profiles:
+            put("mig_profiles", " ".join(f"{gi}:{ci}:{sm}" for gi, ci, sm in self.mig_profiles))
+        if self.multiprocessor_count:
+            put("multiprocessor_count", self.multiprocessor_count)
         put("gpm_supported", _yes(self.gpm_supported))
         for metric_id, pct in sorted(self.gpm.items()):
             put(GPM_KEYS[metric_id], _num(pct))
