@@ -107,7 +107,7 @@ def status_body(status: int, message: str, content_type: str, field: str | None 
         if field is not None:
             doc["details"] = [{"@type": _BAD_REQUEST_TYPE,
                                "fieldViolations": [{"field": field, "description": message}]}]
-        return json.dumps(doc).encode()
+        return json.dumps(doc, allow_nan=False).encode()
     out = _varint(1 << 3) + _varint(code) + _len_field(2, message.encode())
     if field is not None:
         violation = _len_field(1, field.encode()) + _len_field(2, message.encode())

@@ -20,7 +20,7 @@ from gpu_energy_exporter import __version__
 from gpu_energy_exporter.client.fmt import GIB, fmt_co2, fmt_duration
 from gpu_energy_exporter.client.report.plots import COMPARISON_PLOTS, PLOTS
 from gpu_energy_exporter.client.report.run import RunData, num
-from gpu_energy_exporter.core.textfmt import fmt_num
+from gpu_energy_exporter.core.textfmt import fmt_num, md_text
 
 
 def fmt_energy(joules: float | None) -> str:
@@ -166,7 +166,7 @@ def build_blocks(runs: Sequence[RunData], plots: dict[str, dict[str, str]], out_
 
 
 def _md_cell(text: str) -> str:
-    return str(text).replace("|", "\\|").replace("\n", " ")
+    return md_text(str(text))
 
 
 def render_markdown(blocks: Sequence[Block], out_dir: str) -> str:
@@ -174,11 +174,11 @@ def render_markdown(blocks: Sequence[Block], out_dir: str) -> str:
     for b in blocks:
         kind = b[0]
         if kind in ("h1", "h2", "h3"):
-            lines += ["#" * int(kind[1]) + " " + b[1], ""]
+            lines += ["#" * int(kind[1]) + " " + md_text(b[1]), ""]
         elif kind == "p":
-            lines += [b[1], ""]
+            lines += [md_text(b[1], code_spans=True), ""]
         elif kind == "warn":
-            lines += [f"> **{b[1]}**", ""]
+            lines += [f"> **{md_text(b[1], code_spans=True)}**", ""]
         elif kind == "table":
             headers, rows = b[1], b[2]
             lines.append("| " + " | ".join(_md_cell(h) for h in headers) + " |")
@@ -187,9 +187,9 @@ def render_markdown(blocks: Sequence[Block], out_dir: str) -> str:
             lines.append("")
         elif kind == "img":
             rel = os.path.relpath(b[2], out_dir).replace(os.sep, "/")
-            lines += [f"![{b[1]}]({rel})", ""]
+            lines += [f"![{md_text(b[1])}]({rel.replace(' ', '%20').replace(')', '%29')})", ""]
         elif kind == "ul":
-            lines += [f"- {item}" for item in b[1]] + [""]
+            lines += [f"- {md_text(str(item))}" for item in b[1]] + [""]
     return "\n".join(lines)
 
 
