@@ -135,6 +135,9 @@ class Exporter:
         self.ledger = RunLedger(
             config.runs_csv, warmup_s=config.runs_warmup, stale_after_s=config.runs_stale_after,
             carbon=self.carbon_now, clock=self._clock,
+            max_active_per_client=config.runs_max_active_per_client, max_backdate_s=config.runs_max_backdate,
+            new_runs_per_client_per_minute=config.runs_max_new_per_client,
+            finished_runs_per_client_per_minute=config.runs_max_finished_per_client,
         )
         problem = self.ledger.check_writable()
         if problem:

@@ -136,6 +136,8 @@ class Run:
         self.next_write_try = 0.0
         self.changes = 0  # bumped by every point applied to the run (a part of its live summary's stamp)
         self.live_memo: tuple[tuple[int, ...], dict[str, Any]] | None = None  # (stamp, live summary)
+        self.client = ""  # the client (core.clientid) whose first progress point made it a run
+        self.owners: dict[str, str] = {}  # rank -> the client its points are taken from (ledger.clients)
 
     # -- counters ------------------------------------------------------------------------------------
 
@@ -437,3 +439,26 @@ def close_accounts(run: Run, status: str, history: Sequence[Frame], holders: Hol
     ), force=True)
     run.checkpoints.clear()
 
+
+
+def recount(active: Mapping[str, Run], fresh: Iterable[str], since: Mapping[str, float],
+            history: Sequence[Frame], holders: Holders) -> int:
+    """Count the ``fresh`` runs' snapshots from their start, then recount each run of ``since`` (run id ->
+    time who held its GPUs changed) from its last checkpoint before that time; returns the snapshot
+    intervals visited (the work done)."""
+    visited = 0
+
+    def counted(frame: Frame) -> Mapping[str, Sequence[Holding]]:
+        nonlocal visited
+        visited += 1
+        return holders(frame)
+
+    for run_id in fresh:
+        run = active.get(run_id)
+        if run is not None and not run.tentative:
+            replay(run, run.acc, history, run.s, math.inf, counted, live=True)
+    for run_id, t in since.items():
+        run = active.get(run_id)
+        if run is not None and not run.tentative and run.acc.t > t:
+            rewind(run, t, history, counted)
+    return visited

@@ -66,6 +66,13 @@ LEDGER_UNATTRIBUTED = metrics.define(
     "--runs.stale-after + 120 s after the fact. Per GPU, runs' energy + this = the GPU's energy.",
     metrics.GPU_LABELS, collector=COLLECTOR, unit="joules")
 
+LEDGER_POINTS_REFUSED = metrics.define(
+    "ledger", "points_refused_total", "counter",
+    "Points the ledger did not let change a run, by reason: not from the client the run's rank belongs to "
+    "(not_run_owner), a new rank or a continuation from another node (foreign_rank, not_run_client), over a "
+    "per-client bound (client_active_runs, client_new_runs, client_finished_runs; --runs.max-*-per-client). "
+    "See docs/ledger.md.", ("reason",), collector=COLLECTOR)
+
 STATUSES = ("finished", "stale", "exporter_stopped")
 
 #: The per-run counters on /metrics and the summary figure each one serves (``counter_values``).
@@ -114,6 +121,14 @@ def counter_values(exposed: dict[str, float], summary: Mapping[str, Any]) -> dic
 
 #: One run as served: run id, status, summary, its counters (``counter_values``).
 ServedRun = tuple[str, str, Mapping[str, Any], Mapping[str, float]]
+
+
+def refused_family(refused: Mapping[str, float]) -> Metric:
+    """``gpuenergy_ledger_points_refused_total`` by reason (every reason, from zero)."""
+    fam = LEDGER_POINTS_REFUSED.family()
+    for reason in sorted(refused):
+        metrics.add(fam, [reason], refused[reason])
+    return fam
 
 
 def families(runs: Iterable[ServedRun], finished: Mapping[str, float], rejected: float, errors: float,

@@ -91,6 +91,7 @@ class Point:
     quantiles: tuple[tuple[float, float], ...] = ()  # summary (quantile, value)
     no_value: bool = False  # the sender marked the stream as ended
     cost: int = 0  # series_bytes() of the series this point gives
+    client: str = ""  # who pushed it (core.clientid): the peer address and the resource's process identity
 
 
 @dataclass

@@ -92,6 +92,7 @@ class AcceptedPoint:
     kind: Kind
     count: float | None = None
     key: Labels | None = None
+    client: str = ""  # who pushed it (core.clientid)
 
 
 Listener = Callable[[AcceptedPoint], None]
@@ -325,7 +326,8 @@ class TrainingStore:
         changed.append((series, series.heads, values))
         if events is not None:
             value, count = (values[0], None) if len(values) == 1 else folding.reported(kind, series)  # scalar kinds
-            events.append(AcceptedPoint(p.run_id, name, series.view, value, p.time_ns / 1e9, kind, count, labels))
+            events.append(AcceptedPoint(p.run_id, name, series.view, value, p.time_ns / 1e9, kind, count, labels,
+                                        p.client))
         return None
 
     def _add_family(self, p: Point) -> Family:
