@@ -138,6 +138,7 @@ class Run:
         self.live_memo: tuple[tuple[int, ...], dict[str, Any]] | None = None  # (stamp, live summary)
         self.client = ""  # the client (core.clientid) whose first progress point made it a run
         self.owners: dict[str, str] = {}  # rank -> the client its points are taken from (ledger.clients)
+        self.overflowed: set[str] = set()  # counters whose total is not finite (shown as unknown)
 
     # -- counters ------------------------------------------------------------------------------------
 
@@ -147,14 +148,21 @@ class Run:
                   if s.name == name and (local is None or local(s))]
         if not values:
             return None
-        return max(values) if name == STEPS else sum(values)
+        return self._finite(name, max(values) if name == STEPS else sum(values))
+
+    def _finite(self, name: str, total: float) -> float | None:
+        """``total``, or None when it is not finite (two ranks' 1.5e308 tokens), noted in ``overflowed``."""
+        if math.isfinite(total):
+            return total
+        self.overflowed.add(name)
+        return None
 
     def counter_at_w(self, name: str, local: Callable[[SeriesState], bool] | None = None) -> float | None:
         values = [(s.at_w if s.at_w is not None else s.last_v) - s.baseline
                   for s in self.series.values() if s.name == name and (local is None or local(s))]
         if not values:
             return None
-        return max(values) if name == STEPS else sum(values)
+        return self._finite(name, max(values) if name == STEPS else sum(values))
 
     def gauge(self, name: str) -> float | None:
         entry = self.gauges.get(name)

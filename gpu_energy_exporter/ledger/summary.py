@@ -259,9 +259,10 @@ def summarize(run: Run, acc: Acc, *, warmup_s: float, local: Local, carbon_confi
     # Non-finite figures never leave the ledger (two ranks' 1.5e308 tokens sum to inf; a gauge may be NaN):
     # they read as unknown, and the note says which, so the CSV, the JSON API and /metrics stay valid.
     overflowed = [k for k, v in out.items() if isinstance(v, float) and not math.isfinite(v)]
+    for k in overflowed:
+        out[k] = None
+    overflowed += sorted(run.overflowed)
     if overflowed:
-        for k in overflowed:
-            out[k] = None
         notes.append("figures not finite (overflow or NaN pushed), shown as unknown: " + ", ".join(overflowed))
         out["ledger_notes"] = "; ".join(notes)
     return out

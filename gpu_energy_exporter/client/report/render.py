@@ -20,7 +20,7 @@ from gpu_energy_exporter import __version__
 from gpu_energy_exporter.client.fmt import GIB, fmt_co2, fmt_duration
 from gpu_energy_exporter.client.report.plots import COMPARISON_PLOTS, PLOTS
 from gpu_energy_exporter.client.report.run import RunData, num
-from gpu_energy_exporter.core.textfmt import fmt_num, md_text
+from gpu_energy_exporter.core.textfmt import fmt_num, md_text, printable
 
 
 def fmt_energy(joules: float | None) -> str:
@@ -202,7 +202,8 @@ img{max-width:100%;border:1px solid #ddd;margin:0.3em 0 1.2em}figcaption{color:#
 
 def render_html(blocks: Sequence[Block]) -> str:
     """A self-contained page: the plots are embedded as base64 PNG data URLs."""
-    esc = html.escape
+    def esc(text: str) -> str:
+        return html.escape(printable(text))  # run ids, labels and notes came over OTLP
     parts = ["<!doctype html>", '<html lang="en"><head><meta charset="utf-8">',
              f"<title>{esc(blocks[0][1]) if blocks else 'report'}</title>", f"<style>{_CSS}</style></head><body>"]
     for b in blocks:
@@ -230,4 +231,4 @@ def render_html(blocks: Sequence[Block]) -> str:
 
 
 def _inline(text: str) -> str:
-    return re.sub(r"`([^`]+)`", r"<code>\1</code>", html.escape(text))
+    return re.sub(r"`([^`]+)`", r"<code>\1</code>", html.escape(printable(text)))
