@@ -353,3 +353,39 @@ def test_a_backdated_request_recounts_a_bounded_history_whatever_its_date() -> N
     near, far = cost(20.0), cost(200.0)
     assert near <= 17 * (10.0 / 0.1 + 3), near  # each new run and the victim: at most --runs.max-backdate
     assert far <= near * 1.1, (near, far)
+
+
+# ----------------------------------------------------------------------------------------------------
+# the rules themselves, on plain values
+
+
+def test_who_may_change_a_run_and_the_per_client_buckets() -> None:
+    from gpu_energy_exporter.core.clientid import client_id
+    from gpu_energy_exporter.ledger import clients
+
+    def who(peer: str, host: str, pid: str, instance: str) -> str:
+        return client_id(peer, (("host_name", host), ("process_pid", pid), ("service_instance_id", instance)))
+
+    rank0 = who("10.0.0.5", "pod-a", "100", "u-0")
+    rank1 = who("10.0.0.5", "pod-a", "101", "u-1")  # same pod: another process of the job
+    forger = who("10.0.0.5", "pod-a", "999", "u-x")  # same pod, other process: may add a rank, never end one
+    other_pod = who("10.0.0.9", "pod-b", "100", "u-0")  # even with rank 0's pid and instance id
+    owners = {"0": rank0}
+    assert clients.lifecycle_refusal(owners, "0", rank0) is None
+    assert clients.lifecycle_refusal(owners, "0", forger) == clients.NOT_RUN_OWNER
+    assert clients.lifecycle_refusal(owners, "1", rank1) is None
+    assert clients.lifecycle_refusal(owners, "1", other_pod) == clients.FOREIGN_RANK
+    assert clients.lifecycle_refusal({}, "0", other_pod) is None  # no progress yet: nobody owns it
+    assert client_id("", ()) == ""  # anonymous: the same as a point recorded without a client
+
+    bounds = clients.ClientBounds(max_active=2, new_per_minute=3, finished_per_minute=1)
+    t = 1000.0
+    for _ in range(3):
+        assert bounds.may(clients.CLIENT_NEW_RUNS, rank0, t)
+        bounds.take(clients.CLIENT_NEW_RUNS, rank0, t)
+    assert not bounds.may(clients.CLIENT_NEW_RUNS, rank1, t)  # same peer address: the same bucket
+    assert bounds.may(clients.CLIENT_NEW_RUNS, other_pod, t)  # another client is not held back
+    assert not bounds.may(clients.CLIENT_NEW_RUNS, rank0, t + 19.0)  # 3 a minute: one more after 20 s
+    assert bounds.may(clients.CLIENT_NEW_RUNS, rank0, t + 20.0)
+    assert bounds.too_many_active([rank0, rank1, other_pod], rank0)
+    assert not bounds.too_many_active([rank0, other_pod], rank1)
