@@ -74,14 +74,26 @@ def printable(text: str, *, keep_newlines: bool = True) -> str:
     return (_CONTROLS if keep_newlines else _CONTROLS_AND_BREAKS).sub("", text)
 
 
-_MD_SPECIAL = re.compile(r"([\\`*_\[\]{}()#+!|~])")
+# What makes Markdown of text: emphasis, code, links and images (``[``, ``]``: without them ``(...)`` and ``!``
+# are plain), table cells, strike-through, and a block marker (heading, list, quote) at the start.
+_MD_SPECIAL = re.compile(r"([\\`*_\[\]|~])")
+_MD_BLOCK_START = re.compile(r"^(\s*)(\d*)([#+\-=>.)])(?=\s|$)")
 
 
-def md_text(text: str, *, code_spans: bool = False) -> str:
+def md_text(text: str, *, code_spans: bool = False, block: bool = True) -> str:
     """``text`` as literal Markdown: HTML is escaped as entities (no raw ``<script>`` reaches a renderer
     that passes HTML through), Markdown punctuation is backslash-escaped, control characters and line
-    breaks removed. ``code_spans``: backticks are kept (text the report itself wrote, with `code`)."""
+    breaks removed. ``code_spans``: backticks are kept (text the report itself wrote, with `code`).
+    ``block``: the text starts a block (a heading, paragraph or list item), so a leading ``#``, ``-``,
+    ``+``, ``>`` or ``1.`` is escaped too (not needed in a table cell)."""
     out = html.escape(printable(text, keep_newlines=False), quote=False)
     if code_spans:
-        return "`".join(_MD_SPECIAL.sub(r"\\\1", part) for part in out.split("`"))
-    return _MD_SPECIAL.sub(r"\\\1", out)
+        out = "`".join(_MD_SPECIAL.sub(r"\\\1", part) for part in out.split("`"))
+    else:
+        out = _MD_SPECIAL.sub(r"\\\1", out)
+    if not block:
+        return out
+    start = _MD_BLOCK_START.match(out)
+    if start is None or bool(start.group(2)) != (start.group(3) in ".)"):
+        return out  # digits only before "." or ")" (an ordered list), the other markers alone
+    return out[:start.start(3)] + "\\" + out[start.start(3):]

@@ -166,7 +166,7 @@ def build_blocks(runs: Sequence[RunData], plots: dict[str, dict[str, str]], out_
 
 
 def _md_cell(text: str) -> str:
-    return md_text(str(text))
+    return md_text(str(text), block=False)
 
 
 def render_markdown(blocks: Sequence[Block], out_dir: str) -> str:
