@@ -9,11 +9,20 @@ and closes the runs). Per request: wall time in the
 ledger (``on_points`` and the snapshot), snapshot intervals counted for runs (each asks who held the GPU
 then), and the requests per second one core could take. The per-client run bounds are lifted so every
 request starts its 16 runs. Not part of ``python -m bench``: run ``python -m bench.ledger_backdated``.
+
+``python -m bench.ledger_backdated --exporter`` measures the same attack on the exporter process (fake H100,
+raw OTLP JSON over HTTP, 1.8 requests/s for 30 s after 25 s of history, beside a victim run pushing with
+every request): its CPU and the slowest push, with the default per-client bounds and with them lifted.
 """
 
 from __future__ import annotations
 
+import json
+import sys
+import tempfile
 import time
+import urllib.request
+from pathlib import Path
 from typing import Any
 
 from gpu_energy_exporter.core.state import ENERGY_METHOD_COUNTER, GPUIdentity, GPUReading, GPUState, Snapshot
@@ -84,7 +93,66 @@ def measure(back_s: float) -> tuple[float, float]:
     return elapsed / REQUESTS * 1e3, (Counting.visited - visited) / REQUESTS
 
 
+def _attrs(labels: dict[str, str]) -> list[dict[str, Any]]:
+    return [{"key": k, "value": {"stringValue": v}} for k, v in labels.items()]
+
+
+def _tokens(run_id: str, uuid: str, value: float, t_ns: int) -> dict[str, Any]:
+    return {"name": "training.tokens", "unit": "{token}", "sum": {"aggregationTemporality": 2, "isMonotonic": True,
+            "dataPoints": [{"attributes": _attrs({"run_id": run_id, "rank": "0", "gpu_uuid": uuid}),
+                            "startTimeUnixNano": str(t_ns), "timeUnixNano": str(t_ns), "asDouble": value}]}}
+
+
+def exporter_attack(back_s: float, args: list[str], rate: float = 1.8, duration_s: float = 30.0) -> str:
+    """One table row: the exporter's CPU and slowest push under the attack (see the module docstring)."""
+    import fakenvml
+    from helpers import ExporterProcess
+
+    from bench.harness import cpu_seconds
+
+    tmp = Path(tempfile.mkdtemp(prefix="ledger-backdated-"))
+    gpus = [fakenvml.h100(0, power=fakenvml.Constant(300.0))]
+    fakenvml.Scenario(epoch=time.time() - 60, gpus=gpus).write(tmp / "scenario.ini")
+    exp = ExporterProcess([f"--nvml.library={fakenvml.build_library(tmp)}", f"--runs.csv={tmp}/runs.csv",
+                           "--runs.warmup=0s", *args], {"FAKE_NVML_SCENARIO": str(tmp / "scenario.ini")}).wait_ready()
+
+    def post(metrics: list[dict[str, Any]]) -> float:
+        body = json.dumps({"resourceMetrics": [{"scopeMetrics": [{"metrics": metrics}]}]}).encode()
+        req = urllib.request.Request(exp.push_url, data=body, headers={"Content-Type": "application/json"})
+        start = time.monotonic()
+        with urllib.request.urlopen(req, timeout=60) as r:
+            r.read()
+        return time.monotonic() - start
+
+    try:
+        time.sleep(25.0)  # history to date the points into
+        cpu0, t0, n, slowest = cpu_seconds(exp.pid), time.monotonic(), 0, 0.0
+        while time.monotonic() - t0 < duration_s:
+            dated = int((time.time() - back_s) * 1e9)
+            slowest = max(slowest, post([_tokens("victim", gpus[0].uuid, float(n), time.time_ns())]))
+            slowest = max(slowest, post([_tokens(f"new-{n}-{k}", gpus[0].uuid, 1.0, dated) for k in range(16)]))
+            n += 1
+            time.sleep(max(0.0, n / rate - (time.monotonic() - t0)))
+        elapsed = time.monotonic() - t0
+        cpu = (cpu_seconds(exp.pid) - cpu0) / elapsed
+    finally:
+        exp.stop()
+    bounds = "lifted" if args else "default"
+    return f"| {back_s:g} s back | {bounds} | {n / elapsed:.1f} | {cpu:.0%} | {slowest * 1e3:,.0f} |"
+
+
 def main() -> None:
+    if "--exporter" in sys.argv[1:]:
+        print("| first points dated | per-client bounds | requests/s reached | exporter CPU (of one core) | "
+              "slowest push (ms) |")
+        print("|---|---|---|---|---|")
+        lifted = ["--runs.max-new-per-client=1000000", "--runs.max-active-per-client=1000000"]
+        for back, args in ((0.0, []), (20.0, []), (20.0, lifted)):
+            try:
+                print(exporter_attack(back, args), flush=True)
+            except AssertionError:  # an exporter without these flags (before issue 20)
+                print(exporter_attack(back, []), flush=True)
+        return
     print("| first points dated | ms per request (16 new runs + 1 snapshot) | intervals counted per request | "
           "requests/s per core |")
     print("|---|---|---|---|")
