@@ -8,9 +8,7 @@ port's bounds on connections and buffered bytes.
 - At the connection cap, ``evict`` closes the connection that has been idle, or sending its request, the
   longest (oldest first, so the connection just accepted goes last; one connected or idle for under a
   second only when nothing else is idle or slow); failing that, the one whose response has waited longest
-  (over a second) for its client to read it. Requests being handled are never cut. The server reads what
-  open connections sent before it accepts new ones, so a connect flood never evicts a request already
-  received.
+  (over a second) for its client to read it. Requests being handled are never cut.
 - Bodies are buffered up to ``max_body_bytes`` per request and ``max_buffered_bytes`` for the port (503
   beyond); response bytes waiting for slow readers up to ``MAX_PENDING_OUT`` (the writer stalled the
   longest is cut beyond).
@@ -146,29 +144,23 @@ class Connections:
                 self.close(c)
 
     def evict(self) -> bool:
-        """Close the connection that has been idle, or sending its request, the longest.
-
-        Oldest first, whatever it is doing, so the connection just accepted (a scraper's, say) is the last
-        to go; a connection idle for less than ``_FRESH_IDLE_S`` only when no other is idle or slow (a flood
-        of half-sent requests never pushes out a client that has just connected and is about to send).
-        Failing that, the answer that has waited longest (over ``_STALLED_WRITE_S``) for its client to read
-        it. Requests being handled are never cut."""
-        victim: Conn | None = None
-        fresh: Conn | None = None
-        writer: Conn | None = None
+        """Close the connection idle, or sending its request, the longest: the one just accepted goes last,
+        one idle for under ``_FRESH_IDLE_S`` only when nothing else is idle or slow (a flood of half-sent
+        requests never pushes out a client about to send); failing that, the answer that has waited longest
+        (over ``_STALLED_WRITE_S``) for its client to read it. Requests being handled are never cut."""
         now = time.monotonic()
-        for c in self.conns.values():
+        victim, best = None, (3, 0.0)
+        for c in self.conns.values():  # (rank, since): slow, then fresh idle, then stalled writers; oldest first
             if c.state == IDLE and now - c.since < _FRESH_IDLE_S:
-                if fresh is None or c.since < fresh.since:
-                    fresh = c
-            elif c.state in (IDLE, HEAD, BODY, HANDSHAKE, DRAIN) and (victim is None or c.since < victim.since):
-                victim = c
-            elif c.state == WRITE and (writer is None or c.since < writer.since):
-                writer = c
-        if victim is None:
-            victim = fresh
-        if victim is None and writer is not None and time.monotonic() - writer.since > _STALLED_WRITE_S:
-            victim = writer  # every other slot is busy: a client not reading its answer goes first
+                key = (1, c.since)
+            elif c.state in (IDLE, HEAD, BODY, HANDSHAKE, DRAIN):
+                key = (0, c.since)
+            elif c.state == WRITE and now - c.since > _STALLED_WRITE_S:
+                key = (2, c.since)  # every other slot is busy: a client not reading its answer
+            else:
+                continue
+            if key < best:
+                victim, best = c, key
         if victim is None:
             return False
         if not self.stats["evicted"]:
