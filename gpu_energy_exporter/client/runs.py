@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import csv
 import io
-import json
 import math
 import os
 import sys
@@ -44,7 +43,7 @@ from gpu_energy_exporter.client.report.run import ReportError
 from gpu_energy_exporter.core.config import FLAGS, parse_duration
 from gpu_energy_exporter.core.errors import ExporterError
 from gpu_energy_exporter.core.runs_schema import COLUMN_NAMES, NUMERIC_COLUMNS
-from gpu_energy_exporter.core.textfmt import fmt_num
+from gpu_energy_exporter.core.textfmt import csv_cell, fmt_num, printable, strict_json
 
 #: The exporter's --runs.csv environment variable: the same file for the exporter and this command.
 CSV_ENV = next(f.env for f in FLAGS if f.name == "runs.csv")
@@ -385,7 +384,7 @@ def main(argv: list[str], *, stdout: IO[str] | None = None, stderr: IO[str] | No
         return 2
     if args.format == "json":
         doc: Any = {"runs": runs, **({"comparison": result} if result else {})}
-        out.write(json.dumps(doc, indent=2) + "\n")
+        out.write(strict_json(doc, indent=2) + "\n")
     elif args.format == "csv":
         _write_csv(out, runs, result)
     elif not runs and total:
@@ -393,10 +392,11 @@ def main(argv: list[str], *, stdout: IO[str] | None = None, stderr: IO[str] | No
     elif not runs:
         out.write(f"no runs in {source} yet\n")
     else:
-        out.write(runs_table(runs))
+        # run ids, labels and notes came over OTLP: no control character reaches the terminal
+        out.write(printable(runs_table(runs)))
         if result is not None:
-            out.write(f"\nby {result['group_by']} (mean over runs):\n")
-            out.write(comparison_text(result))
+            out.write(printable(f"\nby {result['group_by']} (mean over runs):\n"))
+            out.write(printable(comparison_text(result)))
     return 0
 
 
@@ -407,11 +407,19 @@ def _write_csv(out: IO[str], runs: Sequence[dict[str, Any]], result: dict[str, A
                 "mean_energy_kwh", "mean_co2_g"]
         writer.writerow([result["group_by"] if k == "group" else k for k in keys])
         for s in result["groups"]:
-            writer.writerow(["" if s[k] is None else s[k] for k in keys])
+            writer.writerow([_cell(s[k]) for k in keys])
         return
     writer.writerow(COLUMN_NAMES)
     for r in runs:
-        writer.writerow(["" if r.get(k) is None else _plain(r[k]) for k in COLUMN_NAMES])
+        writer.writerow([_cell(r.get(k)) for k in COLUMN_NAMES])
+
+
+def _cell(value: Any) -> Any:
+    """A CSV cell: empty for None, whole floats as integers, text neutralised for spreadsheets."""
+    if value is None:
+        return ""
+    value = _plain(value)
+    return csv_cell(value) if isinstance(value, str) else value
 
 
 def _plain(value: Any) -> Any:

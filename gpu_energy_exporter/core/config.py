@@ -204,6 +204,21 @@ FLAGS: tuple[Flag, ...] = (
     Flag("runs.journal-interval", parse_duration, "5s",
          "How often the open runs are checkpointed into the journal (a run closing is journaled at "
          "once); what a SIGKILL can lose of a run's timeline, never of its energy or tokens.", "DURATION"),
+    Flag("runs.max-backdate", parse_duration, "10s",
+         "A run's first point dated longer than this before it arrived starts the run this long before its "
+         "arrival (noted on the run): the history a new run replays, and every run sharing its GPUs "
+         "recounts, stays bounded whatever a point's timestamp.", "DURATION"),
+    Flag("runs.max-active-per-client", _positive_int, "64",
+         "Most runs with training progress one client (peer address) may have going at once in the "
+         "ledger; its further new runs are refused (counted) until one ends.", "RUNS"),
+    Flag("runs.max-new-per-client", _positive_int, "60",
+         "Most runs one client (peer address) may start per minute in the ledger (a token bucket holding "
+         "a minute's worth); its further new runs stay tentative, charged nothing and never written.",
+         "RUNS_PER_MINUTE"),
+    Flag("runs.max-finished-per-client", _positive_int, "60",
+         "Most runs one client (peer address) may finish per minute (each finished run writes a CSV row and "
+         "a JSON summary); a refused finish leaves the run going until a later push or --runs.stale-after.",
+         "RUNS_PER_MINUTE"),
     Flag("kubernetes.pod-resources-socket", _text, "/var/lib/kubelet/pod-resources/kubelet.sock",
          "Kubelet pod-resources socket used to attribute GPUs to pods.", "PATH"),
     Flag("kubernetes.refresh-interval", parse_duration, "10s",
@@ -290,6 +305,10 @@ class Config:
     runs_journal_interval: float = 5.0
     collector_gpu_process_interval: float = 10.0
     runs_claim_grace: float = 30.0
+    runs_max_backdate: float = 10.0
+    runs_max_active_per_client: int = 64
+    runs_max_new_per_client: int = 60
+    runs_max_finished_per_client: int = 60
     kubernetes_pod_resources_socket: str = "/var/lib/kubelet/pod-resources/kubelet.sock"
     kubernetes_refresh_interval: float = 10.0
     collector_slurm_job_mapping_dir: str = "/run/gpu-energy-exporter/slurm-jobs"

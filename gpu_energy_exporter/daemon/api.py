@@ -7,13 +7,13 @@ The documents are described in docs/api.md; fields only get added, never renamed
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
 from urllib.parse import parse_qs
 
 from gpu_energy_exporter import __version__
+from gpu_energy_exporter.core.textfmt import strict_json
 from gpu_energy_exporter.engine.sampler import Sampler
 from gpu_energy_exporter.http.messages import HTTPError, Request, Response
 
@@ -68,7 +68,8 @@ def status_document(
 
 
 def _json(doc: Any, status: int = 200) -> Response:
-    return Response(status, (json.dumps(doc, default=str) + "\n").encode(),
+    # strict JSON for every client (NaN/Infinity would make strict parsers reject the whole document)
+    return Response(status, (strict_json(doc, default=str) + "\n").encode(),
                     {"Content-Type": "application/json", "Cache-Control": "no-store"})
 
 

@@ -171,6 +171,9 @@ class Exporter:
             carbon=self.carbon_now, clock=steady, wall=self._clock if steady is not self._clock else None,
             state_dir=runs_state_dir(config), background_writes=True,
             journal_interval_s=config.runs_journal_interval, claim_grace_s=config.runs_claim_grace,
+            max_active_per_client=config.runs_max_active_per_client, max_backdate_s=config.runs_max_backdate,
+            new_runs_per_client_per_minute=config.runs_max_new_per_client,
+            finished_runs_per_client_per_minute=config.runs_max_finished_per_client,
         )
         problem = self.ledger.check_writable()
         if problem:

@@ -7,6 +7,8 @@ import logging
 import sys
 import time
 
+from gpu_energy_exporter.core.textfmt import printable
+
 _LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warn": logging.WARNING, "error": logging.ERROR}
 _NAMES = {logging.DEBUG: "debug", logging.INFO: "info", logging.WARNING: "warn", logging.ERROR: "error",
           logging.CRITICAL: "error"}
@@ -24,7 +26,8 @@ def _quote(value: str) -> str:
 
 class LogfmtFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
-        msg = record.getMessage()
+        # pushed values (run ids, labels) are quoted in messages: no ESC or BEL reaches a terminal tailing the log
+        msg = printable(record.getMessage())
         if record.exc_info:
             msg += "\n" + self.formatException(record.exc_info)
         return (f"ts={_ts(record)} level={_NAMES.get(record.levelno, 'info')} "
@@ -34,7 +37,7 @@ class LogfmtFormatter(logging.Formatter):
 class JSONFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
         doc = {"ts": _ts(record), "level": _NAMES.get(record.levelno, "info"),
-               "source": record.name.removeprefix("gpu_energy_exporter."), "msg": record.getMessage()}
+               "source": record.name.removeprefix("gpu_energy_exporter."), "msg": printable(record.getMessage())}
         if record.exc_info:
             doc["exception"] = self.formatException(record.exc_info)
         return json.dumps(doc)

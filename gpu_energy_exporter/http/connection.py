@@ -6,8 +6,9 @@ port's bounds on connections and buffered bytes.
   included (``request_timeout``), counted from its first byte, not per ``recv``. Past it the client gets
   408 and the connection is closed. A keep-alive connection may stay idle for ``idle_timeout``.
 - At the connection cap, ``evict`` closes the connection that has been idle, or sending its request, the
-  longest (oldest first, so the connection just accepted goes last); failing that, the one whose response
-  has waited longest (over a second) for its client to read it. Requests being handled are never cut.
+  longest (oldest first, so the connection just accepted goes last; one connected or idle for under a
+  second only when nothing else is idle or slow); failing that, the one whose response has waited longest
+  (over a second) for its client to read it. Requests being handled are never cut.
 - Bodies are buffered up to ``max_body_bytes`` per request and ``max_buffered_bytes`` for the port (503
   beyond); response bytes waiting for slow readers up to ``MAX_PENDING_OUT`` (the writer stalled the
   longest is cut beyond).
@@ -49,6 +50,9 @@ MAX_PENDING_OUT = 64 << 20
 #: At the connection cap with nothing idle or slow to close, a response still unwritten after this long
 #: is cut to make room.
 _STALLED_WRITE_S = 1.0
+#: A connection accepted (or back to idle) less than this ago that has not started a request is evicted only
+#: when nothing else can be: a client between its connect and its request is not slow yet.
+_FRESH_IDLE_S = 1.0
 _DRAIN_BYTES = 1 << 20
 _DRAIN_S = 2.0
 _RECV = 65536
@@ -140,20 +144,23 @@ class Connections:
                 self.close(c)
 
     def evict(self) -> bool:
-        """Close the connection that has been idle, or sending its request, the longest.
-
-        Oldest first, whatever it is doing, so the connection just accepted (a scraper's, say) is the last
-        to go. Failing that, the answer that has waited longest (over ``_STALLED_WRITE_S``) for its client
-        to read it. Requests being handled are never cut."""
-        victim: Conn | None = None
-        writer: Conn | None = None
-        for c in self.conns.values():
-            if c.state in (IDLE, HEAD, BODY, HANDSHAKE, DRAIN) and (victim is None or c.since < victim.since):
-                victim = c
-            elif c.state == WRITE and (writer is None or c.since < writer.since):
-                writer = c
-        if victim is None and writer is not None and time.monotonic() - writer.since > _STALLED_WRITE_S:
-            victim = writer  # every other slot is busy: a client not reading its answer goes first
+        """Close the connection idle, or sending its request, the longest: the one just accepted goes last,
+        one idle for under ``_FRESH_IDLE_S`` only when nothing else is idle or slow (a flood of half-sent
+        requests never pushes out a client about to send); failing that, the answer that has waited longest
+        (over ``_STALLED_WRITE_S``) for its client to read it. Requests being handled are never cut."""
+        now = time.monotonic()
+        victim, best = None, (3, 0.0)
+        for c in self.conns.values():  # (rank, since): slow, then fresh idle, then stalled writers; oldest first
+            if c.state == IDLE and now - c.since < _FRESH_IDLE_S:
+                key = (1, c.since)
+            elif c.state in (IDLE, HEAD, BODY, HANDSHAKE, DRAIN):
+                key = (0, c.since)
+            elif c.state == WRITE and now - c.since > _STALLED_WRITE_S:
+                key = (2, c.since)  # every other slot is busy: a client not reading its answer
+            else:
+                continue
+            if key < best:
+                victim, best = c, key
         if victim is None:
             return False
         if not self.stats["evicted"]:

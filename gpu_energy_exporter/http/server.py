@@ -284,9 +284,10 @@ class HTTPServer:
                 tick = _TICK if self._front.conns or self._accept_paused_until else _IDLE_TICK
                 if self._front.ready:
                     tick = 0.0
+                accept = False
                 for key, events in self._sel.select(tick):
                     if key.fileobj is self._listener:
-                        self._accept()
+                        accept = True
                     elif key.fileobj is self._wake_r:
                         try:
                             while self._wake_r.recv(4096):
@@ -295,6 +296,11 @@ class HTTPServer:
                             pass
                     else:
                         self._front.on_event(key.data, events)
+                # New connections last: what the open ones already sent is read first. Accepting first let
+                # a connect flood at the cap evict a connection (a legitimate push, its request waiting
+                # unread in the kernel) before its turn came, and closing it with unread data reset it.
+                if accept:
+                    self._accept()
                 self._drain_done()
                 self._front.serve_ready()
                 self._resume_accept()

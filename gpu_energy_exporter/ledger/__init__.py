@@ -3,7 +3,9 @@ snapshots and the points the training helper pushes, without Prometheus.
 
 Modules, top to bottom:
 
-- ``ledger``: ``RunLedger``, the driver (threads, the lock, the snapshot history, /metrics, the JSON API);
+- ``ledger``: ``RunLedger``, the driver (threads, the lock, the snapshot history, recounts);
+- ``views``: what /metrics and the JSON API read (``RunLedger`` inherits it);
+- ``clients``: who may finish, join or continue a run, and the per-client bounds on runs;
 - ``summary``: a run's figures (the summary document) from its state;
 - ``runs``: a run's state, the points that change it, its accumulator moved over the snapshot history;
 - ``accounting``: pure energy accounting of one snapshot interval; ``split``: pure sharing of a GPU;

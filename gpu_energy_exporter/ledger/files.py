@@ -24,7 +24,7 @@ from datetime import datetime, timezone
 from typing import IO, Any
 
 from gpu_energy_exporter.core.runs_schema import COLUMN_NAMES
-from gpu_energy_exporter.core.textfmt import json_safe
+from gpu_energy_exporter.core.textfmt import csv_cell, json_safe
 
 log = logging.getLogger(__name__)
 
@@ -197,7 +197,9 @@ def format_csv_value(value: Any) -> str:
         if value.is_integer() and abs(value) < 1e15:
             return str(int(value))
         return f"{value:.10g}"
-    return str(value)
+    if isinstance(value, int):
+        return str(value)
+    return csv_cell(str(value))  # run ids and labels come over OTLP: never a formula in a spreadsheet
 
 
 _SAFE_NAME = re.compile(r"[^A-Za-z0-9._-]+")
@@ -279,5 +281,5 @@ def _start_of(path: str) -> float | None:
 
 def write_json(path: str, doc: dict[str, Any]) -> None:
     """Write a JSON document atomically (indented, NaN and infinities as null)."""
-    payload = (json.dumps(json_safe(doc), indent=2, sort_keys=False) + "\n").encode("utf-8")
+    payload = (json.dumps(json_safe(doc), indent=2, sort_keys=False, allow_nan=False) + "\n").encode("utf-8")
     atomic_write(path, lambda f: f.write(payload))

@@ -17,9 +17,10 @@ into the sampler or request threads, and never touches a file on them: a failing
 counted, the row is kept (journaled) and retried with back-off by the file writer's thread.
 
 This module is the ledger's driver: the lock, the snapshot history, who holds which GPU, when runs open
-and close, the write-retry queue and what /metrics and the JSON API get. The arithmetic lives beside it:
-point ingestion and the accumulator's moves in ``runs``, interval accounting in ``accounting``, figures in
-``summary``, snapshot framing in ``frames``, files in ``files``, series in ``specs``.
+and close, and the write-retry queue; what /metrics and the JSON API get is read in ``views`` (inherited).
+The arithmetic lives beside it: point ingestion and the accumulator's moves in ``runs``, interval
+accounting in ``accounting``, figures in ``summary``, snapshot framing in ``frames``, files in ``files``,
+series in ``specs``, who may change a run and per-client bounds in ``clients``.
 """
 
 from __future__ import annotations
@@ -30,20 +31,18 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
-
-from prometheus_client.core import Metric
 
 from gpu_energy_exporter.core import contract
-from gpu_energy_exporter.core.runs_schema import KEEP_FINISHED_S, SUMMARY_SCHEMA
+from gpu_energy_exporter.core.runs_schema import KEEP_FINISHED_S
 from gpu_energy_exporter.core.state import Snapshot
-from gpu_energy_exporter.ledger import accounting, claims, files, restart, runs, specs
+from gpu_energy_exporter.ledger import accounting, claims, clients, files, restart, runs, specs
 from gpu_energy_exporter.ledger.files import iso_utc
 from gpu_energy_exporter.ledger.filewriter import Row
 from gpu_energy_exporter.ledger.frames import Frame, frame_of
 from gpu_energy_exporter.ledger.runs import PointLike, Run
 from gpu_energy_exporter.ledger.split import Holding
-from gpu_energy_exporter.ledger.summary import details, fmt, local_check, peak_flops, peak_row, summarize, summary_path
+from gpu_energy_exporter.ledger.summary import fmt
+from gpu_energy_exporter.ledger.views import LedgerViews
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +50,7 @@ log = logging.getLogger(__name__)
 CarbonSource = Callable[[], "tuple[float, float]"]
 
 
-class RunLedger:
+class RunLedger(LedgerViews):
     """Per-run energy accounting. Thread-safe: one lock; file writes happen outside it.
 
     ``csv_path``: ``--runs.csv`` (None keeps runs in memory only). ``warmup_s``: ``--runs.warmup``.
@@ -82,6 +81,10 @@ class RunLedger:
         background_writes: bool = False,
         journal_interval_s: float = 5.0,
         claim_grace_s: float = 30.0,
+        max_active_per_client: int = 64,
+        new_runs_per_client_per_minute: float = 60.0,
+        finished_runs_per_client_per_minute: float = 60.0,
+        max_backdate_s: float = 10.0,
     ) -> None:
         if warmup_s < 0 or stale_after_s <= 0:
             raise ValueError("warmup_s must be >= 0 and stale_after_s > 0")
@@ -97,8 +100,12 @@ class RunLedger:
         self._max_finished = max_finished_runs
         self._max_active = max_active_runs
         self._late_window_s = late_window_s
+        self._max_backdate_s = max_backdate_s
         # Snapshots are kept long enough to replay a stale run from its last point.
         self._history_s = stale_after_s + late_window_s
+        self._clients = clients.ClientBounds(max_active=max_active_per_client,
+                                             new_per_minute=new_runs_per_client_per_minute,
+                                             finished_per_minute=finished_runs_per_client_per_minute)
         self._lock = threading.RLock()
         self._history: deque[Frame] = deque()
         self._active: dict[str, Run] = {}
@@ -122,6 +129,10 @@ class RunLedger:
         # Energy of each GPU charged to no run, settled when its interval leaves the snapshot history
         # (no late point can change who used the GPU then): uuid key -> (gpu index, uuid, joules).
         self._unattributed: dict[str, tuple[str, str, float]] = {}
+        # Recounts owed since the last snapshot or read: new runs' first replay, run id -> recount from.
+        self._replay_pending: set[str] = set()
+        self._recount_from: dict[str, float] = {}
+        self.recount_intervals = 0  # snapshot intervals recounted (bench/ledger_backdated.py)
         self._carbon_error_logged = False
         self._last_reject_log = -math.inf
         self._version = 0  # bumped whenever what collect() returns may have changed
@@ -153,18 +164,18 @@ class RunLedger:
                     count = getattr(point, "count", None)
                     record(point.run_id, point.name, point.labels, point.value, point.time,
                            float(count) if count is not None else None, getattr(point, "key", None), received,
-                           getattr(point, "resource", ()))
+                           getattr(point, "resource", ()), getattr(point, "client", ""))
 
     def record(self, run_id: str, name: str, labels: Mapping[str, str], value: float, t: float, *,
-               count: float | None = None) -> None:
+               count: float | None = None, client: str = "") -> None:
         """One accepted point: ``value`` cumulative for counters (the histogram's sum, with ``count``),
-        the value for gauges; ``t`` in Unix seconds."""
+        the value for gauges; ``t`` in Unix seconds; ``client``: who pushed it (``core.clientid``)."""
         with self._lock:
-            self._record_locked(run_id, name, labels, value, t, count)
+            self._record_locked(run_id, name, labels, value, t, count, client=client)
 
     def _record_locked(self, run_id: str, name: str, labels: Mapping[str, str], value: float, t: float,
                        count: float | None, key: runs.LabelKey | None = None, received: float | None = None,
-                       resource: tuple[tuple[str, str], ...] = ()) -> None:
+                       resource: tuple[tuple[str, str], ...] = (), client: str = "") -> None:
         """``key``, ``received``: ``labels`` as their sorted items, the clock's time, when the caller has them."""
         if not run_id or not math.isfinite(value) or not math.isfinite(t):
             return
@@ -175,9 +186,13 @@ class RunLedger:
         if self._wall is not None:  # on the steady clock: senders' clocks are placed against it
             t = restart.steady_point_time(self._offsets, run_id, labels.get(contract.ATTR_RANK, ""), t, received,
                                           self._late_window_s)
-        run = self._active.get(run_id) or self._new_run(run_id, name, value, t)
+        run = self._active.get(run_id)
         if run is None:
-            self._offsets.pop(run_id, None)
+            run = self._new_run(run_id, name, value, t, client, received)
+            if run is None:
+                self._offsets.pop(run_id, None)
+                return
+        if clients.refused(self._clients, run, self._active.values(), name, labels, value, client, received):
             return
         gpus_before, end_before = len(run.gpus), run.e
         refused, new_process = claims.note_process(run, resource, labels, received)
@@ -196,7 +211,7 @@ class RunLedger:
             # now that the run's GPUs are known, and give runs sharing its GPUs their new share.
             run.tentative = False
             self._holders_changed(run, run.s)
-            runs.replay(run, run.acc, self._history, run.s, math.inf, self._holders, live=True)
+            self._replay_pending.add(run_id)  # counted with the other recounts (_recount)
             log.info("run %s started (first point at %s)", run_id, iso_utc(run.s))
             self._durable.started()
             return
@@ -205,9 +220,12 @@ class RunLedger:
         elif run.e != end_before:
             self._holders_changed(run, min(x for x in (run.e, end_before) if x is not None))
 
-    def _new_run(self, run_id: str, name: str, value: float, t: float) -> Run | None:
+    def _new_run(self, run_id: str, name: str, value: float, t: float, client: str, received: float) -> Run | None:
         previous = [r for r in self._closed if r.run_id == run_id]
         if previous and not runs.resumes(previous[-1], name, value, t):
+            return None
+        if previous and previous[-1].owners and not clients.same_node(previous[-1].owners.values(), client):
+            self._clients.refuse(clients.NOT_RUN_CLIENT)  # only the run's own node continues it
             return None
         if len(self._active) >= self._max_active:
             # Runs that never pushed training progress give way first (oldest push first): a flood of
@@ -226,7 +244,13 @@ class RunLedger:
                 log.warning("run ledger: already tracking %d active runs; ignoring new run %r (runs end on "
                             "training_run_finished or after --runs.stale-after)", self._max_active, run_id)
             return None
-        run = Run(run_id, t, self.warmup_s, not previous, self._timeline_points, self._clock())
+        # A first point dated long before it arrived would make the run's start replay (and every run sharing
+        # its GPUs recount) that much history: its start is taken at most max_backdate_s back (bounded cost).
+        start = max(t, received - self._max_backdate_s)
+        run = Run(run_id, start, self.warmup_s, not previous, self._timeline_points, self._clock())
+        if start > t:
+            run.notes.append(f"first point dated {received - t:.0f}s before it arrived: counted from "
+                             f"{self._max_backdate_s:g}s before (--runs.max-backdate)")
         self._active[run_id] = run
         return run
 
@@ -250,6 +274,7 @@ class RunLedger:
         with self._lock:
             if self._history and frame.t <= self._history[-1].t:
                 return  # a repeated or out-of-order snapshot adds nothing
+            self._recount()
             self._version += 1
             self._snapshots += 1
             prev = self._history[-1] if self._history else None
@@ -309,7 +334,9 @@ class RunLedger:
 
     def _holders_changed(self, run: Run, t: float) -> None:
         """``run`` started, ended or named a GPU at ``t``: runs sharing its GPUs that already counted
-        snapshots after ``t`` are recounted from their last checkpoint before it, with the new split."""
+        snapshots after ``t`` are recounted from their last checkpoint before it, with the new split; once for
+        all the changes before the next snapshot or read (``_recount``), not once per point: a request of 16
+        backdated new runs costs one recount of each run sharing their GPUs, not 16."""
         self._holders_gen += 1
         latest = self._history[-1] if self._history else None
         mine = run.parents(latest)
@@ -318,12 +345,22 @@ class RunLedger:
         for other in self._active.values():
             if other is run or other.tentative or other.acc.t <= t or not (mine & other.parents(latest)):
                 continue
-            runs.rewind(other, t, self._history, self._holders)
+            since = self._recount_from.get(other.run_id)
+            self._recount_from[other.run_id] = t if since is None else min(since, t)
+
+    def _recount(self) -> None:
+        """Count new runs' snapshots before their first point arrived, then recount the runs whose GPUs'
+        holders changed (``_holders_changed``), each once, with who holds which GPU known as of now."""
+        if self._replay_pending or self._recount_from:
+            fresh, self._replay_pending = self._replay_pending, set()
+            since, self._recount_from = self._recount_from, {}
+            self.recount_intervals += runs.recount(self._active, fresh, since, self._history, self._holders)
 
     # ------------------------------------------------------------------------------------------------
     # closing a run
 
     def _close(self, run: Run, status: str) -> None:
+        self._recount()
         self._holders_gen += 1
         runs.close_accounts(run, status, self._history, self._holders)
         run.closed_at = self._clock()
@@ -388,42 +425,6 @@ class RunLedger:
                       len(lost), self.csv_path, ", ".join(lost), where)
 
     # ------------------------------------------------------------------------------------------------
-    # figures
-
-    def _live_summary(self, run: Run) -> dict[str, Any]:
-        """An active run's figures cut at its last point: counters are only known as of the last export,
-        so counting energy up to the latest snapshot would charge the tokens of the last export interval
-        for energy they have not been reported against yet (J/token too high by up to one interval).
-
-        Kept until the run's stamp changes: a point of the run, a snapshot, or a change of who holds which
-        GPU (which recounts runs sharing them); so a scrape recounts only the runs that changed. Returns a
-        copy (callers may change it)."""
-        stamp = (run.changes, self._snapshots, self._holders_gen, self._expirations)
-        memo = run.live_memo
-        if memo is None or memo[0] != stamp:
-            memo = run.live_memo = (stamp, self._live_summary_now(run))
-        return dict(memo[1])
-
-    def _live_summary_now(self, run: Run) -> dict[str, Any]:
-        cut = run.last_point_t
-        if run.e is None and run.s < cut < run.acc.t:
-            base = run.checkpoint_before(cut)
-            if base is not None:
-                acc = base.copy()
-                runs.replay(run, acc, self._history, max(acc.t, run.s), cut, self._holders, live=False)
-                acc.t = cut
-                return self._summary(run, acc)
-        return self._summary(run)
-
-    def _summary(self, run: Run, acc: accounting.Acc | None = None) -> dict[str, Any]:
-        latest = self._history[-1] if self._history else None
-        precision = run.metadata.get("precision") or ""
-        return summarize(run, run.acc if acc is None else acc, warmup_s=self.warmup_s, local=local_check(latest),
-                         carbon_configured=self._carbon is not None,
-                         peak=peak_flops(run.gpus, latest, precision, peak_row),
-                         summary_file=summary_path(self.csv_path, run.run_id), xids=latest.xid_events if latest else ())
-
-    # ------------------------------------------------------------------------------------------------
     # files
 
     def check_writable(self) -> str | None:
@@ -432,53 +433,3 @@ class RunLedger:
         else."""
         return files.check_writable(self.csv_path) if self.csv_path is not None else None
 
-    def _document(self, run: Run, summary: dict[str, Any]) -> dict[str, Any]:
-        """A run's document (``/api/v1/run``, the JSON summary): its summary, GPUs, metadata and timeline."""
-        return {"schema": SUMMARY_SCHEMA, "start_unix": run.s, "end_unix": run.e,
-                "configured_warmup_s": self.warmup_s, **summary, **details(run)}
-
-    # ------------------------------------------------------------------------------------------------
-    # reading
-
-    def runs(self) -> list[dict[str, Any]]:
-        """Active and recently finished runs (summaries, oldest first); active ones are figured now."""
-        with self._lock:
-            out = [dict(r.summary) for r in self._closed if r.summary is not None]
-            out.extend(self._live_summary(r) for r in self._active.values() if not r.tentative)
-        out.sort(key=lambda s: s["start_time"] or "")
-        return out
-
-    def run(self, run_id: str) -> dict[str, Any] | None:
-        """One run's summary plus its GPUs, metadata and timeline; the active instance if there is one."""
-        with self._lock:
-            run = self._active.get(run_id)
-            if run is None or run.tentative:
-                closed = [r for r in self._closed if r.run_id == run_id]
-                if not closed:
-                    return None
-                run = closed[-1]
-            summary = dict(run.summary) if run.summary is not None else self._live_summary(run)
-            return self._document(run, summary)
-
-    def collect(self) -> list[Metric]:
-        """Per-run series and the ledger's self-metrics (a live source of the /metrics collector)."""
-        with self._lock:
-            self._expire(self._clock())
-            # A closed run and a resumed instance of it share the run id: show only the newest.
-            by_id: dict[str, tuple[Run, dict[str, Any]]] = {}
-            for r in self._closed:
-                if r.summary is not None:
-                    by_id[r.run_id] = (r, r.summary)
-            for r in self._active.values():
-                if not r.tentative:
-                    by_id[r.run_id] = (r, self._live_summary(r))
-            served = [(run_id, r.status, s, specs.counter_values(r.exposed, s, self.warmup_s))
-                      for run_id, (r, s) in by_id.items()]
-            finished = dict(self._finished_counts)
-            rejected, errors, evicted = self._rejected, self._write_errors, self._evicted
-            pending = len(self._pending)
-            backlog = self._durable.backlog_s()
-            unattributed = sorted(self._unattributed.values(), key=lambda x: (len(x[0]), x[0], x[1]))
-            tally = self._claims.counts((r.unconfirmed.values() for r in self._active.values()),
-                                        self._history[-1] if self._history else None, self._holders)
-        return specs.families(served, finished, rejected, errors, evicted, pending, unattributed, backlog, tally)

@@ -147,6 +147,9 @@ class Run:
         self.admitted: tuple[object, float, str] = ((), -1.0, "")  # (resource, received, rank) last admitted
         self.unconfirmed: dict[str, str] = {}  # GPU key -> why its claim went uncharged after the grace
         self.silent: set[int] = set()  # pids of processes that are no run's that shared its GPUs (some)
+        self.client = ""  # the client (core.clientid) whose first progress point made it a run
+        self.owners: dict[str, str] = {}  # rank -> the client its points are taken from (ledger.clients)
+        self.overflowed: set[str] = set()  # counters whose total is not finite (shown as unknown)
 
     # -- counters ------------------------------------------------------------------------------------
 
@@ -156,14 +159,21 @@ class Run:
                   if s.name == name and (local is None or local(s))]
         if not values:
             return None
-        return max(values) if name == STEPS else sum(values)
+        return self._finite(name, max(values) if name == STEPS else sum(values))
+
+    def _finite(self, name: str, total: float) -> float | None:
+        """``total``, or None when it is not finite (two ranks' 1.5e308 tokens), noted in ``overflowed``."""
+        if math.isfinite(total):
+            return total
+        self.overflowed.add(name)
+        return None
 
     def counter_at_w(self, name: str, local: Callable[[SeriesState], bool] | None = None) -> float | None:
         values = [(s.at_w if s.at_w is not None else s.last_v) - s.baseline
                   for s in self.series.values() if s.name == name and (local is None or local(s))]
         if not values:
             return None
-        return max(values) if name == STEPS else sum(values)
+        return self._finite(name, max(values) if name == STEPS else sum(values))
 
     def gauge(self, name: str) -> float | None:
         entry = self.gauges.get(name)
@@ -461,3 +471,26 @@ def close_accounts(run: Run, status: str, history: Sequence[Frame], holders: Hol
     ), force=True)
     run.checkpoints.clear()
 
+
+
+def recount(active: Mapping[str, Run], fresh: Iterable[str], since: Mapping[str, float],
+            history: Sequence[Frame], holders: Holders) -> int:
+    """Count the ``fresh`` runs' snapshots from their start, then recount each run of ``since`` (run id ->
+    time who held its GPUs changed) from its last checkpoint before that time; returns the snapshot
+    intervals visited (the work done)."""
+    visited = 0
+
+    def counted(frame: Frame) -> Mapping[str, Sequence[Holding]]:
+        nonlocal visited
+        visited += 1
+        return holders(frame)
+
+    for run_id in fresh:
+        run = active.get(run_id)
+        if run is not None and not run.tentative:
+            replay(run, run.acc, history, run.s, math.inf, counted, live=True)
+    for run_id, t in since.items():
+        run = active.get(run_id)
+        if run is not None and not run.tentative and run.acc.t > t:
+            rewind(run, t, history, counted)
+    return visited

@@ -93,6 +93,12 @@ LEDGER_REFUSED_PROCESSES = metrics.define(
     "Points refused because the process pushing them under an existing run id is not one of the run's: its "
     "job identity disagrees (job_mismatch), the run's world size is full (world_size), or another live process "
     "pushes that rank (rank_taken).", ("reason",), collector=COLLECTOR)
+LEDGER_POINTS_REFUSED = metrics.define(
+    "ledger", "points_refused_total", "counter",
+    "Points the ledger did not let change a run, by reason: not from the client the run's rank belongs to "
+    "(not_run_owner), a new rank or a continuation from another node (foreign_rank, not_run_client), over a "
+    "per-client bound (client_active_runs, client_new_runs, client_finished_runs; --runs.max-*-per-client). "
+    "See docs/ledger.md.", ("reason",), collector=COLLECTOR)
 
 STATUSES = ("finished", "stale", "exporter_stopped")
 
@@ -198,6 +204,14 @@ def counter_values(exposed: dict[str, float], summary: Mapping[str, Any], warmup
 
 #: One run as served: run id, status, summary, its counters (``counter_values``).
 ServedRun = tuple[str, str, Mapping[str, Any], Mapping[str, float]]
+
+
+def refused_family(refused: Mapping[str, float]) -> Metric:
+    """``gpuenergy_ledger_points_refused_total`` by reason (every reason, from zero)."""
+    fam = LEDGER_POINTS_REFUSED.family()
+    for reason in sorted(refused):
+        metrics.add(fam, [reason], refused[reason])
+    return fam
 
 
 def families(runs: Iterable[ServedRun], finished: Mapping[str, float], rejected: float, errors: float,

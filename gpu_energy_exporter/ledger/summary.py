@@ -9,6 +9,7 @@ column names and what each figure means are ``core.runs_schema.COLUMNS`` (docs/l
 from __future__ import annotations
 
 import functools
+import math
 import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -271,6 +272,15 @@ def summarize(run: Run, acc: Acc, *, warmup_s: float, local: Local, carbon_confi
         "summary_file": summary_file,
         "ledger_notes": "; ".join(notes),
     }
+    # Non-finite figures never leave the ledger (two ranks' 1.5e308 tokens sum to inf; a gauge may be NaN):
+    # they read as unknown, and the note says which, so the CSV, the JSON API and /metrics stay valid.
+    overflowed = [k for k, v in out.items() if isinstance(v, float) and not math.isfinite(v)]
+    for k in overflowed:
+        out[k] = None
+    overflowed += sorted(run.overflowed)
+    if overflowed:
+        notes.append("figures not finite (overflow or NaN pushed), shown as unknown: " + ", ".join(overflowed))
+        out["ledger_notes"] = "; ".join(notes)
     return out
 
 

@@ -283,9 +283,10 @@ class GRPCReceiver:
         try:
             data = await self._receive(context, call, deadline)
             if len(data) <= INLINE_MAX_BODY:
-                return self.handler.store_body(data, PROTOBUF)
+                return self.handler.store_body(data, PROTOBUF, peer_host(context.peer()))
             loop = asyncio.get_running_loop()
-            return await loop.run_in_executor(self._pool, self.handler.store_body, data, PROTOBUF)
+            return await loop.run_in_executor(self._pool, self.handler.store_body, data, PROTOBUF,
+                                              peer_host(context.peer()))
         except ExportFailure as exc:
             raise _Refused("INVALID_ARGUMENT", exc.message) from None
         finally:
@@ -436,3 +437,16 @@ class GRPCReceiver:
 
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
+
+
+def peer_host(peer: str | None) -> str:
+    """The sender's address from gRPC's peer string (``ipv4:127.0.0.1:5000``, ``ipv6:[::1]:5000``,
+    ``unix:...``), the same form the HTTP receiver gives ``core.clientid`` (no port)."""
+    if not peer:
+        return ""
+    kind, _, rest = peer.partition(":")
+    if kind == "ipv6" and rest.startswith("[") and "]" in rest:
+        return rest[1:rest.index("]")]
+    if kind == "ipv4":
+        return rest.rsplit(":", 1)[0]
+    return rest

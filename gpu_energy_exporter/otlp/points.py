@@ -94,6 +94,7 @@ class Point:
     #: the translated attributes of the resource that carried the point (shared by its points; () when none):
     #: the run ledger reads which process pushed from it (core.contract LABEL_PROCESS_PID...)
     resource: Labels = ()
+    client: str = ""  # who pushed it (core.clientid): the peer address and the resource's process identity
 
 
 @dataclass

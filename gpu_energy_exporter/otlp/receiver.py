@@ -112,7 +112,7 @@ def status_body(status: int, message: str, content_type: str, field: str | None 
         if field is not None:
             doc["details"] = [{"@type": _BAD_REQUEST_TYPE,
                                "fieldViolations": [{"field": field, "description": message}]}]
-        return json.dumps(doc).encode()
+        return json.dumps(doc, allow_nan=False).encode()
     out = _varint(1 << 3) + _varint(code) + _len_field(2, message.encode())
     if field is not None:
         violation = _len_field(1, field.encode()) + _len_field(2, message.encode())
@@ -324,12 +324,13 @@ class ExportHandler:
         """Handle one ``POST /v1/metrics``. Never raises."""
         return self._export(self._lower(headers), body)
 
-    def _export(self, h: Mapping[str, str], body: bytes, checked: str = "") -> Response:
+    def _export(self, h: Mapping[str, str], body: bytes, checked: str = "", peer: str = "") -> Response:
         """``handle_export`` with the header names already lower-cased (``_lower``); ``checked``: the content
-        type ``_check`` gave for these headers and a body of this size or more (``route``'s preflight)."""
+        type ``_check`` gave for these headers and a body of this size or more (``route``'s preflight);
+        ``peer``: the sender's address (``core.clientid``)."""
         started = time.perf_counter()
         try:
-            status, content_type, out = self._handle(h, body, checked)
+            status, content_type, out = self._handle(h, body, checked, peer)
         except _Failure as exc:
             content_type = self.response_type(h)
             status = exc.status
@@ -344,19 +345,20 @@ class ExportHandler:
         self.store.record_request(status, time.perf_counter() - started)
         return status, content_type, out
 
-    def _handle(self, h: Mapping[str, str], body: bytes, checked: str) -> Response:
+    def _handle(self, h: Mapping[str, str], body: bytes, checked: str, peer: str = "") -> Response:
         content_type = checked or self._check(h, len(body))
         data = decompress(body, h.get("content-encoding", "").strip().lower(), self.max_body_bytes)
-        return 200, content_type, self.store_body(data, content_type)
+        return 200, content_type, self.store_body(data, content_type, peer)
 
-    def store_body(self, data: bytes, content_type: str) -> bytes:
+    def store_body(self, data: bytes, content_type: str, peer: str = "") -> bytes:
         """One export request's decompressed body decoded, translated and stored; returns the
         ``ExportMetricsServiceResponse`` body (``partial_success`` when points were refused). The one path
         after the body is read, for OTLP/HTTP and OTLP/gRPC alike. Raises ``ExportFailure(400)`` for a body
-        that does not decode; the store is then untouched. Counts nothing in ``requests_total``."""
+        that does not decode; the store is then untouched. Counts nothing in ``requests_total``. ``peer``: the
+        sender's address (``core.clientid``)."""
         request = decode_wire(data, content_type)
         try:
-            batch = translate_request(request, time.time_ns(), self.store.limits)
+            batch = translate_request(request, time.time_ns(), self.store.limits, peer)
         except Undecodable:
             decode(data, content_type)  # raises the 400 OTLP's own parser gives this body
             raise
@@ -423,7 +425,8 @@ class OTLPReceiver:
             return _web_response(self.handler.fail(exc.status, exc.message, headers,
                                                    "body" if exc.status == 400 else None))
         # within max_body_bytes (read_body): what the preflight checked holds for it, not checked twice
-        return _web_response(self.handler._export(h, body, early))
+        peer = str(req.client_address[0]) if req.client_address else ""
+        return _web_response(self.handler._export(h, body, early, peer))
 
     @property
     def http_server(self) -> HTTPServer | None:

@@ -22,6 +22,8 @@ REJECT_REASONS: tuple[str, ...] = (
     "non_finite", "future_timestamp",
     # store admission
     "bytes_limit", "new_runs_per_request", "new_series_per_request", "new_bytes_per_request", "name_collision",
+    # the training contract's names (otlp.reserved)
+    "contract_violation",
 )
 
 REQUESTS = metrics.define(

@@ -93,6 +93,7 @@ class AcceptedPoint:
     count: float | None = None
     key: Labels | None = None
     resource: Labels = ()  # the translated resource attributes of the request that carried it
+    client: str = ""  # who pushed it (core.clientid)
 
 
 Listener = Callable[[AcceptedPoint], None]
@@ -327,7 +328,7 @@ class TrainingStore:
         if events is not None:
             value, count = (values[0], None) if len(values) == 1 else folding.reported(kind, series)  # scalar kinds
             events.append(AcceptedPoint(p.run_id, name, series.view, value, p.time_ns / 1e9, kind, count, labels,
-                                        p.resource))
+                                        p.resource, p.client))
         return None
 
     def _add_family(self, p: Point) -> Family:

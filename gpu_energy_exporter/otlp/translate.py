@@ -38,8 +38,10 @@ from typing import Any
 
 from google.protobuf.message import Message
 
+from gpu_energy_exporter.core.clientid import client_id
 from gpu_energy_exporter.core.contract import ATTR_RUN_ID
 from gpu_energy_exporter.core.memo import remember
+from gpu_energy_exporter.otlp import reserved as reserved_names
 from gpu_energy_exporter.otlp.naming import NameKind, attribute_value, label_name, metric_name, unit_name
 from gpu_energy_exporter.otlp.points import DEFAULT_LIMITS, Batch, Kind, Labels, Limits, Point, label_chars, series_cost
 from gpu_energy_exporter.otlp.wire import as_wire, key_value
@@ -206,14 +208,15 @@ def _family_unit(prom_name: str, kind: Kind, unit: str) -> str:
     return unit if base.endswith("_" + unit) else ""
 
 
-def translate_request(request: Message, received_ns: int, limits: Limits = DEFAULT_LIMITS) -> Batch:
+def translate_request(request: Message, received_ns: int, limits: Limits = DEFAULT_LIMITS, peer: str = "") -> Batch:
     """Translate a decoded ``ExportMetricsServiceRequest`` (OTLP's, or ``wire.WireRequest``) into a ``Batch``.
 
     Never raises on content: anything it cannot use becomes a counted rejection with a reason; only a
     ``WireRequest`` whose attribute bytes are not ``KeyValue`` messages raises ``wire.Undecodable`` (OTLP's
     own parser refuses such a body). ``received_ns`` stands in for a data point's missing ``time_unix_nano``
     and is the reference for ``limits.max_future_skew_ns``. A resource whose attributes break a limit gets
-    no ``target_info``.
+    no ``target_info``. ``peer``: the sender's address; with the resource's process identity it makes each
+    point's ``client`` (``core.clientid``).
     """
     batch = Batch()
     for rm in as_wire(request).resource_metrics[:]:
@@ -223,9 +226,10 @@ def translate_request(request: Message, received_ns: int, limits: Limits = DEFAU
             if resource_labels:
                 batch.resources.append(resource_labels)
         first = len(batch.points)
+        client = client_id(peer, resource_labels)
         for sm in rm.scope_metrics[:]:
             for metric in sm.metrics[:]:  # a slice (a list) is cheaper to walk than upb's container
-                _translate_metric(metric, batch, received_ns, limits)
+                _translate_metric(metric, batch, received_ns, limits, client)
         if resource_labels:
             for p in batch.points[first:]:
                 p.resource = resource_labels
@@ -253,14 +257,15 @@ def _resource_labels(resource: Any, limits: Limits) -> Labels:
 
 #: What a metric's envelope translates to or its rejection (reason, message), by everything it depends on: a
 #: trainer sends the same envelopes on every export. A translation is (kind, name, help, unit, reserved labels,
-#: delta, the head of its points' ``_ATTRS_CACHE`` keys, ``series_cost`` of a scalar series with no labels).
-_Descriptor = tuple[Kind, str, str, str, tuple[str, ...], bool, tuple[object, ...], int] | tuple[str, str]
+#: delta, the head of its points' ``_ATTRS_CACHE`` keys, ``series_cost`` of a scalar series with no labels, whether
+#: it is a family of the training contract, ``otlp.reserved``).
+_Descriptor = tuple[Kind, str, str, str, tuple[str, ...], bool, tuple[object, ...], int, bool] | tuple[str, str]
 _DESCRIPTOR_CACHE: dict[tuple[object, ...], _Descriptor] = {}
 _DESCRIPTOR_CACHE_MAX = 1024
 _isfinite = math.isfinite
 
 
-def _translate_metric(metric: Any, batch: Batch, received_ns: int, limits: Limits) -> None:
+def _translate_metric(metric: Any, batch: Batch, received_ns: int, limits: Limits, client: str = "") -> None:
     data = metric.WhichOneof("data")
     if data is None:
         return  # an empty envelope carries no points
@@ -292,7 +297,7 @@ def _translate_metric(metric: Any, batch: Batch, received_ns: int, limits: Limit
         _check_attributes(points)
         batch.reject(desc[0], n, desc[1])
         return
-    kind, prom_name, help_text, family_unit, reserved, delta, key_head, base_cost = desc
+    kind, prom_name, help_text, family_unit, reserved, delta, key_head, base_cost, contract_family = desc
     # the points, in this function rather than one more call per metric (most metrics carry one point)
     latest = received_ns + limits.max_future_skew_ns
     max_cost = limits.max_series_bytes
@@ -308,6 +313,10 @@ def _translate_metric(metric: Any, batch: Batch, received_ns: int, limits: Limit
             # than unpacking upb's container)
             hit = cached((*key_head, *attributes[:])) if len(attributes) <= max_labels else None
             labels, run_id, label_chars = hit or _point_labels(attributes, reserved, limits)
+            if contract_family:
+                wrong = reserved_names.label_refusal(prom_name, labels)
+                if wrong is not None:
+                    raise _Rejected(reserved_names.REASON, wrong)
             time_ns = dp.time_unix_nano or received_ns
             start_ns = dp.start_time_unix_nano
             if time_ns > latest or start_ns > latest:
@@ -317,10 +326,11 @@ def _translate_metric(metric: Any, batch: Batch, received_ns: int, limits: Limit
                                 "check the sender's clock")
             if dp.flags & FLAG_NO_RECORDED_VALUE:
                 append(Point(kind, prom_name, help_text, family_unit, labels, run_id, start_ns, time_ns, delta,
-                             no_value=True))
+                             no_value=True, client=client))
                 continue
             if distribution:
-                point = Point(kind, prom_name, help_text, family_unit, labels, run_id, start_ns, time_ns, delta)
+                point = Point(kind, prom_name, help_text, family_unit, labels, run_id, start_ns, time_ns, delta,
+                              client=client)
                 _fill_distribution(point, dp, limits, label_chars)
                 cost = point.cost
             else:
@@ -339,7 +349,7 @@ def _translate_metric(metric: Any, batch: Batch, received_ns: int, limits: Limit
                         raise _Rejected("invalid_point", f"invalid counter value {value!r}")
                 cost = base_cost + 4 * label_chars  # series_cost(prom_name, label_chars, kind): linear in it
                 point = Point(kind, prom_name, help_text, family_unit, labels, run_id, start_ns, time_ns, delta,
-                              value, cost=cost)
+                              value, cost=cost, client=client)
             if cost > max_cost:
                 raise _Rejected("series_too_large", f"series of about {cost} bytes, more than "
                                 f"{limits.max_series_bytes} (--otlp.max-series-bytes); use fewer or shorter "
@@ -395,11 +405,15 @@ def _describe(metric: Any, data: str, container: Any, limits: Limits) -> _Descri
         return ("invalid_name", f"metric name {otel_name!r} has no valid Prometheus form")
     if prom_name.startswith(RESERVED_PREFIXES):
         return ("invalid_name", f"metric {otel_name!r} -> {prom_name!r} uses a prefix reserved for the exporter")
+    squat = reserved_names.family_refusal(prom_name, kind, otel_name)
+    if squat is not None:
+        return squat
     help_text = metric.description[:MAX_HELP_LENGTH] or f"{otel_name} (received over OTLP)"
     family_unit = _family_unit(prom_name, kind, _cached_unit(unit))
     reserved = ("le",) if kind == "histogram" else ("quantile",) if kind == "summary" else ()
     return (kind, prom_name, help_text, family_unit, reserved, delta,
-            (reserved, limits.max_label_length, limits.max_labels_per_point), series_cost(prom_name, 0, kind))
+            (reserved, limits.max_label_length, limits.max_labels_per_point), series_cost(prom_name, 0, kind),
+            reserved_names.is_contract(prom_name))
 
 
 def _fill_distribution(point: Point, dp: Any, limits: Limits, label_chars: int) -> None:

@@ -65,7 +65,7 @@ def write_report(runs: Sequence[RunData], out_dir: str, progress: Callable[[str]
     if "" in plots:
         doc["comparison_plots"] = {k: os.path.relpath(v, out_dir) for k, v in plots[""].items()}
     with open(paths["json"], "w", encoding="utf-8") as f:
-        json.dump(json_safe(doc), f, indent=2)
+        json.dump(json_safe(doc), f, indent=2, allow_nan=False)
         f.write("\n")
     for r in runs:
         for name, path in plots[r.run_id].items():

@@ -20,7 +20,7 @@ from gpu_energy_exporter import __version__
 from gpu_energy_exporter.client.fmt import GIB, fmt_co2, fmt_duration, fmt_mfu, rank_coverage
 from gpu_energy_exporter.client.report.plots import COMPARISON_PLOTS, PLOTS
 from gpu_energy_exporter.client.report.run import RunData, num
-from gpu_energy_exporter.core.textfmt import fmt_num
+from gpu_energy_exporter.core.textfmt import fmt_num, md_text, printable
 
 
 def fmt_energy(joules: float | None) -> str:
@@ -173,7 +173,7 @@ def build_blocks(runs: Sequence[RunData], plots: dict[str, dict[str, str]], out_
 
 
 def _md_cell(text: str) -> str:
-    return str(text).replace("|", "\\|").replace("\n", " ")
+    return md_text(str(text), block=False)
 
 
 def render_markdown(blocks: Sequence[Block], out_dir: str) -> str:
@@ -181,11 +181,11 @@ def render_markdown(blocks: Sequence[Block], out_dir: str) -> str:
     for b in blocks:
         kind = b[0]
         if kind in ("h1", "h2", "h3"):
-            lines += ["#" * int(kind[1]) + " " + b[1], ""]
+            lines += ["#" * int(kind[1]) + " " + md_text(b[1]), ""]
         elif kind == "p":
-            lines += [b[1], ""]
+            lines += [md_text(b[1], code_spans=True), ""]
         elif kind == "warn":
-            lines += [f"> **{b[1]}**", ""]
+            lines += [f"> **{md_text(b[1], code_spans=True)}**", ""]
         elif kind == "table":
             headers, rows = b[1], b[2]
             lines.append("| " + " | ".join(_md_cell(h) for h in headers) + " |")
@@ -194,9 +194,9 @@ def render_markdown(blocks: Sequence[Block], out_dir: str) -> str:
             lines.append("")
         elif kind == "img":
             rel = os.path.relpath(b[2], out_dir).replace(os.sep, "/")
-            lines += [f"![{b[1]}]({rel})", ""]
+            lines += [f"![{md_text(b[1])}]({rel.replace(' ', '%20').replace(')', '%29')})", ""]
         elif kind == "ul":
-            lines += [f"- {item}" for item in b[1]] + [""]
+            lines += [f"- {md_text(str(item))}" for item in b[1]] + [""]
     return "\n".join(lines)
 
 
@@ -209,7 +209,8 @@ img{max-width:100%;border:1px solid #ddd;margin:0.3em 0 1.2em}figcaption{color:#
 
 def render_html(blocks: Sequence[Block]) -> str:
     """A self-contained page: the plots are embedded as base64 PNG data URLs."""
-    esc = html.escape
+    def esc(text: str) -> str:
+        return html.escape(printable(text))  # run ids, labels and notes came over OTLP
     parts = ["<!doctype html>", '<html lang="en"><head><meta charset="utf-8">',
              f"<title>{esc(blocks[0][1]) if blocks else 'report'}</title>", f"<style>{_CSS}</style></head><body>"]
     for b in blocks:
@@ -237,4 +238,4 @@ def render_html(blocks: Sequence[Block]) -> str:
 
 
 def _inline(text: str) -> str:
-    return re.sub(r"`([^`]+)`", r"<code>\1</code>", html.escape(text))
+    return re.sub(r"`([^`]+)`", r"<code>\1</code>", html.escape(printable(text)))

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gpu_energy_exporter.client.fmt import fmt_co2, fmt_duration, fmt_gib, fmt_mfu, rank_coverage
-from gpu_energy_exporter.core.textfmt import fmt_num
+from gpu_energy_exporter.core.textfmt import fmt_num, printable
 
 
 def fmt_energy(joules: float | None) -> str:
@@ -327,4 +327,6 @@ def _host_lines(status: dict[str, Any], width: int, unicode: bool) -> list[Line]
 
 
 def frame_text(lines: Sequence[Line]) -> str:
-    return "\n".join("".join(text for text, _ in line).rstrip() for line in lines) + "\n"
+    # run ids, labels and notes came over OTLP: no control character reaches the terminal
+    return "\n".join(printable("".join(text for text, _ in line), keep_newlines=False).rstrip()
+                     for line in lines) + "\n"

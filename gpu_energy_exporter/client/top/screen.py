@@ -16,6 +16,7 @@ from typing import IO, Any
 
 from gpu_energy_exporter.client.top.frame import STYLES, View, frame_text, render_frame
 from gpu_energy_exporter.client.top.poller import Poller
+from gpu_energy_exporter.core.textfmt import printable
 
 
 def run_plain(poller: Poller, *, once: bool, out: IO[str], url: str, unicode: bool, width: int | None = None,
@@ -103,7 +104,8 @@ def _draw(stdscr: Any, view: View, styles: dict[str, int], url: str, interval: f
     lines = render_frame(view, url=url, interval=interval, width=width, unicode=unicode)
     for y, line in enumerate(lines[:height]):
         x = 0
-        for text, style in line:
+        for raw, style in line:
+            text = printable(raw, keep_newlines=False)  # values pushed over OTLP: no escape sequences
             room = width - x - (1 if y == height - 1 else 0)  # the bottom-right cell cannot be written
             if room <= 0:
                 break

@@ -1,0 +1,148 @@
+"""Who may change a run, and how much one client may start and finish: the ledger's guard against one
+client ending, joining or flooding other clients' runs.
+
+A point's client (``core.clientid``: the peer address and the sender's process identity, which the training
+helper sends as resource attributes) is checked before the point changes a run:
+
+- **A run's lifecycle belongs to the run.** Each rank of a run belongs to the client that pushed its first
+  point once the run pushed training progress (``Run.owners``); later points of that rank, its finish
+  included, are taken only from that client (``not_run_owner``). A rank the run has not seen is added only
+  by a client of the run's own node: one of its clients, or one with the same peer address and host name
+  (``foreign_rank``; the ranks of a multi-rank job on one node share them, and each node has its own
+  exporter). A finished run continues (``training_run_finished 0``) only from a client of that node
+  (``not_run_client``). ``lifecycle_refusal`` is the rule, in one function, for the attribution issue to
+  extend (a run's processes as NVML lists them).
+- **Per-client bounds** (counted by peer address, which a sender cannot choose): at most
+  ``max_active`` runs pushing progress at once (``client_active_runs``), ``new_per_minute`` runs starting
+  and ``finished_per_minute`` runs finishing per minute, each a token bucket holding a minute's worth
+  (``client_new_runs``, ``client_finished_runs``). A refused start leaves the run id tentative (no row, no
+  energy); a refused finish leaves the run going (the helper re-sends its finish with every export; a run
+  that stops pushing ends as stale). So one client's junk never locks out other clients' runs, and never
+  writes more than its bound of rows and summary files.
+
+Every refusal is counted by reason (``gpuenergy_ledger_points_refused_total``). Callers hold the ledger's
+lock: nothing here locks, reads a clock of its own, or does I/O.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+
+from gpu_energy_exporter.core import contract
+from gpu_energy_exporter.core.clientid import node_of, peer_of
+from gpu_energy_exporter.ledger import runs
+from gpu_energy_exporter.ledger.runs import Run
+
+NOT_RUN_OWNER = "not_run_owner"
+FOREIGN_RANK = "foreign_rank"
+NOT_RUN_CLIENT = "not_run_client"
+CLIENT_ACTIVE_RUNS = "client_active_runs"
+CLIENT_NEW_RUNS = "client_new_runs"
+CLIENT_FINISHED_RUNS = "client_finished_runs"
+REASONS = (NOT_RUN_OWNER, FOREIGN_RANK, NOT_RUN_CLIENT, CLIENT_ACTIVE_RUNS, CLIENT_NEW_RUNS, CLIENT_FINISHED_RUNS)
+
+#: Buckets of clients idle this long are forgotten (memory stays bounded by the clients of the last minutes).
+_FORGET_S = 600.0
+_MAX_CLIENTS = 4096
+
+
+def lifecycle_refusal(owners: dict[str, str], rank: str, client: str) -> str | None:
+    """Why a point of ``rank`` from ``client`` may not change a run whose ranks belong to ``owners``
+    (rank -> client); None when it may. An empty ``owners`` (a run id not yet pushing progress) takes
+    anyone."""
+    owner = owners.get(rank)
+    if owner is not None:
+        return None if owner == client else NOT_RUN_OWNER
+    if not owners or same_node(owners.values(), client):
+        return None
+    return FOREIGN_RANK
+
+
+def same_node(clients: Iterable[str], client: str) -> bool:
+    """Whether ``client`` is one of ``clients`` or runs on the node of one of them."""
+    node = node_of(client)
+    return any(c == client or node_of(c) == node for c in clients)
+
+
+class _Bucket:
+    __slots__ = ("tokens", "t")
+
+    def __init__(self, tokens: float, t: float) -> None:
+        self.tokens = tokens
+        self.t = t
+
+
+class ClientBounds:
+    """Per-client (peer address) token buckets of run starts and finishes, and the refusal counts."""
+
+    def __init__(self, *, max_active: int, new_per_minute: float, finished_per_minute: float) -> None:
+        if max_active <= 0 or new_per_minute <= 0 or finished_per_minute <= 0:
+            raise ValueError("the per-client run bounds must be positive")
+        self.max_active = max_active
+        self._rates = {CLIENT_NEW_RUNS: new_per_minute, CLIENT_FINISHED_RUNS: finished_per_minute}
+        self._buckets: dict[tuple[str, str], _Bucket] = {}
+        self.refused: dict[str, float] = dict.fromkeys(REASONS, 0.0)
+
+    def refuse(self, reason: str) -> str:
+        self.refused[reason] = self.refused.get(reason, 0.0) + 1
+        return reason
+
+    def _bucket(self, which: str, client: str, now: float) -> _Bucket:
+        key = (which, peer_of(client))
+        rate = self._rates[which]
+        b = self._buckets.get(key)
+        if b is None:
+            if len(self._buckets) >= _MAX_CLIENTS:
+                self._forget(now)
+            b = self._buckets[key] = _Bucket(rate, now)
+        elif now > b.t:
+            b.tokens = min(rate, b.tokens + (now - b.t) * rate / 60.0)
+            b.t = now
+        return b
+
+    def _forget(self, now: float) -> None:
+        idle = [k for k, b in self._buckets.items() if now - b.t > _FORGET_S]
+        for k in idle or list(self._buckets)[: len(self._buckets) // 2]:
+            del self._buckets[k]
+
+    def may(self, which: str, client: str, now: float) -> bool:
+        """Whether ``client`` may start (``CLIENT_NEW_RUNS``) or finish (``CLIENT_FINISHED_RUNS``) a run now."""
+        return self._bucket(which, client, now).tokens >= 1.0
+
+    def take(self, which: str, client: str, now: float) -> None:
+        b = self._bucket(which, client, now)
+        b.tokens = max(0.0, b.tokens - 1.0)
+
+    def too_many_active(self, starters: Iterable[str], client: str) -> bool:
+        """Whether ``client`` already has ``max_active`` runs going (``starters``: the client each active
+        run started with)."""
+        peer = peer_of(client)
+        return sum(1 for c in starters if peer_of(c) == peer) >= self.max_active
+
+
+def refused(bounds: ClientBounds, run: Run, active: Iterable[Run], name: str, labels: Mapping[str, str],
+            value: float, client: str, now: float) -> bool:
+    """Whether ``client`` may not change ``run`` with this point (counted in ``bounds``); ``active``: the
+    ledger's active runs. A point that may records what it took (a start, a finish, a rank's owner)."""
+    rank = labels.get(contract.ATTR_RANK, "")
+    progress = name in runs.COUNTERS or name == runs.HISTOGRAM
+    if run.tentative:
+        if not progress:
+            return False  # a run id with no progress yet holds nothing and is evicted first
+        if bounds.too_many_active((r.client for r in active if not r.tentative), client):
+            return bool(bounds.refuse(CLIENT_ACTIVE_RUNS))
+        if not bounds.may(CLIENT_NEW_RUNS, client, now):
+            return bool(bounds.refuse(CLIENT_NEW_RUNS))
+        bounds.take(CLIENT_NEW_RUNS, client, now)
+        run.client, run.owners = client, {rank: client}
+        return False
+    why = lifecycle_refusal(run.owners, rank, client)
+    if why is not None:
+        return bool(bounds.refuse(why))
+    if (name == runs.RUN_FINISHED and value >= 1 and rank not in run.finished_at
+            and run.ranks | {rank} <= set(run.finished_at) | {rank}):  # this point finishes the run
+        if not bounds.may(CLIENT_FINISHED_RUNS, client, now):
+            return bool(bounds.refuse(CLIENT_FINISHED_RUNS))
+        bounds.take(CLIENT_FINISHED_RUNS, client, now)
+    run.owners.setdefault(rank, client)
+    return False
