@@ -155,7 +155,9 @@ def test_shutdown_with_a_big_csv_and_256_open_runs_is_quick_and_they_all_come_ba
     _big_csv(runs_csv, 100)
     size = runs_csv.stat().st_size
     port = free_port()
-    exp, gpu = _exporter(start_exporter, fake_nvml_lib, tmp_path, runs_csv, f"--otlp.listen-address=127.0.0.1:{port}")
+    # one client opens all 256 runs: lift the per-client bounds (issue 20 item 9) above that
+    exp, gpu = _exporter(start_exporter, fake_nvml_lib, tmp_path, runs_csv, f"--otlp.listen-address=127.0.0.1:{port}",
+                         "--runs.max-active-per-client=512", "--runs.max-new-per-client=1000")
     names = [f"open-{i:03d}" for i in range(255)]
     _push(exp, [*names, "closing"], gpu, 100.0)
     time.sleep(1.0)
