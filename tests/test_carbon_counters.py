@@ -75,6 +75,7 @@ def test_ledger_follows_the_intensity_file_without_the_carbon_collector(tmp_path
     exp = Exporter(load_config([
         "--no-collector.carbon", "--no-collector.gpu", "--no-collector.host", "--no-collector.rapl",
         f"--carbon.intensity-file={f}", "--web.listen-address=127.0.0.1:0", "--otlp.listen-address=127.0.0.1:0",
+        "--otlp.grpc.listen-address=",
     ], {}))
     assert exp.carbon is None
     exp.sampler.sample_once()

@@ -73,6 +73,7 @@ def test_listening_line_says_all_interfaces_for_a_wildcard_address() -> None:
 
 def _exporter(args: list[str]) -> Exporter:
     config = load_config(["--web.listen-address=127.0.0.1:0", "--otlp.listen-address=127.0.0.1:0",
+                          "--otlp.grpc.listen-address=",  # the suite never binds the default 4317
                           "--no-collector.rapl", *args], {})
     return Exporter(config, backend_factory=lambda: SimulatedBackend(1))
 

@@ -69,6 +69,7 @@ def nodes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Nodes]:
         backends[0].set_load(1, 1.0)
         for i, backend in enumerate(backends):
             config = load_config(["--web.listen-address=127.0.0.1:0", "--otlp.listen-address=127.0.0.1:0",
+                                  "--otlp.grpc.listen-address=",  # the suite never binds the default 4317
                                   "--collector.interval=250ms", "--runs.warmup=0s",
                                   f"--runs.csv={d / f'runs-{i}.csv'}"], {})
             exp = Exporter(config, backend_factory=lambda b=backend: b)  # type: ignore[misc]

@@ -55,6 +55,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Runs]:
     d = tmp_path_factory.mktemp("report-runs")
     csv_path = d / "runs.csv"
     config = load_config(["--web.listen-address=127.0.0.1:0", "--otlp.listen-address=127.0.0.1:0",
+                          "--otlp.grpc.listen-address=",  # the suite never binds the default 4317
                           "--collector.interval=250ms", "--runs.warmup=1s", f"--runs.csv={csv_path}"], {})
     backend = SimulatedBackend(2)
     exporter = Exporter(config, backend_factory=lambda: backend)

@@ -222,6 +222,7 @@ def test_once_prints_one_frame_and_reports_unreachable_with_exit_1(fake_exporter
 
 def _sim_exporter(args: list[str]) -> Exporter:
     config = load_config(["--web.listen-address=127.0.0.1:0", "--otlp.listen-address=127.0.0.1:0",
+                          "--otlp.grpc.listen-address=",  # the suite never binds the default 4317
                           "--collector.interval=200ms", *args], {})
     exporter = Exporter(config, backend_factory=lambda: SimulatedBackend(2))
     exporter.start()
