@@ -2,9 +2,12 @@
 
 Energy comes from NVML's energy counter where the GPU has one (Volta and newer), every reading checked for
 plausibility before it is exposed (``core.energy.EnergyCounter``: bad readings are held back and counted,
-driver resets confirmed before they show); otherwise from a fast power sampler thread (``PowerSampler``)
-integrating instant power with the trapezoid rule. The idle baseline is learned from power while no compute
-process runs. Readings arrive in base units (``core.state.GPUReading``): nothing here converts a unit.
+driver resets confirmed before they show). The counter is read every ``--collector.energy-interval`` (about
+4 ms of CPU a read on a real driver); the samples in between get their energy from the power readings
+(``core.apportion.Apportioner``), so the exposed energy and the runs and pods charged from it keep the
+collector's time grid and sum exactly to the counter at each read. Otherwise from a fast power sampler
+thread (``PowerSampler``) integrating instant power with the trapezoid rule. The idle baseline is learned
+from power while no compute process runs. Readings arrive in base units (``core.state.GPUReading``): nothing here converts a unit.
 
 Touched only by the sampler thread, except a track's integrator, which ``PowerSampler`` feeds from its own
 thread. Never called from the scrape path.
@@ -29,6 +32,7 @@ from gpu_energy_exporter.collectors.gpu_metrics import (
     label_sets,
     put,
 )
+from gpu_energy_exporter.core.apportion import Apportioner
 from gpu_energy_exporter.core.energy import EnergyCounter, TrapezoidIntegrator, Verdict
 from gpu_energy_exporter.core.metrics import add
 from gpu_energy_exporter.core.state import GPUIdentity, GPUReading, GPUState
@@ -86,6 +90,31 @@ class GPUTrack:
     last_good: float | None = None
     up: bool = False
     error: str = ""
+    apportion: Apportioner = field(default_factory=Apportioner)
+    estimated: bool = False  # this sample's energy is the counter's last total plus the power since
+    next_counter_read: float = float("-inf")  # monotonic time the energy counter is next read
+
+    # ---- the energy counter's schedule
+
+    def counter_due(self, now: float) -> bool:
+        """Read the counter this sample: its time has come, or a reading waits to be confirmed."""
+        return now >= self.next_counter_read or self.counter.holding
+
+    def apportion_sample(self, r: GPUReading, t: float, energy_interval: float) -> None:
+        """After ``count_energy`` (or without a counter reading this sample): the exposed energy on the
+        sample grid. ``t``: the monotonic time the reading returned."""
+        average = r.power_average_w is not None
+        power = r.power_average_w if average else r.power_instant_w
+        self.estimated = False
+        if self.fresh and self.counter.total_j is not None:
+            self.apportion.counter(t, self.counter.total_j)
+            self.apportion.mark(t, power)
+            self.next_counter_read = t + energy_interval
+        elif r.energy_j is None and power is not None and self.apportion.value_j is not None:
+            # Not read this sample (a read that was held back or rejected leaves the sample absent, as
+            # without a schedule: see emit_energy).
+            self.apportion.power(t, power, average=average)
+            self.estimated = True
 
     # ---- the energy counter
 
@@ -129,7 +158,12 @@ class GPUTrack:
         """The exposed energy (J) and the wall time it was measured at."""
         if self.integrator is not None:
             return (self.integrator.energy_j, self.integrator.last_t) if self.integrator.samples else (None, None)
-        return self.counter.exposed_j, self.counter.exposed_stamp
+        c, value = self.counter, self.apportion.value_j
+        if value is None or c.exposed_j is None or c.total_j is None:
+            return c.exposed_j, c.exposed_stamp
+        # The driver's own value (it drops at a confirmed reset), moved on by the energy apportioned since.
+        stamp = self.reading.timestamp if self.estimated and self.reading is not None else c.exposed_stamp
+        return value + (c.exposed_j - c.total_j), stamp
 
     def emit_energy(self, fams: dict[str, Metric], labels: list[str], timestamps: bool) -> None:
         energy, when = self._exposed()
@@ -139,7 +173,7 @@ class GPUTrack:
         # and over-count any window starting inside the gap. No timestamp by default (Prometheus' exporter
         # guidelines): the scrape time is used.
         sets = label_sets(labels[0], labels[1])
-        if energy is not None and (self.fresh or self.integrator is not None):
+        if energy is not None and (self.fresh or self.estimated or self.integrator is not None):
             put(fams, ENERGY, sets.base, energy, timestamp=when if timestamps else None)
         if self.integrator is None:
             put(fams, ENERGY_RESETS, sets.base, float(self.counter.resets))
@@ -151,7 +185,7 @@ class GPUTrack:
         """Monotonic energy for in-process consumers (ledger, pod attribution)."""
         if self.integrator is not None:
             return self.integrator.energy_j if self.integrator.samples else None
-        return self.counter.total_j
+        return self.apportion.value_j if self.apportion.value_j is not None else self.counter.total_j
 
     # ---- idle power
 

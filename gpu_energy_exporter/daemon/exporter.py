@@ -78,6 +78,8 @@ class Exporter:
                 power_interval=config.collector_power_interval,
                 idle_power_w=config.gpu_idle_power,
                 interval=config.collector_interval,
+                energy_interval=config.collector_energy_interval,
+                gpm_interval=config.collector_gpm_interval,
                 energy_timestamps=config.collector_gpu_energy_timestamps,
                 clock=clock,
             )

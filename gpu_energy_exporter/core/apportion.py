@@ -1,0 +1,67 @@
+"""Energy between two reads of the driver's energy counter, apportioned by the power readings.
+
+On a real driver one read of the energy counter costs about 4 ms of CPU (an H100 on driver 580,
+docs/benchmarks.md), where the power readings cost microseconds; so the counter is read every
+``--collector.energy-interval`` and the samples in between get their energy from the power the GPU reported.
+``Apportioner`` keeps the exposed energy of one GPU on the collector's time grid:
+
+- between two counter reads, each sample adds the power reading times the time since the previous sample
+  (the driver's ~1 s average power, which integrates the power between samples the way the counter does:
+  +0.15% against the counter on the H100; instant power, a 25 ms window every 100 ms, with the trapezoid rule
+  only where the GPU has no average);
+- at a counter read the exposed energy becomes the counter's total: the sample that reads it carries the
+  difference, so over every span between two counter reads the apportioned energy sums exactly to the
+  counter's delta;
+- the exposed energy never goes down: when the estimate ran ahead of the counter (the GPU's power fell
+  faster than the 1 s average showed), it is held until counter plus estimate catch up, and the sums are
+  exact again from the read where they do.
+
+Pure arithmetic on explicit inputs (joules, watts, seconds on one monotonic clock): no I/O, no clocks. It
+must never decide whether a counter reading is plausible (``core.energy.EnergyCounter`` does, and feeds it
+only its monotonic total).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class Apportioner:
+    """The exposed, monotonic energy of one GPU between counter reads. ``max_gap_s``: a gap between samples
+    longer than this (a GPU that did not answer) adds no estimate; the next counter read covers it."""
+
+    max_gap_s: float = 10.0
+    #: The exposed energy (J), None until the first counter total.
+    value_j: float | None = None
+    _anchor_j: float = 0.0  # the counter's total at its last read
+    _estimate_j: float = 0.0  # power-integrated energy since that read
+    _last_t: float | None = None
+    _last_w: float | None = None
+
+    def counter(self, t: float, total_j: float) -> float:
+        """A fresh counter total read at ``t``: the exposed energy moves to it (never down)."""
+        self._anchor_j, self._estimate_j = total_j, 0.0
+        self._last_t = t
+        self.value_j = total_j if self.value_j is None else max(self.value_j, total_j)
+        return self.value_j
+
+    def power(self, t: float, watts: float, *, average: bool) -> float | None:
+        """A power reading at ``t`` (``average``: the driver's ~1 s average, else an instant reading): the
+        exposed energy grows by the estimate since the last sample; None before the first counter read."""
+        last_t, last_w = self._last_t, self._last_w
+        self._last_t, self._last_w = t, watts
+        if self.value_j is None or last_t is None:
+            return self.value_j
+        dt = t - last_t
+        if 0.0 < dt <= self.max_gap_s and watts >= 0.0:
+            # The average reading covers about the second before t; instant readings by the trapezoid rule.
+            self._estimate_j += watts * dt if average or last_w is None else 0.5 * (watts + last_w) * dt
+        self.value_j = max(self.value_j, self._anchor_j + self._estimate_j)
+        return self.value_j
+
+    def mark(self, t: float, watts: float | None) -> None:
+        """Remember the power at a counter read (the trapezoid's next left end) without adding energy."""
+        self._last_t = t
+        if watts is not None:
+            self._last_w = watts
