@@ -7,7 +7,8 @@ driver resets confirmed before they show). The counter is read every ``--collect
 (``core.apportion.Apportioner``), so the exposed energy and the runs and pods charged from it keep the
 collector's time grid and sum exactly to the counter at each read. Otherwise from a fast power sampler
 thread (``PowerSampler``) integrating instant power with the trapezoid rule. The idle baseline is learned
-from power while no compute process runs. Readings arrive in base units (``core.state.GPUReading``): nothing here converts a unit.
+from power while no compute process runs. Readings arrive in base units (``core.state.GPUReading``): nothing
+here converts a unit.
 
 Touched only by the sampler thread, except a track's integrator, which ``PowerSampler`` feeds from its own
 thread. Never called from the scrape path.
