@@ -101,16 +101,20 @@ class GPUTrack:
         """Read the counter this sample: its time has come, or a reading waits to be confirmed."""
         return now >= self.next_counter_read or self.counter.holding
 
-    def apportion_sample(self, r: GPUReading, t: float, energy_interval: float) -> None:
+    def apportion_sample(self, r: GPUReading, done: float, energy_interval: float) -> None:
         """After ``count_energy`` (or without a counter reading this sample): the exposed energy on the
-        sample grid. ``t``: the monotonic time the reading returned."""
+        sample grid. ``done``: the monotonic time the reading returned (the schedule's clock). The energy
+        between readings is timed by the readings' own timestamps, the clock the GPU's power is read on (a
+        wall-clock step moves an estimate by at most ``Apportioner.max_gap_s`` of power, and the next counter
+        read puts it right)."""
         average = r.power_average_w is not None
         power = r.power_average_w if average else r.power_instant_w
+        t = r.timestamp
         self.estimated = False
         if self.fresh and self.counter.total_j is not None:
             self.apportion.counter(t, self.counter.total_j)
             self.apportion.mark(t, power)
-            self.next_counter_read = t + energy_interval
+            self.next_counter_read = done + energy_interval
         elif r.energy_j is None and power is not None and self.apportion.value_j is not None:
             # Not read this sample (a read that was held back or rejected leaves the sample absent, as
             # without a schedule: see emit_energy).
