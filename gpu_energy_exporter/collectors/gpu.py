@@ -159,7 +159,8 @@ class GPUCollector(Collector):
             # A reset is credited at most one interval between counter reads.
             track = GPUTrack(identity=ident, counter=EnergyCounter(interval_s=max(self._interval,
                                                                                   self._energy_interval)),
-                             apportion=Apportioner(max_gap_s=max(10.0, 3 * self._interval)))
+                             apportion=Apportioner(max_gap_s=max(10.0, 3 * self._interval)),
+                             series=Apportioner(max_gap_s=max(10.0, 3 * self._interval)))
             if ident.energy_method not in (ENERGY_METHOD_COUNTER, ENERGY_METHOD_NONE):
                 track.integrator = TrapezoidIntegrator(max_gap_s=max(1.0, 10 * self._power_interval))
             self._tracks.append(track)
@@ -210,10 +211,10 @@ class GPUCollector(Collector):
             labels = [str(g.index), g.uuid]
             try:
                 started = self._monotonic()
-                counter = g.energy_method == ENERGY_METHOD_COUNTER
+                asked = t.counter_due(started) if g.energy_method == ENERGY_METHOD_COUNTER else (
+                    g.energy_method == ENERGY_METHOD_NONE)
                 r = backend.read(g, processes=self._read_processes, process_utilization=self._process_utilization,
-                                 gpm=gpm_now, energy=t.counter_due(started) if counter else g.energy_method ==
-                                 ENERGY_METHOD_NONE)
+                                 gpm=gpm_now, energy=asked)
                 r = self._gpm_served(g.index, r, gpm_now)
             except Exception as exc:  # noqa: BLE001 - one GPU never takes the others down
                 message = str(exc) if isinstance(exc, GPULost) else (
@@ -239,7 +240,7 @@ class GPUCollector(Collector):
             if r.energy_j is not None and t.integrator is None:
                 t.count_energy(backend, r, started, done, self._monotonic)
             if t.integrator is None:
-                t.apportion_sample(r, done, self._energy_interval)
+                t.apportion_sample(r, done, self._energy_interval, asked=asked)
             t.emit_energy(fams, labels, self._energy_timestamps)
             emit_reading(fams, r, labels, processes=self._processes)
             t.learn_idle(r)

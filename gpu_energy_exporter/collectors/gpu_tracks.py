@@ -91,7 +91,9 @@ class GPUTrack:
     last_good: float | None = None
     up: bool = False
     error: str = ""
-    apportion: Apportioner = field(default_factory=Apportioner)
+    apportion: Apportioner = field(default_factory=Apportioner)  # on the monotonic total (in-process use)
+    series: Apportioner = field(default_factory=Apportioner)  # on the driver's value (what /metrics shows)
+    reset_seen: bool = False  # count_energy confirmed a counter reset this sample
     estimated: bool = False  # this sample's energy is the counter's last total plus the power since
     next_counter_read: float = float("-inf")  # monotonic time the energy counter is next read
 
@@ -101,25 +103,31 @@ class GPUTrack:
         """Read the counter this sample: its time has come, or a reading waits to be confirmed."""
         return now >= self.next_counter_read or self.counter.holding
 
-    def apportion_sample(self, r: GPUReading, done: float, energy_interval: float) -> None:
+    def apportion_sample(self, r: GPUReading, done: float, energy_interval: float, *, asked: bool) -> None:
         """After ``count_energy`` (or without a counter reading this sample): the exposed energy on the
         sample grid. ``done``: the monotonic time the reading returned (the schedule's clock). The energy
         between readings is timed by the readings' own timestamps, the clock the GPU's power is read on (a
         wall-clock step moves an estimate by at most ``Apportioner.max_gap_s`` of power, and the next counter
-        read puts it right)."""
+        read puts it right). ``asked``: this sample asked for the counter; a counter that was asked and
+        could not be read leaves the sample absent, as a rejected reading does."""
         average = r.power_average_w is not None
         power = r.power_average_w if average else r.power_instant_w
         t = r.timestamp
         self.estimated = False
-        if self.fresh and self.counter.total_j is not None:
-            self.apportion.counter(t, self.counter.total_j)
+        c = self.counter
+        if self.fresh and c.total_j is not None and c.exposed_j is not None:
+            self.apportion.counter(t, c.total_j)
             self.apportion.mark(t, power)
+            self.series.counter(t, c.exposed_j, restart=self.reset_seen)
+            self.series.mark(t, power)
             self.next_counter_read = done + energy_interval
-        elif r.energy_j is None and power is not None and self.apportion.value_j is not None:
+        elif not asked and power is not None and self.apportion.value_j is not None:
             # Not read this sample (a read that was held back or rejected leaves the sample absent, as
             # without a schedule: see emit_energy).
             self.apportion.power(t, power, average=average)
+            self.series.power(t, power, average=average)
             self.estimated = True
+        self.reset_seen = False
 
     # ---- the energy counter
 
@@ -155,6 +163,7 @@ class GPUTrack:
                     "Further ones are logged at debug level.", g.index, g.uuid, reason,
                     "none" if c.exposed_j is None else f"{c.exposed_j:.3f}")
         if v.reset:
+            self.reset_seen = True
             log.info("GPU %d (%s): energy counter reset (driver reload or GPU reset) confirmed, now %.3f J; "
                      "credited %.1f J for the part of the interval before it", g.index, g.uuid,
                      c.exposed_j or 0.0, v.credit_j)
@@ -163,12 +172,12 @@ class GPUTrack:
         """The exposed energy (J) and the wall time it was measured at."""
         if self.integrator is not None:
             return (self.integrator.energy_j, self.integrator.last_t) if self.integrator.samples else (None, None)
-        c, value = self.counter, self.apportion.value_j
-        if value is None or c.exposed_j is None or c.total_j is None:
+        c, value = self.counter, self.series.value_j
+        if value is None:
             return c.exposed_j, c.exposed_stamp
         # The driver's own value (it drops at a confirmed reset), moved on by the energy apportioned since.
         stamp = self.reading.timestamp if self.estimated and self.reading is not None else c.exposed_stamp
-        return value + (c.exposed_j - c.total_j), stamp
+        return value, stamp
 
     def emit_energy(self, fams: dict[str, Metric], labels: list[str], timestamps: bool) -> None:
         energy, when = self._exposed()

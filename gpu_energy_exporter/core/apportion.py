@@ -39,11 +39,12 @@ class Apportioner:
     _last_t: float | None = None
     _last_w: float | None = None
 
-    def counter(self, t: float, total_j: float) -> float:
-        """A fresh counter total read at ``t``: the exposed energy moves to it (never down)."""
+    def counter(self, t: float, total_j: float, *, restart: bool = False) -> float:
+        """A fresh counter total read at ``t``: the exposed energy moves to it (never down, unless
+        ``restart``: the driver's counter itself restarted, and what it shows restarts with it)."""
         self._anchor_j, self._estimate_j = total_j, 0.0
         self._last_t = t
-        self.value_j = total_j if self.value_j is None else max(self.value_j, total_j)
+        self.value_j = total_j if self.value_j is None or restart else max(self.value_j, total_j)
         return self.value_j
 
     def power(self, t: float, watts: float, *, average: bool) -> float | None:
