@@ -25,39 +25,56 @@ T0 = 1_750_000_000.0
 def test_the_counter_anchors_and_power_fills_the_samples_between() -> None:
     a = Apportioner()
     assert a.power(0.0, 100.0, average=True) is None  # nothing before the first counter total
-    assert a.counter(0.0, 1000.0) == 1000.0
-    a.mark(0.0, 100.0)
+    assert a.counter(0.0, 1000.0, 100.0) == 1000.0
     assert a.power(1.0, 200.0, average=True) == 1200.0  # 200 W x 1 s (the average covers the second before)
     assert a.power(2.0, 300.0, average=True) == 1500.0
     # The counter says 1,600 J at t=3: the read's sample carries the rest (100 J): exact at the read.
-    assert a.counter(3.0, 1600.0) == 1600.0
-    # Instant readings: the trapezoid rule from the power remembered at the read.
-    a.mark(3.0, 100.0)
+    assert a.counter(3.0, 1600.0, 100.0) == 1600.0
+    # The readings said 200 + 300 + 100 = 600 J over the span, the counter 600 J: scale 1.
+    assert a.scale == 1.0
+    # Instant readings: the trapezoid rule from the power read beside the counter.
     assert a.power(4.0, 300.0, average=False) == 1800.0
+
+
+def test_the_power_readings_are_scaled_by_what_the_counter_said_of_them() -> None:
+    a = Apportioner()
+    a.counter(0.0, 0.0, 500.0)
+    for k in range(1, 4):
+        a.power(float(k), 500.0, average=True)  # the sensor says 500 W ...
+    assert a.value_j == 1500.0
+    assert a.counter(4.0, 1600.0, 500.0) == 1600.0  # ... the counter 400 W: 1,600 J over 4 s
+    assert a.scale == 0.8
+    assert a.power(5.0, 500.0, average=True) == 2000.0  # 1,600 + 0.8 x 500 x 1
+    # A span with a gap teaches nothing (the readings did not cover it).
+    a.power(30.0, 500.0, average=True)
+    assert a.counter(31.0, 14000.0, 500.0) == 14000.0 and a.scale == 0.8
 
 
 def test_an_estimate_ahead_of_the_counter_is_held_never_taken_back() -> None:
     a = Apportioner()
-    a.counter(0.0, 0.0)
-    a.mark(0.0, 500.0)
+    a.counter(0.0, 0.0, 500.0)
     assert a.power(1.0, 500.0, average=True) == 500.0
     assert a.power(2.0, 500.0, average=True) == 1000.0
     # The GPU dropped to idle; the counter read at t=3 says only 800 J: the exposed energy holds at 1,000 J.
-    assert a.counter(3.0, 800.0) == 1000.0
-    a.mark(3.0, 100.0)
-    assert a.power(4.0, 100.0, average=True) == 1000.0  # 800 + 100 still under 1,000: held
-    assert a.power(5.0, 100.0, average=True) == 1000.0  # 800 + 200
-    assert a.power(6.0, 100.0, average=True) == 1100.0  # 800 + 300 caught up: growing again
-    assert a.counter(7.0, 1200.0) == 1200.0  # and exact again at the next read
+    # (The span's readings said 1,100 J: scale 800 / 1,100.)
+    assert a.counter(3.0, 800.0, 100.0) == 1000.0
+    s = 800.0 / 1100.0
+    assert a.scale == pytest.approx(s)
+    assert a.power(4.0, 100.0, average=True) == 1000.0  # 800 + 72.7 still under 1,000: held
+    assert a.power(5.0, 100.0, average=True) == 1000.0  # 800 + 145.5
+    assert a.power(6.0, 100.0, average=True) == pytest.approx(800.0 + s * 300.0)  # 1,018: caught up
+    assert a.power(7.0, 1000.0, average=True) == pytest.approx(800.0 + s * 1300.0)  # caught up: growing again
+    assert a.counter(8.0, 1900.0, 100.0) == 1900.0  # and exact again at the next read
+    # A restarted driver counter restarts what is shown.
+    assert a.counter(9.0, 5.0, 100.0, restart=True) == 5.0
 
 
 def test_a_gap_adds_no_estimate_the_next_read_covers_it() -> None:
     a = Apportioner(max_gap_s=10.0)
-    a.counter(0.0, 0.0)
-    a.mark(0.0, 300.0)
+    a.counter(0.0, 0.0, 300.0)
     assert a.power(30.0, 300.0, average=True) == 0.0  # 30 s without a sample: no guess over the gap
     assert a.power(31.0, 300.0, average=True) == 300.0
-    assert a.counter(32.0, 9600.0) == 9600.0
+    assert a.counter(32.0, 9600.0, 300.0) == 9600.0
 
 
 class Rig(GPURig):
@@ -101,7 +118,9 @@ def test_exposed_energy_meets_the_counter_at_every_read_and_sums_exactly_between
     values = [v for _, v in exposed]
     assert all(b >= a for a, b in zip(values, values[1:], strict=False)), "the exposed energy went down"
     counter = [rig.scenario.energy_counter_mj(0, t) / 1000.0 for t, _ in exposed]
-    reads = range(0, 61, 5)  # the first sample reads the counter, then every 5 s of the frozen clock
+    # the first sample reads the counter (and re-reads it to confirm), then after 2 and 4 s (the short first
+    # spans that learn the power readings' scale), then every 5 s of the frozen clock
+    reads = [0, 2, 6, *range(11, 61, 5)]
     held = 0
     for k in reads:
         if values[k] != counter[k]:

@@ -96,6 +96,7 @@ class GPUTrack:
     reset_seen: bool = False  # count_energy confirmed a counter reset this sample
     estimated: bool = False  # this sample's energy is the counter's last total plus the power since
     next_counter_read: float = float("-inf")  # monotonic time the energy counter is next read
+    counter_reads: int = 0  # accepted reads so far (the first spans are short)
 
     # ---- the energy counter's schedule
 
@@ -116,11 +117,12 @@ class GPUTrack:
         self.estimated = False
         c = self.counter
         if self.fresh and c.total_j is not None and c.exposed_j is not None:
-            self.apportion.counter(t, c.total_j)
-            self.apportion.mark(t, power)
-            self.series.counter(t, c.exposed_j, restart=self.reset_seen)
-            self.series.mark(t, power)
-            self.next_counter_read = done + energy_interval
+            self.apportion.counter(t, c.total_j, power, average=average)
+            self.series.counter(t, c.exposed_j, power, average=average, restart=self.reset_seen)
+            # The first spans are short (2, 4, 8, ... s up to the interval): the power readings' scale
+            # against the counter is learned within seconds of start-up.
+            self.counter_reads += 1
+            self.next_counter_read = done + min(energy_interval, 2.0 ** self.counter_reads)
         elif not asked and power is not None and self.apportion.value_j is not None:
             # Not read this sample (a read that was held back or rejected leaves the sample absent, as
             # without a schedule: see emit_energy).

@@ -25,44 +25,73 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+#: The power readings' scale against the counter is learned only within these bounds (a ratio outside them
+#: is a span the readings did not cover, not a bias of the sensor).
+SCALE_MIN, SCALE_MAX = 0.5, 2.0
+#: ... and only over a span with at least this much estimated energy (J): the counter's granularity.
+SCALE_MIN_J = 50.0
+
 
 @dataclass
 class Apportioner:
     """The exposed, monotonic energy of one GPU between counter reads. ``max_gap_s``: a gap between samples
-    longer than this (a GPU that did not answer) adds no estimate; the next counter read covers it."""
+    longer than this (a GPU that did not answer) adds no estimate; the next counter read covers it.
+
+    The power readings are scaled by what the counter said of them over the last span between two reads
+    (``scale``: counter delta / power-integrated estimate): a power sensor that reads high, or a 1 s average
+    that aliases a periodic load, is then corrected by the counter it is measured against (on the H100 the
+    driver's power-sample buffer read 695 W where the counter gave 619 W)."""
 
     max_gap_s: float = 10.0
     #: The exposed energy (J), None until the first counter total.
     value_j: float | None = None
-    _anchor_j: float = 0.0  # the counter's total at its last read
-    _estimate_j: float = 0.0  # power-integrated energy since that read
+    #: The power readings' scale learned from the last span (1.0 until one was measured).
+    scale: float = 1.0
+    _anchor_j: float | None = None  # the counter's total at its last read
+    _estimate_j: float = 0.0  # scaled power-integrated energy since that read
+    _raw_j: float = 0.0  # the same, unscaled, for learning the scale
+    _whole: bool = True  # every step of the span since the last read was estimated (no gap)
     _last_t: float | None = None
     _last_w: float | None = None
 
-    def counter(self, t: float, total_j: float, *, restart: bool = False) -> float:
-        """A fresh counter total read at ``t``: the exposed energy moves to it (never down, unless
-        ``restart``: the driver's counter itself restarted, and what it shows restarts with it)."""
-        self._anchor_j, self._estimate_j = total_j, 0.0
+    def _step(self, t: float, watts: float | None, average: bool) -> float:
+        """The unscaled energy estimate from the last sample to ``t`` (0 over a gap or without power)."""
+        last_t, last_w = self._last_t, self._last_w
         self._last_t = t
+        if watts is not None:
+            self._last_w = watts
+        if last_t is None or watts is None or watts < 0.0:
+            self._whole = False
+            return 0.0
+        dt = t - last_t
+        if not 0.0 < dt <= self.max_gap_s:
+            self._whole = self._whole and dt == 0.0
+            return 0.0
+        # The average reading covers about the second before t; instant readings by the trapezoid rule.
+        return watts * dt if average or last_w is None else 0.5 * (watts + last_w) * dt
+
+    def counter(self, t: float, total_j: float, watts: float | None = None, *, average: bool = True,
+                restart: bool = False) -> float:
+        """A fresh counter total read at ``t`` with the power read beside it: the exposed energy moves to it
+        (never down, unless ``restart``: the driver's counter itself restarted, and what it shows restarts
+        with it), and the span that ends here teaches the power readings' scale."""
+        raw = self._raw_j + self._step(t, watts, average)
+        if self._anchor_j is not None and not restart and self._whole and raw >= SCALE_MIN_J:
+            ratio = (total_j - self._anchor_j) / raw
+            if SCALE_MIN <= ratio <= SCALE_MAX:
+                self.scale = ratio
+        self._anchor_j, self._estimate_j, self._raw_j, self._whole = total_j, 0.0, 0.0, True
         self.value_j = total_j if self.value_j is None or restart else max(self.value_j, total_j)
         return self.value_j
 
     def power(self, t: float, watts: float, *, average: bool) -> float | None:
         """A power reading at ``t`` (``average``: the driver's ~1 s average, else an instant reading): the
-        exposed energy grows by the estimate since the last sample; None before the first counter read."""
-        last_t, last_w = self._last_t, self._last_w
-        self._last_t, self._last_w = t, watts
-        if self.value_j is None or last_t is None:
+        exposed energy grows by the scaled estimate since the last sample; None before the first counter
+        read."""
+        inc = self._step(t, watts, average)
+        if self.value_j is None or self._anchor_j is None:
             return self.value_j
-        dt = t - last_t
-        if 0.0 < dt <= self.max_gap_s and watts >= 0.0:
-            # The average reading covers about the second before t; instant readings by the trapezoid rule.
-            self._estimate_j += watts * dt if average or last_w is None else 0.5 * (watts + last_w) * dt
+        self._raw_j += inc
+        self._estimate_j += self.scale * inc
         self.value_j = max(self.value_j, self._anchor_j + self._estimate_j)
         return self.value_j
-
-    def mark(self, t: float, watts: float | None) -> None:
-        """Remember the power at a counter read (the trapezoid's next left end) without adding energy."""
-        self._last_t = t
-        if watts is not None:
-            self._last_w = watts
