@@ -23,13 +23,17 @@ only its monotonic total).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections import deque
+from dataclasses import dataclass, field
 
 #: The power readings' scale against the counter is learned only within these bounds (a ratio outside them
 #: is a span the readings did not cover, not a bias of the sensor).
 SCALE_MIN, SCALE_MAX = 0.5, 2.0
 #: ... and only over a span with at least this much estimated energy (J): the counter's granularity.
 SCALE_MIN_J = 50.0
+#: The scale is the ratio of the sums over this many recent spans: a sensor's bias persists, the random error
+#: of one span's estimate (a 1 s average that sampled a burst or missed it) averages out.
+SCALE_SPANS = 8
 
 
 @dataclass
@@ -37,16 +41,18 @@ class Apportioner:
     """The exposed, monotonic energy of one GPU between counter reads. ``max_gap_s``: a gap between samples
     longer than this (a GPU that did not answer) adds no estimate; the next counter read covers it.
 
-    The power readings are scaled by what the counter said of them over the last span between two reads
-    (``scale``: counter delta / power-integrated estimate): a power sensor that reads high, or a 1 s average
-    that aliases a periodic load, is then corrected by the counter it is measured against (on the H100 the
-    driver's power-sample buffer read 695 W where the counter gave 619 W)."""
+    The power readings are scaled by what the counter said of them over the last spans between two reads
+    (``scale``: the counter's deltas over the power-integrated estimates, summed over ``SCALE_SPANS`` spans):
+    a power sensor that reads high, or a 1 s average that aliases a periodic load, is then corrected by the
+    counter it is measured against (on the H100 the driver's power-sample buffer read 695 W where the counter
+    gave 619 W)."""
 
     max_gap_s: float = 10.0
     #: The exposed energy (J), None until the first counter total.
     value_j: float | None = None
-    #: The power readings' scale learned from the last span (1.0 until one was measured).
+    #: The power readings' scale learned from the last spans (1.0 until one was measured).
     scale: float = 1.0
+    _spans: deque[tuple[float, float]] = field(default_factory=lambda: deque(maxlen=SCALE_SPANS))
     _anchor_j: float | None = None  # the counter's total at its last read
     _estimate_j: float = 0.0  # scaled power-integrated energy since that read
     _raw_j: float = 0.0  # the same, unscaled, for learning the scale
@@ -77,9 +83,10 @@ class Apportioner:
         with it), and the span that ends here teaches the power readings' scale."""
         raw = self._raw_j + self._step(t, watts, average)
         if self._anchor_j is not None and not restart and self._whole and raw >= SCALE_MIN_J:
-            ratio = (total_j - self._anchor_j) / raw
-            if SCALE_MIN <= ratio <= SCALE_MAX:
-                self.scale = ratio
+            delta = total_j - self._anchor_j
+            if SCALE_MIN <= delta / raw <= SCALE_MAX:
+                self._spans.append((delta, raw))
+                self.scale = sum(d for d, _ in self._spans) / sum(r for _, r in self._spans)
         self._anchor_j, self._estimate_j, self._raw_j, self._whole = total_j, 0.0, 0.0, True
         self.value_j = total_j if self.value_j is None or restart else max(self.value_j, total_j)
         return self.value_j
