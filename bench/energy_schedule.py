@@ -32,6 +32,7 @@ EPOCH = 1_750_000_000.0
 INTERVAL = 1.0
 ENERGY_INTERVAL = 30.0  # the flag's default
 WINDOW = 60.0
+RUN = 60.0  # the runs of the last column: 60 s each, one every 75 s
 
 TRACES: tuple[tuple[str, fakenvml.PowerTrace], ...] = (
     ("steady 300 W", fakenvml.Constant(300.0)),
@@ -78,21 +79,31 @@ def run(ctx: Context) -> list[Table]:
     os.environ[fakenvml.SCENARIO_ENV] = str(path)
     clock = lambda: now[0]  # noqa: E731
     scheduled, every = _collector(ctx.lib, clock, ENERGY_INTERVAL), _collector(ctx.lib, clock, None)
+    edges = _collector(ctx.lib, clock, ENERGY_INTERVAL)  # + a counter read at each run's edges (the ledger asks)
+    span = int(RUN / INTERVAL)
+    runs = [(k, k + span) for k in range(int(40 / INTERVAL), int(duration / INTERVAL) - span, int(75 / INTERVAL))]
+    asks = {k + 1 for run in runs for k in run}  # the ledger hears of an edge during the sample after it
     times: list[float] = []
     exposed: dict[str, list[list[float]]] = {"scheduled": [], "every": []}
     charged: list[list[float]] = []
+    charged_edges: list[list[float]] = []
     try:
         while now[0] < EPOCH + 10.0 + duration:
             write()
+            if len(times) in asks:
+                edges.request_counter_read()
             s1, s2 = _series(scheduled), _series(every)
+            edges.update()
             times.append(now[0])
             exposed["scheduled"].append([s1.get(str(i), float("nan")) for i in range(len(gpus))])
             exposed["every"].append([s2.get(str(i), float("nan")) for i in range(len(gpus))])
             charged.append([st.energy_j if st.energy_j is not None else float("nan") for st in scheduled.states()])
+            charged_edges.append([st.energy_j if st.energy_j is not None else float("nan") for st in edges.states()])
             now[0] += INTERVAL
     finally:
         scheduled.close()
         every.close()
+        edges.close()
         if old is None:
             os.environ.pop(fakenvml.SCENARIO_ENV, None)
         else:
@@ -101,12 +112,15 @@ def run(ctx: Context) -> list[Table]:
         f"Error against the exact integral over every {WINDOW:.0f} s window ({duration:.0f} s simulated, sampled "
         f"every {INTERVAL:g} s): mean |error| (worst, signed)",
         ["trace", f"exposed, counter every {ENERGY_INTERVAL:g} s", "charged to runs (in-process energy)",
-         "exposed, counter every sample (before)", "counter reads (scheduled / every sample)"],
+         "exposed, counter every sample (before)", f"{RUN:.0f} s runs, counter also read at their edges"],
         [f"Windows start at every sample from t = {ENERGY_INTERVAL:g} s (past the start-up reads); "
          f"{len(times)} samples per GPU. The exposed value is what /metrics serves (driver value plus the "
-         "apportioned energy); runs are charged from the in-process energy (monotonic total) on the same grid."],
+         "apportioned energy); runs are charged from the in-process energy (monotonic total) on the same grid.",
+         f"Last column: runs of {RUN:.0f} s, one every 75 s, charged by a third collector that also reads the "
+         "counter at the sample after each run's start and end (the run ledger asks for it when a run starts or "
+         "says it finished: GPUCollector.request_counter_read)."],
     )
-    worst_exposed = worst_charged = 0.0
+    worst_exposed = worst_charged = worst_runs = 0.0
     start = next(k for k, t in enumerate(times) if t - times[0] >= ENERGY_INTERVAL)
     width = int(WINDOW / INTERVAL)
     for i, (name, _) in enumerate(TRACES):
@@ -118,14 +132,19 @@ def run(ctx: Context) -> list[Table]:
                 true = sc.true_energy_j(i, times[a], times[b])
                 errors.append((values[b][i] - values[a][i]) / true - 1.0)
             cells.append(errors)
+        run_errors = [(charged_edges[b][i] - charged_edges[a][i]) / sc.true_energy_j(i, times[a], times[b]) - 1.0
+                      for a, b in runs]
         worst_exposed = max(worst_exposed, *(abs(e) for e in cells[0]))
         worst_charged = max(worst_charged, *(abs(e) for e in cells[1]))
-        reads = int(duration // ENERGY_INTERVAL) + 4
-        table.add(name, *(_cell(c) for c in cells), f"about {reads} / {len(times) + 1}")
+        worst_runs = max(worst_runs, *(abs(e) for e in run_errors))
+        table.add(name, *(_cell(c) for c in cells), _cell(run_errors))
     verdict = Table("Against the targets", ["target", "worst window", "met"])
     verdict.add("exposed energy within 1% over every 1-minute window", pct(worst_exposed, 3),
                 "yes" if worst_exposed <= 0.01 else "no")
-    verdict.add("runs charged within 0.5% over 60 s", pct(worst_charged, 3), "yes" if worst_charged <= 0.005 else "no")
+    verdict.add("runs charged within 0.5% over 60 s (any 60 s window, no read at the edges)", pct(worst_charged, 3),
+                "yes" if worst_charged <= 0.005 else "no")
+    verdict.add(f"runs charged within 0.5% over 60 s ({len(runs)} runs per trace, counter read at their edges)",
+                pct(worst_runs, 3), "yes" if worst_runs <= 0.005 else "no")
     return [table, verdict]
 
 

@@ -139,3 +139,35 @@ def test_exposed_energy_meets_the_counter_at_every_read_and_sums_exactly_between
         b = a + 30
         true = rig.scenario.true_energy_j(0, exposed[a][0], exposed[b][0])
         assert values[b] - values[a] == pytest.approx(true, rel=0.01), (a, b)
+
+
+def test_the_ledger_asks_for_a_counter_read_when_a_run_starts_and_when_it_finishes() -> None:
+    from gpu_energy_exporter.ledger import RunLedger
+
+    asked: list[float] = []
+    ledger = RunLedger(None, warmup_s=0.0, clock=lambda: T0 + 100, on_run_edge=lambda: asked.append(1.0))
+    ledger.record("r1", "training_run_finished", {"gpu_uuid": "GPU-1"}, 0.0, T0 + 1)
+    assert asked == []  # no training progress yet: not a run
+    ledger.record("r1", "training_tokens_total", {"gpu_uuid": "GPU-1"}, 100.0, T0 + 2)
+    assert len(asked) == 1  # started
+    ledger.record("r1", "training_tokens_total", {"gpu_uuid": "GPU-1"}, 200.0, T0 + 3)
+    assert len(asked) == 1
+    ledger.record("r1", "training_run_finished", {"gpu_uuid": "GPU-1"}, 1.0, T0 + 4)
+    assert len(asked) == 2  # said it finished
+
+
+def test_a_requested_counter_read_comes_at_the_next_sample_whatever_the_schedule(rig: Rig) -> None:
+    for k in range(13):  # reads at k = 0 (and its confirmation), 2, 6, 11; the next scheduled one at k = 16
+        rig.at(T0 + 10 + k)
+        rig.sample()
+    track = rig.collector._tracks[0]  # noqa: SLF001 - the count of accepted counter reads
+    reads = track.counter_reads
+    rig.at(T0 + 23)
+    rig.sample()
+    assert track.counter_reads == reads  # not due
+    rig.collector.request_counter_read()
+    rig.at(T0 + 24)
+    rig.sample()
+    assert track.counter_reads == reads + 1
+    labels = {"gpu": "0", "gpu_uuid": rig.scenario.gpus[0].uuid}
+    assert rig.value("gpuenergy_gpu_energy_joules_total", **labels) == rig.scenario.energy_counter_mj(0, T0 + 24) / 1000

@@ -101,6 +101,7 @@ class GPUCollector(Collector):
         self._energy_interval = energy_interval if energy_interval and energy_interval > interval else 0.0
         self._gpm_interval = gpm_interval if gpm_interval and gpm_interval > interval else 0.0
         self._next_gpm = float("-inf")
+        self._counter_wanted = False  # request_counter_read(): every GPU's counter at the next sample
         self._last_gpm: dict[int, dict[str, float]] = {}
         self._energy_timestamps = energy_timestamps
         self._clock = clock
@@ -206,12 +207,13 @@ class GPUCollector(Collector):
         gpm_now = self._gpm and self._monotonic() >= self._next_gpm
         if gpm_now and self._gpm_interval:
             self._next_gpm = self._monotonic() + self._gpm_interval - 0.5 * self._interval
+        wanted, self._counter_wanted = self._counter_wanted, False
         for t in self._tracks:
             g = t.identity
             labels = [str(g.index), g.uuid]
             try:
                 started = self._monotonic()
-                asked = t.counter_due(started) if g.energy_method == ENERGY_METHOD_COUNTER else (
+                asked = (wanted or t.counter_due(started)) if g.energy_method == ENERGY_METHOD_COUNTER else (
                     g.energy_method == ENERGY_METHOD_NONE)
                 r = backend.read(g, processes=self._read_processes, process_utilization=self._process_utilization,
                                  gpm=gpm_now, energy=asked)
@@ -250,6 +252,11 @@ class GPUCollector(Collector):
         errors = self._field_errors(backend)
         return [available, *self._static, *[f for f in fams.values() if f.samples], *errors,
                 *self._call_costs(backend)]
+
+    def request_counter_read(self) -> None:
+        """Read every GPU's energy counter at the next sample, whatever its schedule (a run started or
+        finished: its energy between its edges is then the counter's delta). Any thread; sets a flag."""
+        self._counter_wanted = True
 
     def _gpm_served(self, index: int, r: GPUReading, sampled: bool) -> GPUReading:
         """The reading with the GPM figures of the last GPM sample where this sample took none."""

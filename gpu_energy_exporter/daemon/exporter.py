@@ -137,6 +137,7 @@ class Exporter:
         self.ledger = RunLedger(
             config.runs_csv, warmup_s=config.runs_warmup, stale_after_s=config.runs_stale_after,
             carbon=self.carbon_now, clock=self._clock,
+            on_run_edge=self.gpu.request_counter_read if self.gpu is not None else None,
         )
         problem = self.ledger.check_writable()
         if problem:
