@@ -141,19 +141,24 @@ def test_exposed_energy_meets_the_counter_at_every_read_and_sums_exactly_between
         assert values[b] - values[a] == pytest.approx(true, rel=0.01), (a, b)
 
 
-def test_the_ledger_asks_for_a_counter_read_when_a_run_starts_and_when_it_finishes() -> None:
-    from gpu_energy_exporter.ledger import RunLedger
+def test_a_run_asks_for_a_counter_read_when_it_starts_and_when_it_finishes() -> None:
+    from gpu_energy_exporter.daemon.exporter import counter_reads_at_run_edges
+    from gpu_energy_exporter.otlp.store import AcceptedPoint
 
-    asked: list[float] = []
-    ledger = RunLedger(None, warmup_s=0.0, clock=lambda: T0 + 100, on_run_edge=lambda: asked.append(1.0))
-    ledger.record("r1", "training_run_finished", {"gpu_uuid": "GPU-1"}, 0.0, T0 + 1)
-    assert asked == []  # no training progress yet: not a run
-    ledger.record("r1", "training_tokens_total", {"gpu_uuid": "GPU-1"}, 100.0, T0 + 2)
-    assert len(asked) == 1  # started
-    ledger.record("r1", "training_tokens_total", {"gpu_uuid": "GPU-1"}, 200.0, T0 + 3)
-    assert len(asked) == 1
-    ledger.record("r1", "training_run_finished", {"gpu_uuid": "GPU-1"}, 1.0, T0 + 4)
+    asked: list[int] = []
+    listener = counter_reads_at_run_edges(lambda: asked.append(1))
+
+    def point(run: str, name: str, value: float) -> AcceptedPoint:
+        return AcceptedPoint(run_id=run, name=name, labels={}, value=value, time=T0, kind="gauge")
+
+    listener([point("r1", "training_tokens_total", 100.0), point("r1", "training_steps_total", 1.0)])
+    assert len(asked) == 1  # its first points: started
+    listener([point("r1", "training_tokens_total", 200.0), point("r1", "training_run_finished", 0.0)])
+    assert len(asked) == 1  # going on
+    listener([point("r1", "training_run_finished", 1.0)])
     assert len(asked) == 2  # said it finished
+    listener([point("r2", "training_tokens_total", 1.0), point("r3", "training_tokens_total", 1.0)])
+    assert len(asked) == 3  # two runs started in one request: one read covers both
 
 
 def test_a_requested_counter_read_comes_at_the_next_sample_whatever_the_schedule(rig: Rig) -> None:

@@ -154,7 +154,7 @@ def sample():
     clock[0] += cfg.collector_interval  # the schedule's clock: one interval per sample
     time.sleep(nvml.GPM_MIN_INTERVAL_S + 0.01)  # NVML's own GPM spacing is real time
 
-for _ in range(2):
+for _ in range(32):  # past start-up and the energy counter's short first spans (reads at 0, 2, 6, 14, 30 s)
     sample()
 lib = pynvml.nvmlLib
 lib.fakeNvmlCostSeconds.restype = ctypes.c_double
@@ -170,8 +170,9 @@ print("@@OUT@@" + json.dumps({{"spent": spent, "gpus": gpus, "profile": lib.fake
 
 
 def test_a_sample_stays_within_its_cpu_budget_on_the_h100_cost_profile(fake_nvml_lib: Path, tmp_path: Path) -> None:
-    """What the calls cost, not only how many: 60 samples (two energy-counter periods) of 8 busy H100s at the
-    exporter's default schedule, the CPU the cost model burned counted by the fake library itself."""
+    """What the calls cost, not only how many: 60 samples (two energy-counter periods, after the short first
+    spans) of 8 busy H100s at the exporter's default schedule, the CPU the cost model burned counted by the
+    fake library itself."""
     procs = (Process(4242, 8 << 30, 80),)
     scenario = Scenario(epoch=EPOCH, driver=Driver(frozen_time=EPOCH + 100, cost_profile="h100-580"),
                         gpus=[h100(i, util_gpu_pct=87, memory_used_bytes=60 << 30, processes=procs) for i in range(8)])

@@ -71,11 +71,7 @@ class RunLedger:
         max_finished_runs: int = 100,
         max_active_runs: int = 256,
         late_window_s: float = 120.0,
-        on_run_edge: Callable[[], None] | None = None,
     ) -> None:
-        """``on_run_edge``: called (on a request thread, under the ledger's lock: it must only set a flag) when
-        a run starts or says it finished, so the GPU collector reads the energy counter at the next sample
-        and the run's energy between its edges is the counter's own delta, not power-apportioned."""
         if warmup_s < 0 or stale_after_s <= 0:
             raise ValueError("warmup_s must be >= 0 and stale_after_s > 0")
         self.csv_path = csv_path
@@ -83,7 +79,6 @@ class RunLedger:
         self.stale_after_s = stale_after_s
         self._carbon = carbon
         self._clock = clock
-        self._on_run_edge = on_run_edge
         self._timeline_points = timeline_points
         self._keep_finished_s = keep_finished_s
         # Bounds memory under heavy run churn (each closed run keeps its timeline for report/top);
@@ -177,15 +172,11 @@ class RunLedger:
             self._holders_changed(run, run.s)
             runs.replay(run, run.acc, self._history, run.s, math.inf, self._holders, live=True)
             log.info("run %s started (first point at %s)", run_id, iso_utc(run.s))
-            if self._on_run_edge is not None:
-                self._on_run_edge()
             return
         if len(run.gpus) != gpus_before:
             self._holders_changed(run, run.s)
         elif run.e != end_before:
             self._holders_changed(run, min(x for x in (run.e, end_before) if x is not None))
-            if run.e is not None and self._on_run_edge is not None:
-                self._on_run_edge()
 
     def _new_run(self, run_id: str, name: str, value: float, t: float) -> Run | None:
         previous = [r for r in self._closed if r.run_id == run_id]
