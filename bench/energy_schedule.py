@@ -79,7 +79,7 @@ def run(ctx: Context) -> list[Table]:
     os.environ[fakenvml.SCENARIO_ENV] = str(path)
     clock = lambda: now[0]  # noqa: E731
     scheduled, every = _collector(ctx.lib, clock, ENERGY_INTERVAL), _collector(ctx.lib, clock, None)
-    edges = _collector(ctx.lib, clock, ENERGY_INTERVAL)  # + a counter read at each run's edges (the ledger asks)
+    edges = _collector(ctx.lib, clock, ENERGY_INTERVAL)  # + a counter read at each run's edges (as the daemon asks)
     span = int(RUN / INTERVAL)
     runs = [(k, k + span) for k in range(int(40 / INTERVAL), int(duration / INTERVAL) - span, int(75 / INTERVAL))]
     asks = {k + 1 for run in runs for k in run}  # the ledger hears of an edge during the sample after it
@@ -117,8 +117,8 @@ def run(ctx: Context) -> list[Table]:
          f"{len(times)} samples per GPU. The exposed value is what /metrics serves (driver value plus the "
          "apportioned energy); runs are charged from the in-process energy (monotonic total) on the same grid.",
          f"Last column: runs of {RUN:.0f} s, one every 75 s, charged by a third collector that also reads the "
-         "counter at the sample after each run's start and end (the run ledger asks for it when a run starts or "
-         "says it finished: GPUCollector.request_counter_read)."],
+         "counter at the sample after each run's start and end (the daemon asks for it when a run pushes its first "
+         "point or says it finished: GPUCollector.request_counter_read)."],
     )
     worst_exposed = worst_charged = worst_runs = 0.0
     start = next(k for k, t in enumerate(times) if t - times[0] >= ENERGY_INTERVAL)
