@@ -54,6 +54,12 @@ class Context:
     command: str
     soak_stale_after: str = "60s"
     profile: Path | None = None
+    #: The fake library's cost model (``fakenvml.COST_PROFILES``, or "off"): every NVML call burns the CPU
+    #: that real driver burns for it. On by default: a cost measured on a fake answering in microseconds says
+    #: nothing about a real node.
+    cost_profile: str = fakenvml.COST_PROFILES[0]
+    #: ``--real-driver``: the benchmarks that support it measure the real NVIDIA driver instead of the fake.
+    real_driver: bool = False
     _lib: Path | None = None
 
     @property
@@ -266,6 +272,7 @@ def exporter(ctx: Context, args: Sequence[str] = (), scenario: Path | None = Non
     if scenario is not None:
         cmd += ["--nvml.library", str(ctx.lib)]
         full_env[fakenvml.SCENARIO_ENV] = str(scenario)
+        full_env.setdefault(fakenvml.COST_PROFILE_ENV, ctx.cost_profile)
     return ExporterProcess([*cmd, *args], env=full_env, command=command, new_session=True)
 
 
@@ -409,6 +416,12 @@ def new_parser(prog: str) -> argparse.ArgumentParser:
                    help="skip the peers (Zeus, CodeCarbon, nvitop-exporter); --quick skips them anyway")
     p.add_argument("--peers", dest="peers", action="store_true",
                    help="run the peers even with --quick (installs them into .bench-venvs/ first)")
+    p.add_argument("--cost-profile", default=fakenvml.COST_PROFILES[0], choices=[*fakenvml.COST_PROFILES, "off"],
+                   help="the fake NVML library's cost model: each call burns the CPU that real driver was measured "
+                        f"to burn (default {fakenvml.COST_PROFILES[0]}; off: answers in microseconds)")
+    p.add_argument("--real-driver", action="store_true",
+                   help="exporter_cost: measure the real NVIDIA driver of this machine instead of the fake library "
+                        "(fails, saying so, without one)")
     p.add_argument("--workdir", type=Path, default=None, help="scratch directory (default: a temporary one)")
     p.add_argument("--profile", type=Path, default=None, metavar="DIR",
                    help="scrape_latency and otlp_throughput: also run the exporter once under cProfile (every "
@@ -423,7 +436,13 @@ def make_context(args: argparse.Namespace, command: str, workdir: Path) -> Conte
     stale = args.soak_stale_after or ("3s" if args.quick else "60s")
     profile = args.profile.resolve() if getattr(args, "profile", None) is not None else None
     return Context(quick=args.quick, workdir=workdir, soak_s=soak, peers=peers, command=command,
-                   soak_stale_after=stale, profile=profile)
+                   soak_stale_after=stale, profile=profile,
+                   cost_profile=getattr(args, "cost_profile", fakenvml.COST_PROFILES[0]),
+                   real_driver=getattr(args, "real_driver", False))
+
+
+class Unavailable(Exception):
+    """A benchmark that cannot run here (no GPU for ``--real-driver``): said in one line, not a traceback."""
 
 
 def command_string(module: str, argv: Sequence[str]) -> str:
@@ -434,10 +453,15 @@ def run_benchmark(module: Any, ctx: Context, out: Callable[[str], None] = print)
     """Run one benchmark module and print its header and tables. Returns False when it failed."""
     out(f"## {module.TITLE}\n")
     out(f"command: `{ctx.command}`  ")
-    out(machine_line() + "\n")
+    out(machine_line() + "  ")
+    out("NVML: the real driver of this machine\n" if ctx.real_driver else
+         f"NVML: the fake library, cost model {ctx.cost_profile} (--cost-profile)\n")
     started = time.monotonic()
     try:
         tables = module.run(ctx)
+    except Unavailable as exc:
+        out(f"NOT RUN: {exc}\n")
+        return False
     except Exception:  # noqa: BLE001 - one broken benchmark must not hide the others' figures
         out("FAILED:\n```\n" + traceback.format_exc() + "```\n")
         return False

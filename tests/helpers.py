@@ -169,7 +169,8 @@ class GPURig:
 #: Families whose values depend on time, the machine or the process, not on the scenario (whole-exporter goldens).
 VOLATILE = ("gpuenergy_collector_duration_seconds", "gpuenergy_snapshot_timestamp_seconds",
             "gpuenergy_gpu_last_sample_age_seconds", "gpuenergy_process_",
-            "gpuenergy_otlp_request_duration_seconds_total", "gpuenergy_health_last_read_")
+            "gpuenergy_otlp_request_duration_seconds_total", "gpuenergy_health_last_read_",
+            "gpuenergy_nvml_calls_total", "gpuenergy_nvml_call_seconds_total")
 SAMPLE_LINE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{.*\})? (\S+)( \S+)?$")
 _GPU_LABEL = re.compile(r'[{,]gpu="([^"]*)"')
 

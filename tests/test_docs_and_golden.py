@@ -91,7 +91,8 @@ def test_golden_gpu_exposition(fake_nvml_lib: Path, tmp_path: Path, monkeypatch:
     for line in text.splitlines():
         if line.startswith("gpuenergy_build_info{"):
             line = "gpuenergy_build_info{<masked: versions>} 1.0"
-        if line.startswith("gpuenergy_collector_duration_seconds{"):
+        if line.startswith(("gpuenergy_collector_duration_seconds{", "gpuenergy_nvml_call_seconds_total{",
+                            "gpuenergy_nvml_calls_total{")):
             line = line.rsplit(" ", 1)[0] + " <masked>"
         if line.startswith("gpuenergy_gpu_energy_joules_total") and 'gpu="3"' in line:
             line = line.split("} ", 1)[0] + "} <integrated: timing dependent>"

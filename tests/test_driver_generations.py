@@ -27,8 +27,10 @@ from gpu_energy_exporter.collectors import health_metrics as h
 from gpu_energy_exporter.core.state import GPU_SAMPLE_AGE
 
 GOLDEN_DIR = Path(__file__).parent / "golden" / "drivers"
-ARGS = ["--collector.interval=200ms", "--collector.processes", "--gpu.idle-power=60",
-        "--no-collector.host", "--no-collector.rapl"]
+# The counter read every sample (--collector.energy-interval): the driver clock is frozen, and energy apportioned
+# by power between reads would grow with the wall clock.
+ARGS = ["--collector.interval=200ms", "--collector.energy-interval=200ms", "--collector.processes",
+        "--gpu.idle-power=60", "--no-collector.host", "--no-collector.rapl"]
 
 GPM = {s.name for s in g.GPM_SPECS.values()}
 #: Every GPU of every generation shows these.

@@ -5,7 +5,9 @@
 One ``python -m gpu_energy_exporter`` process with every default collector on and fixed inputs:
 
 - GPUs: the fake libnvidia-ml.so.1 with a frozen driver clock, an H100 (a compute process, GPM) and an A100,
-  both with an energy counter, so every GPU value is fixed;
+  both with an energy counter, so every GPU value is fixed (the counter read at every sample,
+  ``--collector.energy-interval=200ms``: between two reads the energy is apportioned by power over wall-clock
+  time, which a frozen driver clock does not stop);
 - RAPL: ``--path.sysfs`` at the bundled powercap tree (tests/fixtures/sysfs-rapl-server);
 - carbon: ``--carbon.region=FRA`` from the bundled table, ``--carbon.pue=1.2``; ``--gpu.idle-power=60``;
 - training: one OTLP/JSON request with a point for every instrument of the training contract
@@ -116,6 +118,7 @@ def test_whole_exporter_golden_exposition(fake_nvml_lib: Path, tmp_path: Path,
     scenario = tmp_path / "scenario.ini"
     Scenario(epoch=t0, driver=Driver(frozen_time=t0 + 100.0), gpus=gpus).write(scenario)
     exp = start_exporter([f"--nvml.library={fake_nvml_lib}", "--collector.interval=200ms", "--collector.processes",
+                          "--collector.energy-interval=200ms", "--collector.gpm-interval=200ms",
                           "--gpu.idle-power=60", f"--path.sysfs={SYSFS}",
                           f"--path.procfs={PROCFS}", "--carbon.region=FRA", "--carbon.pue=1.2",
                           f"--runs.csv={tmp_path / 'runs.csv'}", "--runs.warmup=0s"],

@@ -739,3 +739,71 @@ def test_energy_fault_specs_are_validated(lib: Path, scenario_path: Path) -> Non
         out["why"] = text(fake.fakeNvmlLastError())
     """, scenario_path)
     assert out["init"] == 999 and "energy_fault" in out["why"]
+
+
+# ---- The cost model ---------------------------------------------------------------------------------------
+
+
+_COST_BODY = """
+    fake.fakeNvmlCostSeconds.restype = ctypes.c_double
+    fake.fakeNvmlCostProfile.restype = ctypes.c_char_p
+    pynvml.nvmlInit()
+    h = pynvml.nvmlDeviceGetHandleByIndex(0)
+    out["profile"] = fake.fakeNvmlCostProfile().decode()
+    fake.fakeNvmlResetCostCounts()
+
+    def cpu(fn, *args):
+        t0 = time.thread_time()
+        try:
+            fn(*args)
+        except pynvml.NVMLError:
+            pass
+        return time.thread_time() - t0
+
+    out["energy"] = min(cpu(pynvml.nvmlDeviceGetTotalEnergyConsumption, h) for _ in range(5))
+    out["energy_field"] = min(cpu(pynvml.nvmlDeviceGetFieldValues, h, [83, 186]) for _ in range(5))
+    out["power_fields"] = min(cpu(pynvml.nvmlDeviceGetFieldValues, h, [185, 186]) for _ in range(5))
+    out["power"] = min(cpu(pynvml.nvmlDeviceGetPowerUsage, h) for _ in range(5))
+    out["missing"] = cpu(pynvml.nvmlDeviceGetTemperature, h, 0)  # FUNCTION_NOT_FOUND: costs the driver nothing
+    out["charged_energy"] = fake.fakeNvmlCostSeconds(b"nvmlDeviceGetTotalEnergyConsumption")
+    out["charged_missing"] = fake.fakeNvmlCostSeconds(b"nvmlDeviceGetTemperature")
+    out["charged_all"] = fake.fakeNvmlCostSeconds(None)
+    # Serialised like the driver: four threads reading the counter 5 times each take the wall time of 20 reads
+    # in one thread (on any number of cores).
+    def reader():
+        for _ in range(5):
+            pynvml.nvmlDeviceGetTotalEnergyConsumption(h)
+    threads = [threading.Thread(target=reader) for _ in range(4)]
+    t0 = time.monotonic()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    out["four_threads_wall"] = time.monotonic() - t0
+"""
+
+
+@pytest.mark.parametrize("select", ["scenario", "env"])
+def test_the_cost_model_burns_what_the_driver_burns(lib: Path, scenario_path: Path, select: str) -> None:
+    """h100-580: the energy counter 4 ms of CPU a read (directly or as a field), power fields microseconds."""
+    driver = Driver(cost_profile="h100-580" if select == "scenario" else None, missing=("nvmlDeviceGetTemperature",))
+    Scenario(epoch=time.time(), driver=driver, gpus=[h100(0)]).write(scenario_path)
+    env = {"FAKE_NVML_COST_PROFILE": "h100-580"} if select == "env" else {}
+    out = run_nvml(lib, _COST_BODY, scenario_path, env=env)
+    assert out["profile"] == "h100-580"
+    assert 0.004 <= out["energy"] < 0.04  # burned on this thread's CPU clock: at least the profile's 4 ms
+    assert 0.004 <= out["energy_field"] < 0.04
+    assert out["power_fields"] < 0.002 and out["power"] < 0.002
+    assert out["missing"] < 0.002 and out["charged_missing"] == 0.0
+    assert out["charged_energy"] == pytest.approx(5 * 0.004, rel=0.2)
+    assert out["charged_all"] >= 10 * 0.004
+    assert out["four_threads_wall"] >= 20 * 0.004
+
+
+def test_no_cost_unless_a_profile_is_chosen_and_the_environment_wins(lib: Path, scenario_path: Path) -> None:
+    Scenario(epoch=time.time(), driver=Driver(cost_profile="h100-580"), gpus=[h100(0)]).write(scenario_path)
+    off = run_nvml(lib, _COST_BODY, scenario_path, env={"FAKE_NVML_COST_PROFILE": "off"})
+    assert off["profile"] == "" and off["charged_all"] == 0.0 and off["energy"] < 0.002
+    Scenario(epoch=time.time(), gpus=[h100(0)]).write(scenario_path)
+    default = run_nvml(lib, _COST_BODY, scenario_path)
+    assert default["profile"] == "" and default["charged_all"] == 0.0

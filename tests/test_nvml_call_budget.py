@@ -128,3 +128,65 @@ def test_eight_h100s_make_at_most_eleven_calls_per_gpu_per_sample(fake_nvml_lib:
     assert calls["nvmlGpmSampleGet"] == calls["nvmlGpmMetricsGet"] == 8
     assert calls["nvmlDeviceGetComputeRunningProcesses_v3"] == 8
     assert not set(_BATCHED_AWAY) & set(calls), dict(calls)
+
+
+#: Most NVML CPU time one sample may cost per GPU on the h100-580 cost profile (the fake burns what an H100 on
+#: driver 580 burns per call), at the exporter's default schedule: the energy counter (4 ms a read) every
+#: 30 s, GPM every 10 s, the microsecond readings every sample. About 0.14 ms of cheap readings + 4 ms / 30
+#: + 0.37 ms / 10 = 0.31 ms; before the schedule every sample read the counter: 4.5 ms.
+CPU_BUDGET_PER_GPU_S = 0.00035
+
+_COST_CHILD = """
+import ctypes, json, sys, time
+sys.path.insert(0, {repo!r})
+import pynvml
+from gpu_energy_exporter.collectors.gpu import GPUCollector
+from gpu_energy_exporter.core.config import Config
+from gpu_energy_exporter.devices import nvml
+cfg = Config()
+clock = [1000.0]
+collector = GPUCollector(lambda: nvml.NVMLBackend({lib!r}), retry_interval=0.0, power_interval=3600.0,
+                         interval=cfg.collector_interval, energy_interval=cfg.collector_energy_interval,
+                         gpm_interval=cfg.collector_gpm_interval, monotonic=lambda: clock[0])
+
+def sample():
+    collector.update()
+    clock[0] += cfg.collector_interval  # the schedule's clock: one interval per sample
+    time.sleep(nvml.GPM_MIN_INTERVAL_S + 0.01)  # NVML's own GPM spacing is real time
+
+for _ in range(32):  # past start-up and the energy counter's short first spans (reads at 0, 2, 6, 14, 30 s)
+    sample()
+lib = pynvml.nvmlLib
+lib.fakeNvmlCostSeconds.restype = ctypes.c_double
+lib.fakeNvmlCostProfile.restype = ctypes.c_char_p
+before = lib.fakeNvmlCostSeconds(None)
+for _ in range({samples}):
+    sample()
+spent = lib.fakeNvmlCostSeconds(None) - before
+gpus = len(collector.identities())
+collector.close()
+print("@@OUT@@" + json.dumps({{"spent": spent, "gpus": gpus, "profile": lib.fakeNvmlCostProfile().decode()}}))
+"""
+
+
+def test_a_sample_stays_within_its_cpu_budget_on_the_h100_cost_profile(fake_nvml_lib: Path, tmp_path: Path) -> None:
+    """What the calls cost, not only how many: 60 samples (two energy-counter periods, after the short first
+    spans) of 8 busy H100s at the exporter's default schedule, the CPU the cost model burned counted by the
+    fake library itself."""
+    procs = (Process(4242, 8 << 30, 80),)
+    scenario = Scenario(epoch=EPOCH, driver=Driver(frozen_time=EPOCH + 100, cost_profile="h100-580"),
+                        gpus=[h100(i, util_gpu_pct=87, memory_used_bytes=60 << 30, processes=procs) for i in range(8)])
+    path = tmp_path / "scenario.ini"
+    scenario.write(path)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FAKE_NVML_")}
+    env.update(FAKE_NVML_SCENARIO=str(path))
+    samples = 60
+    script = textwrap.dedent(_COST_CHILD.format(repo=str(REPO), lib=str(fake_nvml_lib), samples=samples))
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120,
+                          check=False)
+    assert proc.returncode == 0, f"child failed:\n{proc.stdout}\n{proc.stderr}"
+    out = json.loads(proc.stdout.split("@@OUT@@", 1)[1])
+    assert out["profile"] == "h100-580" and out["gpus"] == 8
+    per_gpu_sample = out["spent"] / samples / 8
+    # at least the two energy-counter reads per GPU the 60 s hold (the cost model is on), at most the budget
+    assert 2 * 0.004 / samples <= per_gpu_sample <= CPU_BUDGET_PER_GPU_S, per_gpu_sample

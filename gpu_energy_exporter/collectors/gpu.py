@@ -25,6 +25,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import replace
 
 from prometheus_client.core import Metric
 
@@ -34,16 +35,25 @@ from gpu_energy_exporter.collectors.gpu_metrics import (
     GPU_INFO,
     GPU_UP,
     NVML_AVAILABLE,
+    NVML_CALL_SECONDS,
+    NVML_CALLS,
     NVML_INFO,
     PER_GPU_SPECS,
     emit_reading,
 )
 from gpu_energy_exporter.collectors.gpu_processes import ProcessTable, UtilizationCadence
 from gpu_energy_exporter.collectors.gpu_tracks import GPUTrack, PowerSampler
+from gpu_energy_exporter.core.apportion import Apportioner
 from gpu_energy_exporter.core.energy import EnergyCounter, TrapezoidIntegrator
 from gpu_energy_exporter.core.errors import GPULost, NVMLUnavailable
 from gpu_energy_exporter.core.metrics import add
-from gpu_energy_exporter.core.state import ENERGY_METHOD_COUNTER, ENERGY_METHOD_NONE, GPUIdentity, GPUState
+from gpu_energy_exporter.core.state import (
+    ENERGY_METHOD_COUNTER,
+    ENERGY_METHOD_NONE,
+    GPUIdentity,
+    GPUReading,
+    GPUState,
+)
 from gpu_energy_exporter.devices.base import GPUBackend
 
 log = logging.getLogger(__name__)
@@ -65,6 +75,8 @@ class GPUCollector(Collector):
         idle_power_w: float | None = None,
         retry_interval: float = 30.0,
         interval: float = 1.0,
+        energy_interval: float | None = None,
+        gpm_interval: float | None = None,
         energy_timestamps: bool = False,
         clock: Callable[[], float] = time.time,
         monotonic: Callable[[], float] = time.monotonic,
@@ -72,7 +84,10 @@ class GPUCollector(Collector):
         procfs: str | None = None,
     ) -> None:
         """``interval``: the sampler's period (bounds the credit for a counter reset). ``energy_timestamps``:
-        expose the energy counter with the time it was read. ``monotonic``: the clock the plausibility of
+        expose the energy counter with the time it was read. ``energy_interval``: how often the energy
+        counter is read (None: every sample); the samples between get their energy from the power readings.
+        ``gpm_interval``: how often GPM is sampled (None: every sample); between, the last GPM figures (an
+        average over the span between the last two GPM samples) are served. ``monotonic``: the clock the plausibility of
         energy readings is judged on (a wall-clock step must not make a reading look implausible)."""
         self._factory = backend_factory
         self._processes = processes
@@ -91,6 +106,12 @@ class GPUCollector(Collector):
         self._idle_flag = idle_power_w
         self._retry_interval = retry_interval
         self._interval = interval
+        # None: every sample (0 makes every sample due whatever the sampler's actual period).
+        self._energy_interval = energy_interval if energy_interval and energy_interval > interval else 0.0
+        self._gpm_interval = gpm_interval if gpm_interval and gpm_interval > interval else 0.0
+        self._next_gpm = float("-inf")
+        self._counter_wanted = False  # request_counter_read(): every GPU's counter at the next sample
+        self._last_gpm: dict[int, dict[str, float]] = {}
         self._energy_timestamps = energy_timestamps
         self._clock = clock
         self._monotonic = monotonic
@@ -145,7 +166,11 @@ class GPUCollector(Collector):
                      ", ".join(f"{g.index}={g.name} ({g.energy_method})" for g in identities))
         self._tracks = []
         for ident in identities:
-            track = GPUTrack(identity=ident, counter=EnergyCounter(interval_s=self._interval))
+            # A reset is credited at most one interval between counter reads.
+            track = GPUTrack(identity=ident, counter=EnergyCounter(interval_s=max(self._interval,
+                                                                                  self._energy_interval)),
+                             apportion=Apportioner(max_gap_s=max(10.0, 3 * self._interval)),
+                             series=Apportioner(max_gap_s=max(10.0, 3 * self._interval)))
             if ident.energy_method not in (ENERGY_METHOD_COUNTER, ENERGY_METHOD_NONE):
                 track.integrator = TrapezoidIntegrator(max_gap_s=max(1.0, 10 * self._power_interval))
             self._tracks.append(track)
@@ -187,19 +212,29 @@ class GPUCollector(Collector):
         fams = {spec.name: spec.family() for spec in PER_GPU_SPECS}
         states = []
         listed: set[int] = set()
+        # GPM is sampled every --collector.gpm-interval (a GPM sample costs 0.07-0.35 ms on a real driver);
+        # its figures are averages over the span between two GPM samples, served until the next.
+        gpm_now = self._gpm and self._monotonic() >= self._next_gpm
+        if gpm_now and self._gpm_interval:
+            self._next_gpm = self._monotonic() + self._gpm_interval - 0.5 * self._interval
+        wanted, self._counter_wanted = self._counter_wanted, False
         for t in self._tracks:
             g = t.identity
             labels = [str(g.index), g.uuid]
             try:
                 started = self._monotonic()
                 ask = self._process_utilization or self._cadence.due(g.index, self._process_counts.get(g.index, 0))
-                r = backend.read(g, processes=self._read_processes, process_utilization=ask, gpm=self._gpm)
+                asked = (wanted or t.counter_due(started)) if g.energy_method == ENERGY_METHOD_COUNTER else (
+                    g.energy_method == ENERGY_METHOD_NONE)
+                r = backend.read(g, processes=self._read_processes, process_utilization=ask, gpm=gpm_now,
+                                 energy=asked)
                 if ask and not self._process_utilization:
                     self._cadence.asked(g.index)
                 if r.processes is not None:
                     self._process_counts[g.index] = len(r.processes)
                     listed.update(p.pid for p in r.processes)
                     r = self._cadence.apply(g.index, r, self._table, ask)
+                r = self._gpm_served(g.index, r, gpm_now)
             except Exception as exc:  # noqa: BLE001 - one GPU never takes the others down
                 message = str(exc) if isinstance(exc, GPULost) else (
                     f"GPU {g.index} ({g.uuid}) could not be sampled ({type(exc).__name__}: {exc}); it shows as "
@@ -220,8 +255,11 @@ class GPUCollector(Collector):
             t.up, t.error, t.reading, t.last_good = True, "", r, r.timestamp
             add(fams[GPU_UP.name], labels, 1.0)
             t.fresh = False
+            done = self._monotonic()
             if r.energy_j is not None and t.integrator is None:
-                t.count_energy(backend, r, started, self._monotonic(), self._monotonic)
+                t.count_energy(backend, r, started, done, self._monotonic)
+            if t.integrator is None:
+                t.apportion_sample(r, done, self._energy_interval, asked=asked)
             t.emit_energy(fams, labels, self._energy_timestamps)
             emit_reading(fams, r, labels, processes=self._processes)
             t.learn_idle(r)
@@ -230,7 +268,35 @@ class GPUCollector(Collector):
         self._states = tuple(states)
         self._table.forget_except(listed)
         errors = self._field_errors(backend)
-        return [available, *self._static, *[f for f in fams.values() if f.samples], *errors]
+        return [available, *self._static, *[f for f in fams.values() if f.samples], *errors,
+                *self._call_costs(backend)]
+
+    def request_counter_read(self) -> None:
+        """Read every GPU's energy counter at the next sample, whatever its schedule (a run started or
+        finished: its energy between its edges is then the counter's delta). Any thread; sets a flag."""
+        self._counter_wanted = True
+
+    def _gpm_served(self, index: int, r: GPUReading, sampled: bool) -> GPUReading:
+        """The reading with the GPM figures of the last GPM sample where this sample took none."""
+        if not self._gpm:
+            return r
+        if sampled:
+            if r.gpm:
+                self._last_gpm[index] = r.gpm
+            return r
+        last = self._last_gpm.get(index)
+        return replace(r, gpm=last) if last else r
+
+    @staticmethod
+    def _call_costs(backend: GPUBackend) -> list[Metric]:
+        costs = backend.call_costs()
+        if not costs:
+            return []
+        calls, seconds = NVML_CALLS.family(), NVML_CALL_SECONDS.family()
+        for name, (n, s) in sorted(costs.items()):
+            add(calls, [name], float(n))
+            add(seconds, [name], s)
+        return [calls, seconds]
 
     def _field_errors(self, backend: GPUBackend) -> list[Metric]:
         counts = backend.field_errors()

@@ -134,6 +134,19 @@ FIELD_ERRORS = define(
     "sample. The other readings go on either way.",
     _G + ("field", "reason"), collector="gpu",
 )
+NVML_CALLS = define(
+    "nvml", "calls_total", "counter",
+    "NVML calls the exporter made, per NVML function (failed calls included): with "
+    "gpuenergy_nvml_call_seconds_total, what sampling costs on this driver.",
+    ["function"], collector="gpu",
+)
+NVML_CALL_SECONDS = define(
+    "nvml", "call_seconds_total", "counter",
+    "CPU time the exporter's threads spent inside NVML calls, per NVML function (the calling thread's CPU "
+    "clock around each call). On an H100 with driver 580 the energy counter costs about 4 ms a read, "
+    "per-process utilisation about 2.6 ms, most other readings microseconds (docs/benchmarks.md).",
+    ["function"], collector="gpu", unit="seconds",
+)
 IDLE_POWER = _gpu(
     "idle_power_watts", "gauge",
     "Idle power baseline: learned (20th percentile of power while no compute process ran) or from "

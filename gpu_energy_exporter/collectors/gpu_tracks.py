@@ -2,9 +2,13 @@
 
 Energy comes from NVML's energy counter where the GPU has one (Volta and newer), every reading checked for
 plausibility before it is exposed (``core.energy.EnergyCounter``: bad readings are held back and counted,
-driver resets confirmed before they show); otherwise from a fast power sampler thread (``PowerSampler``)
-integrating instant power with the trapezoid rule. The idle baseline is learned from power while no compute
-process runs. Readings arrive in base units (``core.state.GPUReading``): nothing here converts a unit.
+driver resets confirmed before they show). The counter is read every ``--collector.energy-interval`` (about
+4 ms of CPU a read on a real driver); the samples in between get their energy from the power readings
+(``core.apportion.Apportioner``), so the exposed energy and the runs and pods charged from it keep the
+collector's time grid and sum exactly to the counter at each read. Otherwise from a fast power sampler
+thread (``PowerSampler``) integrating instant power with the trapezoid rule. The idle baseline is learned
+from power while no compute process runs. Readings arrive in base units (``core.state.GPUReading``): nothing
+here converts a unit.
 
 Touched only by the sampler thread, except a track's integrator, which ``PowerSampler`` feeds from its own
 thread. Never called from the scrape path.
@@ -29,6 +33,7 @@ from gpu_energy_exporter.collectors.gpu_metrics import (
     label_sets,
     put,
 )
+from gpu_energy_exporter.core.apportion import Apportioner
 from gpu_energy_exporter.core.energy import EnergyCounter, TrapezoidIntegrator, Verdict
 from gpu_energy_exporter.core.metrics import add
 from gpu_energy_exporter.core.state import GPUIdentity, GPUReading, GPUState
@@ -86,6 +91,45 @@ class GPUTrack:
     last_good: float | None = None
     up: bool = False
     error: str = ""
+    apportion: Apportioner = field(default_factory=Apportioner)  # on the monotonic total (in-process use)
+    series: Apportioner = field(default_factory=Apportioner)  # on the driver's value (what /metrics shows)
+    reset_seen: bool = False  # count_energy confirmed a counter reset this sample
+    estimated: bool = False  # this sample's energy is the counter's last total plus the power since
+    next_counter_read: float = float("-inf")  # monotonic time the energy counter is next read
+    counter_reads: int = 0  # accepted reads so far (the first spans are short)
+
+    # ---- the energy counter's schedule
+
+    def counter_due(self, now: float) -> bool:
+        """Read the counter this sample: its time has come, or a reading waits to be confirmed."""
+        return now >= self.next_counter_read or self.counter.holding
+
+    def apportion_sample(self, r: GPUReading, done: float, energy_interval: float, *, asked: bool) -> None:
+        """After ``count_energy`` (or without a counter reading this sample): the exposed energy on the
+        sample grid. ``done``: the monotonic time the reading returned (the schedule's clock). The energy
+        between readings is timed by the readings' own timestamps, the clock the GPU's power is read on (a
+        wall-clock step moves an estimate by at most ``Apportioner.max_gap_s`` of power, and the next counter
+        read puts it right). ``asked``: this sample asked for the counter; a counter that was asked and
+        could not be read leaves the sample absent, as a rejected reading does."""
+        average = r.power_average_w is not None
+        power = r.power_average_w if average else r.power_instant_w
+        t = r.timestamp
+        self.estimated = False
+        c = self.counter
+        if self.fresh and c.total_j is not None and c.exposed_j is not None:
+            self.apportion.counter(t, c.total_j, power, average=average)
+            self.series.counter(t, c.exposed_j, power, average=average, restart=self.reset_seen)
+            # The first spans are short (2, 4, 8, ... s up to the interval): the power readings' scale
+            # against the counter is learned within seconds of start-up.
+            self.counter_reads += 1
+            self.next_counter_read = done + min(energy_interval, 2.0 ** self.counter_reads)
+        elif not asked and power is not None and self.apportion.value_j is not None:
+            # Not read this sample (a read that was held back or rejected leaves the sample absent, as
+            # without a schedule: see emit_energy).
+            self.apportion.power(t, power, average=average)
+            self.series.power(t, power, average=average)
+            self.estimated = True
+        self.reset_seen = False
 
     # ---- the energy counter
 
@@ -121,6 +165,7 @@ class GPUTrack:
                     "Further ones are logged at debug level.", g.index, g.uuid, reason,
                     "none" if c.exposed_j is None else f"{c.exposed_j:.3f}")
         if v.reset:
+            self.reset_seen = True
             log.info("GPU %d (%s): energy counter reset (driver reload or GPU reset) confirmed, now %.3f J; "
                      "credited %.1f J for the part of the interval before it", g.index, g.uuid,
                      c.exposed_j or 0.0, v.credit_j)
@@ -129,7 +174,12 @@ class GPUTrack:
         """The exposed energy (J) and the wall time it was measured at."""
         if self.integrator is not None:
             return (self.integrator.energy_j, self.integrator.last_t) if self.integrator.samples else (None, None)
-        return self.counter.exposed_j, self.counter.exposed_stamp
+        c, value = self.counter, self.series.value_j
+        if value is None:
+            return c.exposed_j, c.exposed_stamp
+        # The driver's own value (it drops at a confirmed reset), moved on by the energy apportioned since.
+        stamp = self.reading.timestamp if self.estimated and self.reading is not None else c.exposed_stamp
+        return value, stamp
 
     def emit_energy(self, fams: dict[str, Metric], labels: list[str], timestamps: bool) -> None:
         energy, when = self._exposed()
@@ -139,7 +189,7 @@ class GPUTrack:
         # and over-count any window starting inside the gap. No timestamp by default (Prometheus' exporter
         # guidelines): the scrape time is used.
         sets = label_sets(labels[0], labels[1])
-        if energy is not None and (self.fresh or self.integrator is not None):
+        if energy is not None and (self.fresh or self.estimated or self.integrator is not None):
             put(fams, ENERGY, sets.base, energy, timestamp=when if timestamps else None)
         if self.integrator is None:
             put(fams, ENERGY_RESETS, sets.base, float(self.counter.resets))
@@ -151,7 +201,7 @@ class GPUTrack:
         """Monotonic energy for in-process consumers (ledger, pod attribution)."""
         if self.integrator is not None:
             return self.integrator.energy_j if self.integrator.samples else None
-        return self.counter.total_j
+        return self.apportion.value_j if self.apportion.value_j is not None else self.counter.total_j
 
     # ---- idle power
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from prometheus_client import ProcessCollector
@@ -23,6 +23,7 @@ from gpu_energy_exporter.collectors.health import HealthCollector
 from gpu_energy_exporter.collectors.host import HostCollector
 from gpu_energy_exporter.collectors.rapl import RaplCollector
 from gpu_energy_exporter.core.config import Config
+from gpu_energy_exporter.core.contract import RUN_FINISHED
 from gpu_energy_exporter.core.errors import ConfigError, ExporterError
 from gpu_energy_exporter.core.state import GPUIdentity
 from gpu_energy_exporter.daemon.api import api_routes, status_document
@@ -82,6 +83,8 @@ class Exporter:
                 power_interval=config.collector_power_interval,
                 idle_power_w=config.gpu_idle_power,
                 interval=config.collector_interval,
+                energy_interval=config.collector_energy_interval,
+                gpm_interval=config.collector_gpm_interval,
                 energy_timestamps=config.collector_gpu_energy_timestamps,
                 clock=clock,
                 process_interval=config.collector_gpu_process_interval,
@@ -184,6 +187,8 @@ class Exporter:
         self.ledger_exposition = PreparedSource(self.ledger.collect, self.ledger.version, clock=time.monotonic)
         self.sampler.add_listener(self.ledger_exposition.prepare)
         self.store.add_batch_listener(self.ledger.on_points)
+        if self.gpu is not None:
+            self.store.add_batch_listener(counter_reads_at_run_edges(self.gpu.request_counter_read))
         self.snapshot_collector.add_live_source(self.ledger.collect)
         sc = self.snapshot_collector
         self.exposition = CachedExposition([
@@ -351,3 +356,31 @@ def _fmt(address: tuple[str, int]) -> str:
 
 
 __all__ = ["Exporter", "ExporterError"]
+
+
+#: Run ids remembered by ``counter_reads_at_run_edges`` (emptied at this size: a forgotten run asks once more).
+RUN_EDGE_IDS = 4096
+
+
+def counter_reads_at_run_edges(request: Callable[[], None]) -> Callable[[Sequence[Any]], None]:
+    """A store batch listener: a request carrying a run's first point, or its ``training_run_finished`` of 1,
+    calls ``request`` (``GPUCollector.request_counter_read``: every energy counter is read at the next
+    sample), so a run's energy between its edges is the counter's own delta, not power apportioned between
+    reads every --collector.energy-interval. One set lookup per point; runs on the request thread."""
+    seen: set[str] = set()
+    finished = RUN_FINISHED.prometheus
+
+    def listener(points: Sequence[Any]) -> None:
+        edge = False
+        for p in points:
+            if p.run_id not in seen:
+                if len(seen) >= RUN_EDGE_IDS:
+                    seen.clear()
+                seen.add(p.run_id)
+                edge = True
+            elif p.name == finished and p.value >= 1:
+                edge = True
+        if edge:
+            request()
+
+    return listener

@@ -58,10 +58,11 @@ class GPUBackend(abc.ABC):
 
     @abc.abstractmethod
     def read(self, gpu: GPUIdentity, *, processes: bool = False, process_utilization: bool = False,
-             gpm: bool = False) -> GPUReading:
+             gpm: bool = False, energy: bool = True) -> GPUReading:
         """A full sample of one GPU. Raises ``GPULost`` when the GPU is gone; fields that cannot be read
         are None. The running processes are read only when asked for (``processes``: the list;
-        ``process_utilization``: the list with each process's SM utilisation), else ``processes`` is None."""
+        ``process_utilization``: the list with each process's SM utilisation), else ``processes`` is None.
+        ``energy``: read the energy counter (a few ms of CPU on a real driver), else ``energy_j`` is None."""
 
     @abc.abstractmethod
     def read_power_w(self, gpu: GPUIdentity) -> float | None:
@@ -75,6 +76,10 @@ class GPUBackend(abc.ABC):
     def health_reader(self) -> HealthReader | None:
         """GPU health readings and events (``collectors.health``), or None where the backend has none."""
         return None
+    def call_costs(self) -> dict[str, tuple[int, float]]:
+        """What the library calls cost so far: ``function -> (calls, CPU seconds of the calling thread)``.
+        Backends with no library to call return nothing."""
+        return {}
 
     def close(self) -> None:  # noqa: B027 - optional
         """Release the library."""

@@ -130,6 +130,9 @@ class NVMLBackend(GPUBackend):
         """Failed readings so far: ``(gpu index, field, reason) -> count`` (a copy)."""
         return self._nvml.field_errors()
 
+    def call_costs(self) -> dict[str, tuple[int, float]]:
+        return self._nvml.call_costs()
+
     # ------------------------------------------------------------------------------------------------
     # discovery
 
@@ -263,23 +266,26 @@ class NVMLBackend(GPUBackend):
         return watts(mw) if mw is not None else None
 
     def read(self, gpu: GPUIdentity, *, processes: bool = False, process_utilization: bool = False,
-             gpm: bool = False) -> GPUReading:
+             gpm: bool = False, energy: bool = True) -> GPUReading:
         i = gpu.index
         h = self._nvml.handle(i)
         now = self._clock()
-        with_energy = gpu.energy_method == ENERGY_METHOD_COUNTER and not self._nvml.unsupported(i, "energy_field")
+        # The energy counter costs about 4 ms of CPU a read on a real driver (the other fields microseconds):
+        # it is asked only when the caller's schedule asks for it (``energy``).
+        with_energy = (energy and gpu.energy_method == ENERGY_METHOD_COUNTER
+                       and not self._nvml.unsupported(i, "energy_field"))
         fields = _SAMPLE_FIELDS_WITH_ENERGY if with_energy else _SAMPLE_FIELDS
         request = self._field_requests.get((i, with_energy))
         if request is None:
             request = self._field_requests[(i, with_energy)] = FieldValues(fields)
         values = self._nvml.field_values(i, h, fields, _FIELD_NAMES, request)
         instant, average, mem_temp, module = values[:4]
-        energy = values[4] if with_energy else None
-        if energy is None:
+        counter = values[4] if with_energy else None
+        if counter is None and energy:
             # No field values (R470), no field 83, or the batched call failed this time: the counter's own
             # call, so one failing call still loses only its own readings. (Not asked again where the driver
             # said it has no counter.)
-            energy = self._nvml.field(i, "energy", "nvmlDeviceGetTotalEnergyConsumption", h)
+            counter = self._nvml.field(i, "energy", "nvmlDeviceGetTotalEnergyConsumption", h)
         # nvmlDeviceGetPowerUsage is the 1 s average or the instant reading (``power_usage_is_average``): asked
         # only when the field values did not give that reading.
         if (average if gpu.power_usage_is_average else instant) is None:
@@ -308,7 +314,7 @@ class NVMLBackend(GPUBackend):
             module = None
         return GPUReading(
             timestamp=now,
-            energy_j=joules(int(energy)) if energy is not None else None,
+            energy_j=joules(int(counter)) if counter is not None else None,
             power_instant_w=watts(instant) if instant is not None else None,
             power_average_w=watts(average) if average is not None else None,
             module_power_w=watts(module) if module is not None else None,

@@ -18,6 +18,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import threading
+import time
 from collections.abc import Callable
 from typing import Any, NamedTuple, TypeVar
 
@@ -129,6 +130,29 @@ class NVMLCalls:
         self._variant: dict[tuple[int, str], int] = {}
         self._errors: dict[tuple[int, str, str], int] = {}
         self._logged: set[tuple[int, str]] = set()
+        self._costs: dict[str, list[float]] = {}  # NVML function -> [calls, CPU seconds], under _lock
+
+    def timed(self, fn: Callable[..., T], *args: Any) -> T:
+        """``fn(*args)``, its calls and the calling thread's CPU time counted under the NVML function's name
+        (also when it raises: a failed call costs the driver too)."""
+        t0 = time.thread_time()
+        try:
+            return fn(*args)
+        finally:
+            spent = time.thread_time() - t0
+            name = _name(fn)
+            with self._lock:
+                cost = self._costs.get(name)
+                if cost is None:
+                    self._costs[name] = [1.0, spent]
+                else:
+                    cost[0] += 1.0
+                    cost[1] += spent
+
+    def call_costs(self) -> dict[str, tuple[int, float]]:
+        """What the NVML calls cost so far: ``function -> (calls, CPU seconds)`` (a copy)."""
+        with self._lock:
+            return {name: (int(n), s) for name, (n, s) in self._costs.items()}
 
     def unsupported(self, index: int, what: str) -> bool:
         """The driver said (once) that GPU ``index`` has no ``what``: it is not asked again."""
@@ -221,7 +245,7 @@ class NVMLCalls:
                 reason, detail = REASON_FUNCTION_NOT_FOUND, f"the installed pynvml has no {named}"
             else:
                 try:
-                    value = fn(*args)
+                    value = self.timed(fn, *args)
                 except Exception as exc:  # noqa: BLE001 - one call never takes more than its own reading
                     reason = self.classify(index, what, exc)
                     detail = f"{_name(named)}: {type(exc).__name__}: {exc}"
@@ -281,7 +305,9 @@ class NVMLCalls:
 
 
 def _name(fn: Any) -> str:
-    return fn if isinstance(fn, str) else getattr(fn, "__name__", repr(fn))
+    if isinstance(fn, str):
+        return fn
+    return str(getattr(fn, "nvml_function", None) or getattr(fn, "__name__", repr(fn)))
 
 
 class _FieldValue(ctypes.Structure):
@@ -373,6 +399,9 @@ def process_utilization(h: Any, last_seen: int) -> Any:
         if getattr(exc, "value", None) == pynvml.NVML_ERROR_NOT_FOUND:
             return []
         raise
+
+
+process_utilization.nvml_function = "nvmlDeviceGetProcessUtilization"  # type: ignore[attr-defined]
 
 
 def field_value(v: Any) -> float | None:

@@ -88,7 +88,7 @@ class SimulatedBackend(GPUBackend):
         return self._gpus[gpu.index].power_at(self._clock())
 
     def read(self, gpu: GPUIdentity, *, processes: bool = False, process_utilization: bool = False,
-             gpm: bool = False) -> GPUReading:
+             gpm: bool = False, energy: bool = True) -> GPUReading:
         now = self._clock()
         with self._lock:
             g = self._gpus[gpu.index]
@@ -105,7 +105,7 @@ class SimulatedBackend(GPUBackend):
             if processes or process_utilization else None
         )
         return GPUReading(
-            timestamp=now, energy_j=joules(energy_mj), power_instant_w=power, power_average_w=avg,
+            timestamp=now, energy_j=joules(energy_mj) if energy else None, power_instant_w=power, power_average_w=avg,
             power_limit_w=g.limit_w, memory_used_bytes=used, memory_total_bytes=g.memory_total,
             memory_reserved_bytes=512 * 1024**2,
             util_gpu_ratio=ratio(98.0 * load), util_memory_ratio=ratio(55.0 * load),

@@ -24,8 +24,6 @@ import secrets
 import threading
 from collections.abc import Mapping
 
-import bcrypt
-
 # $2a$ (Go), $2b$ (OpenBSD, Python) and $2y$ (htpasswd) are the same algorithm for valid UTF-8.
 BCRYPT_RE = re.compile(r"^\$2[aby]\$(\d\d)\$[./A-Za-z0-9]{53}$")
 #: Credentials whose result is remembered (docs/configuration.md quotes it).
@@ -100,6 +98,8 @@ class BasicAuth:
             if cached is not None:
                 self._cache.move_to_end(key)
                 return cached
+        import bcrypt  # only where basic auth is configured: the daemon without it never loads it
+
         if not self._bcrypt_slots.acquire(timeout=_BCRYPT_WAIT_S):
             raise AuthBusy("too many password checks in progress")
         try:
@@ -120,6 +120,8 @@ class BasicAuth:
     def _dummy_hash(self) -> str:
         with self._lock:
             if self._dummy is None:
+                import bcrypt
+
                 cost = max(int(BCRYPT_RE.match(h).group(1)) for h in self._users.values())  # type: ignore[union-attr]
                 self._dummy = bcrypt.hashpw(secrets.token_bytes(16), bcrypt.gensalt(rounds=cost)).decode()
             return self._dummy

@@ -45,8 +45,6 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
-import yaml
-
 from gpu_energy_exporter.core.config import parse_duration
 from gpu_energy_exporter.core.errors import ConfigError
 from gpu_energy_exporter.http.basicauth import BCRYPT_RE, BasicAuth
@@ -156,6 +154,8 @@ def parse_web_config(text: str, *, base_dir: str, source: str = "<web config>") 
 
 
 def _parse(text: str, base_dir: str, source: str) -> WebConfig:
+    import yaml  # only with --web.config.file: the daemon without one never loads it
+
     try:
         doc = yaml.safe_load(text)
     except yaml.YAMLError as exc:

@@ -22,16 +22,17 @@ import time
 import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import requests
 from prometheus_client.core import Metric
-from urllib3.exceptions import InsecureRequestWarning
 
 from gpu_energy_exporter import __version__
 from gpu_energy_exporter.core.errors import ConfigError
 from gpu_energy_exporter.core.metrics import add, define
 from gpu_energy_exporter.otlp.conventions import OTLPPoint, snapshot_points
+
+if TYPE_CHECKING:  # requests (and urllib3 under it) are imported only when a push endpoint is set: several MB
+    import requests
 
 log = logging.getLogger(__name__)
 
@@ -182,27 +183,33 @@ class PushSettings:
     timeout_s: float = 10.0
 
 
-class _PushSession(requests.Session):
+def _push_session(verify: bool | str) -> Any:
     """The requests session under the SDK's exporter. It pins certificate verification per request
     (requests lets ``REQUESTS_CA_BUNDLE`` override a session's CA file, and the SDK resets
-    ``session.verify``), and keeps the last response so that a redirect or an OTLP partial success is
-    not taken for an accepted push."""
+    ``session.verify``), and keeps the last response (``last_response``) so that a redirect or an OTLP
+    partial success is not taken for an accepted push. requests is imported here, only where a push
+    endpoint is set: the daemon without one never loads it (about 4 MB of resident memory)."""
+    import requests
+    from urllib3.exceptions import InsecureRequestWarning
 
-    def __init__(self, verify: bool | str) -> None:
-        super().__init__()
-        self.pinned_verify = verify
-        self.last_response: requests.Response | None = None
+    class PushSession(requests.Session):
+        def __init__(self, verify: bool | str) -> None:
+            super().__init__()
+            self.pinned_verify = verify
+            self.last_response: requests.Response | None = None
 
-    def request(self, method: str | bytes, url: str | bytes, *args: Any,
-                **kwargs: Any) -> requests.Response:
-        kwargs["verify"] = self.pinned_verify
-        self.last_response = None
-        with warnings.catch_warnings():
-            if self.pinned_verify is False:  # asked for with --otlp.push-insecure-skip-verify, said once at start
-                warnings.simplefilter("ignore", InsecureRequestWarning)
-            response = super().request(method, url, *args, **kwargs)  # type: ignore[arg-type]
-        self.last_response = response
-        return response
+        def request(self, method: str | bytes, url: str | bytes, *args: Any,
+                    **kwargs: Any) -> requests.Response:
+            kwargs["verify"] = self.pinned_verify
+            self.last_response = None
+            with warnings.catch_warnings():
+                if self.pinned_verify is False:  # asked for with --otlp.push-insecure-skip-verify, said at start
+                    warnings.simplefilter("ignore", InsecureRequestWarning)
+                response = super().request(method, url, *args, **kwargs)  # type: ignore[arg-type]
+            self.last_response = response
+            return response
+
+    return PushSession(verify)
 
 
 def rejected_points(response: requests.Response) -> tuple[int, str]:
@@ -240,7 +247,7 @@ def new_sdk_exporter(settings: PushSettings) -> Any:
     if settings.insecure_skip_verify:
         log.warning("--otlp.push-insecure-skip-verify: the certificate of %s is not verified (testing only)",
                     settings.endpoint)
-    session = _PushSession(False if settings.insecure_skip_verify else (settings.ca_file or True))
+    session = _push_session(False if settings.insecure_skip_verify else (settings.ca_file or True))
     exporter = OTLPMetricExporter(
         endpoint=settings.endpoint,
         certificate_file=None if settings.insecure_skip_verify else settings.ca_file,

@@ -48,6 +48,12 @@ from .scenario import (
 
 #: Environment variable holding the scenario file's path.
 SCENARIO_ENV = "FAKE_NVML_SCENARIO"
+#: Environment variable naming the cost model's profile (wins over the scenario's ``Driver.cost_profile``;
+#: "off" disables it): every NVML call then burns the CPU time that real driver was measured to burn.
+COST_PROFILE_ENV = "FAKE_NVML_COST_PROFILE"
+#: Cost profiles the library knows, named for the card and driver they were measured on
+#: (reference/real-gpu-h100.md). The benchmarks use the first by default.
+COST_PROFILES = ("h100-580",)
 #: Environment variable: if set, the library appends "<unix time> <pid> <function>" per NVML call to it.
 CALL_LOG_ENV = "FAKE_NVML_CALL_LOG"
 
@@ -57,6 +63,8 @@ __all__ = [
     "ARCH_PASCAL",
     "ARCH_VOLTA",
     "CALL_LOG_ENV",
+    "COST_PROFILES",
+    "COST_PROFILE_ENV",
     "GPM_ANY_TENSOR_UTIL",
     "GPM_DRAM_BW_UTIL",
     "GPM_GRAPHICS_UTIL",

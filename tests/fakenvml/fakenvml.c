@@ -338,6 +338,7 @@ struct driver_cfg {
     double frozen_time;
     int has_epoch;
     double epoch;
+    char cost_profile[32]; /* cost model profile named by the scenario ("" none); see "Cost model" */
 };
 
 struct fake_gpm_sample {
@@ -578,6 +579,161 @@ static void count_call(const char *fn) {
             /* a log that cannot be written is not worth failing an NVML call for */
         }
     }
+}
+
+/* ---- Cost model ----------------------------------------------------------------------------------- */
+
+/*
+ * What a call costs on a real driver: each NVML function burns the CPU time a real driver was measured to
+ * burn for it (busy-spinning on the calling thread's CPU clock, not sleeping: the real calls are CPU-bound),
+ * serialised by one global lock (four threads reading the energy counter at once took as long as one thread
+ * reading four times as often). A profile is named for the card and driver it was measured on and chosen
+ * by the environment variable FAKE_NVML_COST_PROFILE (wins; "off" disables) or the scenario's
+ * "cost_profile" in [driver]; none by default, so unit tests answer in microseconds unless they ask.
+ * nvmlDeviceGetFieldValues costs its base plus a cost per field asked (the energy counter's field costs what
+ * nvmlDeviceGetTotalEnergyConsumption costs). A call the library
+ * lacks (FUNCTION_NOT_FOUND) costs nothing: pynvml never reaches a driver for it. The CPU burned is counted
+ * per function (fakeNvmlCostSeconds) so benchmarks can say what NVML cost apart from the Python around it.
+ */
+
+struct cost_entry {
+    const char *fn;
+    double us; /* CPU microseconds per call */
+};
+
+struct cost_profile {
+    const char *name;
+    const struct cost_entry *entries; /* terminated by {NULL, 0} */
+    double default_us;                /* any function not listed (the cheap tier) */
+    double field_us;                  /* per field of nvmlDeviceGetFieldValues, the energy counter apart */
+    double energy_field_us;           /* NVML_FI_DEV_TOTAL_ENERGY_CONSUMPTION through nvmlDeviceGetFieldValues */
+};
+
+/* NVIDIA H100 80GB HBM3, driver 580.159.04 (reference/real-gpu-h100.md): CPU per call, `time.process_time`,
+ * the loaded-GPU column where both were measured (the exporter's case is a busy node), the middle of a
+ * measured range otherwise. */
+static const struct cost_entry COST_H100_580[] = {
+    {"nvmlDeviceGetTotalEnergyConsumption", 4000},
+    {"nvmlDeviceGetFieldValues", 5},
+    {"nvmlDeviceGetPowerUsage", 2},
+    {"nvmlDeviceGetProcessUtilization", 2600},
+    /* nvmlDeviceGetSamples (not in this library yet) measured 0.42 ms for TOTAL_POWER_SAMPLES and 3.5 ms for
+     * GPU_UTILIZATION_SAMPLES: charge by type when the function joins. */
+    {"nvmlGpmSampleGet", 350},
+    {"nvmlGpmMetricsGet", 20},
+    {"nvmlGpmQueryDeviceSupport", 20},
+    {"nvmlDeviceGetComputeRunningProcesses_v3", 60},
+    {"nvmlDeviceGetComputeRunningProcesses_v2", 60},
+    {"nvmlDeviceGetMemoryInfo", 10},
+    {"nvmlDeviceGetMemoryInfo_v2", 10},
+    {"nvmlDeviceGetUtilizationRates", 10},
+    {"nvmlDeviceGetTemperature", 10},
+    {"nvmlDeviceGetTemperatureV", 10},
+    {"nvmlDeviceGetClockInfo", 10},
+    {"nvmlDeviceGetCurrentClocksEventReasons", 10},
+    {"nvmlDeviceGetCurrentClocksThrottleReasons", 10},
+    {"nvmlDeviceGetEnforcedPowerLimit", 5},
+    {"nvmlDeviceGetPowerManagementLimit", 5},
+    {"nvmlDeviceGetPerformanceState", 5},
+    /* health readings (same GPU) */
+    {"nvmlDeviceGetTotalEccErrors", 20},
+    {"nvmlDeviceGetMemoryErrorCounter", 20},
+    {"nvmlDeviceGetRemappedRows", 3},
+    {"nvmlDeviceGetPcieReplayCounter", 185},
+    {"nvmlDeviceGetPcieThroughput", 870},
+    {"nvmlDeviceGetCurrPcieLinkGeneration", 20},
+    {"nvmlDeviceGetCurrPcieLinkWidth", 20},
+    {"nvmlDeviceGetMaxPcieLinkGeneration", 20},
+    {"nvmlDeviceGetMaxPcieLinkWidth", 20},
+    {"nvmlDeviceGetMigMode", 170},
+    {"nvmlDeviceGetSupportedEventTypes", 1},
+    {"nvmlEventSetWait", 110},
+    {"nvmlEventSetWait_v2", 110},
+    {NULL, 0},
+};
+
+static const struct cost_profile COST_PROFILES[] = {
+    {"h100-580", COST_H100_580, 5, 3, 4000},
+};
+#define N_COST_PROFILES ((int)(sizeof COST_PROFILES / sizeof COST_PROFILES[0]))
+
+static pthread_mutex_t g_cost_lock = PTHREAD_MUTEX_INITIALIZER; /* the driver's serialisation */
+static int g_cost_env = -3;          /* -3 unread; -2 unset; -1 "off"; >= 0 the profile FAKE_NVML_COST_PROFILE names */
+static __thread double t_cost_extra_us; /* what the current call adds to its function's cost (fields, types) */
+static struct {
+    const char *fn;
+    unsigned long long n;
+    double s;
+} g_costs[MAX_COUNTED];              /* guarded by g_cost_lock */
+
+static int cost_profile_index(const char *name) {
+    for (int i = 0; i < N_COST_PROFILES; i++)
+        if (!strcmp(COST_PROFILES[i].name, name)) return i;
+    return -1;
+}
+
+/* The active profile, or NULL. Called with g_lock held (the scenario's choice is read). */
+static const struct cost_profile *cost_active(void) {
+    if (g_cost_env == -3) {
+        const char *e = getenv("FAKE_NVML_COST_PROFILE");
+        if (!e || !*e) g_cost_env = -2;
+        else if (!strcmp(e, "off") || !strcmp(e, "none")) g_cost_env = -1;
+        else if ((g_cost_env = cost_profile_index(e)) < 0) {
+            fprintf(stderr, "fakenvml: FAKE_NVML_COST_PROFILE=%s is no profile (known: h100-580); off\n", e);
+            g_cost_env = -1;
+        }
+    }
+    if (g_cost_env >= 0) return &COST_PROFILES[g_cost_env];
+    if (g_cost_env == -1 || !g_driver.cost_profile[0]) return NULL;
+    int i = cost_profile_index(g_driver.cost_profile);
+    return i >= 0 ? &COST_PROFILES[i] : NULL;
+}
+
+static double cost_us(const struct cost_profile *p, const char *fn) {
+    for (const struct cost_entry *e = p->entries; e->fn; e++)
+        if (!strcmp(e->fn, fn)) return e->us;
+    return p->default_us;
+}
+
+static double thread_cpu_s(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+/* Burn us microseconds of this thread's CPU under the driver lock; counted for fn. Never with g_lock held. */
+static void cost_burn(const char *fn, double us) {
+    pthread_mutex_lock(&g_cost_lock);
+    double t0 = thread_cpu_s(), t1 = t0, until = t0 + us * 1e-6;
+    while (t1 < until) t1 = thread_cpu_s();
+    for (int i = 0; i < MAX_COUNTED; i++) {
+        if (g_costs[i].fn == NULL) g_costs[i].fn = fn;
+        if (g_costs[i].fn == fn || !strcmp(g_costs[i].fn, fn)) {
+            g_costs[i].n++;
+            g_costs[i].s += t1 - t0;
+            break;
+        }
+    }
+    pthread_mutex_unlock(&g_cost_lock);
+}
+
+/* The cost of the call fn now entering (g_lock held), or 0 when no profile is active. */
+static double cost_of_call(const char *fn) {
+    double extra = t_cost_extra_us;
+    t_cost_extra_us = 0;
+    const struct cost_profile *p = cost_active();
+    return p ? cost_us(p, fn) + extra : 0;
+}
+
+/* Per-field cost of an nvmlDeviceGetFieldValues request (read before the call: the ids are inputs). */
+static void cost_fields(int n, const nvmlFieldValue_t *values) {
+    pthread_mutex_lock(&g_lock);
+    const struct cost_profile *p = cost_active();
+    pthread_mutex_unlock(&g_lock);
+    t_cost_extra_us = 0;
+    if (!p || n <= 0 || !values) return;
+    for (int i = 0; i < n; i++)
+        t_cost_extra_us += values[i].fieldId == NVML_FI_DEV_TOTAL_ENERGY_CONSUMPTION ? p->energy_field_us : p->field_us;
 }
 
 /* ---- Scenario parsing ----------------------------------------------------------------------------- */
@@ -923,6 +1079,10 @@ static int driver_key(struct driver_cfg *d, const char *key, const char *v) {
     if (!strncmp(key, "delay_ms.", 9)) return add_delay(d->delays, &d->ndelays, key + 9, v);
     if (!strcmp(key, "missing")) return snprintf(d->missing, LIST_LEN, "%s", v) >= LIST_LEN ? -1 : 0;
     if (!strcmp(key, "not_supported")) return snprintf(d->not_supported, LIST_LEN, "%s", v) >= LIST_LEN ? -1 : 0;
+    if (!strcmp(key, "cost_profile")) {
+        if (strcmp(v, "off") && strcmp(v, "none") && cost_profile_index(v) < 0) return -1;
+        return snprintf(d->cost_profile, sizeof d->cost_profile, "%s", strcmp(v, "none") ? v : "off") >= 32 ? -1 : 0;
+    }
     if (!strcmp(key, "frozen_time")) {
         d->has_frozen_time = 1;
         return parse_double(v, &d->frozen_time);
@@ -1122,6 +1282,14 @@ static nvmlReturn_t enter(const char *fn, nvmlDevice_t h, int flags, struct gpu 
         else if (delay_for(g->c.errors, g->c.nerrors, fn) > 0) r = (nvmlReturn_t)delay_for(g->c.errors, g->c.nerrors, fn);
         else if (mig >= 0 && !(flags & F_ALLOW_MIG)) r = NVML_ERROR_NOT_SUPPORTED; /* no per-MIG readings */
         else if (mig >= 0 && (!g->c.mig_mode || mig >= g->c.nmig)) r = NVML_ERROR_INVALID_ARGUMENT;
+    }
+    /* The cost model: what the real driver burns for this call (a missing symbol costs nothing). */
+    double cost = r == NVML_ERROR_FUNCTION_NOT_FOUND ? (t_cost_extra_us = 0) : cost_of_call(fn);
+    if (cost > 0) {
+        pthread_mutex_unlock(&g_lock);
+        cost_burn(fn, cost);
+        if (r != NVML_SUCCESS) return r;
+        pthread_mutex_lock(&g_lock);
     }
     if (r != NVML_SUCCESS) {
         pthread_mutex_unlock(&g_lock);
@@ -1368,6 +1536,7 @@ EXPORT nvmlReturn_t nvmlDeviceGetPowerUsage(nvmlDevice_t device, unsigned int *p
 
 EXPORT nvmlReturn_t nvmlDeviceGetFieldValues(nvmlDevice_t device, int valuesCount, nvmlFieldValue_t *values) {
     struct gpu *g;
+    cost_fields(valuesCount, values); /* cost model: the fields asked (see "Cost model") */
     ENTER_GPU(device, g);
     if (valuesCount < 0 || (valuesCount > 0 && !values)) return leave(NVML_ERROR_INVALID_ARGUMENT);
     double tn = now(), t = tn - g_epoch;
@@ -2138,6 +2307,30 @@ EXPORT void fakeNvmlResetCallCounts(void) {
     memset(g_counts, 0, sizeof g_counts);
     g_count_total = 0;
     pthread_mutex_unlock(&g_lock);
+}
+
+/* CPU seconds the cost model burned in calls to fn (NULL: all functions); 0 with no profile. */
+EXPORT double fakeNvmlCostSeconds(const char *fn) {
+    double s = 0;
+    pthread_mutex_lock(&g_cost_lock);
+    for (int i = 0; i < MAX_COUNTED && g_costs[i].fn; i++)
+        if (!fn || !strcmp(g_costs[i].fn, fn)) s += g_costs[i].s;
+    pthread_mutex_unlock(&g_cost_lock);
+    return s;
+}
+
+/* The active cost profile's name ("" none). */
+EXPORT const char *fakeNvmlCostProfile(void) {
+    pthread_mutex_lock(&g_lock);
+    const struct cost_profile *p = cost_active();
+    pthread_mutex_unlock(&g_lock);
+    return p ? p->name : "";
+}
+
+EXPORT void fakeNvmlResetCostCounts(void) {
+    pthread_mutex_lock(&g_cost_lock);
+    memset(g_costs, 0, sizeof g_costs);
+    pthread_mutex_unlock(&g_cost_lock);
 }
 
 /* The reason the last scenario read failed ("" if none). */

@@ -441,6 +441,9 @@ class Driver:
     missing: tuple[str, ...] = ()  # FUNCTION_NOT_FOUND for every caller
     not_supported: tuple[str, ...] = ()
     frozen_time: float | None = None  # unix time the library uses as "now" (None: the real clock)
+    # The cost model's profile (``COST_PROFILES``): every call burns what that real driver burns. None: none,
+    # unless the environment variable FAKE_NVML_COST_PROFILE names one (it wins over this).
+    cost_profile: str | None = None
 
     def render(self) -> str:
         lines = [
@@ -460,6 +463,8 @@ class Driver:
             lines.append("not_supported = " + " ".join(self.not_supported))
         if self.frozen_time is not None:
             lines.append(f"frozen_time = {_num(self.frozen_time)}")
+        if self.cost_profile is not None:
+            lines.append(f"cost_profile = {self.cost_profile}")
         return "\n".join(lines) + "\n"
 
 
