@@ -35,7 +35,7 @@ from collections.abc import Callable, Mapping, Sequence
 from gpu_energy_exporter.core import contract
 from gpu_energy_exporter.core.runs_schema import KEEP_FINISHED_S
 from gpu_energy_exporter.core.state import Snapshot
-from gpu_energy_exporter.ledger import accounting, claims, clients, files, restart, runs, specs
+from gpu_energy_exporter.ledger import accounting, claims, clients, files, jobs, restart, runs, specs
 from gpu_energy_exporter.ledger.files import iso_utc
 from gpu_energy_exporter.ledger.filewriter import Row
 from gpu_energy_exporter.ledger.frames import Frame, frame_of
@@ -289,6 +289,9 @@ class RunLedger(LedgerViews):
             while len(self._history) > 1 and self._history[0].t < frame.t - self._history_s:
                 self._settle(self._history[0], self._history[1])
                 self._history.popleft()
+            # Slurm jobs are runs: opened, given their GPUs and ended by the job-mapping directory (ledger.jobs).
+            if jobs.track(snapshot.slurm_jobs, prev, frame, self._active, self._open_job, self._holders_changed):
+                self._durable.started()
             now = self._clock()
             for run in list(self._active.values()):
                 if run.tentative:
@@ -311,6 +314,16 @@ class RunLedger(LedgerViews):
                     self._close(run, run.status if run.status == "stale" else "finished")
             self._expire(now)
         self._durable.after_snapshot(now)
+
+    def _open_job(self, job_id: str, start: float) -> Run | None:
+        """A new run for a Slurm job (``jobs.track``), or None when the ledger tracks all the runs it may."""
+        if len(self._active) >= self._max_active:
+            self._rejected += 1
+            return None
+        fresh = not any(r.run_id == job_id for r in self._closed)
+        run = self._active[job_id] = Run(job_id, start, self.warmup_s, fresh, self._timeline_points, self._clock())
+        log.info("run %s started: Slurm job holding GPUs on this node", job_id)
+        return run
 
     def _settle(self, f0: Frame, f1: Frame) -> None:
         """Add the unattributed part of each GPU's energy over (f0, f1] to its total."""
