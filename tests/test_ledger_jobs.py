@@ -7,12 +7,22 @@ end-to-end figures (real Slurm, real prolog and epilog, the ledger's rows) are i
 
 from __future__ import annotations
 
+import csv
+import dataclasses
+import json
 import math
 import random
+import re
+from collections.abc import Callable
+from pathlib import Path
 
 import pytest
+from test_ledger import T0, UUID_A, Clock, Harness, constant, exposition, gpu_state, point, snapshot, trainer
 
+from gpu_energy_exporter.core.state import SlurmJob
+from gpu_energy_exporter.ledger import RunLedger
 from gpu_energy_exporter.ledger.split import Holding, Proc, charge, piece_shares, unattributed
+from gpu_energy_exporter.otlp.store import AcceptedPoint
 
 INF = math.inf
 
@@ -72,3 +82,100 @@ def test_with_jobs_charged_time_plus_unattributed_time_is_the_interval() -> None
         assert total + unattributed(t0, t1, hs, procs) == pytest.approx(t1 - t0)
         if any(h.allocated and h.start <= t0 and h.end >= t1 for h in hs):
             assert total == pytest.approx(t1 - t0)  # a job holds the GPU throughout: nothing unattributed
+
+
+# ----------------------------------------------------------------------------------------------------
+# the ledger: job runs opened, charged and closed by the job-mapping directory's jobs on each snapshot
+
+
+class JobHarness(Harness):
+    """``Harness`` whose snapshots carry the Slurm jobs ``jobs_at(t)`` says hold GPUs then."""
+
+    def __init__(self, ledger: RunLedger, clock: Clock, jobs_at: Callable[[float], tuple[SlurmJob, ...]],
+                 watts: float = 300.0) -> None:
+        self.jobs_at = jobs_at
+        super().__init__(ledger, clock, {UUID_A: constant(watts)}, idle={UUID_A: 100.0})
+
+    def snap_at(self, t: float) -> None:
+        self.clock.t = t
+        gpus = (gpu_state(UUID_A, t, self.traces[UUID_A], idle=100.0),)
+        self.ledger.on_snapshot(dataclasses.replace(snapshot(t, gpus), slurm_jobs=self.jobs_at(t)))
+
+
+def _job(job_id: str, lo: float, hi: float) -> Callable[[float], tuple[SlurmJob, ...]]:
+    """Job ``job_id`` on GPU A in the snapshots from ``lo`` to ``hi`` (the prolog and epilog between)."""
+    held = (SlurmJob(job_id, (UUID_A,), "alice", "physics", "gpu"),)
+    return lambda t: held if lo - 1e-9 <= t <= hi + 1e-9 else ()
+
+
+def _unattributed(ledger: RunLedger) -> float:
+    m = re.search(r'gpuenergy_ledger_unattributed_energy_joules_total\{[^}]*\} (\S+)', exposition(ledger))
+    assert m, "no unattributed series"
+    return float(m.group(1))
+
+
+def test_a_job_that_pushes_nothing_is_a_run_from_prolog_to_epilog_with_one_row(tmp_path: Path) -> None:
+    clock = Clock()
+    runs_csv = tmp_path / "runs.csv"
+    ledger = RunLedger(str(runs_csv), warmup_s=0.0, stale_after_s=1.0, late_window_s=1.0, clock=clock)
+    h = JobHarness(ledger, clock, _job("7", T0 + 3, T0 + 6))
+    h.run_until(T0 + 12)  # longer than stale_after: a job run never goes stale while the job is listed
+    # Listed in the snapshots at T0+3..T0+6: it started after T0+2 and ended before T0+7; counted from the
+    # snapshot before the first that lists it to the last that lists it (as the slurm collector does):
+    # 300 W x 4 s = 1200 J, 100 W idle x 4 s = 400 J of it idle.
+    s = summary_of_finished(ledger, "7")
+    assert s["energy_j"] == pytest.approx(1200.0) and s["duration_s"] == pytest.approx(4.0)
+    assert s["idle_energy_j"] == pytest.approx(400.0) and s["dynamic_energy_j"] == pytest.approx(800.0)
+    assert s["gpu_count"] == 1 and s["tokens"] is None and s["energy_split"] == "exclusive"
+    assert "Slurm job 7 (user alice, account physics, partition gpu)" in s["ledger_notes"]
+    assert s["metadata"]["slurm_user"] == "alice" and s["metadata"]["slurm_job_id"] == "7"
+    ledger.close()
+    with open(runs_csv, newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert [(r["run_id"], r["status"], float(r["energy_j"])) for r in rows] == [("7", "finished", 1200.0)]
+    assert json.loads((tmp_path / "runs" / "7.json").read_text())["metadata"]["slurm_partition"] == "gpu"
+    # Every joule is the job's or unattributed: the intervals settled so far (those out of the 2 s snapshot
+    # history at T0+12: up to T0+10) are 300 W x 10 s = 3000 J, 1200 J of them the job's.
+    assert _unattributed(ledger) == pytest.approx(3000.0 - 1200.0)
+
+
+def summary_of_finished(ledger: RunLedger, run_id: str) -> dict:  # type: ignore[type-arg]
+    found = [r for r in ledger.runs() if r["run_id"] == run_id]
+    assert len(found) == 1, found
+    doc = ledger.run(run_id)
+    assert doc is not None and doc["status"] == "finished", doc
+    return doc
+
+
+def test_a_job_and_another_run_on_its_gpu_add_up_to_the_gpus_energy() -> None:
+    clock = Clock()
+    ledger = RunLedger(None, warmup_s=0.0, stale_after_s=300.0, clock=clock)
+    h = JobHarness(ledger, clock, _job("7", T0 + 3, T0 + 8))
+    other = trainer(h, "other", T0, T0 + 10, rate=10.0, every=1.0)  # names GPU A, says no pid: its claim
+    h.run_until(T0 + 11, other)
+    job, run = summary_of_finished(ledger, "7"), summary_of_finished(ledger, "other")
+    # The job holds A from T0+2 to T0+8 (6 s), shared evenly with "other" (no process list: the claims).
+    assert job["energy_j"] == pytest.approx(150.0 * 6)
+    assert run["energy_j"] == pytest.approx(300.0 * 2 + 150.0 * 6 + 300.0 * 2)
+    assert job["energy_j"] + run["energy_j"] == pytest.approx(300.0 * 10)
+
+
+def test_a_rank_pushing_under_its_own_run_id_is_taken_into_its_jobs_run() -> None:
+    clock = Clock()
+    ledger = RunLedger(None, warmup_s=0.0, stale_after_s=300.0, clock=clock)
+    h = JobHarness(ledger, clock, _job("7", T0 + 1, T0 + 10))
+    resource = (("slurm_job_id", "7"),)  # the helper's resource: its job identity
+
+    def push(t: float) -> None:
+        if T0 + 2 <= t <= T0 + 6:
+            for name, value in (("training_tokens_total", 100.0 * (t - T0 - 2)),
+                                ("training_run_finished", 1.0 if t >= T0 + 6 else 0.0)):
+                p = point("llama", name, value, t)
+                h.push(AcceptedPoint(p.run_id, p.name, p.labels, p.value, p.time, p.kind, resource=resource))
+    h.run_until(T0 + 12, push)
+    assert [r["run_id"] for r in ledger.runs()] == ["7"]
+    s = summary_of_finished(ledger, "7")
+    # The job's energy (T0 to T0+10, its rank's finish at T0+6 does not end it), the rank's tokens.
+    assert s["energy_j"] == pytest.approx(3000.0) and s["tokens"] == pytest.approx(400.0)
+    assert s["j_per_token"] == pytest.approx(3000.0 / 400.0)
+    assert "its ranks push under run id 'llama'" in s["ledger_notes"]

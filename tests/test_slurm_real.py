@@ -217,7 +217,7 @@ def test_jobs_are_charged_their_gpus_energy_with_a_real_slurm(
         gpus = 2 if job == c else 1
         check_job_row(listed[job], want, gpus)
         check_job_row(next(r for r in rows if r["run_id"] == job), want, gpus)
-        print(f"\n[issue 23] job {job}: ledger row {float(listed[job]['energy_j']):.1f} J, truth {want:.1f} J")
+        print(f"\n[issue 23] job {job}: ledger row {float(listed[job]['energy_j']):.3f} J, truth {want:.1f} J")
     assert sorted(r["run_id"] for r in api_runs(exp)) == sorted(truth), "no other run"
     doc = json.loads((runs_csv.parent / "runs" / f"{a}.json").read_text())
     assert doc["metadata"]["slurm_user"] == "root" and doc["metadata"]["slurm_partition"] == "test"
@@ -291,5 +291,5 @@ def test_a_job_whose_rank_pushes_through_the_helper_is_one_ledger_row(
         assert float(row["mfu"]) > 0
     doc = json.loads((runs_csv.parent / "runs" / f"{job}.json").read_text())
     assert doc["metadata"]["slurm_job_id"] == job and doc["metadata"]["model"] == "tiny"
-    print(f"\n[issue 23] job {job} with the helper: ledger row {float(listed[0]['energy_j']):.1f} J (truth 800.0 J), "
+    print(f"\n[issue 23] job {job} with the helper: ledger row {float(listed[0]['energy_j']):.3f} J (truth 800.0 J), "
           f"{listed[0]['tokens']:.0f} tokens, {listed[0]['j_per_token']:.4f} J/token, MFU {listed[0]['mfu']:.2e}")

@@ -7,17 +7,21 @@ interval: the slurm collector charges the same interval). The mapping is the aut
 they are the run's, and its claim on them is confirmed by the allocation (``Holding.allocated``: never
 refused by the NVML-process rule, and the processes on them that are no run's are the job's). When the job's
 ranks push through the training helper under the job id (the helper's default, ``SLURM_JOB_ID``) it is the
-same run: one row with tokens, J/token and MFU. A job run ends at the last snapshot that lists the job (its
-ranks' ``training_run_finished`` do not end it: the epilog does), and is closed as ``finished`` with its row.
+same run: one row with tokens, J/token and MFU; ranks pushing under another run id whose job identity names
+the job (the resource's ``slurm.job.id``) are taken into the job's run too (``alias``). A job run ends at
+the last snapshot that lists the job (its ranks' ``training_run_finished`` do not end it: the epilog does),
+and is closed as ``finished`` with its row.
 
-The driver (``ledger.RunLedger``) calls ``track`` under its lock on the sampler thread. Pure bookkeeping on
-the ledger's runs: no I/O, no NVML, no clock of its own.
+The driver (``ledger.RunLedger``) calls ``track`` under its lock on the sampler thread, ``alias`` for each
+point. Pure bookkeeping on the ledger's runs: no I/O, no NVML, no clock of its own.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, MutableMapping, Sequence
 
+from gpu_energy_exporter.core import contract
+from gpu_energy_exporter.core.memo import remember
 from gpu_energy_exporter.core.state import SlurmJob
 from gpu_energy_exporter.ledger.frames import Frame, uuid_key
 from gpu_energy_exporter.ledger.runs import Run
@@ -82,3 +86,25 @@ def _describe(run: Run, job: SlurmJob) -> None:
             f"{job.partition or '?'}): its GPUs from the job-mapping directory")
     if not any(n.startswith(f"Slurm job {job.job_id} ") for n in run.notes):
         run.notes.append(note)
+
+
+def alias(active: Mapping[str, Run], run_id: str, resource: tuple[tuple[str, str], ...]) -> str:
+    """The run a point pushed under ``run_id`` belongs to: the job's run when its process's resource names a
+    Slurm job that is a job run here (the helper pushing under a run id of its own), else ``run_id``."""
+    own = active.get(run_id)
+    if own is not None and own.allocated:
+        return run_id
+    job = _JOBS.get(resource)
+    if job is None:
+        job = dict(resource).get(contract.LABEL_SLURM_JOB_ID, "")
+        remember(_JOBS, resource, job, 1024)
+    run = active.get(job) if job and job != run_id else None
+    if run is None or not run.allocated:
+        return run_id
+    note = f"its ranks push under run id {run_id!r}: one run with the job"
+    if note not in run.notes and len(run.notes) < 32:
+        run.notes.append(note)
+    return job
+
+
+_JOBS: dict[tuple[tuple[str, str], ...], str] = {}  # resource -> the Slurm job id it names ("" none)

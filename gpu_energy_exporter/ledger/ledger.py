@@ -121,6 +121,7 @@ class RunLedger(LedgerViews):
         self._pending: dict[int, Row] = {}
         self._seq = 0
         self._wall = wall  # the wall clock snapshots are stamped with, when ``clock`` is another (steady) one
+        self._job_ids: set[str] = set()  # active runs that are Slurm jobs (ledger.jobs)
         self._offsets: dict[str, dict[str, float]] = {}  # run id -> rank -> sender clock offset (restart)
         # Who uses which GPU, by snapshot time (ledger_split.Holding), rebuilt when runs change.
         self._holders_gen = 0
@@ -179,6 +180,8 @@ class RunLedger(LedgerViews):
         """``key``, ``received``: ``labels`` as their sorted items, the clock's time, when the caller has them."""
         if not run_id or not math.isfinite(value) or not math.isfinite(t):
             return
+        if self._job_ids and resource:
+            run_id = jobs.alias(self._active, run_id, resource)  # a job's rank under a run id of its own
         progress = name in runs.COUNTERS or name == runs.HISTOGRAM
         self._version += 1
         if received is None:
@@ -292,6 +295,7 @@ class RunLedger(LedgerViews):
             # Slurm jobs are runs: opened, given their GPUs and ended by the job-mapping directory (ledger.jobs).
             if jobs.track(snapshot.slurm_jobs, prev, frame, self._active, self._open_job, self._holders_changed):
                 self._durable.started()
+            self._job_ids = {r.run_id for r in self._active.values() if r.allocated}
             now = self._clock()
             for run in list(self._active.values()):
                 if run.tentative:
