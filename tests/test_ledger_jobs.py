@@ -62,6 +62,9 @@ def test_two_jobs_sharing_a_gpu_split_it_evenly_and_mig_jobs_get_their_instances
     procs = (Proc(100, None, unit="mig-a", slices=3), Proc(101, None, unit="mig-b", slices=4))
     got = piece_shares(mig, procs, 0.0)
     assert got["1"][0] == pytest.approx(3 / 7) and got["2"][0] == pytest.approx(4 / 7)
+    # A process on an instance no job holds is no job's: its share stays unattributed.
+    got = piece_shares(mig[:1], (*procs, Proc(102, None, unit="mig-c", slices=3)), 0.0)
+    assert got == {"1": (pytest.approx(3 / 10), "mig")}
 
 
 def test_with_jobs_charged_time_plus_unattributed_time_is_the_interval() -> None:

@@ -193,7 +193,7 @@ def _allocated(active: Sequence[Holding], stray: Sequence[tuple[str, str, float]
     if not out and not stray:  # nothing listed: the jobs' allocations alone
         parts = {j: (1.0 / len(jobs), SPLIT_EXCLUSIVE if len(jobs) == 1 else SPLIT_EVEN) for j in jobs}
     for unit, rule, part in stray:  # to the jobs holding the process's instance (or the whole GPU), evenly
-        mine = [j for j in jobs if units[j] in ("", unit)] or jobs
+        mine = [j for j in jobs if units[j] in ("", unit)]  # none: an instance no job holds, unattributed
         for j in mine:
             parts[j] = (parts.get(j, (0.0, rule))[0] + part / len(mine), rule)
     for j, (part, rule) in parts.items():
