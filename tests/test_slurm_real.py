@@ -11,14 +11,20 @@ job for energy drawn outside it.
 
 from __future__ import annotations
 
+import csv
+import dataclasses
+import json
 import os
 import shutil
+import sys
 import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
-from fakenvml import Scenario, Steps, h100
+from fakenvml import Process, Scenario, Steps, h100
 from helpers import ExporterProcess, sample_value, samples, wait_until
 from slurmcluster import SlurmCluster, missing_binaries
 
@@ -49,6 +55,7 @@ class Bursts:
         self.epoch = time.time()
         self.gpus = gpus
         self.bursts: list[tuple[int, float, float, float]] = []
+        self.processes: dict[int, tuple[int, ...]] = {}  # GPU index -> pids NVML lists on it
         self._write()
 
     def _trace(self, index: int) -> Steps:
@@ -63,7 +70,19 @@ class Bursts:
         return Steps(tuple(steps))
 
     def _write(self) -> None:
-        Scenario(epoch=self.epoch, gpus=[h100(i, power=self._trace(i)) for i in range(self.gpus)]).write(self.path)
+        gpus = [h100(i, power=self._trace(i)) for i in range(self.gpus)]
+        gpus = [dataclasses.replace(g, processes=tuple(Process(pid, 1 << 30, 90, 0)
+                                                       for pid in self.processes.get(g.index, ())))
+                for g in gpus]
+        Scenario(epoch=self.epoch, gpus=gpus).write(self.path)
+
+    def uuid(self, index: int) -> str:
+        return h100(index).uuid
+
+    def list_processes(self, index: int, pids: tuple[int, ...]) -> None:
+        """Make NVML list ``pids`` on GPU ``index`` from now on."""
+        self.processes[index] = pids
+        self._write()
 
     def add(self, index: int, length_s: float, watts: float, lead_s: float = 0.5) -> float:
         """A burst starting ``lead_s`` from now (the past stays as it was: the counter never jumps).
@@ -102,13 +121,51 @@ def release(cluster: SlurmCluster, exp: ExporterProcess, job: str, flag: Path, a
     wait_until(lambda: not job_gpus(exp, job), timeout=60, what=f"job {job} to leave its GPUs")
 
 
+INTENSITY = 400.0  # g/kWh (--carbon.intensity): a job row's CO2 is its kWh x this (PUE 1)
+
+
+def _exporter(start_exporter: type[ExporterProcess], lib: Path, cluster: SlurmCluster, bursts: Bursts,
+              csv_path: Path) -> ExporterProcess:
+    return start_exporter([f"--nvml.library={lib}", "--collector.interval=100ms", "--collector.slurm",
+                           f"--collector.slurm.job-mapping-dir={cluster.mapping_dir}", f"--runs.csv={csv_path}",
+                           "--runs.warmup=0s", f"--carbon.intensity={INTENSITY:g}"],
+                          {"FAKE_NVML_SCENARIO": str(bursts.path)}).wait_ready()
+
+
+def api_runs(exp: ExporterProcess) -> list[dict[str, Any]]:
+    with urllib.request.urlopen(exp.metrics_url + "/api/v1/runs", timeout=10) as r:
+        return list(json.load(r)["runs"])
+
+
+def csv_rows(path: Path, want: set[str]) -> list[dict[str, str]]:
+    """The CSV's rows once every run of ``want`` has one (the file writer's thread writes them)."""
+    def rows() -> list[dict[str, str]] | None:
+        if not path.exists():
+            return None
+        with open(path, newline="") as f:
+            got = list(csv.DictReader(f))
+        return got if want <= {r["run_id"] for r in got} else None
+    return wait_until(rows, timeout=30, what=f"rows of {sorted(want)} in {path}")
+
+
+def check_job_row(row: dict[str, Any], want_j: float, gpus: int) -> None:
+    """One finished job's row (API document or CSV row, as text or numbers) against its scripted truth."""
+    energy = float(row["energy_j"])
+    assert row["status"] == "finished", row
+    assert energy == pytest.approx(want_j, rel=0.01), row
+    assert int(float(row["gpu_count"])) == gpus, row
+    assert float(row["duration_s"]) > 0
+    idle, dynamic = float(row["idle_energy_j"]), float(row["dynamic_energy_j"])
+    assert idle + dynamic == pytest.approx(energy, rel=1e-6, abs=1e-6)
+    assert float(row["co2_g"]) == pytest.approx(energy / 3.6e6 * INTENSITY, rel=1e-6)
+
+
 def test_jobs_are_charged_their_gpus_energy_with_a_real_slurm(
     cluster: SlurmCluster, fake_nvml_lib: Path, tmp_path: Path, start_exporter: type[ExporterProcess]
 ) -> None:
     bursts = Bursts(tmp_path / "scenario.ini", gpus=2)
-    exp = start_exporter([f"--nvml.library={fake_nvml_lib}", "--collector.interval=100ms", "--collector.slurm",
-                          f"--collector.slurm.job-mapping-dir={cluster.mapping_dir}"],
-                         {"FAKE_NVML_SCENARIO": str(bursts.path)}).wait_ready()
+    runs_csv = tmp_path / "runs.csv"
+    exp = _exporter(start_exporter, fake_nvml_lib, cluster, bursts, runs_csv)
     assert sample_value(exp.metrics(), "gpuenergy_slurm_job_mapping_available") == 0.0  # no job yet
 
     # Two jobs in sequence on one GPU: 900 J, then 500 J, and energy between them charged to nobody.
@@ -150,6 +207,21 @@ def test_jobs_are_charged_their_gpus_energy_with_a_real_slurm(
     gpu_total = sum(v for _, v in samples(text, "gpuenergy_gpu_energy_joules_total"))
     assert sum(got.values()) + unattributed == pytest.approx(gpu_total, rel=1e-9, abs=1e-6)
     assert unattributed == pytest.approx(400.0, rel=0.01)  # the burst between jobs a and b
+    # Jobs in the ledger (no job pushes anything): one finished row each, in the API and in the CSV, with
+    # its energy, GPUs, idle and dynamic energy and CO2; a job's row says who ran it.
+    listed = {r["run_id"]: r for r in api_runs(exp)}
+    rows = csv_rows(runs_csv, set(truth))
+    for job, want in truth.items():
+        n = sum(1 for r in rows if r["run_id"] == job)
+        assert n == 1, f"job {job}: {n} CSV rows"
+        gpus = 2 if job == c else 1
+        check_job_row(listed[job], want, gpus)
+        check_job_row(next(r for r in rows if r["run_id"] == job), want, gpus)
+        print(f"\n[issue 23] job {job}: ledger row {float(listed[job]['energy_j']):.3f} J, truth {want:.1f} J")
+    assert sorted(r["run_id"] for r in api_runs(exp)) == sorted(truth), "no other run"
+    doc = json.loads((runs_csv.parent / "runs" / f"{a}.json").read_text())
+    assert doc["metadata"]["slurm_user"] == "root" and doc["metadata"]["slurm_partition"] == "test"
+    assert doc["metadata"]["slurm_job_id"] == a
     # The prolog recorded user and partition for the job's info series.
     info = [lbl for lbl, _ in samples(text, "gpuenergy_slurm_job_info") if lbl["job_id"] == a]
     assert info and info[0]["user"] == "root" and info[0]["partition"] == "test"
@@ -168,3 +240,56 @@ def test_the_prolog_runs_while_the_exporter_is_down(cluster: SlurmCluster) -> No
     flag.touch()
     wait_until(lambda: not (cluster.mapping_dir / "0").exists(), timeout=60, what="the epilog to remove it")
     assert shutil.which("sbatch")
+
+
+def test_a_job_whose_rank_pushes_through_the_helper_is_one_ledger_row(
+    cluster: SlurmCluster, fake_nvml_lib: Path, tmp_path: Path, start_exporter: type[ExporterProcess]
+) -> None:
+    """The batch script runs a real trainer (``trainer_child.py``, the real helper, run id = the job id);
+    the fake lists its pid on the job's GPU. The job and the run are one row: the job's energy (also what
+    it drew after the trainer finished, before the job ended) with the trainer's tokens, J/token and MFU."""
+    bursts = Bursts(tmp_path / "scenario.ini", gpus=2)
+    runs_csv = tmp_path / "runs.csv"
+    exp = _exporter(start_exporter, fake_nvml_lib, cluster, bursts, runs_csv)
+    uuids = tmp_path / "uuids"
+    uuids.write_text("".join(f"{bursts.uuid(i)}\n" for i in range(2)))
+    pidfile, go, flag = tmp_path / "trainer.pid", tmp_path / "go", tmp_path / "release-helper"
+    trainer = Path(__file__).resolve().parent / "trainer_child.py"
+    script = (f'G=${{SLURM_JOB_GPUS:-$CUDA_VISIBLE_DEVICES}}; U=$(sed -n "$((${{G%%,*}} + 1))p" \'{uuids}\'); '
+              f"TRAINER_GO_FILE='{go}' TRAINER_FLOPS_PER_STEP=1e12 '{sys.executable}' '{trainer}' "
+              f"'{exp.otlp_url}' \"$SLURM_JOB_ID\" \"$U\" 5 100 & echo $! > '{pidfile}'; wait; "
+              f"while [ ! -e '{flag}' ]; do sleep 0.1; done")
+    job = cluster.sbatch("--gres=gpu:1", wrap=script)
+    gpus = wait_until(lambda: job_gpus(exp, job), timeout=60, what=f"job {job} on /metrics")
+    index = int(gpus[0])
+    pid = wait_until(lambda: pidfile.exists() and pidfile.read_text().strip() and int(pidfile.read_text()),
+                     timeout=60, what="the trainer's pid")
+    bursts.list_processes(index, (pid,))
+    wait_until(lambda: sample_value(exp.metrics(), "gpuenergy_gpu_compute_processes", gpu=str(index)) == 1,
+               timeout=30, what="NVML to list the trainer")
+    go.touch()
+
+    def pushing() -> dict[str, Any] | None:
+        run = next((r for r in api_runs(exp) if r["run_id"] == job), None)
+        return run if run is not None and (run["tokens"] or 0) > 0 else None
+    wait_until(pushing, timeout=60, what=f"the trainer's tokens in job {job}'s run")
+    time.sleep(max(0.0, bursts.add(index, 2.0, 300.0) + 0.5 - time.time()))  # 600 J while it trains
+    wait_until(lambda: not Path(f"/proc/{pid}").exists(), timeout=60, what="the trainer to finish")
+    bursts.list_processes(index, ())
+    # The trainer finished (training_run_finished 1); the job goes on and draws 200 J more: still its energy.
+    release(cluster, exp, job, flag, bursts.add(index, 1.0, 200.0))
+
+    listed = [r for r in api_runs(exp) if r["run_id"] == job]
+    rows = [r for r in csv_rows(runs_csv, {job}) if r["run_id"] == job]
+    assert len(listed) == 1 and len(rows) == 1, (listed, rows)
+    for row in (listed[0], rows[0]):
+        check_job_row(row, 800.0, 1)
+        tokens, steps = float(row["tokens"]), float(row["steps"])
+        assert tokens > 0 and tokens == 100 * steps
+        assert float(row["j_per_token"]) == pytest.approx(float(row["window_energy_j"]) / float(row["window_tokens"]))
+        assert float(row["window_energy_j"]) == pytest.approx(800.0, rel=0.01)
+        assert float(row["mfu"]) > 0
+    doc = json.loads((runs_csv.parent / "runs" / f"{job}.json").read_text())
+    assert doc["metadata"]["slurm_job_id"] == job and doc["metadata"]["model"] == "tiny"
+    print(f"\n[issue 23] job {job} with the helper: ledger row {float(listed[0]['energy_j']):.3f} J (truth 800.0 J), "
+          f"{listed[0]['tokens']:.0f} tokens, {listed[0]['j_per_token']:.4f} J/token, MFU {listed[0]['mfu']:.2e}")

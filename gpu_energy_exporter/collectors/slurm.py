@@ -23,7 +23,7 @@ from prometheus_client.core import Metric
 
 from gpu_energy_exporter.collectors.base import Collector
 from gpu_energy_exporter.core.metrics import GPU_LABELS, add, define
-from gpu_energy_exporter.core.state import GPUState
+from gpu_energy_exporter.core.state import GPUState, SlurmJob
 from gpu_energy_exporter.slurm.jobs import JobEnergyAttributor, JobSlot
 from gpu_energy_exporter.slurm.mapping import JobInfo, JobMapping, job_of_cgroup, read_mapping
 
@@ -84,6 +84,13 @@ class SlurmCollector(Collector):
         self._gpu_index: dict[str, str] = {}
         self._logged: frozenset[str] = frozenset()
         self._available_logged: bool | None = None
+        self._held: tuple[SlurmJob, ...] | None = None
+
+    def held(self) -> tuple[SlurmJob, ...] | None:
+        """The jobs holding GPUs at the last update (each GPU by its UUID, a MIG instance's UUID where the
+        job holds an instance), for the run ledger (``Snapshot.slurm_jobs``); None until the first update
+        and while the directory cannot be read."""
+        return self._held
 
     @property
     def attributor(self) -> JobEnergyAttributor:
@@ -104,11 +111,30 @@ class SlurmCollector(Collector):
             instance = f"{index}.{gi}" if gi is not None else ""
             holdings[uuid].extend(JobSlot(uuid, job, instance) for job in jobs)
         self._info.update(mapping.info)
+        self._held = self._jobs(states, mapping) if mapping.available else None
         energy = {s.identity.uuid: s.energy_j for s in states if s.energy_j is not None}
         self._attributor.update(self._clock(), energy, holdings, self._sm_weights(states, holdings, mapping))
         live = self._attributor.jobs()
         self._info = {job: info for job, info in self._info.items() if job in live}
         return self._families(holdings, mapping.available)
+
+    def _jobs(self, states: Sequence[GPUState], mapping: JobMapping) -> tuple[SlurmJob, ...]:
+        gpus: dict[str, list[str]] = defaultdict(list)
+        for s in states:
+            for (index, gi), jobs in mapping.gpus.items():
+                if index != s.identity.index:
+                    continue
+                uuid = s.identity.uuid
+                if gi is not None:  # the MIG instance's own UUID, so the ledger splits the GPU by slices
+                    uuid = next((m.uuid for m in s.identity.mig_devices if m.gpu_instance_id == gi), uuid)
+                for job in jobs:
+                    if uuid not in gpus[job]:
+                        gpus[job].append(uuid)
+        out = []
+        for job in sorted(gpus):
+            i = mapping.info.get(job) or self._info.get(job) or JobInfo(job)
+            out.append(SlurmJob(job, tuple(gpus[job]), i.user, i.account, i.partition))
+        return tuple(out)
 
     def _sm_weights(
         self, states: Sequence[GPUState], holdings: dict[str, list[JobSlot]], mapping: JobMapping

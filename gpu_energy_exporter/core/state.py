@@ -154,6 +154,18 @@ class CollectorResult:
 
 
 @dataclass(frozen=True)
+class SlurmJob:
+    """A Slurm job holding GPUs on this node at one sample (the slurm collector's job-mapping directory):
+    the run ledger opens a run for it (``ledger.jobs``)."""
+
+    job_id: str
+    gpus: tuple[str, ...]  # the GPU UUIDs it holds (a MIG instance's UUID where it holds an instance)
+    user: str = ""
+    account: str = ""
+    partition: str = ""
+
+
+@dataclass(frozen=True)
 class Snapshot:
     """One published sample: the families every collector built, their results and the GPU states."""
 
@@ -164,6 +176,9 @@ class Snapshot:
     gpus: tuple[GPUState, ...] = ()
     #: the most recent critical Xids of every GPU, oldest first (``core.health``; the run ledger notes them)
     xid_events: tuple[XidEvent, ...] = ()
+    #: the Slurm jobs holding this node's GPUs (the slurm collector); None: no collector, or its job-mapping
+    #: directory could not be read at this sample (the ledger then leaves its job runs as they are)
+    slurm_jobs: tuple[SlurmJob, ...] | None = None
 
     def value(self, name: str) -> float | None:
         """The first sample called ``name`` in this snapshot (for unlabelled series such as host memory)."""

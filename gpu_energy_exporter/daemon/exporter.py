@@ -11,7 +11,7 @@ import logging
 import os
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import ProcessCollector
 from prometheus_client.core import Metric
@@ -47,6 +47,9 @@ from gpu_energy_exporter.otlp.push import OTLPPusher, PushSettings, load_headers
 from gpu_energy_exporter.otlp.receiver import OTLPReceiver, load_bearer_token
 from gpu_energy_exporter.otlp.store import TrainingStore
 from gpu_energy_exporter.reference.carbon import resolve_intensity
+
+if TYPE_CHECKING:
+    from gpu_energy_exporter.collectors.slurm import SlurmCollector
 
 log = logging.getLogger(__name__)
 
@@ -126,17 +129,20 @@ class Exporter:
             # mounted, docs/deploy.md), so a time-sliced GPU is split by each pod's SM use.
             collectors.append(KubernetesCollector.from_config(config, self.gpu.states,
                                                               pid_to_pod=ProcfsPods(config.path_procfs)))
+        self.slurm: SlurmCollector | None = None
         if config.enabled("slurm"):
             from gpu_energy_exporter.collectors.slurm import SlurmCollector
 
             if self.gpu is None:
                 raise ConfigError("--collector.slurm needs the gpu collector (remove --no-collector.gpu)")
-            collectors.append(SlurmCollector(self.gpu.states, config.collector_slurm_job_mapping_dir,
-                                             procfs=config.path_procfs))
+            self.slurm = SlurmCollector(self.gpu.states, config.collector_slurm_job_mapping_dir,
+                                        procfs=config.path_procfs)
+            collectors.append(self.slurm)
         self.collectors = collectors
         self.sampler = Sampler(
             collectors, config.collector_interval, gpu_states=self.gpu.states if self.gpu else None, clock=clock,
             xid_events=self.health.critical_xids if self.health else None,
+            slurm_jobs=self.slurm.held if self.slurm else None,  # Slurm jobs are runs (ledger.jobs)
         )
         self.snapshot_collector = SnapshotCollector(self.sampler, clock=clock)
         self.registry = new_registry(self.snapshot_collector)

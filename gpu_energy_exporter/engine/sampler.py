@@ -20,7 +20,7 @@ from prometheus_client.core import Metric
 from gpu_energy_exporter.collectors.base import Collector, NoData
 from gpu_energy_exporter.core.health import XidEvent
 from gpu_energy_exporter.core.metrics import add, define
-from gpu_energy_exporter.core.state import CollectorResult, GPUState, Snapshot
+from gpu_energy_exporter.core.state import CollectorResult, GPUState, SlurmJob, Snapshot
 
 log = logging.getLogger(__name__)
 
@@ -113,6 +113,7 @@ class Sampler:
         *,
         gpu_states: Callable[[], tuple[GPUState, ...]] | None = None,
         xid_events: Callable[[], tuple[XidEvent, ...]] | None = None,
+        slurm_jobs: Callable[[], tuple[SlurmJob, ...] | None] | None = None,
         clock: Callable[[], float] = time.time,
         wait_budget: float | None = None,
     ) -> None:
@@ -120,6 +121,7 @@ class Sampler:
         self._interval = interval
         self._gpu_states = gpu_states
         self._xid_events = xid_events  # recent critical Xids (the health collector), carried to the ledger
+        self._slurm_jobs = slurm_jobs  # the Slurm jobs holding GPUs (the slurm collector), carried to the ledger
         self._clock = clock
         self._snapshot: Snapshot | None = None
         self._seq = 0
@@ -190,6 +192,7 @@ class Sampler:
             results=tuple(results),
             gpus=self._gpu_states() if self._gpu_states else (),
             xid_events=self._xid_events() if self._xid_events else (),
+            slurm_jobs=self._slurm_jobs() if self._slurm_jobs else None,
         )
         self._snapshot = snap
         for fn in self._listeners:

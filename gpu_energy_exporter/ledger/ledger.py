@@ -35,7 +35,7 @@ from collections.abc import Callable, Mapping, Sequence
 from gpu_energy_exporter.core import contract
 from gpu_energy_exporter.core.runs_schema import KEEP_FINISHED_S
 from gpu_energy_exporter.core.state import Snapshot
-from gpu_energy_exporter.ledger import accounting, claims, clients, files, restart, runs, specs
+from gpu_energy_exporter.ledger import accounting, claims, clients, files, jobs, restart, runs, specs
 from gpu_energy_exporter.ledger.files import iso_utc
 from gpu_energy_exporter.ledger.filewriter import Row
 from gpu_energy_exporter.ledger.frames import Frame, frame_of
@@ -121,6 +121,7 @@ class RunLedger(LedgerViews):
         self._pending: dict[int, Row] = {}
         self._seq = 0
         self._wall = wall  # the wall clock snapshots are stamped with, when ``clock`` is another (steady) one
+        self._job_ids: set[str] = set()  # active runs that are Slurm jobs (ledger.jobs)
         self._offsets: dict[str, dict[str, float]] = {}  # run id -> rank -> sender clock offset (restart)
         # Who uses which GPU, by snapshot time (ledger_split.Holding), rebuilt when runs change.
         self._holders_gen = 0
@@ -179,6 +180,8 @@ class RunLedger(LedgerViews):
         """``key``, ``received``: ``labels`` as their sorted items, the clock's time, when the caller has them."""
         if not run_id or not math.isfinite(value) or not math.isfinite(t):
             return
+        if self._job_ids and resource:
+            run_id = jobs.alias(self._active, run_id, resource)  # a job's rank under a run id of its own
         progress = name in runs.COUNTERS or name == runs.HISTOGRAM
         self._version += 1
         if received is None:
@@ -289,6 +292,10 @@ class RunLedger(LedgerViews):
             while len(self._history) > 1 and self._history[0].t < frame.t - self._history_s:
                 self._settle(self._history[0], self._history[1])
                 self._history.popleft()
+            # Slurm jobs are runs: opened, given their GPUs and ended by the job-mapping directory (ledger.jobs).
+            if jobs.track(snapshot.slurm_jobs, prev, frame, self._active, self._open_job, self._holders_changed):
+                self._durable.started()
+            self._job_ids = {r.run_id for r in self._active.values() if r.allocated}
             now = self._clock()
             for run in list(self._active.values()):
                 if run.tentative:
@@ -311,6 +318,16 @@ class RunLedger(LedgerViews):
                     self._close(run, run.status if run.status == "stale" else "finished")
             self._expire(now)
         self._durable.after_snapshot(now)
+
+    def _open_job(self, job_id: str, start: float) -> Run | None:
+        """A new run for a Slurm job (``jobs.track``), or None when the ledger tracks all the runs it may."""
+        if len(self._active) >= self._max_active:
+            self._rejected += 1
+            return None
+        fresh = not any(r.run_id == job_id for r in self._closed)
+        run = self._active[job_id] = Run(job_id, start, self.warmup_s, fresh, self._timeline_points, self._clock())
+        log.info("run %s started: Slurm job holding GPUs on this node", job_id)
+        return run
 
     def _settle(self, f0: Frame, f1: Frame) -> None:
         """Add the unattributed part of each GPU's energy over (f0, f1] to its total."""

@@ -150,6 +150,7 @@ class Run:
         self.client = ""  # the client (core.clientid) whose first progress point made it a run
         self.owners: dict[str, str] = {}  # rank -> the client its points are taken from (ledger.clients)
         self.overflowed: set[str] = set()  # counters whose total is not finite (shown as unknown)
+        self.allocated: set[str] = set()  # GPU keys a Slurm job's allocation gives the run (ledger.jobs)
 
     # -- counters ------------------------------------------------------------------------------------
 
@@ -338,7 +339,7 @@ def _apply_finished(run: Run, rank: str, value: float, t: float) -> None:
         if run.status == "finishing":
             run.status, run.e = "running", None
         return
-    if run.ranks and run.ranks <= set(run.finished_at):
+    if run.ranks and run.ranks <= set(run.finished_at) and not run.allocated:  # a job ends at its epilog
         run.e = max(run.s, max(run.finished_at.values()))
         run.status = "finishing"
 
@@ -368,7 +369,7 @@ def holdings(frame: Frame, tracked: Iterable[Run], grace_s: float = math.inf) ->
                 pids = frozenset(pids - taken)
             slices = frame.mig_profile.get(key, (1, None))[0] if parent != key else 1
             held.append(Holding(run.run_id, run.s, end, key if parent != key else "", slices, pids,
-                                run.s + grace_s, bool(run.procs)))
+                                run.s + grace_s, bool(run.procs), key in run.allocated))
     return out
 
 

@@ -87,6 +87,8 @@ class Holding:
     pids: frozenset[int] = frozenset()
     grace_end: float = math.inf
     has_pid: bool = False
+    #: a Slurm allocation gives the run this GPU (``ledger.jobs``): its claim is confirmed whatever NVML lists
+    allocated: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -152,11 +154,17 @@ def piece_shares(active: Sequence[Holding], procs: Sequence[Proc] | None, at: fl
             owner.setdefault(pid, h.run_id)
     members = [sharing.Member(owner.get(p.pid, f"\0pid {p.pid}"), p.unit, p.slices, p.sm) for p in procs]
     out: dict[str, tuple[float, str]] = {}
+    stray: list[tuple[str, str, float]] = []  # (MIG instance, rule, part) of each process that is no run's
+    units = {f"\0pid {p.pid}": p.unit for p in procs}
     for who, rule, part in sharing.split(1.0, members):
         if who.startswith("\0"):
-            continue  # a process that is no run's: the GPU's unattributed energy
+            stray.append((units.get(who, ""), rule, part))  # the GPU's unattributed energy, or an allocation's
+            continue
         frac, _ = out.get(who, (0.0, ""))
         out[who] = (frac + part, rule)
+    allocated = _allocated(active, stray, out)
+    if allocated:
+        return allocated
     confirmed = set(owner.values())
     waiting = sorted({h.run_id for h in active if h.run_id not in confirmed and at < h.grace_end})
     free = 1.0 - sum(f for f, _ in out.values())
@@ -168,6 +176,30 @@ def piece_shares(active: Sequence[Holding], procs: Sequence[Proc] | None, at: fl
         for run in waiting:
             out[run] = (free / len(waiting), SPLIT_EXCLUSIVE if alone else SPLIT_GRACE)
     return out
+
+
+def _allocated(active: Sequence[Holding], stray: Sequence[tuple[str, str, float]],
+               out: dict[str, tuple[float, str]]) -> dict[str, tuple[float, str]] | None:
+    """The split where Slurm jobs hold the GPU (or an instance of it): Slurm gave it to them, so the
+    processes that are no run's there are theirs (a job needs no helper), and so is the whole GPU when no
+    process is listed; runs' own processes keep their measured share. ``stray``: (MIG instance, split rule,
+    part) of the processes that are no run's. None when no job holds the GPU."""
+    units = {h.run_id: h.mig_uuid for h in active if h.allocated}
+    if not units:
+        return None
+    jobs = sorted(units)
+    res = dict(out)
+    parts: dict[str, tuple[float, str]] = {}
+    if not out and not stray:  # nothing listed: the jobs' allocations alone
+        parts = {j: (1.0 / len(jobs), SPLIT_EXCLUSIVE if len(jobs) == 1 else SPLIT_EVEN) for j in jobs}
+    for unit, rule, part in stray:  # to the jobs holding the process's instance (or the whole GPU), evenly
+        mine = [j for j in jobs if units[j] in ("", unit)]  # none: an instance no job holds, unattributed
+        for j in mine:
+            parts[j] = (parts.get(j, (0.0, rule))[0] + part / len(mine), rule)
+    for j, (part, rule) in parts.items():
+        frac, had = res.get(j, (0.0, ""))
+        res[j] = (frac + part, had or rule)
+    return res
 
 
 def by_process(active: Sequence[Holding], procs: Sequence[Proc] | None) -> bool:
@@ -207,7 +239,8 @@ def charge(run_id: str, t0: float, t1: float, lo: float, hi: float, holdings: Se
         part = piece_shares(active, procs, a)
         if run_id not in part:
             mine = next((h for h in active if h.run_id == run_id), None)
-            if mine is not None and by_process(active, procs) and not mine.pids and a >= mine.grace_end:
+            if (mine is not None and by_process(active, procs) and not mine.pids and a >= mine.grace_end
+                    and not mine.allocated):
                 unconfirmed_s += y - x
                 reason = UNCONFIRMED_NO_PROCESS if mine.has_pid else UNCONFIRMED_NO_PID
             continue

@@ -1,0 +1,110 @@
+"""Slurm jobs in the run ledger: a job holding GPUs on this node is a run, whether or not it pushes anything.
+
+Each snapshot carries the jobs the slurm collector read in the job-mapping directory (``Snapshot.slurm_jobs``,
+written by the prolog and epilog in ``deploy/slurm/``). A job seen for the first time opens a run whose id is
+the job id, counted from the snapshot before the one that first lists it (the prolog wrote its files in that
+interval: the slurm collector charges the same interval). The mapping is the authority for the job's GPUs:
+they are the run's, and its claim on them is confirmed by the allocation (``Holding.allocated``: never
+refused by the NVML-process rule, and the processes on them that are no run's are the job's). When the job's
+ranks push through the training helper under the job id (the helper's default, ``SLURM_JOB_ID``) it is the
+same run: one row with tokens, J/token and MFU; ranks pushing under another run id whose job identity names
+the job (the resource's ``slurm.job.id``) are taken into the job's run too (``alias``). A job run ends at
+the last snapshot that lists the job (its ranks' ``training_run_finished`` do not end it: the epilog does),
+and is closed as ``finished`` with its row.
+
+The driver (``ledger.RunLedger``) calls ``track`` under its lock on the sampler thread, ``alias`` for each
+point. Pure bookkeeping on the ledger's runs: no I/O, no NVML, no clock of its own.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, MutableMapping, Sequence
+
+from gpu_energy_exporter.core import contract
+from gpu_energy_exporter.core.memo import remember
+from gpu_energy_exporter.core.state import SlurmJob
+from gpu_energy_exporter.ledger.frames import Frame, uuid_key
+from gpu_energy_exporter.ledger.runs import Run
+
+#: metadata keys a job run carries (in the JSON summary's ``metadata``; the CSV's notes say the same)
+META_JOB_ID, META_USER, META_ACCOUNT, META_PARTITION = "slurm_job_id", "slurm_user", "slurm_account", "slurm_partition"
+
+
+def track(
+    jobs: Sequence[SlurmJob] | None,
+    prev: Frame | None,
+    frame: Frame,
+    active: MutableMapping[str, Run],
+    new_run: Callable[[str, float], Run | None],
+    changed: Callable[[Run, float], None],
+) -> list[str]:
+    """Open, update and end the job runs for one snapshot (``frame``; ``prev``: the one before it), before the
+    ledger advances its runs over it. ``new_run(job id, start)``: a new run, or None when the ledger cannot
+    take one; ``changed(run, t)``: who holds the run's GPUs changed at ``t``. ``jobs`` None (no slurm
+    collector, or its directory unreadable now) changes nothing. Returns the job ids opened."""
+    if jobs is None:
+        return []
+    opened: list[str] = []
+    listed: Mapping[str, SlurmJob] = {j.job_id: j for j in jobs if j.job_id and j.gpus}
+    start = prev.t if prev is not None else frame.t
+    for job_id, job in listed.items():
+        run = active.get(job_id)
+        fresh = run is None or run.tentative
+        if run is None:
+            run = new_run(job_id, start)
+            if run is None:
+                continue
+        if fresh:
+            run.tentative = False
+            run.s = min(run.s, start)
+            run.acc.t = run.s
+            opened.append(job_id)
+        keys = {uuid_key(u): u for u in job.gpus}
+        new = set(keys) - run.allocated
+        for key in new:
+            run.gpus.setdefault(key, keys[key])
+        run.allocated |= new
+        # Seen now: a job run never goes stale while the job holds its GPUs (it pushes nothing).
+        run.last_point_t = max(run.last_point_t, frame.t)
+        run.last_point_received = max(run.last_point_received, frame.t)
+        _describe(run, job)
+        if fresh or new:
+            changed(run, run.s if fresh else start)
+    for run in list(active.values()):
+        if run.allocated and run.run_id not in listed and run.e is None:
+            run.e = max(run.s, start)  # the epilog removed it after the last snapshot that listed it
+            run.status = "finishing"
+            changed(run, run.e)
+    return opened
+
+
+def _describe(run: Run, job: SlurmJob) -> None:
+    """The job's identity in the run's metadata (again after each ``training_run_info``, which replaces it)."""
+    meta = {META_JOB_ID: job.job_id, META_USER: job.user, META_ACCOUNT: job.account, META_PARTITION: job.partition}
+    run.metadata.update({k: v for k, v in meta.items() if v})
+    note = (f"Slurm job {job.job_id} (user {job.user or '?'}, account {job.account or '?'}, partition "
+            f"{job.partition or '?'}): its GPUs from the job-mapping directory")
+    if not any(n.startswith(f"Slurm job {job.job_id} ") for n in run.notes):
+        run.notes.append(note)
+
+
+def alias(active: Mapping[str, Run], run_id: str, resource: tuple[tuple[str, str], ...]) -> str:
+    """The run a point pushed under ``run_id`` belongs to: the job's run when its process's resource names a
+    Slurm job that is a job run here (the helper pushing under a run id of its own), else ``run_id``."""
+    own = active.get(run_id)
+    if own is not None and own.allocated:
+        return run_id
+    job = _JOBS.get(resource)
+    if job is None:
+        job = dict(resource).get(contract.LABEL_SLURM_JOB_ID, "")
+        remember(_JOBS, resource, job, 1024)
+    run = active.get(job) if job and job != run_id else None
+    if run is None or not run.allocated:
+        return run_id
+    note = f"its ranks push under run id {run_id!r}: one run with the job"
+    if note not in run.notes and len(run.notes) < 32:
+        run.notes.append(note)
+    return job
+
+
+_JOBS: dict[tuple[tuple[str, str], ...], str] = {}  # resource -> the Slurm job id it names ("" none)
