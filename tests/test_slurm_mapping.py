@@ -97,20 +97,22 @@ def test_split_rules_sum_to_the_delta() -> None:
     assert split(5.0, []) == []
 
 
-def test_attributor_charges_holders_and_keeps_the_rest_unattributed() -> None:
+def test_attributor_charges_each_interval_to_the_jobs_holding_the_gpu_at_its_start() -> None:
+    """An interval goes to the jobs of the map at its start: the sample that first lists a job and the
+    first that no longer does are the job's edges (the exporter reads the energy counters there)."""
     a = JobEnergyAttributor(grace_s=10)
     g0, g1 = "GPU-0", "GPU-1"
-    a.update(0.0, {g0: 1000.0, g1: 50.0}, {})  # baselines
-    a.update(1.0, {g0: 1300.0, g1: 250.0}, {g0: [JobSlot(g0, "7")]})
-    a.update(2.0, {g0: 1500.0, g1: 450.0}, {g0: [JobSlot(g0, "7"), JobSlot(g0, "8")], g1: [JobSlot(g1, "8")]})
-    a.update(3.0, {g0: 1400.0, g1: 550.0}, {g1: [JobSlot(g1, "8")]})  # g0's counter went back: rebased
+    a.update(0.0, {g0: 1000.0, g1: 50.0}, {g0: [JobSlot(g0, "7")]})  # baselines; job 7 listed from here
+    a.update(1.0, {g0: 1300.0, g1: 250.0}, {g0: [JobSlot(g0, "7"), JobSlot(g0, "8")], g1: [JobSlot(g1, "8")]})
+    a.update(2.0, {g0: 1500.0, g1: 450.0}, {g1: [JobSlot(g1, "8")]})
+    a.update(3.0, {g0: 1400.0, g1: 550.0}, {})  # g0's counter went back: rebased, nothing charged
     assert a.job_energy() == {("7", METHOD_EXCLUSIVE): 300.0, ("7", METHOD_SHARED_EVEN): 100.0,
                               ("8", METHOD_SHARED_EVEN): 100.0, ("8", METHOD_EXCLUSIVE): 300.0}
     assert a.unattributed_energy() == {g0: 0.0, g1: 200.0}
     charged = sum(a.job_energy().values()) + sum(a.unattributed_energy().values())
     assert charged == (1500.0 - 1000.0) + (550.0 - 50.0)
-    assert a.jobs()["8"] == (2.0, 3.0, (g0, g1))
-    a.update(13.5, {g0: 1400.0, g1: 550.0}, {})
+    assert a.jobs()["8"] == (1.0, 2.0, (g0, g1))
+    a.update(12.5, {g0: 1400.0, g1: 550.0}, {})
     assert set(a.jobs()) == set() and a.job_energy() == {}  # both jobs expired after the grace period
 
 

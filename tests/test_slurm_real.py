@@ -126,7 +126,11 @@ INTENSITY = 400.0  # g/kWh (--carbon.intensity): a job row's CO2 is its kWh x th
 
 def _exporter(start_exporter: type[ExporterProcess], lib: Path, cluster: SlurmCluster, bursts: Bursts,
               csv_path: Path) -> ExporterProcess:
+    # The energy counter read at every sample: the scripted bursts stop dead, and the fake's 1 s average power
+    # runs up to 1 s behind such a step, so between counter reads (the 30 s default) the apportioned estimate
+    # runs ahead and is held (docs/slurm.md, "Limits"); the job edges themselves are counter reads either way.
     return start_exporter([f"--nvml.library={lib}", "--collector.interval=100ms", "--collector.slurm",
+                           "--collector.energy-interval=100ms",
                            f"--collector.slurm.job-mapping-dir={cluster.mapping_dir}", f"--runs.csv={csv_path}",
                            "--runs.warmup=0s", f"--carbon.intensity={INTENSITY:g}"],
                           {"FAKE_NVML_SCENARIO": str(bursts.path)}).wait_ready()

@@ -111,6 +111,7 @@ class GPUCollector(Collector):
         self._gpm_interval = gpm_interval if gpm_interval and gpm_interval > interval else 0.0
         self._next_gpm = float("-inf")
         self._counter_wanted = False  # request_counter_read(): every GPU's counter at the next sample
+        self._counter_checks: list[Callable[[], bool]] = []  # add_counter_read_check(): asked every sample
         self._last_gpm: dict[int, dict[str, float]] = {}
         self._energy_timestamps = energy_timestamps
         self._clock = clock
@@ -218,6 +219,7 @@ class GPUCollector(Collector):
         if gpm_now and self._gpm_interval:
             self._next_gpm = self._monotonic() + self._gpm_interval - 0.5 * self._interval
         wanted, self._counter_wanted = self._counter_wanted, False
+        wanted = self._checks_want_counter() or wanted
         for t in self._tracks:
             g = t.identity
             labels = [str(g.index), g.uuid]
@@ -270,6 +272,21 @@ class GPUCollector(Collector):
         errors = self._field_errors(backend)
         return [available, *self._static, *[f for f in fams.values() if f.samples], *errors,
                 *self._call_costs(backend)]
+
+    def add_counter_read_check(self, check: Callable[[], bool]) -> None:
+        """``check()`` runs at the start of every sample, on the sampler thread, before any GPU is read;
+        True reads every energy counter in this very sample (who holds a GPU changed: the Slurm job map),
+        so the edge falls on a counter read, not on energy apportioned between reads. Must be cheap."""
+        self._counter_checks.append(check)
+
+    def _checks_want_counter(self) -> bool:
+        want = False
+        for check in self._counter_checks:
+            try:
+                want = check() or want  # every check runs: each keeps its own view of what it saw
+            except Exception:  # noqa: BLE001 - a failing check costs accuracy at an edge, never the sample
+                log.debug("counter-read check failed", exc_info=True)
+        return want
 
     def request_counter_read(self) -> None:
         """Read every GPU's energy counter at the next sample, whatever its schedule (a run started or

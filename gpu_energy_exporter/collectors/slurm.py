@@ -25,7 +25,7 @@ from gpu_energy_exporter.collectors.base import Collector
 from gpu_energy_exporter.core.metrics import GPU_LABELS, add, define
 from gpu_energy_exporter.core.state import GPUState, SlurmJob
 from gpu_energy_exporter.slurm.jobs import JobEnergyAttributor, JobSlot
-from gpu_energy_exporter.slurm.mapping import JobInfo, JobMapping, job_of_cgroup, read_mapping
+from gpu_energy_exporter.slurm.mapping import JobInfo, JobMapping, job_of_cgroup, mapping_signature, read_mapping
 
 log = logging.getLogger(__name__)
 
@@ -74,7 +74,10 @@ class SlurmCollector(Collector):
         procfs: str = "/proc",
         series_grace_s: float = 300.0,
         clock: Callable[[], float] = time.monotonic,
+        request_counter_read: Callable[[], None] | None = None,
     ) -> None:
+        """``request_counter_read``: ``GPUCollector.request_counter_read``, called when the directory
+        changed after the GPU collector's check (``mapping_changed``) of the same sample."""
         self._gpu_states = gpu_states
         self._dir = mapping_dir
         self._procfs = procfs
@@ -84,6 +87,9 @@ class SlurmCollector(Collector):
         self._gpu_index: dict[str, str] = {}
         self._logged: frozenset[str] = frozenset()
         self._available_logged: bool | None = None
+        self._read_sig: tuple[tuple[str, int, int], ...] = ()
+        self._checked_sig: tuple[tuple[str, int, int], ...] = ()
+        self._late_change = request_counter_read
         self._held: tuple[SlurmJob, ...] | None = None
 
     def held(self) -> tuple[SlurmJob, ...] | None:
@@ -96,7 +102,20 @@ class SlurmCollector(Collector):
     def attributor(self) -> JobEnergyAttributor:
         return self._attributor
 
+    def mapping_changed(self) -> bool:
+        """For ``GPUCollector.add_counter_read_check``: True when the directory changed since this collector
+        last read it, so the sample in which a job starts or ends reads the energy counters (the job's
+        edges are then exact counter deltas, not energy apportioned between counter reads)."""
+        self._checked_sig = mapping_signature(self._dir)
+        return self._checked_sig != self._read_sig
+
     def update(self) -> list[Metric]:
+        sig = mapping_signature(self._dir)
+        if sig != self._checked_sig and self._late_change is not None:
+            # Rewritten between the GPU collector's check and now: this edge falls between counter reads;
+            # read them at the next sample so the apportioned part stays within one interval.
+            self._late_change()
+        self._read_sig = self._checked_sig = sig
         mapping = read_mapping(self._dir)
         self._log(mapping)
         states = list(self._gpu_states())

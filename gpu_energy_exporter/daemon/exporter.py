@@ -136,7 +136,9 @@ class Exporter:
             if self.gpu is None:
                 raise ConfigError("--collector.slurm needs the gpu collector (remove --no-collector.gpu)")
             self.slurm = SlurmCollector(self.gpu.states, config.collector_slurm_job_mapping_dir,
-                                        procfs=config.path_procfs)
+                                        procfs=config.path_procfs, request_counter_read=self.gpu.request_counter_read)
+            # A job's start and end fall on energy-counter reads (docs/slurm.md)
+            self.gpu.add_counter_read_check(self.slurm.mapping_changed)
             collectors.append(self.slurm)
         self.collectors = collectors
         self.sampler = Sampler(

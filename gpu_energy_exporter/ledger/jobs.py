@@ -2,14 +2,16 @@
 
 Each snapshot carries the jobs the slurm collector read in the job-mapping directory (``Snapshot.slurm_jobs``,
 written by the prolog and epilog in ``deploy/slurm/``). A job seen for the first time opens a run whose id is
-the job id, counted from the snapshot before the one that first lists it (the prolog wrote its files in that
-interval: the slurm collector charges the same interval). The mapping is the authority for the job's GPUs:
+the job id, counted from the snapshot that first lists it (the slurm collector charges each interval to
+the jobs listed at its start, and the exporter reads the energy counters at the snapshots where the map
+changed, so the job's edges are counter reads). The mapping is the authority for the job's GPUs:
 they are the run's, and its claim on them is confirmed by the allocation (``Holding.allocated``: never
 refused by the NVML-process rule, and the processes on them that are no run's are the job's). When the job's
 ranks push through the training helper under the job id (the helper's default, ``SLURM_JOB_ID``) it is the
 same run: one row with tokens, J/token and MFU; ranks pushing under another run id whose job identity names
 the job (the resource's ``slurm.job.id``) are taken into the job's run too (``alias``). A job run ends at
-the last snapshot that lists the job (its ranks' ``training_run_finished`` do not end it: the epilog does),
+the first snapshot that no longer lists the job (its ranks' ``training_run_finished`` do not end it: the
+epilog does),
 and is closed as ``finished`` with its row.
 
 The driver (``ledger.RunLedger``) calls ``track`` under its lock on the sampler thread, ``alias`` for each
@@ -46,7 +48,7 @@ def track(
         return []
     opened: list[str] = []
     listed: Mapping[str, SlurmJob] = {j.job_id: j for j in jobs if j.job_id and j.gpus}
-    start = prev.t if prev is not None else frame.t
+    start = frame.t  # the map changed in (prev.t, frame.t]: this snapshot read the counters (module docstring)
     for job_id, job in listed.items():
         run = active.get(job_id)
         fresh = run is None or run.tentative
@@ -72,7 +74,8 @@ def track(
             changed(run, run.s if fresh else start)
     for run in list(active.values()):
         if run.allocated and run.run_id not in listed and run.e is None:
-            run.e = max(run.s, start)  # the epilog removed it after the last snapshot that listed it
+            run.e = max(run.s, start)  # the epilog removed it after the last snapshot that listed it: the
+            # interval up to this snapshot was still the job's (charged to the jobs listed at its start)
             run.status = "finishing"
             changed(run, run.e)
     return opened

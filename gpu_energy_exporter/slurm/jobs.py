@@ -14,7 +14,11 @@ pods):
   processes' SM utilisation is known for the interval: split by it.
 - ``shared_even``: shared as above without usable utilisation: split evenly.
 
-A GPU no job holds adds to its unattributed counter, so that over any window in which the map did not
+Each interval is charged to the jobs that held the GPU at its start (the previous update's map): the
+sample that first lists a job, and the first that no longer does, are where its energy starts and stops,
+and the exporter reads the energy counters at exactly those samples (``GPUCollector.add_counter_read_check``
+with ``SlurmCollector.mapping_changed``), so a job's energy is the counter's increase between two reads,
+exact, and never energy apportioned between counter reads. A GPU no job holds adds to its unattributed counter, so that over any window in which the map did not
 change ``sum(jobs) + unattributed == GPU energy``. A job that has held no GPU for ``grace_s`` loses its
 series (finished jobs expire, so the series count follows the running jobs, not the job history).
 """
@@ -87,6 +91,7 @@ class JobEnergyAttributor:
         self._first_held: dict[str, float] = {}
         self._gpus: dict[str, set[str]] = defaultdict(set)
         self._unattributed: dict[str, float] = {}
+        self._held: Mapping[str, Sequence[JobSlot]] = {}  # the previous update's map: who held each GPU
 
     def update(
         self,
@@ -95,7 +100,8 @@ class JobEnergyAttributor:
         holdings: Mapping[str, Sequence[JobSlot]],
         sm: Mapping[str, Mapping[str, float]] | None = None,
     ) -> None:
-        """Charge every GPU's energy since the previous update to the jobs holding it now.
+        """Charge every GPU's energy since the previous update to the jobs that held it then (the map of the
+        previous update), and remember ``holdings`` for the next.
 
         ``gpu_energy_j``: GPU UUID -> monotonic counter (joules); a GPU missing from it is skipped and its
         next delta covers the gap; the first reading only sets the baseline; a counter that goes
@@ -109,13 +115,14 @@ class JobEnergyAttributor:
             last = self._last_energy.get(gpu_uuid)
             self._last_energy[gpu_uuid] = energy
             delta = 0.0 if last is None or energy < last else energy - last
-            slots = holdings.get(gpu_uuid, ())
+            slots = self._held.get(gpu_uuid, ())
             unattributed = self._unattributed.setdefault(gpu_uuid, 0.0)
             if not slots:
                 self._unattributed[gpu_uuid] = unattributed + delta
                 continue
             for job, method, joules in split(delta, slots, (sm or {}).get(gpu_uuid)):
                 self._energy[(job, method)] = self._energy.get((job, method), 0.0) + joules
+        self._held = {gpu: tuple(slots) for gpu, slots in holdings.items()}
         self._expire(now)
 
     def _expire(self, now: float) -> None:

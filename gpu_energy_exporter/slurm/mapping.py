@@ -119,6 +119,22 @@ def _read_info(directory: Path, jobs: set[str]) -> dict[str, JobInfo]:
     return out
 
 
+def mapping_signature(directory: str | os.PathLike[str]) -> tuple[tuple[str, int, int], ...]:
+    """What changes when the prolog or epilog rewrites the directory: each GPU file's name, inode and
+    modification time (the scripts replace files by rename). One scandir, no file read: cheap enough to
+    ask at every sample."""
+    try:
+        with os.scandir(directory) as it:
+            out = []
+            for entry in it:
+                if GPU_FILE.match(entry.name):
+                    st = entry.stat(follow_symlinks=False)
+                    out.append((entry.name, st.st_ino, st.st_mtime_ns))
+    except OSError:
+        return ()
+    return tuple(sorted(out))
+
+
 # Slurm job cgroups. v1: .../slurm[_<node>]/uid_<uid>/job_<id>/...; v2: .../[<node>_]slurmstepd.scope/
 # job_<id>/... and, from Slurm 26.05, .../slurmstepd.scope/<SLUID>/... (CgroupJobIdPaths=yes restores
 # job_<id>). A SLUID is "s" and 13 base-32 characters; the prolog records it so it maps to the job id.
