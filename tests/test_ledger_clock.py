@@ -85,7 +85,9 @@ def _run(tmp_path: Path, start_exporter: type[ExporterProcess], fake_nvml_lib: P
     exporter_file.write_text((exporter_offset or "+0") + "\n")
     env = {"FAKE_NVML_SCENARIO": str(tmp_path / "scenario.ini"), "FAKE_NVML_STEADY": "1", **_faked(exporter_file)}
     exp = start_exporter([f"--nvml.library={fake_nvml_lib}", "--collector.interval=200ms", "--runs.warmup=0s",
-                          f"--runs.csv={runs_csv}"], env).wait_ready()
+                          # the counter read every sample: this test is about clocks, not about energy
+                          # apportioned between counter reads (tests/test_energy_schedule.py)
+                          "--collector.energy-interval=200ms", f"--runs.csv={runs_csv}"], env).wait_ready()
     trainer_file = exporter_file if step_trainer else tmp_path / "trainer.faketime"
     if not step_trainer:
         trainer_file.write_text((trainer_offset or "+0") + "\n")
@@ -118,7 +120,10 @@ def _check(row: dict[str, str], duration: float) -> None:
           f"for {duration:.2f}", "power", row["avg_power_w"], "tokens/s", row["tokens_per_s"])
     assert float(row["duration_s"]) == pytest.approx(duration, abs=1.5)
     assert float(row["energy_j"]) == pytest.approx(WATTS * duration, rel=0.08)
-    assert float(row["avg_power_w"]) == pytest.approx(WATTS, rel=0.03)
+    # A run of ~8.6 s on a 200 ms grid: each edge is placed to within a sample, and on a loaded machine a
+    # snapshot can reach the ledger a few hundred ms late; 6% is about 0.5 s of the run. The bug this guards
+    # against froze the run (-72% energy, J/token 3.7x low).
+    assert float(row["avg_power_w"]) == pytest.approx(WATTS, rel=0.06)
     assert float(row["tokens_per_s"]) == pytest.approx(float(row["tokens"]) / duration, rel=0.2)
 
 
