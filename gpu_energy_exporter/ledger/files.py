@@ -63,10 +63,11 @@ def atomic_write(path: str, write: Callable[[IO[bytes]], object], mode: int | No
         except FileNotFoundError:
             pass
         raise
-    _fsync_dir(directory)
+    fsync_dir(directory)
 
 
-def _fsync_dir(directory: str) -> None:
+def fsync_dir(directory: str) -> None:
+    """Make a rename in ``directory`` durable (fsync the directory; a file system that refuses is left be)."""
     try:
         fd = os.open(directory, os.O_RDONLY)
     except OSError:

@@ -30,6 +30,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from gpu_energy_exporter.ledger.files import fsync_dir
+
 log = logging.getLogger(__name__)
 
 _HEADER = struct.Struct(">II")  # payload length, crc32 of the payload
@@ -90,19 +92,6 @@ def _generations(directory: str) -> list[int]:
 
 def _path(directory: str, gen: int) -> str:
     return os.path.join(directory, f"{_PREFIX}{gen:08d}{_SUFFIX}")
-
-
-def _fsync_dir(directory: str) -> None:
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass  # some file systems refuse fsync on a directory; the rename is still atomic
-    finally:
-        os.close(fd)
 
 
 def record(payload: bytes) -> bytes:
@@ -197,7 +186,7 @@ class Journal:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-        _fsync_dir(self.directory)
+        fsync_dir(self.directory)
         if self._file is not None:
             self._file.close()
         self._file = open(path, "ab")  # noqa: SIM115 - kept open between appends

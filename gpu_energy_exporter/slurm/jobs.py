@@ -17,8 +17,9 @@ pods):
 Each interval is charged to the jobs that held the GPU at its start (the previous update's map): the
 sample that first lists a job, and the first that no longer does, are where its energy starts and stops,
 and the exporter reads the energy counters at exactly those samples (``GPUCollector.add_counter_read_check``
-with ``SlurmCollector.mapping_changed``), so a job's energy is the counter's increase between two reads,
-exact, and never energy apportioned between counter reads. A GPU no job holds adds to its unattributed counter, so that over any window in which the map did not
+with ``SlurmCollector.mapping_changed``), so a job's edges are counter reads (docs/slurm.md, "Limits", says
+what the energy apportioned between reads can still cost a job that stops dead). A GPU no job holds adds
+to its unattributed counter, so that over any window in which the map did not
 change ``sum(jobs) + unattributed == GPU energy``. A job that has held no GPU for ``grace_s`` loses its
 series (finished jobs expire, so the series count follows the running jobs, not the job history).
 """
@@ -29,10 +30,14 @@ from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from gpu_energy_exporter.core import sharing
+
 METHOD_EXCLUSIVE = "exclusive"
 METHOD_MIG_SLICES = "mig_slices"
 METHOD_SM_UTILIZATION = "sm_utilization"
 METHOD_SHARED_EVEN = "shared_even"
+_METHOD = {sharing.RULE_EXCLUSIVE: METHOD_EXCLUSIVE, sharing.RULE_MIG: METHOD_MIG_SLICES,
+           sharing.RULE_SM_UTIL: METHOD_SM_UTILIZATION, sharing.RULE_EVEN: METHOD_SHARED_EVEN}
 
 
 @dataclass(frozen=True, order=True)
@@ -50,31 +55,12 @@ def split(
     delta_j: float, slots: Sequence[JobSlot], sm: Mapping[str, float] | None = None
 ) -> list[tuple[str, str, float]]:
     """Split one GPU's delta over its slots: [(job id, method, joules)], summing to ``delta_j``.
-    ``sm``: job id -> summed SM utilisation of its processes on this GPU over the interval."""
-    if not slots:
-        return []
-    instances: dict[str, list[JobSlot]] = defaultdict(list)
-    for s in slots:
-        instances[s.instance].append(s)
-    is_mig = any(s.instance for s in slots)
-    weight = {i: (max(max(s.weight for s in ss), 0.0) or 1.0) for i, ss in instances.items()}
-    total = sum(weight.values())
-    out: list[tuple[str, str, float]] = []
-    for instance, held in sorted(instances.items()):
-        energy = delta_j * weight[instance] / total
-        jobs = sorted({s.job_id for s in held})
-        if is_mig:
-            out.extend((job, METHOD_MIG_SLICES, energy / len(jobs)) for job in jobs)
-        elif len(jobs) == 1:
-            out.append((jobs[0], METHOD_EXCLUSIVE, energy))
-        else:
-            w = {job: max(0.0, float((sm or {}).get(job, 0.0))) for job in jobs}
-            wsum = sum(w.values())
-            if wsum > 0:
-                out.extend((job, METHOD_SM_UTILIZATION, energy * w[job] / wsum) for job in jobs)
-            else:
-                out.extend((job, METHOD_SHARED_EVEN, energy / len(jobs)) for job in jobs)
-    return out
+    ``sm``: job id -> summed SM utilisation of its processes on this GPU over the interval. The rule is
+    ``core.sharing.split``, the one runs and pods use; this maps the job slots onto it."""
+    members = [sharing.Member(s.job_id, s.instance, max(1, int(s.weight)),
+                              None if sm is None or s.job_id not in sm else float(sm[s.job_id]))
+               for s in sorted(slots, key=lambda s: (s.instance, s.job_id))]
+    return [(job, _METHOD[rule], part) for job, rule, part in sharing.split(delta_j, members)]
 
 
 class JobEnergyAttributor:
