@@ -445,6 +445,13 @@ class Unavailable(Exception):
     """A benchmark that cannot run here (no GPU for ``--real-driver``): said in one line, not a traceback."""
 
 
+def require_real_driver() -> None:
+    """Raise ``Unavailable`` unless this machine has an NVIDIA driver (``--real-driver``)."""
+    if not (Path("/dev/nvidiactl").exists() or Path("/proc/driver/nvidia/version").exists()):
+        raise Unavailable("--real-driver needs an NVIDIA GPU and driver: this machine has no /dev/nvidiactl "
+                          "(run it on a GPU machine; the fake-library figures need no flag)")
+
+
 def command_string(module: str, argv: Sequence[str]) -> str:
     return shlex.join(["python", "-m", module, *argv])
 
