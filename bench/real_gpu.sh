@@ -32,7 +32,7 @@ step() {  # step SECONDS LOG COMMAND...: one step, bounded, its output kept; a f
     timeout "$limit" "$@" 2>&1 | tee -a "$OUT/$log"
     echo "== rc ${PIPESTATUS[0]}" | tee -a "$OUT/$log"
 }
-step 200 pytest.log "$PY" -m pytest -m gpu -p no:cacheprovider -rA tests/test_gpu_real.py tests/test_training_helper.py \
+step 200 pytest.log "$PY" -m pytest -m gpu -p no:cacheprovider -ra tests/test_gpu_real.py tests/test_training_helper.py \
     tests/test_training_torch.py
 step 80 bench.md "$PY" -m bench.real_probe --real-driver
 step 150 bench.md "$PY" -m bench.exporter_cost --real-driver
