@@ -80,3 +80,23 @@ def test_energy_no_run_held_is_the_gpus_unattributed_energy() -> None:
     got = list(unattributed(f0, f1, {"a": [Holding("r", 6.0)]}))
     assert [(key, joules) for key, _, joules in got] == [("a", pytest.approx(600.0))]
     assert list(unattributed(f0, f1, {"a": [Holding("r", 0.0)]})) == []
+
+
+def test_a_counter_correction_in_one_short_interval_is_not_a_power_peak() -> None:
+    # On a real H100 (docs/gpu-validation.md) at a 200 ms interval, the sample that read the energy counter
+    # carried 290 J the 1 s average had not shown yet (the GPU had just gone from idle to 680 W): that
+    # interval's mean is 1,450 W beside a 680 W power reading, and the run's peak read 2,129 W on a 700 W GPU.
+    acc = Acc(t=0.0)
+    f0, f1 = frame(10.0, gpu(1000.0, power_w=680.0)), frame(10.2, gpu(1000.0 + 136.0 + 290.0, power_w=680.0))
+    integrate(acc, f0, f1, 0.0, math.inf, run_id="r", window_start=0.0, keys=["a"],
+              holders={"a": [Holding("r", 0.0)]})
+    assert acc.energy_j == pytest.approx(426.0), "the energy is charged in full"
+    assert acc.peak_power_w == pytest.approx(680.0), "the peak is what the GPU reported drawing"
+
+
+def test_without_power_readings_the_interval_mean_is_the_peak() -> None:
+    acc = Acc(t=0.0)
+    f0, f1 = frame(0.0, gpu(0.0)), frame(10.0, gpu(3000.0))
+    integrate(acc, f0, f1, 0.0, math.inf, run_id="r", window_start=0.0, keys=["a"],
+              holders={"a": [Holding("r", 0.0)]})
+    assert acc.peak_power_w == pytest.approx(300.0)

@@ -105,8 +105,8 @@ RUN_AVERAGE_POWER = metrics.define(
     _RUN, collector=COLLECTOR, unit="watts")
 RUN_PEAK_POWER = metrics.define(
     "run", "peak_power_watts", "gauge",
-    "Highest power charged to the run: its share of its GPUs' power at one snapshot or over one snapshot "
-    "interval (never below the average power).", _RUN, collector=COLLECTOR, unit="watts")
+    "Highest power charged to the run: its share of its GPUs' power at one snapshot (over one snapshot "
+    "interval where the GPUs report no power), never below the average power.", _RUN, collector=COLLECTOR, unit="watts")
 RUN_MEMORY_PEAK = metrics.define(
     "run", "memory_peak_bytes", "gauge",
     "Highest GPU memory used on any one of the run's GPUs at one snapshot (all processes on that GPU).",
@@ -216,10 +216,11 @@ COLUMNS: tuple[Column, ...] = (
            "high)."),
     Column("window_energy_j", "J", "Energy in the efficiency window (after the warm-up)."),
     Column("avg_power_w", "W", "`energy_j / duration_s`: average power charged to the run."),
-    Column("peak_power_w", "W", "Highest power charged to the run: the larger of the sum over its GPUs of "
-           "power at one snapshot (instant power where the GPU reports it, else NVML's averaged power) x the "
-           "run's share, and the charged energy of one snapshot interval / its length. Never below "
-           "`avg_power_w`."),
+    Column("peak_power_w", "W", "Highest power charged to the run: the sum over its GPUs of power at one "
+           "snapshot (instant power where the GPU reports it, else NVML's averaged power) x the run's share; "
+           "the charged energy of one snapshot interval / its length only where the GPUs report no power (the "
+           "energy between counter reads is apportioned, so one short interval can carry a correction). Never "
+           "below `avg_power_w`."),
     Column("vram_peak_bytes", "bytes", "Highest GPU memory used on any one of the run's GPUs at one snapshot "
            "(NVML device memory: every process on that GPU, other runs' included). Per GPU, like the "
            "dashboards."),

@@ -17,7 +17,7 @@ from typing import Any
 from gpu_energy_exporter.core.health import XidEvent
 from gpu_energy_exporter.core.runs_schema import METADATA_KEYS
 from gpu_energy_exporter.ledger import split as ledger_split
-from gpu_energy_exporter.ledger.accounting import Acc, idle_total
+from gpu_energy_exporter.ledger.accounting import Acc, idle_total, max_opt
 from gpu_energy_exporter.ledger.files import RUNS_DIR, iso_utc, summary_filename
 from gpu_energy_exporter.ledger.frames import Frame
 from gpu_energy_exporter.ledger.health_notes import xid_notes
@@ -243,7 +243,8 @@ def summarize(run: Run, acc: Acc, *, warmup_s: float, local: Local, carbon_confi
         "dynamic_energy_j": energy - idle if energy is not None and idle is not None else None,
         "window_energy_j": win_energy,
         "avg_power_w": ratio(energy, duration),
-        "peak_power_w": acc.peak_power_w,
+        # never below the average: a run whose snapshots all fell in dips still drew its average power
+        "peak_power_w": max_opt(acc.peak_power_w, ratio(energy, duration)),
         "vram_peak_bytes": acc.vram_peak,
         "vram_avg_bytes": acc.vram_byte_s / acc.vram_s if acc.vram_s > 0 else None,
         "vram_total_bytes": float(max(m for m in total_mem if m is not None)) if any(
