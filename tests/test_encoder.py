@@ -141,3 +141,52 @@ def test_a_scrape_after_a_full_repush_does_not_reencode_through_prometheus_clien
     monkeypatch.undo()
     families = store.collect()
     assert text == reference(families, False) and om == reference(families, True)
+
+
+HEADER_DOCS = ["plain help", 'with "quotes"', "back\\slash and\nnewline", "ünïcødé ✓", ""]
+
+
+def test_family_headers_match_prometheus_client_for_every_type_and_odd_help() -> None:
+    # encoder.header writes HELP/TYPE(/UNIT) itself for plain names, so a scrape never imports
+    # prometheus_client.exposition (http.server, urllib, ssl): the bytes must stay prometheus_client's.
+    encoder._HEADER_CACHE.clear()
+    for mtype in ("counter", "gauge", "summary", "histogram", "gaugehistogram", "info", "stateset", "unknown"):
+        for doc in HEADER_DOCS:
+            for unit in ("", "seconds"):
+                name = "gpuenergy_x_seconds" if unit else "gpuenergy_x"
+                family = Metric(name, doc, mtype, unit)
+                for openmetrics in (False, True):
+                    assert encoder._direct_header(family, openmetrics) == reference([family], openmetrics), \
+                        (mtype, doc, unit, openmetrics)
+    # names the direct path leaves to prometheus_client: still its bytes, through the fallback
+    for name in ("ns:recording_rule", "gpuenergy_x"):
+        family = Metric(name, "h", "gauge")
+        for openmetrics in (False, True):
+            assert encoder.header(family, openmetrics) == reference([family], openmetrics)
+
+
+ACCEPT_HEADERS = [
+    "", "*/*", "text/plain", "text/plain;version=0.0.4", "text/plain; version=1.0.0",
+    "text/plain;version=1.0.0;escaping=allow-utf-8",
+    "text/plain;version=1.0.0;escaping=bogus", "application/openmetrics-text",
+    "application/openmetrics-text;version=1.0.0", "application/openmetrics-text; version=0.0.1",
+    "application/openmetrics-text;version=1.0.0;escaping=dots",
+    "application/openmetrics-text;version=2.0.0;escaping=values;q=0.9",
+    # what Prometheus 2.x and 3.x send
+    "application/openmetrics-text;version=1.0.0,application/openmetrics-text;version=0.0.1;q=0.75,"
+    "text/plain;version=0.0.4;q=0.5,*/*;q=0.1",
+    "application/openmetrics-text;version=1.0.0;escaping=allow-utf-8;q=0.5,application/openmetrics-text;"
+    "version=0.0.1;q=0.4,text/plain;version=1.0.0;escaping=allow-utf-8;q=0.3,text/plain;version=0.0.4;q=0.2,*/*;q=0.1",
+    "text/html, application/json", " application/openmetrics-text ; version=1.0.0 ",
+    "application/openmetrics-text;version=1.x", "text/plain;version=x.y", "text/plain;version=",
+]
+
+
+def test_content_type_matches_prometheus_client_choose_encoder() -> None:
+    for accept in ACCEPT_HEADERS:
+        try:
+            expected = text_exposition.choose_encoder(accept)[1]
+        except TypeError:  # prometheus_client compares "1.x" with (1, 0, 0) and raises: ours serves the default
+            assert encoder.content_type(accept) == encoder.TEXT_0_0_4, accept
+            continue
+        assert encoder.content_type(accept) == expected, accept

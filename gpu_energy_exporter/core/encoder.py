@@ -24,9 +24,7 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable, Sequence
 
-from prometheus_client import exposition as text_exposition
 from prometheus_client.core import Metric
-from prometheus_client.openmetrics import exposition as om_exposition
 
 from gpu_energy_exporter.core.memo import remember
 from gpu_energy_exporter.core.metrics import MetricSpec
@@ -97,6 +95,11 @@ def lines(heads: Sequence[bytes], values: Sequence[float]) -> bytes:
 
 def fallback(families: Iterable[Metric], openmetrics: bool) -> bytes:
     """prometheus_client's own encoding (OpenMetrics without its ``# EOF``)."""
+    # imported here: prometheus_client.exposition brings http.server, urllib.request, ssl and wsgiref (about
+    # 10 MB of a daemon's memory) for what only the rare families this module does not cover need
+    from prometheus_client import exposition as text_exposition
+    from prometheus_client.openmetrics import exposition as om_exposition
+
     registry = _Families(list(families))
     if openmetrics:
         body = om_exposition.generate_latest(registry)
@@ -109,10 +112,33 @@ def header(metric: Metric, openmetrics: bool) -> bytes:
     key = (metric.name, metric.type, metric.documentation, metric.unit, openmetrics)
     out = _HEADER_CACHE.get(key)
     if out is None:
-        empty = Metric(metric.name, metric.documentation, metric.type, metric.unit)
-        out = fallback([empty], openmetrics)
+        out = _direct_header(metric, openmetrics)
+        if out is None:
+            empty = Metric(metric.name, metric.documentation, metric.type, metric.unit)
+            out = fallback([empty], openmetrics)
         remember(_HEADER_CACHE, key, out, _HEADER_CACHE_MAX)
     return out
+
+
+_PLAIN_NAME = re.compile(r"[a-zA-Z_][a-zA-Z0-9_]*\Z")
+#: prometheus_client's munging of OpenMetrics types into the text format: (name suffix, type written)
+_TEXT_TYPES = {"counter": ("_total", "counter"), "info": ("_info", "gauge"), "stateset": ("", "gauge"),
+               "gaugehistogram": ("", "histogram"), "unknown": ("", "untyped")}
+
+
+def _direct_header(metric: Metric, openmetrics: bool) -> bytes | None:
+    """``header`` written here for plain names (no ``:``, nothing to escape), as prometheus_client writes it;
+    None for any other name (prometheus_client's exposition module writes those)."""
+    if not _PLAIN_NAME.match(metric.name):
+        return None
+    doc = metric.documentation.replace("\\", r"\\").replace("\n", r"\n")
+    if openmetrics:
+        name, doc = metric.name, doc.replace('"', r'\"')
+        unit = f"# UNIT {name} {metric.unit}\n" if metric.unit else ""
+        return f"# HELP {name} {doc}\n# TYPE {name} {metric.type}\n{unit}".encode()
+    suffix, mtype = _TEXT_TYPES.get(metric.type, ("", metric.type))
+    name = metric.name + suffix
+    return f"# HELP {name} {doc}\n# TYPE {name} {mtype}\n".encode()
 
 
 #: (family name, sample name, labels as given, format) -> the sample's head; None: not for the direct path
@@ -196,3 +222,56 @@ class _Families:
 
     def collect(self) -> list[Metric]:
         return self.families
+
+
+# ----------------------------------------------------------------------------------------------------
+# content negotiation
+
+TEXT_0_0_4 = "text/plain; version=0.0.4; charset=utf-8"
+TEXT_1_0_0 = "text/plain; version=1.0.0; charset=utf-8"
+OPENMETRICS_1_0_0 = "application/openmetrics-text; version=1.0.0; charset=utf-8"
+_ESCAPINGS = frozenset({"allow-utf-8", "underscores", "dots", "values"})
+
+
+def _param(tokens: Sequence[str], key: str) -> str:
+    for tok in tokens:
+        if "=" in tok:
+            k, v = tok.strip().split("=", 1)
+            if k == key:
+                return v
+    return ""
+
+
+def _at_least_1(version: str) -> bool:
+    parts: list[int | str] = []
+    for part in version.split("."):
+        try:
+            parts.append(int(part))
+        except ValueError:
+            parts.append(part)
+    try:
+        return tuple(parts) >= (1, 0, 0)
+    except TypeError:  # "1.x": prometheus_client raises here; such a header gets the default format
+        return False
+
+
+def content_type(accept: str) -> str:
+    """The Content-Type ``prometheus_client.exposition.choose_encoder`` picks for an ``Accept`` header
+    (OpenMetrics or the text format, with the ``escaping`` it names), decided without importing that module
+    (it brings http.server, urllib.request and ssl). ``tests/test_encoder.py`` checks both agree."""
+    for accepted in (accept or "").split(","):
+        tokens = accepted.split(";")
+        media = tokens[0].strip()
+        if media not in ("application/openmetrics-text", "text/plain"):
+            continue
+        version = _param(tokens, "version")
+        escaping = _param(tokens, "escaping")
+        escaping = escaping if escaping in _ESCAPINGS else "underscores"
+        if media == "application/openmetrics-text":
+            if not version:
+                return OPENMETRICS_1_0_0
+            if _at_least_1(version):
+                return f"application/openmetrics-text; version={version}; charset=utf-8; escaping={escaping}"
+        elif version and _at_least_1(version):
+            return f"{TEXT_1_0_0}; escaping={escaping}"
+    return TEXT_0_0_4

@@ -58,8 +58,10 @@ def new_parser() -> argparse.ArgumentParser:
 def serve(argv: Sequence[str], *, backend_factory: object = None) -> int:
     """Parse flags, start the exporter, run until SIGTERM/SIGINT."""
     from gpu_energy_exporter.daemon.exporter import Exporter
+    from gpu_energy_exporter.daemon.lean import few_malloc_arenas
     from gpu_energy_exporter.daemon.logsetup import setup_logging
 
+    few_malloc_arenas()  # before any thread starts (daemon/lean.py says why)
     try:
         ns = new_parser().parse_args(list(argv))
         config = config_from_namespace(ns, os.environ)

@@ -18,8 +18,7 @@ from collections.abc import Callable, Mapping, Sequence
 from types import MappingProxyType
 from urllib.parse import parse_qs
 
-from prometheus_client import CollectorRegistry
-from prometheus_client.exposition import choose_encoder
+from prometheus_client.registry import CollectorRegistry
 
 from gpu_energy_exporter import __version__
 from gpu_energy_exporter.core.errors import ConfigError
@@ -92,6 +91,8 @@ def inline_scrape(telemetry_path: str) -> Callable[[Request], bool]:
 def registry_render(registry: CollectorRegistry) -> Render:
     """A ``Render`` for a prometheus_client registry (tools and tests without a cached exposition):
     encoded whole, then cut by ``select_samples`` like the exporter's cached bytes."""
+
+    from prometheus_client.exposition import choose_encoder  # heavy (http.server, ssl): tools and tests only
 
     def render(accept: str, names: frozenset[str] | None = None) -> tuple[bytes, str]:
         encoder, content_type = choose_encoder(accept)

@@ -13,8 +13,8 @@ import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from prometheus_client import ProcessCollector
 from prometheus_client.core import Metric
+from prometheus_client.process_collector import ProcessCollector
 
 from gpu_energy_exporter.collectors.base import Collector
 from gpu_energy_exporter.collectors.carbon import CarbonCollector, IntensityFileCollector, IntensityWatch
@@ -42,7 +42,6 @@ from gpu_energy_exporter.http.server import HTTPServer
 from gpu_energy_exporter.http.webconfig import load_web_config
 from gpu_energy_exporter.ledger import RunLedger
 from gpu_energy_exporter.ledger.journal import SteadyClock
-from gpu_energy_exporter.otlp.grpcreceiver import GRPCReceiver
 from gpu_energy_exporter.otlp.push import OTLPPusher, PushSettings, load_headers_file
 from gpu_energy_exporter.otlp.receiver import OTLPReceiver, load_bearer_token
 from gpu_energy_exporter.otlp.store import TrainingStore
@@ -50,6 +49,7 @@ from gpu_energy_exporter.reference.carbon import resolve_intensity
 
 if TYPE_CHECKING:
     from gpu_energy_exporter.collectors.slurm import SlurmCollector
+    from gpu_energy_exporter.otlp.grpcreceiver import GRPCReceiver
 
 log = logging.getLogger(__name__)
 
@@ -216,6 +216,9 @@ class Exporter:
         # OTLP/gRPC: the same handler (store, limits, token), TLS from the web config; grpc loads at bind()
         self.otlp_grpc: GRPCReceiver | None = None
         if config.otlp_grpc_listen_address is not None:
+            # imported only when on: it brings asyncio (and with it ssl, about 9 MB together)
+            from gpu_energy_exporter.otlp.grpcreceiver import GRPCReceiver
+
             self.otlp_grpc = GRPCReceiver(
                 config.otlp_grpc_listen_address, self.otlp.handler, tls=self.web_config.tls,
                 max_connections=config.web_max_connections, request_timeout=config.web_request_timeout,

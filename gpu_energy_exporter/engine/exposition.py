@@ -24,7 +24,6 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
-from prometheus_client import exposition as prom_exposition
 from prometheus_client.core import Metric
 from prometheus_client.registry import Collector as PromCollector
 from prometheus_client.registry import CollectorRegistry
@@ -271,7 +270,7 @@ def _content_type(accept: str) -> str:
     header every time)."""
     content_type = _CONTENT_TYPES.get(accept)
     if content_type is None:
-        content_type = remember(_CONTENT_TYPES, accept, prom_exposition.choose_encoder(accept)[1], 64)
+        content_type = remember(_CONTENT_TYPES, accept, encoder.content_type(accept), 64)
     return content_type
 
 

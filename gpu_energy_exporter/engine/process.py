@@ -17,8 +17,8 @@ import os
 import time
 from collections.abc import Callable
 
-from prometheus_client import ProcessCollector
 from prometheus_client.core import Metric
+from prometheus_client.process_collector import ProcessCollector
 
 from gpu_energy_exporter.core import encoder
 

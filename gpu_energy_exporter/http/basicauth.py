@@ -17,10 +17,8 @@ from __future__ import annotations
 import base64
 import binascii
 import collections
-import hashlib
-import hmac
+import os
 import re
-import secrets
 import threading
 from collections.abc import Mapping
 
@@ -62,7 +60,7 @@ class BasicAuth:
         self._users = users
         self._lock = threading.Lock()
         self._bcrypt_slots = threading.BoundedSemaphore(_BCRYPT_SLOTS)
-        self._secret = secrets.token_bytes(32)
+        self._secret = os.urandom(32)
         self._cache: collections.OrderedDict[bytes, bool] = collections.OrderedDict()
         self._dummy: str | None = None
 
@@ -80,6 +78,9 @@ class BasicAuth:
 
     def _cache_key(self, user: str, password: bytes) -> bytes:
         u = user.encode()
+        import hashlib  # here: hashlib loads OpenSSL's libcrypto (~4 MB), and only basic auth needs it
+        import hmac
+
         return hmac.new(self._secret, b"%d:%s%s" % (len(u), u, password), hashlib.sha256).digest()
 
     def check(self, authorization: str | None) -> bool:
@@ -123,5 +124,5 @@ class BasicAuth:
                 import bcrypt
 
                 cost = max(int(BCRYPT_RE.match(h).group(1)) for h in self._users.values())  # type: ignore[union-attr]
-                self._dummy = bcrypt.hashpw(secrets.token_bytes(16), bcrypt.gensalt(rounds=cost)).decode()
+                self._dummy = bcrypt.hashpw(os.urandom(16), bcrypt.gensalt(rounds=cost)).decode()
             return self._dummy

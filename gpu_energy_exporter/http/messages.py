@@ -12,7 +12,6 @@ once-a-second cache is a plain tuple swap).
 
 from __future__ import annotations
 
-import email.utils
 import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -254,6 +253,17 @@ def _date_line() -> str:
     now = int(time.time())
     cached = _date_cache
     if cached[0] != now:
-        cached = _date_cache = (now, "Date: " + email.utils.formatdate(now, usegmt=True))
+        cached = _date_cache = (now, "Date: " + http_date(now))
     return cached[1]
 
+
+_DAYS = ("Mon", "Tue", "Wed", "Thu", "Fri", "Sat", "Sun")
+_MONTHS = ("Jan", "Feb", "Mar", "Apr", "May", "Jun", "Jul", "Aug", "Sep", "Oct", "Nov", "Dec")
+
+
+def http_date(t: float) -> str:
+    """``email.utils.formatdate(t, usegmt=True)`` (RFC 9110's IMF-fixdate) without importing the ``email``
+    package, whatever the locale."""
+    g = time.gmtime(t)
+    return (f"{_DAYS[g.tm_wday]}, {g.tm_mday:02d} {_MONTHS[g.tm_mon - 1]} {g.tm_year:04d} "
+            f"{g.tm_hour:02d}:{g.tm_min:02d}:{g.tm_sec:02d} GMT")

@@ -15,14 +15,15 @@ import ipaddress
 import logging
 import os
 import re
-import ssl
-import tempfile
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from gpu_energy_exporter.core.errors import ConfigError
+
+if TYPE_CHECKING:
+    import ssl
 
 log = logging.getLogger(__name__)
 
@@ -34,12 +35,9 @@ CLIENT_AUTH_TYPES: tuple[str, ...] = (
     "RequireAndVerifyClientCert",
 )
 
-TLS_VERSIONS: dict[str, ssl.TLSVersion] = {
-    "TLS10": ssl.TLSVersion.TLSv1,
-    "TLS11": ssl.TLSVersion.TLSv1_1,
-    "TLS12": ssl.TLSVersion.TLSv1_2,
-    "TLS13": ssl.TLSVersion.TLSv1_3,
-}
+#: exporter-toolkit's version names to the protocol numbers ``ssl.TLSVersion`` has for them (numbers, so that
+#: reading a web config does not import ``ssl``: OpenSSL's libraries, about 5 MB, only TLS needs them)
+TLS_VERSIONS: dict[str, int] = {"TLS10": 0x0301, "TLS11": 0x0302, "TLS12": 0x0303, "TLS13": 0x0304}
 
 #: Go's ``tls.CipherSuites()`` names (the only ones exporter-toolkit accepts) to OpenSSL names. The
 #: TLS 1.3 suites map to None: like Go, they are always enabled and the setting only covers TLS <= 1.2.
@@ -82,6 +80,8 @@ class TLSServerConfig:
 
     @property
     def verify_mode(self) -> ssl.VerifyMode:
+        import ssl
+
         if self.client_auth_type in ("RequireAnyClientCert", "RequireAndVerifyClientCert"):
             return ssl.CERT_REQUIRED
         if self.client_auth_type == "VerifyClientCertIfGiven":
@@ -93,10 +93,12 @@ class TLSServerConfig:
 
     def build_context(self) -> ssl.SSLContext:
         """A fresh server context. Raises ``ConfigError`` saying which file or setting is at fault."""
+        import ssl
+
         ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
         try:
-            ctx.minimum_version = TLS_VERSIONS[self.min_version]
-            ctx.maximum_version = TLS_VERSIONS[self.max_version]
+            ctx.minimum_version = ssl.TLSVersion(TLS_VERSIONS[self.min_version])
+            ctx.maximum_version = ssl.TLSVersion(TLS_VERSIONS[self.max_version])
         except ValueError as exc:
             raise ConfigError(f"tls_server_config: TLS versions not usable with this OpenSSL: {exc}") from None
         self._load_cert_chain(ctx)
@@ -136,6 +138,9 @@ class TLSServerConfig:
         return ctx
 
     def _load_cert_chain(self, ctx: ssl.SSLContext) -> None:
+        import ssl
+        import tempfile
+
         if self.cert_file:
             cert_text = _read_text(self.cert_file, "cert_file")
         else:

@@ -39,11 +39,10 @@ from __future__ import annotations
 
 import logging
 import os
-import ssl
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from gpu_energy_exporter.core.config import parse_duration
 from gpu_energy_exporter.core.errors import ConfigError
@@ -57,6 +56,9 @@ from gpu_energy_exporter.http.tls import (
     ContextReloader,
     TLSServerConfig,
 )
+
+if TYPE_CHECKING:
+    import ssl
 
 log = logging.getLogger(__name__)
 

@@ -26,7 +26,6 @@ This module must never let a request crash the server: every failure becomes a r
 
 from __future__ import annotations
 
-import hmac
 import json
 import logging
 import time
@@ -222,6 +221,8 @@ class ExportHandler:
             return True
         scheme, _, credentials = authorization.strip().partition(" ")
         presented = b"Bearer " + credentials.strip().encode()
+        import hmac  # here: it loads OpenSSL's libcrypto (~4 MB), and only a configured token needs it
+
         return scheme.lower() == "bearer" and hmac.compare_digest(presented, self._token)
 
     @staticmethod
