@@ -30,13 +30,13 @@ run: $(VENV)/.run-installed
 test: $(VENV)/.test-installed
 	$(PY) -m pytest $(PYTEST_ARGS)
 
-# On a machine with a real NVIDIA GPU and driver: the tests marked `gpu`.
 # On a machine with an NVIDIA GPU and driver (skipped, saying why, elsewhere): identity and a full reading of
 # every GPU; the energy counter against 50 ms instant power and 1 s average x time under a bursty bf16 matmul
 # load; utilisation and GPM SM/tensor activity under load; the whole exporter with a CUDA training loop
 # (ledger tokens, J/token, /metrics latency); token counting that never synchronises. GPU_REPORT_DIR=dir
 # writes the figures as JSON (docs/gpu-validation.md). What the exporter costs on that driver:
-# `$(PY) -m bench.exporter_cost --real-driver`.
+# `$(PY) -m bench.exporter_cost --real-driver`; all of it at once, with CPU per NVML call and nvitop-exporter
+# side by side: `PY=$(PY) bash bench/real_gpu.sh` (figures under ./gpu-report).
 test-gpu: $(VENV)/.test-installed
 	$(PY) -m pytest -m gpu -p no:cacheprovider $(PYTEST_ARGS)
 
