@@ -305,7 +305,9 @@ def _runaway(ctx: Context) -> Table:
     per_request = 500
     for start in range(0, total, per_request):
         req = ExportMetricsServiceRequest()
-        m = req.resource_metrics.add().scope_metrics.add().metrics.add(name="training.loss")
+        # Not a training-contract name: those refuse a label outside the contract before the store
+        # (contract_violation, otlp.reserved), and the series limit would never be reached.
+        m = req.resource_metrics.add().scope_metrics.add().metrics.add(name="app.queue_depth")
         for i in range(start, start + per_request):
             dp = m.gauge.data_points.add(time_unix_nano=now, as_double=1.0)
             dp.attributes.extend([KeyValue(key="run_id", value=AnyValue(string_value="runaway")),
@@ -313,8 +315,12 @@ def _runaway(ctx: Context) -> Table:
         status, _, _ = handler.handle_export(PROTOBUF_HEADERS, req.SerializeToString())
         sent += per_request
         if sent in (total // 4, total // 2, total):
-            rejected = sum(int(s.value) for fam in store.collect() if fam.name == "gpuenergy_otlp_points_rejected"
-                           for s in fam.samples)
+            by_reason = {s.labels.get("reason", ""): int(s.value) for fam in store.collect()
+                         if fam.name == "gpuenergy_otlp_points_rejected" for s in fam.samples}
+            other = {r: n for r, n in by_reason.items() if n and r not in ("series_limit", "run_series_limit")}
+            if other:  # the table would measure something else than the limit
+                raise RuntimeError(f"runaway points rejected for other reasons: {other}")
+            rejected = sum(by_reason.values())
             table.add(sent, store.series_count(), rejected,
                       fmt((tracemalloc.get_traced_memory()[0] - base) / 1e6))
     return table
