@@ -663,8 +663,10 @@ static const struct cost_entry COST_H100_580[] = {
 static const struct cost_profile COST_PROFILES[] = {
     /* nvmlDeviceGetFieldValues = 5 + 40 per field (+ 3,500 for the energy counter's field 83). One field
      * (power instant) measured 29.9/36.6; the exporter's request of 4 fields (power instant and average,
-     * memory temperature, module power) [exp] ~165 (282 per call at the defaults less 1/30 of a counter
-     * read): a straight line cannot meet both, so it meets the exporter's request, what the benches run. */
+     * memory temperature, module power) [exp] ~165 (282 per call at the defaults less the one counter read
+     * of its 30 s window over 30 calls; the counter is read every 31 s, so a window holds one or none: with
+     * none the 4 fields would cost 282, 70 a field against 30-37 for one field alone, the less consistent
+     * reading). A straight line cannot meet both: it meets the exporter's request, what the benches run. */
     {"h100-580", COST_H100_580, 5, 40, 3500},
 };
 #define N_COST_PROFILES ((int)(sizeof COST_PROFILES / sizeof COST_PROFILES[0]))
