@@ -31,16 +31,19 @@ from bench.harness import Context, Table, fmt
 
 TITLE = "Real driver: CPU per NVML call, and the power-sample buffer against the energy counter"
 
-#: The fake library's h100-580 profile, µs per call (tests/fakenvml/fakenvml.c), for the comparison column.
+#: The fake library's h100-580 profile, µs per call (tests/fakenvml/fakenvml.c, recalibrated 2026-11-26 from
+#: this probe's loaded column), for the comparison column. Field values: 5 + 40 per field, the energy
+#: counter's field 3,500.
 FAKE_H100_580 = {
-    "nvmlDeviceGetTotalEnergyConsumption": 4000, "nvmlDeviceGetFieldValues(energy)": 4000,
-    "nvmlDeviceGetFieldValues(power instant)": 8, "nvmlDeviceGetPowerUsage": 2,
-    "nvmlDeviceGetProcessUtilization": 2600, "nvmlGpmSampleGet": 350,
-    "nvmlDeviceGetComputeRunningProcesses": 60, "nvmlDeviceGetMemoryInfo": 10,
-    "nvmlDeviceGetUtilizationRates": 10, "nvmlDeviceGetTemperature": 10, "nvmlDeviceGetClockInfo": 10,
-    "nvmlDeviceGetCurrentClocksEventReasons": 10, "nvmlDeviceGetEnforcedPowerLimit": 5,
-    "nvmlDeviceGetPerformanceState": 5, "nvmlDeviceGetTotalEccErrors": 20, "nvmlDeviceGetRemappedRows": 3,
-    "nvmlDeviceGetPcieReplayCounter": 185, "nvmlDeviceGetPcieThroughput": 870, "nvmlDeviceGetMigMode": 170,
+    "nvmlDeviceGetTotalEnergyConsumption": 3500, "nvmlDeviceGetFieldValues(energy)": 3505,
+    "nvmlDeviceGetFieldValues(power instant)": 45, "nvmlDeviceGetPowerUsage": 15,
+    "nvmlDeviceGetProcessUtilization": 2000, "nvmlDeviceGetSamples(TOTAL_POWER)": 480,
+    "nvmlDeviceGetSamples(GPU_UTILIZATION)": 2100, "nvmlGpmSampleGet": 105,
+    "nvmlDeviceGetComputeRunningProcesses": 90, "nvmlDeviceGetMemoryInfo": 16,
+    "nvmlDeviceGetUtilizationRates": 7, "nvmlDeviceGetTemperature": 12, "nvmlDeviceGetClockInfo": 10,
+    "nvmlDeviceGetCurrentClocksEventReasons": 7, "nvmlDeviceGetEnforcedPowerLimit": 15,
+    "nvmlDeviceGetPerformanceState": 20, "nvmlDeviceGetTotalEccErrors": 22, "nvmlDeviceGetRemappedRows": 20,
+    "nvmlDeviceGetPcieReplayCounter": 340, "nvmlDeviceGetPcieThroughput": 770, "nvmlDeviceGetMigMode": 300,
 }
 
 

@@ -130,11 +130,31 @@ def test_eight_h100s_make_at_most_eleven_calls_per_gpu_per_sample(fake_nvml_lib:
     assert not set(_BATCHED_AWAY) & set(calls), dict(calls)
 
 
-#: Most NVML CPU time one sample may cost per GPU on the h100-580 cost profile (the fake burns what an H100 on
-#: driver 580 burns per call), at the exporter's default schedule: the energy counter (4 ms a read) every
-#: 30 s, GPM every 10 s, the microsecond readings every sample. About 0.14 ms of cheap readings + 4 ms / 30
-#: + 0.37 ms / 10 = 0.31 ms; before the schedule every sample read the counter: 4.5 ms.
-CPU_BUDGET_PER_GPU_S = 0.00035
+#: What one sample costs per GPU on the h100-580 cost profile (the fake burns what an H100 on driver 580 burns
+#: per call; figures and their sources in tests/fakenvml/fakenvml.c, COST_H100_580, recalibrated 2026-11-26),
+#: at the exporter's default schedule, by hand, in µs:
+#:   every sample: field values 5 + 4 fields x 40 = 165; enforced limit 15, memory 16, utilisation 7,
+#:     temperature 12, 2 clocks 2 x 10, clock events 7, process list 90: 167 more; 332 in all;
+#:   the energy counter (field 83, 3,500) every 30 s: 116.7 a sample;
+#:   GPM (sample 105 + metrics 1,900) every 10 s: 200.5 a sample;
+#:   649.2 a sample (field values alone 165 + 116.7 = 281.7: the real H100's own counter read 282 µs a second;
+#:   GPM metrics 190: the real one 195). Before the schedule (every reading every sample): 5,837.
+#: The budget: that, with 10% for the spinning's overshoot and a reading a change may add.
+CPU_PER_GPU_SAMPLE_US = 332 + 3500 / 30 + 2005 / 10
+CPU_BUDGET_PER_GPU_S = 1.1 * CPU_PER_GPU_SAMPLE_US * 1e-6
+#: The expensive readings apart, per GPU per sample: at most what their schedule allows (a change that reads
+#: the counter or GPM more often fails here even if cheaper readings made room in the total).
+EXPENSIVE_PER_GPU_SAMPLE_US = {
+    "nvmlDeviceGetFieldValues": 165 + 3500 / 30,  # the counter rides on the sample's field-values call
+    "nvmlGpmMetricsGet": 1900 / 10,
+    "nvmlGpmSampleGet": 105 / 10,
+}
+#: The C functions whose burned CPU the fake counts apart (variants the exporter may pick included).
+_FUNCTIONS = [*EXPENSIVE_PER_GPU_SAMPLE_US, "nvmlDeviceGetTotalEnergyConsumption", "nvmlDeviceGetEnforcedPowerLimit",
+              "nvmlDeviceGetMemoryInfo", "nvmlDeviceGetMemoryInfo_v2", "nvmlDeviceGetUtilizationRates",
+              "nvmlDeviceGetTemperature", "nvmlDeviceGetTemperatureV", "nvmlDeviceGetClockInfo",
+              "nvmlDeviceGetCurrentClocksEventReasons", "nvmlDeviceGetComputeRunningProcesses_v3",
+              "nvmlDeviceGetPowerUsage", "nvmlDeviceGetProcessUtilization", "nvmlDeviceGetSamples"]
 
 _COST_CHILD = """
 import ctypes, json, sys, time
@@ -159,20 +179,29 @@ for _ in range(32):  # past start-up and the energy counter's short first spans 
 lib = pynvml.nvmlLib
 lib.fakeNvmlCostSeconds.restype = ctypes.c_double
 lib.fakeNvmlCostProfile.restype = ctypes.c_char_p
-before = lib.fakeNvmlCostSeconds(None)
+functions = {functions!r}
+
+def fake_costs():
+    return {{fn: lib.fakeNvmlCostSeconds(fn.encode()) for fn in functions}}
+
+before, own_before = lib.fakeNvmlCostSeconds(None), collector.backend.call_costs()
+fake_before = fake_costs()
 for _ in range({samples}):
     sample()
 spent = lib.fakeNvmlCostSeconds(None) - before
+fake = {{fn: s - fake_before[fn] for fn, s in fake_costs().items()}}
+own = {{fn: s - own_before.get(fn, (0, 0.0))[1] for fn, (_, s) in collector.backend.call_costs().items()}}
 gpus = len(collector.identities())
 collector.close()
-print("@@OUT@@" + json.dumps({{"spent": spent, "gpus": gpus, "profile": lib.fakeNvmlCostProfile().decode()}}))
+print("@@OUT@@" + json.dumps({{"spent": spent, "fake": fake, "own": own, "gpus": gpus,
+                               "profile": lib.fakeNvmlCostProfile().decode()}}))
 """
 
 
 def test_a_sample_stays_within_its_cpu_budget_on_the_h100_cost_profile(fake_nvml_lib: Path, tmp_path: Path) -> None:
     """What the calls cost, not only how many: 60 samples (two energy-counter periods, after the short first
     spans) of 8 busy H100s at the exporter's default schedule, the CPU the cost model burned counted by the
-    fake library itself."""
+    fake library itself, per function, and as the exporter counts it for gpuenergy_nvml_call_seconds_total."""
     procs = (Process(4242, 8 << 30, 80),)
     scenario = Scenario(epoch=EPOCH, driver=Driver(frozen_time=EPOCH + 100, cost_profile="h100-580"),
                         gpus=[h100(i, util_gpu_pct=87, memory_used_bytes=60 << 30, processes=procs) for i in range(8)])
@@ -180,13 +209,27 @@ def test_a_sample_stays_within_its_cpu_budget_on_the_h100_cost_profile(fake_nvml
     scenario.write(path)
     env = {k: v for k, v in os.environ.items() if not k.startswith("FAKE_NVML_")}
     env.update(FAKE_NVML_SCENARIO=str(path))
-    samples = 60
-    script = textwrap.dedent(_COST_CHILD.format(repo=str(REPO), lib=str(fake_nvml_lib), samples=samples))
+    samples, gpus = 60, 8
+    script = textwrap.dedent(_COST_CHILD.format(repo=str(REPO), lib=str(fake_nvml_lib), samples=samples,
+                                                functions=_FUNCTIONS))
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120,
                           check=False)
     assert proc.returncode == 0, f"child failed:\n{proc.stdout}\n{proc.stderr}"
     out = json.loads(proc.stdout.split("@@OUT@@", 1)[1])
-    assert out["profile"] == "h100-580" and out["gpus"] == 8
-    per_gpu_sample = out["spent"] / samples / 8
+    assert out["profile"] == "h100-580" and out["gpus"] == gpus
+    per_gpu_sample = out["spent"] / samples / gpus
+    fake_us = {fn: 1e6 * s / samples / gpus for fn, s in out["fake"].items()}
     # at least the two energy-counter reads per GPU the 60 s hold (the cost model is on), at most the budget
-    assert 2 * 0.004 / samples <= per_gpu_sample <= CPU_BUDGET_PER_GPU_S, per_gpu_sample
+    assert 2 * 0.0035 / samples <= per_gpu_sample <= CPU_BUDGET_PER_GPU_S, (per_gpu_sample, fake_us)
+    for fn, most in EXPENSIVE_PER_GPU_SAMPLE_US.items():
+        assert fake_us[fn] <= 1.05 * most, (fn, fake_us[fn], most)
+    assert fake_us["nvmlDeviceGetFieldValues"] >= 2 * 3500 / samples  # the counter was read, as a field
+    # nothing reads the counter, per-process utilisation or a sample buffer on its own call
+    assert fake_us["nvmlDeviceGetTotalEnergyConsumption"] == fake_us["nvmlDeviceGetProcessUtilization"] == 0.0
+    assert fake_us["nvmlDeviceGetSamples"] == 0.0
+    # the exporter's own accounting (thread CPU around each call) sees at least what the driver burned in every
+    # function, and its total is the budget's order (pynvml's wrappers add microseconds a call, not more)
+    own_us = {fn: 1e6 * s / samples / gpus for fn, s in out["own"].items()}
+    for fn in EXPENSIVE_PER_GPU_SAMPLE_US:
+        assert own_us.get(fn, 0.0) >= 0.99 * fake_us[fn], (fn, own_us.get(fn), fake_us[fn])
+    assert 0.99 * 1e6 * per_gpu_sample <= sum(own_us.values()) <= 2 * 1e6 * CPU_BUDGET_PER_GPU_S, own_us

@@ -143,8 +143,9 @@ NVML_CALLS = define(
 NVML_CALL_SECONDS = define(
     "nvml", "call_seconds_total", "counter",
     "CPU time the exporter's threads spent inside NVML calls, per NVML function (the calling thread's CPU "
-    "clock around each call). On an H100 with driver 580 the energy counter costs about 4 ms a read, "
-    "per-process utilisation about 2.6 ms, most other readings microseconds (docs/benchmarks.md).",
+    "clock around each call). On an H100 with driver 580 the energy counter costs about 3.5 ms a read, "
+    "GPM metrics about 1.9 ms, per-process utilisation about 2 ms, most other readings 7-90 microseconds "
+    "(docs/benchmarks.md).",
     ["function"], collector="gpu", unit="seconds",
 )
 IDLE_POWER = _gpu(

@@ -160,13 +160,13 @@ FLAGS: tuple[Flag, ...] = (
          "Fast power sampling period used to integrate energy on GPUs without an energy counter "
          "(pre-Volta); 20ms at the lowest.", "DURATION"),
     Flag("collector.energy-interval", parse_duration, "30s",
-         "How often each GPU's energy counter is read (about 4 ms of CPU a read on an H100, driver 580; the "
+         "How often each GPU's energy counter is read (about 3.5 ms of CPU a read on an H100, driver 580; the "
          "other readings cost microseconds). Between two reads each sample's energy is apportioned by the "
          "GPU's ~1 s average power, and at each read the exposed energy meets the counter exactly; runs and "
          "pods keep --collector.interval's grid (docs/measurement.md). At most --collector.interval reads "
          "it every sample.", "DURATION"),
     Flag("collector.gpm-interval", parse_duration, "10s",
-         "How often GPM (SM, tensor, DRAM activity) is sampled: 0.07-0.35 ms of CPU a sample on an H100. Each "
+         "How often GPM (SM, tensor, DRAM activity) is sampled: about 2 ms of CPU a sample on an H100. Each "
          "figure is the average over the span between two GPM samples, served until the next.", "DURATION"),
     Flag("collector.gpu.energy-timestamps", parse_bool, "false",
          "Expose the GPU energy counter with the time it was read as an explicit sample timestamp. Off by "
