@@ -1,0 +1,212 @@
+"""The OTLP/gRPC port before its first connection: held by plain sockets, so ``grpc`` (about 15 MB of RSS and
+20 threads) is loaded only on a node that receives a gRPC push.
+
+``Placeholder(address)`` binds and listens on the addresses grpcio would bind for it (a host name's every
+address, one port; ``""`` dual-stack), so a taken port is a ``ConfigError`` at start, as with grpcio bound
+at once, and no second exporter can take the port meanwhile (no ``SO_REUSEPORT``). ``watch(wake)`` starts
+one thread that blocks until the first connection arrives, accepts it and calls ``wake(release)`` with it
+held: ``wake`` loads grpc and builds its server, calls ``release()`` (which accepts whatever else waits in
+the backlog, then closes the listening sockets) right before grpcio binds the same port, and returns whether
+grpcio serves now. Then every held connection is answered with an HTTP/2 server preface (an empty SETTINGS
+frame) and ``GOAWAY(last-stream-id=0, NO_ERROR)``: to a gRPC client no stream on it was processed, so it
+sends its call again on a new connection, which reaches grpcio's server (a transparent retry: the caller
+sees no error). The connection is half-closed, what the client sent is read until it closes or
+``DRAIN_TIMEOUT``, and closed: closing with unread bytes would send a reset the client could see before the
+GOAWAY.
+
+Between ``release()`` closing the sockets and grpcio listening (grpcio's bind, a millisecond) a new
+connection is refused; a client retries that as a failed connection, not a failed call. This module never
+imports grpc and never reads a call.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import selectors
+import socket
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from gpu_energy_exporter.core.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+#: An empty SETTINGS frame (length 0, type 0x4, no flags, stream 0): the server's connection preface.
+SETTINGS = bytes.fromhex("000000040000000000")
+#: GOAWAY (length 8, type 0x7, stream 0): last-stream-id 0 (no stream was processed), NO_ERROR (0).
+GOAWAY = bytes.fromhex("000008070000000000") + bytes(4) + bytes(4)
+#: How long a held connection is read after the GOAWAY before it is closed (clients close at once).
+DRAIN_TIMEOUT = 2.0
+
+Release = Callable[[], None]
+
+
+def _candidates(host: str, port: int) -> list[tuple[socket.AddressFamily, tuple[Any, ...], bool]]:
+    """(family, socket address, dual-stack) for each address grpcio binds for ``host``."""
+    if host in ("", "::"):
+        # one dual-stack socket; IPv4 only where the host has no IPv6
+        return [(socket.AF_INET6, ("::", port), True), (socket.AF_INET, ("0.0.0.0", port), False)]
+    try:
+        infos = socket.getaddrinfo(host, port, socket.AF_UNSPEC, socket.SOCK_STREAM, 0, socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        raise ConfigError(f"cannot listen on {shown(host, port)}: host name does not resolve "
+                          f"({exc.strerror})") from None
+    out: list[tuple[socket.AddressFamily, tuple[Any, ...], bool]] = []
+    for family, _, _, _, sockaddr in infos:
+        if family in (socket.AF_INET, socket.AF_INET6) and (family, sockaddr[:2], False) not in out:
+            out.append((family, sockaddr[:2], False))
+    return out
+
+
+def shown(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def listen(address: tuple[str, int], backlog: int = 1024) -> list[socket.socket]:
+    """Listening sockets on every address grpcio would bind for ``address`` (one port for all: the first's,
+    when the port is 0). ``ConfigError`` naming the address when a port is taken or nothing can be bound;
+    an address family the host lacks (``::1`` without IPv6) is skipped, as grpcio skips it."""
+    host, port = address[0].strip(), address[1]
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    sockets: list[socket.socket] = []
+    first: OSError | None = None
+    for family, sockaddr, dualstack in _candidates(host, port):
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as grpcio sets it
+            if dualstack:
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+            if sockets:
+                sockaddr = (sockaddr[0], sockets[0].getsockname()[1])
+            sock.bind(sockaddr)
+            sock.listen(backlog)
+            sock.setblocking(False)
+            sockets.append(sock)
+            if dualstack:
+                return sockets
+        except OSError as exc:
+            sock.close()
+            first = first or exc
+            if exc.errno not in (errno.EAFNOSUPPORT, errno.EADDRNOTAVAIL, errno.EPROTONOSUPPORT):
+                break  # a taken port, a forbidden one: refused, not narrowed
+    else:
+        if sockets:
+            return sockets
+    for sock in sockets:
+        sock.close()
+    assert first is not None or not sockets
+    reason = (first.strerror or str(first)) if first else "no address to bind"
+    hint = (" (another process is using this port; choose another listen address)"
+            if first is not None and first.errno == errno.EADDRINUSE else "")
+    raise ConfigError(f"cannot listen on {shown(host, port)}: {reason}{hint}")
+
+
+class Placeholder:
+    """The port held until the first connection; see the module docstring."""
+
+    def __init__(self, address: tuple[str, int], *, max_held: int = 256) -> None:
+        self._listeners = listen(address)
+        self.port: int = self._listeners[0].getsockname()[1]
+        self._max_held = max_held
+        self._held: list[socket.socket] = []
+        self._stop_r, self._stop_w = socket.socketpair()
+        self._thread: threading.Thread | None = None
+        self.woken = threading.Event()  # set once the first connection was answered (for tests and shutdown)
+
+    def watch(self, wake: Callable[[Release], bool]) -> None:
+        self._thread = threading.Thread(target=self._run, args=(wake,), name="otlp-grpc-wait", daemon=True)
+        self._thread.start()
+
+    def _run(self, wake: Callable[[Release], bool]) -> None:
+        with selectors.DefaultSelector() as sel:
+            for sock in self._listeners:
+                sel.register(sock, selectors.EVENT_READ)
+            sel.register(self._stop_r, selectors.EVENT_READ)
+            while True:
+                ready = [key.fileobj for key, _ in sel.select()]
+                if self._stop_r in ready:
+                    return
+                self._accept_waiting()
+                if self._held:
+                    break
+        serving = False
+        try:
+            serving = wake(self.release)
+        except Exception:  # never leave the held clients hanging
+            log.exception("OTLP/gRPC receiver failed to start on its first connection")
+        finally:
+            self.release()
+            self._answer(goaway=serving)
+            self.woken.set()
+
+    def _accept_waiting(self) -> None:
+        for sock in self._listeners:
+            while len(self._held) < self._max_held:
+                try:
+                    conn, _ = sock.accept()
+                except (BlockingIOError, InterruptedError):
+                    break
+                except OSError as exc:  # out of files, a reset before accept: the client retries
+                    log.debug("OTLP/gRPC placeholder accept: %s", exc)
+                    break
+                self._held.append(conn)
+
+    def release(self) -> None:
+        """Accept what waits in the backlog, then close the listening sockets (the port is free to bind)."""
+        if not self._listeners:
+            return
+        self._accept_waiting()
+        for sock in self._listeners:
+            sock.close()
+        self._listeners = []
+
+    def _answer(self, *, goaway: bool) -> None:
+        held, self._held = self._held, []
+        with selectors.DefaultSelector() as sel:
+            for conn in held:
+                try:
+                    if goaway:
+                        conn.setblocking(True)
+                        conn.settimeout(DRAIN_TIMEOUT)
+                        conn.sendall(SETTINGS + GOAWAY)
+                    conn.shutdown(socket.SHUT_WR)
+                    conn.setblocking(False)
+                    sel.register(conn, selectors.EVENT_READ)
+                except OSError:
+                    conn.close()
+            deadline = time.monotonic() + DRAIN_TIMEOUT
+            while sel.get_map() and (left := deadline - time.monotonic()) > 0:
+                for key, _ in sel.select(left):
+                    sock = key.fileobj
+                    assert isinstance(sock, socket.socket)
+                    try:
+                        more = sock.recv(65536)
+                    except BlockingIOError:
+                        continue
+                    except OSError:
+                        more = b""
+                    if not more:
+                        sel.unregister(sock)
+                        sock.close()
+            for key in list(sel.get_map().values()):
+                assert isinstance(key.fileobj, socket.socket)
+                key.fileobj.close()
+
+    def close(self) -> None:
+        """Stop waiting (joins the thread, which finishes a wake already under way) and free the port."""
+        try:
+            self._stop_w.send(b"x")
+        except OSError:
+            pass
+        if self._thread is not None:
+            self._thread.join(30.0)
+        self.release()
+        for conn in self._held:
+            conn.close()
+        self._held = []
+        self._stop_r.close()
+        self._stop_w.close()
