@@ -25,7 +25,8 @@ and a call waits, the call that has been receiving longest, for over ``EVICT_AFT
 slow senders cannot hold the port. At most ``--web.max-connections`` connections, ``STREAMS_PER_CONNECTION``
 calls on each, ``--web.max-connections`` calls in all (``RESOURCE_EXHAUSTED`` beyond); a connection with
 no call for ``IDLE_TIMEOUT`` seconds is closed (GOAWAY: a client reconnects on its next export), and one
-must finish its TLS and HTTP/2 handshake within ``HANDSHAKE_TIMEOUT``.
+must send its HTTP/2 preface within ``HANDSHAKE_TIMEOUT`` (``HANDSHAKE_TIMEOUT_TLS`` with TLS). A failed call's
+message must not outlive it: grpcio keeps the traceback of a call that ended with an error.
 
 TLS: ``--web.config.file``'s ``tls_server_config`` (certificate, key, client CA; reloaded when the files
 change, on the next connection). Settings grpcio cannot enforce (``client_allowed_sans``, TLS versions other
@@ -34,9 +35,11 @@ than the file says. Basic auth and ``rate_limit`` in that file are HTTP-only: th
 
 Threads: one ``otlp-grpc`` thread runs an asyncio loop with a ``grpc.aio`` server; messages up to
 ``receiver.INLINE_MAX_BODY`` are stored on it (a rank's export costs less than a hand-off), larger ones on a
-small pool. ``grpc`` is imported only when the receiver is built (``bind``): an exporter with
-``--otlp.grpc.listen-address=`` never loads it. This module never decodes OTLP itself, never touches the
-store except through ``ExportHandler``, and never lets a call crash the server.
+small pool. In plain text ``bind`` holds the port with a ``grpcwake.Placeholder`` and ``grpc`` is imported,
+the thread started and the server bound where the placeholder was only when the first client connects
+(``_wake``); with TLS all of that happens at ``bind``. With ``--otlp.grpc.listen-address=`` grpc never loads.
+This module never decodes OTLP itself, never touches the store except through ``ExportHandler``, and never
+lets a call crash the server.
 """
 
 from __future__ import annotations
