@@ -79,7 +79,7 @@ IDLE_TIMEOUT = 60.0
 #: How long a new connection may take to send its HTTP/2 preface and SETTINGS (a client sends them with its
 #: first packet; a socket that stays silent holds one of --web.max-connections until then, and grpcio cannot
 #: close the oldest such socket to let a new client in), and, with TLS, to finish the TLS handshake first.
-HANDSHAKE_TIMEOUT = 2.0
+HANDSHAKE_TIMEOUT = 3.0
 HANDSHAKE_TIMEOUT_TLS = 10.0
 #: Threads that store messages larger than ``INLINE_MAX_BODY`` (off the loop, so small calls go on).
 WORKERS = 2
