@@ -42,11 +42,11 @@ def _status(pid: int, field: str) -> int:
     raise AssertionError(f"no {field} in /proc/{pid}/status")
 
 
-def _bare_call(target: str, body: bytes, **options: int) -> tuple[grpc.StatusCode, str]:
-    # no retry policy in the service config; options name what else is turned off
-    with grpc.insecure_channel(target, options=[("grpc.use_local_subchannel_pool", 1), *options.items()]) as ch:
+def _bare_call(target: str, body: bytes, timeout: float = 30.0) -> tuple[grpc.StatusCode, str]:
+    # a channel of its own (no shared subchannel: a connection of its own), no retry policy configured
+    with grpc.insecure_channel(target, options=[("grpc.use_local_subchannel_pool", 1)]) as ch:
         try:
-            ch.unary_unary(EXPORT)(body, timeout=30)
+            ch.unary_unary(EXPORT)(body, timeout=timeout)
         except grpc.RpcError as exc:
             return exc.code(), exc.details() or ""
     return grpc.StatusCode.OK, ""
@@ -93,16 +93,45 @@ def test_the_sdk_exporters_first_push_succeeds_without_a_retry(
     provider.shutdown()
 
 
+SETTINGS = bytes.fromhex("000000040000000000")  # the server's: empty
+SETTINGS_ACK = bytes.fromhex("000000040100000000")
+GOAWAY_0 = bytes.fromhex("000008070000000000" "00000000" "00000000")  # last-stream-id 0, NO_ERROR
+
+
+def _read_all(s: socket.socket) -> bytes:
+    got = b""
+    while chunk := s.recv(4096):  # until the exporter closes its side (a timeout fails the test)
+        got += chunk
+    return got
+
+
+def test_the_first_connection_gets_its_goaway_once_it_opened_a_call(start_exporter: type[ExporterProcess]) -> None:
+    # The frames a gRPC client sees on the placeholder's connection: the server's SETTINGS, the ACK of its
+    # own, and only after the HEADERS of its call, GOAWAY(0). A GOAWAY right behind the SETTINGS could reach
+    # grpcio's client before its subchannel watched the connection: the call was then retried on that dead
+    # connection until its deadline (3 first calls in 8 on exporters sampling a fake H100).
+    exp = start_exporter(["--no-collector.gpu", GRPC_ON]).wait_ready()
+    host, port = _target(exp).rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=20) as s:
+        s.sendall(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes.fromhex("000000040000000000"))
+        first = b""
+        while len(first) < len(SETTINGS + SETTINGS_ACK):
+            first += s.recv(len(SETTINGS + SETTINGS_ACK) - len(first))
+        assert first == SETTINGS + SETTINGS_ACK, first
+        # HEADERS (type 1, END_HEADERS) opening stream 1; the placeholder reads frame headers only
+        s.sendall(bytes.fromhex("000001010400000001") + b"\x83")
+        assert _read_all(s) == GOAWAY_0
+    code, details = _bare_call(_target(exp), b"")
+    assert code == grpc.StatusCode.OK, details
+
+
 def test_noise_as_the_first_connection_wakes_the_port_and_it_serves(start_exporter: type[ExporterProcess]) -> None:
     exp = start_exporter(["--no-collector.gpu", GRPC_ON]).wait_ready()
     host, port = _target(exp).rsplit(":", 1)
-    got = b""
     with socket.create_connection((host, int(port)), timeout=20) as s:
         s.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
-        while chunk := s.recv(4096):  # an HTTP/2 SETTINGS and GOAWAY, then the end (timeout fails the test)
-            got += chunk
-    # SETTINGS (type 4, empty), then GOAWAY (type 7) with last-stream-id 0 and NO_ERROR
-    assert got == bytes.fromhex("000000040000000000" "000008070000000000" "00000000" "00000000"), got
+        # not HTTP/2: the SETTINGS and GOAWAY at once, then the end
+        assert _read_all(s) == SETTINGS + GOAWAY_0
     code, details = _bare_call(_target(exp), b"")
     assert code == grpc.StatusCode.OK, details
 

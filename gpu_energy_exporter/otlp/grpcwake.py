@@ -7,16 +7,19 @@ at once, and no second exporter can take the port meanwhile (no ``SO_REUSEPORT``
 one thread that blocks until the first connection arrives, accepts it and calls ``wake(release)`` with it
 held: ``wake`` loads grpc and builds its server, calls ``release()`` (which accepts whatever else waits in
 the backlog, then closes the listening sockets) right before grpcio binds the same port, and returns whether
-grpcio serves now. Then every held connection is answered with an HTTP/2 server preface (an empty SETTINGS
-frame) and ``GOAWAY(last-stream-id=0, NO_ERROR)``: to a gRPC client no stream on it was processed, so it
-sends its call again on a new connection, which reaches grpcio's server (a transparent retry: the caller
-sees no error). The connection is half-closed, what the client sent is read until it closes or
-``DRAIN_TIMEOUT``, and closed: closing with unread bytes would send a reset the client could see before the
-GOAWAY.
+grpcio serves now. Then every held connection is answered as an HTTP/2 server would (a SETTINGS frame, an
+ACK of the client's SETTINGS) and, once the client has opened its call on it (its HEADERS frame; or after
+``CALL_WAIT``), with ``GOAWAY(last-stream-id=0, NO_ERROR)``: to a gRPC client that call was never processed,
+so it sends it again on a new connection, which reaches grpcio's server (a transparent retry: the caller
+sees no error). The GOAWAY must wait for the call: sent right behind the SETTINGS it can reach grpcio's
+client before its subchannel watches the connection, and the call is then retried on that dead connection
+until its deadline (grpcio 1.85, 3 first calls in 8). The connection is half-closed, what the client sends
+is read until it closes or ``DRAIN_TIMEOUT``, and closed: closing with unread bytes would send a reset the
+client could see before the GOAWAY.
 
 Between ``release()`` closing the sockets and grpcio listening (grpcio's bind, a millisecond) a new
-connection is refused; a client retries that as a failed connection, not a failed call. This module never
-imports grpc and never reads a call.
+connection is refused: that client's call fails ``UNAVAILABLE`` (which the SDK's exporter retries). This
+module never imports grpc and reads no more of a call than its frame headers.
 """
 
 from __future__ import annotations
@@ -38,8 +41,73 @@ log = logging.getLogger(__name__)
 SETTINGS = bytes.fromhex("000000040000000000")
 #: GOAWAY (length 8, type 0x7, stream 0): last-stream-id 0 (no stream was processed), NO_ERROR (0).
 GOAWAY = bytes.fromhex("000008070000000000") + bytes(4) + bytes(4)
+#: SETTINGS ACK (length 0, type 0x4, flag ACK): the answer to the client's SETTINGS.
+SETTINGS_ACK = bytes.fromhex("000000040100000000")
 #: How long a held connection is read after the GOAWAY before it is closed (clients close at once).
 DRAIN_TIMEOUT = 2.0
+#: How long a held connection may go without opening a call before it gets its GOAWAY anyway (a client
+#: that connected ahead of its first call, a port scanner).
+CALL_WAIT = 1.0
+PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
+HEADERS, SETTINGS_TYPE, ACK = 0x1, 0x4, 0x1
+
+
+class _Held:
+    """What a held connection has sent so far: its frames are read only for a SETTINGS to acknowledge and
+    the HEADERS that opens a call."""
+
+    __slots__ = ("goaway_at", "call_seen", "gone", "_buf", "_preface")
+
+    def __init__(self, goaway_at: float) -> None:
+        self.goaway_at = goaway_at
+        self.call_seen = False
+        self.gone = False  # GOAWAY sent
+        self._buf = b""
+        self._preface = False
+
+    def feed(self, data: bytes) -> bytes:
+        """Take what the client sent; the bytes to answer (SETTINGS ACKs). Not HTTP/2: nothing, and the
+        connection gets its GOAWAY at once, as a call would."""
+        if self.gone:
+            return b""
+        self._buf += data
+        if not self._preface:
+            if len(self._buf) < len(PREFACE):
+                if not PREFACE.startswith(self._buf):
+                    self.call_seen = True  # noise: answer now
+                return b""
+            if not self._buf.startswith(PREFACE):
+                self.call_seen = True
+                return b""
+            self._preface, self._buf = True, self._buf[len(PREFACE):]
+        out = b""
+        while len(self._buf) >= 9:
+            length = int.from_bytes(self._buf[:3], "big")
+            kind, flags = self._buf[3], self._buf[4]
+            if len(self._buf) < 9 + length:
+                break
+            self._buf = self._buf[9 + length:]
+            if kind == SETTINGS_TYPE and not flags & ACK:
+                out += SETTINGS_ACK
+            elif kind == HEADERS:
+                self.call_seen = True
+        return out
+
+
+def _send(sock: socket.socket, data: bytes, *, shut: bool = False) -> bool:
+    """Write ``data`` (a few bytes: the socket buffer takes them) and optionally half-close; False when the
+    connection is gone."""
+    try:
+        if data:
+            sock.setblocking(True)
+            sock.settimeout(DRAIN_TIMEOUT)
+            sock.sendall(data)
+            sock.setblocking(False)
+        if shut:
+            sock.shutdown(socket.SHUT_WR)
+    except OSError:
+        return False
+    return True
 
 Release = Callable[[], None]
 
@@ -165,22 +233,31 @@ class Placeholder:
         self._listeners = []
 
     def _answer(self, *, goaway: bool) -> None:
+        """SETTINGS to each held connection, then GOAWAY once it carries a call (or after ``CALL_WAIT``), then
+        read until it closes (``DRAIN_TIMEOUT``). Without ``goaway`` (grpcio is not serving) just close them."""
         held, self._held = self._held, []
+        if not goaway:
+            for conn in held:
+                conn.close()
+            return
+        now = time.monotonic()
+        states: dict[socket.socket, _Held] = {}
         with selectors.DefaultSelector() as sel:
             for conn in held:
                 try:
-                    if goaway:
-                        conn.setblocking(True)
-                        conn.settimeout(DRAIN_TIMEOUT)
-                        conn.sendall(SETTINGS + GOAWAY)
-                    conn.shutdown(socket.SHUT_WR)
+                    conn.setblocking(True)
+                    conn.settimeout(DRAIN_TIMEOUT)
+                    conn.sendall(SETTINGS)
                     conn.setblocking(False)
                     sel.register(conn, selectors.EVENT_READ)
+                    states[conn] = _Held(now + CALL_WAIT)
                 except OSError:
                     conn.close()
-            deadline = time.monotonic() + DRAIN_TIMEOUT
-            while sel.get_map() and (left := deadline - time.monotonic()) > 0:
-                for key, _ in sel.select(left):
+            deadline = now + CALL_WAIT + DRAIN_TIMEOUT
+            while states and (left := deadline - time.monotonic()) > 0:
+                pending = [st.goaway_at for st in states.values() if not st.gone]
+                wait = min([left, *(max(0.0, t - time.monotonic()) for t in pending)])
+                for key, _ in sel.select(wait):
                     sock = key.fileobj
                     assert isinstance(sock, socket.socket)
                     try:
@@ -189,12 +266,21 @@ class Placeholder:
                         continue
                     except OSError:
                         more = b""
-                    if not more:
+                    st = states[sock]
+                    reply = st.feed(more) if more else b""
+                    if not more or not _send(sock, reply):
                         sel.unregister(sock)
                         sock.close()
-            for key in list(sel.get_map().values()):
-                assert isinstance(key.fileobj, socket.socket)
-                key.fileobj.close()
+                        del states[sock]
+                for sock, st in list(states.items()):
+                    if not st.gone and (st.call_seen or time.monotonic() >= st.goaway_at):
+                        st.gone = True
+                        if not _send(sock, GOAWAY, shut=True):
+                            sel.unregister(sock)
+                            sock.close()
+                            del states[sock]
+            for sock in states:
+                sock.close()
 
     def close(self) -> None:
         """Stop waiting (joins the thread, which finishes a wake already under way) and free the port."""
