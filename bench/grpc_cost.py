@@ -93,6 +93,7 @@ def _silent(ctx: Context) -> Table:
     with exporter(ctx, args=["--no-collector.gpu", GRPC_ON, "--web.max-connections=4"]) as exp:
         target = exp.grpc_endpoint.split("//", 1)[1]
         _call(target, b"")  # grpc loaded, as on a node that receives pushes
+        time.sleep(1.0)  # that connection closed: it held one of the 4 slots
         host, port = target.rsplit(":", 1)
         silent = [socket.create_connection((host, int(port)), timeout=30) for _ in range(4)]
         opened = time.monotonic()

@@ -248,7 +248,7 @@ def _grpc_limits() -> list[str]:
         "  traceback, and with it whatever the handler's frames held). The peak is then the slots' messages,",
         "  each held about three times while read and parsed (grpcio's buffer, the bytes, the parse: 4 x 3 x",
         "  4 MiB here), grpcio's state per connection and malloc's arenas: 128 calls of 4 MiB at once, each on",
-        "  its own connection, raised the exporter's peak RSS by 57 to 73 MB on a loaded 2-core machine, and",
+        "  its own connection, raised the exporter's peak RSS by 57 to 76 MB on a loaded 2-core machine, and",
         "  rounds of such floods do not add up (before: 4 MiB kept per refused call, +504 MB for one such",
         "  round, +620 MB after three of 64). Smaller grpcio read chunks or stream windows did not lower it.",
         "  Require `--otlp.bearer-token-file` where pushers are not trusted (a call without the token is",
