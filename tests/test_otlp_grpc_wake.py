@@ -187,3 +187,23 @@ def test_silent_sockets_give_their_slots_back_within_the_handshake_timeout(
     finally:
         for s in silent:
             s.close()
+
+
+def _has_ipv6_loopback() -> bool:
+    try:
+        with socket.socket(socket.AF_INET6, socket.SOCK_STREAM) as s:
+            s.bind(("::1", 0))
+    except OSError:
+        return False
+    return True
+
+
+@pytest.mark.skipif(not _has_ipv6_loopback(), reason="no IPv6 loopback here")
+def test_localhost_is_held_on_both_loopbacks_as_grpcio_binds_it(start_exporter: type[ExporterProcess]) -> None:
+    # grpcio binds ::1 and 127.0.0.1 for "localhost" (the default address) even where /etc/hosts gives
+    # 127.0.0.1 alone: a client on ::1 that pushes first must find the placeholder there too
+    exp = start_exporter(["--no-collector.gpu", "--otlp.grpc.listen-address=localhost:0"]).wait_ready()
+    port = exp.grpc_endpoint.rsplit(":", 1)[1]
+    for host in ("[::1]", "127.0.0.1"):
+        code, details = _bare_call(f"{host}:{port}", b"")
+        assert code == grpc.StatusCode.OK, (host, details)

@@ -117,6 +117,9 @@ def _candidates(host: str, port: int) -> list[tuple[socket.AddressFamily, tuple[
     if host in ("", "::"):
         # one dual-stack socket; IPv4 only where the host has no IPv6
         return [(socket.AF_INET6, ("::", port), True), (socket.AF_INET, ("0.0.0.0", port), False)]
+    if host.lower() == "localhost":
+        # grpcio binds both loopbacks for "localhost", whatever /etc/hosts says (it may list 127.0.0.1 only)
+        return [(socket.AF_INET6, ("::1", port), False), (socket.AF_INET, ("127.0.0.1", port), False)]
     try:
         infos = socket.getaddrinfo(host, port, socket.AF_UNSPEC, socket.SOCK_STREAM, 0, socket.AI_PASSIVE)
     except socket.gaierror as exc:
