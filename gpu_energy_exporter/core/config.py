@@ -138,7 +138,8 @@ FLAGS: tuple[Flag, ...] = (
          "FILE"),
     Flag("otlp.grpc.listen-address", parse_optional_listen_address, f"localhost:{DEFAULT_OTLP_GRPC_PORT}",
          "Address of the OTLP/gRPC receiver (MetricsService/Export), sharing the OTLP/HTTP receiver's store, "
-         "limits and bearer token; TLS from --web.config.file's tls_server_config. Empty turns it off.",
+         "limits and bearer token; TLS from --web.config.file's tls_server_config. Empty turns it off. The port "
+         "is bound at start; in plain text grpc is loaded when the first client connects (with TLS, at start).",
          "HOST:PORT"),
     Flag("otlp.push-endpoint", _url, None,
          "Also push this node's readings over OTLP/HTTP to this URL (e.g. http://collector:4318/v1/metrics), "

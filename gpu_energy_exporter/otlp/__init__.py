@@ -13,7 +13,9 @@
 - ``receiver``: ``POST /v1/metrics`` handling (``ExportHandler``) and a standalone server
   (``OTLPReceiver``); the only module here that imports the HTTP server.
 - ``grpcreceiver``: ``GRPCReceiver``, ``MetricsService/Export`` over gRPC into ``ExportHandler.store_body``
-  (the one path after a body is read); ``grpctls`` its TLS credentials. Only these import grpc, when built.
+  (the one path after a body is read); ``grpctls`` its TLS credentials; ``grpcslots`` its admission (calls
+  at once, the slowest cut); ``grpcwake`` the plain sockets that hold its port until the first connection
+  loads grpc. Only ``grpcreceiver`` and ``grpctls`` import grpc, when the server is built.
 - ``conventions``: which of the node's series are pushed, named after the OpenTelemetry hardware
   semantic conventions (pure).
 - ``push``: ``OTLPPusher``, the thread and the OpenTelemetry SDK exporter that push them.

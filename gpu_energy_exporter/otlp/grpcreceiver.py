@@ -25,7 +25,8 @@ and a call waits, the call that has been receiving longest, for over ``EVICT_AFT
 slow senders cannot hold the port. At most ``--web.max-connections`` connections, ``STREAMS_PER_CONNECTION``
 calls on each, ``--web.max-connections`` calls in all (``RESOURCE_EXHAUSTED`` beyond); a connection with
 no call for ``IDLE_TIMEOUT`` seconds is closed (GOAWAY: a client reconnects on its next export), and one
-must finish its TLS and HTTP/2 handshake within ``HANDSHAKE_TIMEOUT``.
+must send its HTTP/2 preface within ``HANDSHAKE_TIMEOUT`` (``HANDSHAKE_TIMEOUT_TLS`` with TLS). A failed call's
+message must not outlive it: grpcio keeps the traceback of a call that ended with an error.
 
 TLS: ``--web.config.file``'s ``tls_server_config`` (certificate, key, client CA; reloaded when the files
 change, on the next connection). Settings grpcio cannot enforce (``client_allowed_sans``, TLS versions other
@@ -34,9 +35,11 @@ than the file says. Basic auth and ``rate_limit`` in that file are HTTP-only: th
 
 Threads: one ``otlp-grpc`` thread runs an asyncio loop with a ``grpc.aio`` server; messages up to
 ``receiver.INLINE_MAX_BODY`` are stored on it (a rank's export costs less than a hand-off), larger ones on a
-small pool. ``grpc`` is imported only when the receiver is built (``bind``): an exporter with
-``--otlp.grpc.listen-address=`` never loads it. This module never decodes OTLP itself, never touches the
-store except through ``ExportHandler``, and never lets a call crash the server.
+small pool. In plain text ``bind`` holds the port with a ``grpcwake.Placeholder`` and ``grpc`` is imported,
+the thread started and the server bound where the placeholder was only when the first client connects
+(``_wake``); with TLS all of that happens at ``bind``. With ``--otlp.grpc.listen-address=`` grpc never loads.
+This module never decodes OTLP itself, never touches the store except through ``ExportHandler``, and never
+lets a call crash the server.
 """
 
 from __future__ import annotations
@@ -46,7 +49,6 @@ import concurrent.futures
 import logging
 import threading
 import time
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client.core import Metric
@@ -54,7 +56,11 @@ from prometheus_client.core import Metric
 from gpu_energy_exporter.core import metrics
 from gpu_energy_exporter.core.errors import ConfigError
 from gpu_energy_exporter.http.listen import bind as probe_bind
+from gpu_energy_exporter.otlp.grpcslots import EVICT_AFTER as EVICT_AFTER
+from gpu_energy_exporter.otlp.grpcslots import SLOTS as SLOTS
+from gpu_energy_exporter.otlp.grpcslots import Call, Refused, Slots
 from gpu_energy_exporter.otlp.grpctls import TLSCredentials, check_tls
+from gpu_energy_exporter.otlp.grpcwake import Placeholder, Release
 from gpu_energy_exporter.otlp.receiver import INLINE_MAX_BODY, PROTOBUF, ExportFailure, ExportHandler
 from gpu_energy_exporter.otlp.selfmetrics import COLLECTOR
 
@@ -68,13 +74,13 @@ log = logging.getLogger(__name__)
 SERVICE = "opentelemetry.proto.collector.metrics.v1.MetricsService"
 METHOD = "Export"
 
-#: Calls receiving or being handled at once (each may hold one message of --otlp.max-body-bytes).
-SLOTS = 4
-#: A call still receiving its message after this long is cut when another call waits for its slot.
-EVICT_AFTER = 1.0
 STREAMS_PER_CONNECTION = 8
 IDLE_TIMEOUT = 60.0
-HANDSHAKE_TIMEOUT = 10.0
+#: How long a new connection may take to send its HTTP/2 preface and SETTINGS (a client sends them with its
+#: first packet; a socket that stays silent holds one of --web.max-connections until then, and grpcio cannot
+#: close the oldest such socket to let a new client in), and, with TLS, to finish the TLS handshake first.
+HANDSHAKE_TIMEOUT = 3.0
+HANDSHAKE_TIMEOUT_TLS = 10.0
 #: Threads that store messages larger than ``INLINE_MAX_BODY`` (off the loop, so small calls go on).
 WORKERS = 2
 
@@ -97,76 +103,6 @@ GRPC_CALLS = metrics.define(
     "otlp", "grpc_calls_in_flight", "gauge",
     f"OTLP/gRPC export calls open now: receiving or being handled (at most {SLOTS} at once) or waiting for that.",
     collector=COLLECTOR)
-
-
-class _Refused(Exception):
-    def __init__(self, code: str, message: str) -> None:
-        super().__init__(message)
-        self.code = code
-        self.message = message
-
-
-class _Call:
-    """One call: when it started receiving (holding a slot), its pending read, and why that read was cut."""
-
-    __slots__ = ("receiving_since", "read", "cut")
-
-    def __init__(self) -> None:
-        self.receiving_since: float | None = None
-        self.read: asyncio.Future[Any] | None = None
-        self.cut = ""  # the code the read was cut with (UNAVAILABLE, DEADLINE_EXCEEDED)
-
-    def stop(self, code: str) -> None:
-        if self.read is not None and not self.read.done() and not self.cut:
-            self.cut = code
-            self.read.cancel()
-
-
-class _Slots:
-    """``SLOTS`` calls at once; waiting calls cut the slowest receiver (loop thread only, no lock: nothing
-    awaits between a check and what it decides)."""
-
-    def __init__(self, n: int, clock: Callable[[], float]) -> None:
-        self._n = n
-        self._clock = clock
-        self._holders: list[_Call] = []
-        self._waiting = 0
-        self._changed = asyncio.Condition()
-
-    def _evict_slowest(self) -> None:
-        receiving = [c for c in self._holders if c.receiving_since is not None and not c.cut]
-        if receiving:
-            oldest = min(receiving, key=lambda c: c.receiving_since or 0.0)
-            if self._clock() - (oldest.receiving_since or 0.0) > EVICT_AFTER:
-                oldest.stop("UNAVAILABLE")
-
-    async def acquire(self, call: _Call, deadline: float) -> None:
-        if len(self._holders) < self._n and not self._waiting:
-            self._holders.append(call)  # the common case: a free slot, no one ahead
-            return
-        self._waiting += 1
-        try:
-            async with self._changed:
-                while len(self._holders) >= self._n:
-                    self._evict_slowest()
-                    remaining = deadline - self._clock()
-                    if remaining <= 0:
-                        raise _Refused("DEADLINE_EXCEEDED", "the receiver was busy for the whole of "
-                                       "--web.request-timeout; try again")
-                    try:
-                        # woken by a release, or soon enough to cut a receiver that became slow meanwhile
-                        await asyncio.wait_for(self._changed.wait(), min(remaining, EVICT_AFTER))
-                    except asyncio.TimeoutError:
-                        pass
-                self._holders.append(call)
-        finally:
-            self._waiting -= 1
-
-    async def release(self, call: _Call) -> None:
-        self._holders.remove(call)
-        if self._waiting:
-            async with self._changed:
-                self._changed.notify()
 
 
 class GRPCReceiver:
@@ -204,7 +140,8 @@ class GRPCReceiver:
         self._thread: threading.Thread | None = None
         self._server: aio.Server | None = None
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
-        self._slots: _Slots | None = None
+        self._slots: Slots | None = None
+        self._placeholder: Placeholder | None = None
         self.port = 0
 
     # ------------------------------------------------------------------------------------------------
@@ -250,11 +187,11 @@ class GRPCReceiver:
 
         started = time.perf_counter()
         code, message = "OK", ""
-        call = _Call()
+        call = Call()
         self._opened()
         try:
             return await self._serve(context, call)
-        except _Refused as exc:
+        except Refused as exc:
             code, message = exc.code, exc.message
         except asyncio.CancelledError:
             # the client went away, or gRPC failed the call itself (the message was over the limit: _receive)
@@ -268,14 +205,14 @@ class GRPCReceiver:
         await context.abort(getattr(grpc.StatusCode, code), message)
         raise AssertionError("unreachable: abort raises")  # pragma: no cover
 
-    async def _serve(self, context: aio.ServicerContext, call: _Call) -> bytes:
+    async def _serve(self, context: aio.ServicerContext, call: Call) -> bytes:
         authorization = ""
         for key, value in context.invocation_metadata() or ():
             if key == "authorization":
                 authorization = value if isinstance(value, str) else ""
                 break
         if not self.handler.bearer_ok(authorization):
-            raise _Refused("UNAUTHENTICATED", "missing or wrong bearer token (metadata authorization: Bearer "
+            raise Refused("UNAUTHENTICATED", "missing or wrong bearer token (metadata authorization: Bearer "
                                               "<token> from --otlp.bearer-token-file)")
         assert self._slots is not None
         deadline = time.monotonic() + self.request_timeout
@@ -288,11 +225,11 @@ class GRPCReceiver:
             return await loop.run_in_executor(self._pool, self.handler.store_body, data, PROTOBUF,
                                               peer_host(context.peer()))
         except ExportFailure as exc:
-            raise _Refused("INVALID_ARGUMENT", exc.message) from None
+            raise Refused("INVALID_ARGUMENT", exc.message) from None
         finally:
             await self._slots.release(call)
 
-    async def _receive(self, context: aio.ServicerContext, call: _Call, deadline: float) -> bytes:
+    async def _receive(self, context: aio.ServicerContext, call: Call, deadline: float) -> bytes:
         from grpc import aio
 
         loop = asyncio.get_running_loop()
@@ -303,22 +240,23 @@ class GRPCReceiver:
             data = await call.read
         except asyncio.CancelledError:
             if call.cut == "UNAVAILABLE":
-                raise _Refused("UNAVAILABLE", "the message was still arriving after "
+                raise Refused("UNAVAILABLE", "the message was still arriving after "
                                               f"{EVICT_AFTER:g}s while other calls waited; send it again") from None
             if call.cut == "DEADLINE_EXCEEDED":
-                raise _Refused("DEADLINE_EXCEEDED", f"the message did not arrive within {self.request_timeout:g}s "
+                raise Refused("DEADLINE_EXCEEDED", f"the message did not arrive within {self.request_timeout:g}s "
                                                     "(--web.request-timeout)") from None
             raise  # this call's own task: the client went away, or gRPC ended the call
         finally:
             timer.cancel()
             call.read.cancel()
+            call.read = None  # it holds the message: a failed call's traceback (kept by grpc) would keep it alive
             call.receiving_since = None
         if data is aio.EOF:
             # gRPC ends the read so when it refused the message (over max_receive_message_length, before or
             # after inflating: RESOURCE_EXHAUSTED to the client) or the client cancelled, and then cancels this
             # task: given a moment, it is counted CANCELLED, not as a call with no message, which gets here too.
             await asyncio.sleep(0.05)
-            raise _Refused("INVALID_ARGUMENT", "the call carried no ExportMetricsServiceRequest message")
+            raise Refused("INVALID_ARGUMENT", "the call carried no ExportMetricsServiceRequest message")
         return bytes(data)
 
     # ------------------------------------------------------------------------------------------------
@@ -332,15 +270,19 @@ class GRPCReceiver:
             ("grpc.max_allowed_incoming_connections", self.max_connections),
             ("grpc.max_concurrent_streams", STREAMS_PER_CONNECTION),
             ("grpc.max_connection_idle_ms", int(IDLE_TIMEOUT * ms)),
-            ("grpc.server_handshake_timeout_ms", int(min(HANDSHAKE_TIMEOUT, self.request_timeout) * ms)),
+            ("grpc.server_handshake_timeout_ms", int(min(self.handshake_timeout, self.request_timeout) * ms)),
             # a waiting call's stream gets one 64 KiB window, not one grown by bandwidth probing
             ("grpc.http2.bdp_probe", 0),
             # without it a second exporter binds the same port and the kernel splits the pushes between them
             ("grpc.so_reuseport", 0),
         ]
 
-    def _target(self) -> str:
-        host, port = self.address
+    @property
+    def handshake_timeout(self) -> float:
+        return HANDSHAKE_TIMEOUT_TLS if self.tls is not None else HANDSHAKE_TIMEOUT
+
+    def _target(self, port: int | None = None) -> str:
+        host, port = self.address[0], self.address[1] if port is None else port
         host = host.strip()
         if host.startswith("[") and host.endswith("]"):
             host = host[1:-1]
@@ -348,16 +290,20 @@ class GRPCReceiver:
             host = "::"
         return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
-    async def _build(self) -> int:
+    async def _build(self, release: Release | None = None) -> int:
+        """The server, bound: on the address as given, or (``release``: the placeholder's) on its port, the
+        placeholder's sockets closed just before."""
         import grpc
         from grpc import aio
 
-        self._slots = _Slots(self.slots, time.monotonic)
+        self._slots = Slots(self.slots, time.monotonic)
         server = aio.server(options=self._options(), maximum_concurrent_rpcs=self.max_connections)
         handler = grpc.method_handlers_generic_handler(
             SERVICE, {METHOD: grpc.stream_unary_rpc_method_handler(self._export)})
         server.add_generic_rpc_handlers((handler,))
-        target = self._target()
+        target = self._target(self.port if release is not None else None)
+        if release is not None:
+            release()
         try:
             if self.tls is not None:
                 port = server.add_secure_port(target, TLSCredentials(self.tls).credentials())
@@ -378,15 +324,25 @@ class GRPCReceiver:
             return str(exc)
         return f"cannot listen on {self._target()} for OTLP/gRPC"
 
-    def bind(self) -> GRPCReceiver:
-        """Import grpc, start the loop thread and bind the port. ``ConfigError`` when it cannot be used."""
-        if self._loop is not None:
-            return self
+    def _start_loop(self) -> asyncio.AbstractEventLoop:
         loop = asyncio.new_event_loop()
         thread = threading.Thread(target=loop.run_forever, name="otlp-grpc", daemon=True)
         thread.start()
         self._loop, self._thread = loop, thread
         self._pool = concurrent.futures.ThreadPoolExecutor(WORKERS, thread_name_prefix="otlp-grpc-worker")
+        return loop
+
+    def bind(self) -> GRPCReceiver:
+        """Bind the port; ``ConfigError`` when it cannot be used. In plain text the port is held by a
+        ``grpcwake.Placeholder`` and grpc is loaded on the first connection (``_wake``); with TLS grpc is
+        imported, its loop thread started and its server bound now (a TLS handshake cannot be handed over)."""
+        if self._loop is not None or self._placeholder is not None:
+            return self
+        if self.tls is None:
+            self._placeholder = Placeholder(self.address, max_held=self.max_connections)
+            self.port = self._placeholder.port
+            return self
+        loop = self._start_loop()
         try:
             self.port = asyncio.run_coroutine_threadsafe(self._build(), loop).result()
         except BaseException:
@@ -394,10 +350,33 @@ class GRPCReceiver:
             raise
         return self
 
+    def _wake(self, release: Release) -> bool:
+        """The first connection arrived (placeholder's thread): load grpc, bind it where the placeholder
+        was, serve. False (logged) when grpc cannot take the port."""
+        started = time.perf_counter()
+        loop = self._start_loop()
+
+        async def build_and_serve() -> None:
+            await self._build(release)
+            assert self._server is not None
+            await self._server.start()
+
+        try:
+            asyncio.run_coroutine_threadsafe(build_and_serve(), loop).result()
+        except ConfigError as exc:
+            log.error("OTLP/gRPC receiver stopped: %s (--otlp.grpc.listen-address)", exc)
+            return False
+        log.info("otlp-grpc: first connection, gRPC loaded and serving in %.0f ms",
+                 (time.perf_counter() - started) * 1000)
+        return True
+
     def start(self) -> GRPCReceiver:
         self.bind()
-        assert self._loop is not None and self._server is not None
-        asyncio.run_coroutine_threadsafe(self._server.start(), self._loop).result()
+        if self._placeholder is not None:
+            self._placeholder.watch(self._wake)
+        else:
+            assert self._loop is not None and self._server is not None
+            asyncio.run_coroutine_threadsafe(self._server.start(), self._loop).result()
         log.info("otlp-grpc listening on %s (gRPC, TLS %s, bearer token %s, at most %d connections)",
                  self.url, "on" if self.tls else "off", "on" if self.handler.bearer_required else "off",
                  self.max_connections)
@@ -414,6 +393,9 @@ class GRPCReceiver:
         return f"{'https' if self.tls else 'http'}://{host}:{self.port}"
 
     def shutdown(self) -> None:
+        if self._placeholder is not None:
+            self._placeholder.close()  # waits for a wake under way: its loop and server are stopped below
+            self._placeholder = None
         loop, server = self._loop, self._server
         self._server = None
         if loop is None:
