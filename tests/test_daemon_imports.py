@@ -1,6 +1,7 @@
 """The daemon loads only what it uses: resident memory is a target (<= 40 MB on the fake library).
 
-A fresh interpreter runs the real CLI's ``main()`` on the fake library with the default collectors, waits
+A fresh interpreter runs the real CLI's ``main()`` on the fake library with the default collectors (the OTLP/gRPC
+receiver on, no client connected yet), waits
 until it has taken samples and answered a scrape, and reports ``sys.modules``: the workstation clients, the
 training helper, the OpenTelemetry SDK (the receiver needs only the protos), matplotlib, torch, and what
 only optional features use (requests and urllib3 for --otlp.push-endpoint, yaml for --web.config.file,
@@ -29,14 +30,15 @@ NOT_LOADED = ("requests", "urllib3", "yaml", "bcrypt", "opentelemetry.sdk", "ope
               # clients, and with them OpenSSL (ssl, hashlib) and the email package: ~10 MB
               "prometheus_client.exposition", "http.server", "http.client", "urllib.request", "wsgiref", "email",
               "ssl", "_ssl", "hashlib", "_hashlib",
-              # the OTLP/gRPC receiver's (off here): grpc, and asyncio with its own ssl
-              "grpc", "asyncio")
+              # the OTLP/gRPC receiver's (on, no client yet): grpc, and asyncio with its own ssl
+              # (``asyncio`` itself is in sys.modules as a lazy module: its submodules say whether it loaded)
+              "grpc", "asyncio.base_events", "asyncio.events", "concurrent.futures")
 
 _CHILD = """
 import json, os, socket, sys, threading, time
 sys.path.insert(0, {repo!r})
 sys.argv = ["gpu-energy-exporter", "--web.listen-address=127.0.0.1:{web}", "--otlp.listen-address=127.0.0.1:{otlp}",
-            "--nvml.library={lib}"]
+            "--otlp.grpc.listen-address=127.0.0.1:{grpc}", "--nvml.library={lib}"]
 from gpu_energy_exporter.daemon import cli
 
 def http(port, request):
@@ -77,13 +79,14 @@ def test_the_running_daemon_never_imports_what_only_other_commands_or_flags_use(
     env = {k: v for k, v in os.environ.items() if not k.startswith("FAKE_NVML_")}
     env.update(FAKE_NVML_SCENARIO=str(path))
     script = textwrap.dedent(_CHILD.format(repo=str(REPO), lib=str(fake_nvml_lib), web=free_port(),
-                                           otlp=free_port()))
+                                           otlp=free_port(), grpc=free_port()))
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120,
                           check=False, cwd=tmp_path)
     assert "@@OUT@@" in proc.stdout, f"child failed:\n{proc.stdout}\n{proc.stderr}"
     out = json.loads(proc.stdout.split("@@OUT@@", 1)[1].splitlines()[0])
     modules = out["modules"]
     assert "gpu_energy_exporter.devices.nvml" in modules and "gpu_energy_exporter.otlp.receiver" in modules
+    assert "gpu_energy_exporter.otlp.grpcwake" in modules, "the gRPC receiver (on by default) holds its port"
     loaded = sorted(m for m in modules if any(m == p or m.startswith(p + ".") for p in NOT_LOADED))
     assert not loaded, f"the daemon imported {loaded}"
 

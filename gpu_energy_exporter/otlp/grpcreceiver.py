@@ -44,8 +44,6 @@ lets a call crash the server.
 
 from __future__ import annotations
 
-import asyncio
-import concurrent.futures
 import logging
 import threading
 import time
@@ -55,6 +53,7 @@ from prometheus_client.core import Metric
 
 from gpu_energy_exporter.core import metrics
 from gpu_energy_exporter.core.errors import ConfigError
+from gpu_energy_exporter.core.lazymodule import lazy
 from gpu_energy_exporter.http.listen import bind as probe_bind
 from gpu_energy_exporter.otlp.grpcslots import EVICT_AFTER as EVICT_AFTER
 from gpu_energy_exporter.otlp.grpcslots import SLOTS as SLOTS
@@ -65,9 +64,15 @@ from gpu_energy_exporter.otlp.receiver import INLINE_MAX_BODY, PROTOBUF, ExportF
 from gpu_energy_exporter.otlp.selfmetrics import COLLECTOR
 
 if TYPE_CHECKING:
+    import asyncio
+    import concurrent.futures
+
     from grpc import aio
 
     from gpu_energy_exporter.http.tls import TLSServerConfig
+else:
+    # loaded when a client first connects (the placeholder holds the port till then): asyncio brings ssl
+    asyncio = lazy("asyncio")
 
 log = logging.getLogger(__name__)
 
@@ -329,6 +334,8 @@ class GRPCReceiver:
         thread = threading.Thread(target=loop.run_forever, name="otlp-grpc", daemon=True)
         thread.start()
         self._loop, self._thread = loop, thread
+        import concurrent.futures
+
         self._pool = concurrent.futures.ThreadPoolExecutor(WORKERS, thread_name_prefix="otlp-grpc-worker")
         return loop
 

@@ -8,9 +8,15 @@ which ``Call.stop`` cancels.
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+from gpu_energy_exporter.core.lazymodule import lazy
+
+if TYPE_CHECKING:
+    import asyncio
+else:
+    asyncio = lazy("asyncio")  # the receiver's first connection loads it (grpcreceiver.py)
 
 #: Calls receiving or being handled at once (each may hold one message of --otlp.max-body-bytes).
 SLOTS = 4
