@@ -117,8 +117,13 @@ class GPUTrack:
         self.estimated = False
         c = self.counter
         if self.fresh and c.total_j is not None and c.exposed_j is not None:
-            self.apportion.counter(t, c.total_j, power, average=average)
-            self.series.counter(t, c.exposed_j, power, average=average, restart=self.reset_seen)
+            # The total is timed by the reading it came from: at start-up that is the read that confirmed
+            # this sample's, taken after it (by a read's latency; on a loaded machine tenths of a second),
+            # and the span from there to the next read teaches the scale. Timed by this sample's reading,
+            # 0.4 s between the two reads made the first 3 s span's power readings look 15% high.
+            at = c.exposed_stamp if c.exposed_stamp is not None else t
+            self.apportion.counter(at, c.total_j, power, average=average)
+            self.series.counter(at, c.exposed_j, power, average=average, restart=self.reset_seen)
             # The first spans are short (2, 4, 8, ... s up to the interval): the power readings' scale
             # against the counter is learned within seconds of start-up.
             self.counter_reads += 1
