@@ -89,6 +89,7 @@ class GPUTrack:
     idle: IdleBaseline = field(default_factory=IdleBaseline)
     reading: GPUReading | None = None
     last_good: float | None = None
+    read_at: float | None = None  # the collector's monotonic clock when ``reading`` was taken
     up: bool = False
     error: str = ""
     apportion: Apportioner = field(default_factory=Apportioner)  # on the monotonic total (in-process use)
@@ -231,7 +232,7 @@ class GPUTrack:
         return GPUState(
             identity=self.identity, up=self.up, reading=self.reading, energy_j=self.energy(),
             energy_resets=self.counter.resets, last_good=self.last_good, idle_power_w=idle,
-            idle_power_source=source, error=self.error,
+            idle_power_source=source, error=self.error, read_at=self.read_at,
         )
 
 
