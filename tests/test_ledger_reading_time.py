@@ -87,3 +87,18 @@ def test_the_sampler_and_the_gpu_collector_stamp_the_reading_time_on_one_clock(
     finally:
         rig.close()
 
+
+
+@pytest.mark.parametrize(("read_at", "age"), [(MONO0 + 99.7, 0.3), (MONO0 + 85.0, 0.0), (MONO0 + 100.5, 0.0)],
+                         ids=["read-0.3s-before", "stuck-collector-15s", "another-clock"])
+def test_a_frame_is_dated_by_its_reading_only_when_the_reading_is_recent(read_at: float, age: float) -> None:
+    """A GPU collector stuck in a hung driver call has its last states carried on: 15 s old, the frame keeps
+    its snapshot's time (runs still close while the driver hangs); a reading stamped after the publication is
+    on another clock."""
+    gpu = replace(gpu_state(UUID_A, T0 + 99.7, constant(300.0)), read_at=read_at)
+    snap = Snapshot(seq=1, timestamp=T0 + 100.0, families=(), results=(), gpus=(gpu,), monotonic=MONO0 + 100.0)
+    frame = frame_of(snap, None, None)
+    assert frame.age == pytest.approx(age)
+    assert frame.t == pytest.approx(T0 + 100.0 - age)
+    down = replace(gpu, up=False)  # a GPU that is down dates nothing
+    assert frame_of(replace(snap, gpus=(down,)), None, None).t == T0 + 100.0
