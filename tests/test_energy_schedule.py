@@ -231,3 +231,34 @@ def test_the_counter_total_is_timed_by_the_read_that_confirmed_it(
             assert v == pytest.approx(want, abs=1.0), (k, v - want)
     finally:
         rig.close()
+
+
+def test_a_step_of_the_wall_clock_moves_no_apportioned_energy(
+    fake_nvml_lib: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The energy between counter reads is timed on the monotonic clock. Before (timed by the readings'
+    wall-clock stamps): the wall clock stepped 10 min forward at 8 s, the sample after the step added no
+    estimate (a 601 s gap) and the exposed energy stayed 300 J behind the counter until the read at 14 s;
+    stepped an hour back, the same."""
+    path = tmp_path / "scenario.ini"
+    monkeypatch.setenv("FAKE_NVML_SCENARIO", str(path))
+    start = T0 + 10
+    sc = Scenario(epoch=T0, driver=Driver(frozen_time=start), gpus=[h100(0, power=Constant(300.0))])
+    step = [0.0]
+    rig = Rig.__new__(Rig)  # the wall clock is the driver's clock plus ``step``; the monotonic clock is not
+    rig.path, rig.scenario = path, sc
+    sc.write(path)
+    wall = lambda: rig.now() + step[0]  # noqa: E731
+    GPURig.__init__(rig, lambda: NVMLBackend(str(fake_nvml_lib), clock=wall), clock=wall, monotonic=rig.now,
+                    energy_interval=30.0, gpm=False)
+    try:
+        labels = {"gpu": "0", "gpu_uuid": sc.gpus[0].uuid}
+        for k in range(20):  # counter reads at 0, 2, 6 and 14 s
+            step[0] = {8: 600.0, 16: -3600.0}.get(k, step[0])
+            rig.at(start + k)
+            rig.sample()
+            v = rig.value("gpuenergy_gpu_energy_joules_total", **labels)
+            want = rig.scenario.energy_counter_mj(0, start + k) / 1000
+            assert v == pytest.approx(want, abs=1.0), (k, v, want)
+    finally:
+        rig.close()
