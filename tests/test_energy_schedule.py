@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from fakenvml import Driver, Scenario, Steps, h100
+from fakenvml import Constant, Driver, Scenario, Steps, h100
 from helpers import GPURig
 
 from gpu_energy_exporter.core.apportion import Apportioner
@@ -176,3 +176,89 @@ def test_a_requested_counter_read_comes_at_the_next_sample_whatever_the_schedule
     assert track.counter_reads == reads + 1
     labels = {"gpu": "0", "gpu_uuid": rig.scenario.gpus[0].uuid}
     assert rig.value("gpuenergy_gpu_energy_joules_total", **labels) == rig.scenario.energy_counter_mj(0, T0 + 24) / 1000
+
+
+class SlowFirstSample(NVMLBackend):
+    """The real NVML backend on the fake library, where the first sample's reads each take ``delay`` seconds
+    of the driver's (frozen) clock: a loaded machine that deschedules the sampler between the first read of
+    the counter and the read that confirms it."""
+
+    def __init__(self, lib: Path, rig: Rig, delay: float, reads: int) -> None:
+        super().__init__(str(lib), clock=rig.now)
+        self.rig, self.delay, self.slow = rig, delay, reads
+
+    def read(self, gpu, **kw):  # type: ignore[no-untyped-def]
+        r = super().read(gpu, **kw)
+        if self.slow > 0:
+            self.slow -= 1
+            self.rig.at(self.rig.now() + self.delay)
+        return r
+
+
+def test_the_counter_total_is_timed_by_the_read_that_confirmed_it(
+    fake_nvml_lib: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """At start-up a second read confirms the first; its total belongs to its own time, not to the first
+    read's. Before: a constant 300 W with 0.4 s between the two reads (a loaded machine) put the exposed
+    energy 120 J ahead until the next read, the first span taught a scale of 0.867 (0.943 after two), and
+    the samples after it fell up to 120 J (13%) behind the counter: runs of 8 s near start-up were charged
+    3-9% low beside a CPU burner (tests/test_ledger_clock.py with the counter every 30 s)."""
+    path = tmp_path / "scenario.ini"
+    monkeypatch.setenv("FAKE_NVML_SCENARIO", str(path))
+    start = T0 + 10
+    sc = Scenario(epoch=T0, driver=Driver(frozen_time=start), gpus=[h100(0, power=Constant(300.0))])
+    rig = Rig.__new__(Rig)  # the backend needs the rig's clock: build the rig around it
+    rig.path, rig.scenario = path, sc
+    sc.write(path)
+    GPURig.__init__(rig, lambda: SlowFirstSample(fake_nvml_lib, rig, 0.4, reads=2), clock=rig.now,
+                    monotonic=rig.now, energy_interval=30.0, gpm=False)
+    try:
+        labels = {"gpu": "0", "gpu_uuid": sc.gpus[0].uuid}
+        rig.at(start)
+        rig.sample()  # reads at start (ts = start) and start + 0.4 (the confirmation, the total exposed)
+        first = rig.value("gpuenergy_gpu_energy_joules_total", **labels)
+        assert first == rig.scenario.energy_counter_mj(0, start + 0.4) / 1000
+        exposed = {}
+        for k in range(1, 13):  # the counter is read again 2 s after the first sample's reads, then 4 s after
+            rig.at(start + k)
+            rig.sample()
+            exposed[k] = rig.value("gpuenergy_gpu_energy_joules_total", **labels)
+        track = rig.collector._tracks[0]  # noqa: SLF001 - the scale the spans taught
+        assert track.series.scale == pytest.approx(1.0, abs=1e-3)
+        # 300 W by hand: every sample, read or apportioned, within 1 J of the counter at its time.
+        for k, v in exposed.items():
+            want = rig.scenario.energy_counter_mj(0, start + k) / 1000
+            assert v == pytest.approx(want, abs=1.0), (k, v - want)
+    finally:
+        rig.close()
+
+
+def test_a_step_of_the_wall_clock_moves_no_apportioned_energy(
+    fake_nvml_lib: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The energy between counter reads is timed on the monotonic clock. Before (timed by the readings'
+    wall-clock stamps): the wall clock stepped 10 min forward at 8 s, the sample after the step added no
+    estimate (a 601 s gap) and the exposed energy stayed 300 J behind the counter until the read at 14 s;
+    stepped an hour back, the same."""
+    path = tmp_path / "scenario.ini"
+    monkeypatch.setenv("FAKE_NVML_SCENARIO", str(path))
+    start = T0 + 10
+    sc = Scenario(epoch=T0, driver=Driver(frozen_time=start), gpus=[h100(0, power=Constant(300.0))])
+    step = [0.0]
+    rig = Rig.__new__(Rig)  # the wall clock is the driver's clock plus ``step``; the monotonic clock is not
+    rig.path, rig.scenario = path, sc
+    sc.write(path)
+    wall = lambda: rig.now() + step[0]  # noqa: E731
+    GPURig.__init__(rig, lambda: NVMLBackend(str(fake_nvml_lib), clock=wall), clock=wall, monotonic=rig.now,
+                    energy_interval=30.0, gpm=False)
+    try:
+        labels = {"gpu": "0", "gpu_uuid": sc.gpus[0].uuid}
+        for k in range(20):  # counter reads at 0, 2, 6 and 14 s
+            step[0] = {8: 600.0, 16: -3600.0}.get(k, step[0])
+            rig.at(start + k)
+            rig.sample()
+            v = rig.value("gpuenergy_gpu_energy_joules_total", **labels)
+            want = rig.scenario.energy_counter_mj(0, start + k) / 1000
+            assert v == pytest.approx(want, abs=1.0), (k, v, want)
+    finally:
+        rig.close()

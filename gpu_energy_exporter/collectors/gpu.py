@@ -254,7 +254,7 @@ class GPUCollector(Collector):
                 continue
             if not t.up and t.error:
                 log.info("GPU %d (%s) answers again", g.index, g.uuid)
-            t.up, t.error, t.reading, t.last_good = True, "", r, r.timestamp
+            t.up, t.error, t.reading, t.last_good, t.read_at = True, "", r, r.timestamp, started
             add(fams[GPU_UP.name], labels, 1.0)
             t.fresh = False
             done = self._monotonic()

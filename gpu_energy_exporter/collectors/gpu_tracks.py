@@ -89,6 +89,7 @@ class GPUTrack:
     idle: IdleBaseline = field(default_factory=IdleBaseline)
     reading: GPUReading | None = None
     last_good: float | None = None
+    read_at: float | None = None  # the collector's monotonic clock when the energy exposed was read
     up: bool = False
     error: str = ""
     apportion: Apportioner = field(default_factory=Apportioner)  # on the monotonic total (in-process use)
@@ -107,13 +108,17 @@ class GPUTrack:
     def apportion_sample(self, r: GPUReading, done: float, energy_interval: float, *, asked: bool) -> None:
         """After ``count_energy`` (or without a counter reading this sample): the exposed energy on the
         sample grid. ``done``: the monotonic time the reading returned (the schedule's clock). The energy
-        between readings is timed by the readings' own timestamps, the clock the GPU's power is read on (a
-        wall-clock step moves an estimate by at most ``Apportioner.max_gap_s`` of power, and the next counter
-        read puts it right). ``asked``: this sample asked for the counter; a counter that was asked and
-        could not be read leaves the sample absent, as a rejected reading does."""
+        between readings is timed by ``read_at``, the monotonic time each reading was taken: a step of the
+        wall clock moves no estimate (timed by the readings' wall-clock timestamps, a step dropped one
+        sample's energy until the next counter read). ``asked``: this sample asked for the counter; a counter
+        that was asked and could not be read leaves the sample absent, as a rejected reading does."""
         average = r.power_average_w is not None
         power = r.power_average_w if average else r.power_instant_w
-        t = r.timestamp
+        # The total is timed by the read it came from (``read_at``): at start-up that is the read that
+        # confirmed this sample's, taken after it (by a read's latency; on a loaded machine tenths of a
+        # second), and the span from there to the next read teaches the scale. Timed by this sample's
+        # reading, 0.4 s between the two reads made the first 3 s span's power readings look 15% high.
+        t = self.read_at if self.read_at is not None else done
         self.estimated = False
         c = self.counter
         if self.fresh and c.total_j is not None and c.exposed_j is not None:
@@ -152,6 +157,8 @@ class GPUTrack:
             if again.energy_j is not None:
                 self._judge(self.counter.update(again.energy_j, monotonic(), started=started,
                                                 stamp=again.timestamp, max_power_w=max_power_w(again)))
+                if self.fresh:
+                    self.read_at = started  # the energy exposed is this read's: it is timed by it
 
     def _judge(self, v: Verdict) -> None:
         g, c = self.identity, self.counter
@@ -226,7 +233,7 @@ class GPUTrack:
         return GPUState(
             identity=self.identity, up=self.up, reading=self.reading, energy_j=self.energy(),
             energy_resets=self.counter.resets, last_good=self.last_good, idle_power_w=idle,
-            idle_power_source=source, error=self.error,
+            idle_power_source=source, error=self.error, read_at=self.read_at,
         )
 
 

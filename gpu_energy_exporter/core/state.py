@@ -143,6 +143,9 @@ class GPUState:
     idle_power_w: float | None = None
     idle_power_source: str = ""
     error: str = ""
+    #: the monotonic time (``time.monotonic``) the last good reading was taken: ``energy_j`` is the energy
+    #: at that moment, which can be tenths of a second before the snapshot that carries it is published
+    read_at: float | None = None
 
 
 @dataclass(frozen=True)
@@ -179,6 +182,8 @@ class Snapshot:
     #: the Slurm jobs holding this node's GPUs (the slurm collector); None: no collector, or its job-mapping
     #: directory could not be read at this sample (the ledger then leaves its job runs as they are)
     slurm_jobs: tuple[SlurmJob, ...] | None = None
+    #: the monotonic time (``time.monotonic``) it was published, the clock of ``GPUState.read_at``
+    monotonic: float | None = None
 
     def value(self, name: str) -> float | None:
         """The first sample called ``name`` in this snapshot (for unlabelled series such as host memory)."""

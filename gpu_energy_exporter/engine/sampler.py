@@ -116,6 +116,7 @@ class Sampler:
         slurm_jobs: Callable[[], tuple[SlurmJob, ...] | None] | None = None,
         clock: Callable[[], float] = time.time,
         wait_budget: float | None = None,
+        monotonic: Callable[[], float] = time.monotonic,
     ) -> None:
         self._collectors = list(collectors)
         self._interval = interval
@@ -123,6 +124,7 @@ class Sampler:
         self._xid_events = xid_events  # recent critical Xids (the health collector), carried to the ledger
         self._slurm_jobs = slurm_jobs  # the Slurm jobs holding GPUs (the slurm collector), carried to the ledger
         self._clock = clock
+        self._monotonic = monotonic  # the clock of the GPU collector's read times (GPUState.read_at)
         self._snapshot: Snapshot | None = None
         self._seq = 0
         self._listeners: list[Callable[[Snapshot], None]] = []
@@ -180,7 +182,7 @@ class Sampler:
         for r in results:
             add(success, [r.name], 1.0 if r.success else 0.0)
             add(dur, [r.name], r.duration_s)
-        now = self._clock()
+        now, mono = self._clock(), self._monotonic()
         ts = SNAPSHOT_TIMESTAMP.family()
         add(ts, [], now)
         families.extend([success, dur, ts])
@@ -193,6 +195,7 @@ class Sampler:
             gpus=self._gpu_states() if self._gpu_states else (),
             xid_events=self._xid_events() if self._xid_events else (),
             slurm_jobs=self._slurm_jobs() if self._slurm_jobs else None,
+            monotonic=mono,
         )
         self._snapshot = snap
         for fn in self._listeners:

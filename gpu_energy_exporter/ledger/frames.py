@@ -44,6 +44,15 @@ class Frame:
     xid_events: tuple[XidEvent, ...] = ()  # the most recent critical Xids of every GPU (core.health)
     #: MIG uuid key -> (compute slices, share of the parent's SMs or None), from NVML's instance attributes
     mig_profile: dict[str, tuple[int, float | None]] = field(default_factory=dict)
+    #: how long before the snapshot was published its GPUs were read (s): ``t`` is the time of the readings
+    age: float = 0.0
+
+
+#: A reading older than this when its snapshot is published is not dated by: the GPU collector is stuck (a
+#: hung driver call; its last states are carried on) or the two monotonic stamps are not on one clock (a
+#: test's frozen clock). The frame then keeps the snapshot's time, so runs still close while a driver hangs.
+#: A sampler publishes a slow collector's readings at most its wait budget (5 s) plus an interval late.
+MAX_READING_AGE_S = 10.0
 
 
 def uuid_key(uuid: str) -> str:
@@ -93,5 +102,23 @@ def frame_of(snapshot: Snapshot, intensity: float | None, pue: float | None) -> 
         for m in g.identity.mig_devices:
             mig[uuid_key(m.uuid)] = key
             profile[uuid_key(m.uuid)] = (m.slices, m.sm_share)
-    return Frame(snapshot.timestamp, gpus, mig, intensity, pue, snapshot.value(MEMORY_AVAILABLE.name),
-                 snapshot.xid_events, profile)
+    age = reading_age(snapshot)
+    return Frame(snapshot.timestamp - age, gpus, mig, intensity, pue, snapshot.value(MEMORY_AVAILABLE.name),
+                 snapshot.xid_events, profile, age)
+
+
+def reading_age(snapshot: Snapshot) -> float:
+    """How long before ``snapshot`` was published its GPUs were read (the latest read of a GPU that is up),
+    on the monotonic clock; 0 when not known.
+
+    The GPU energy in a frame is the energy at the time of its reading, and runs are charged the part of
+    each interval between two frames that they overlap: dated at the publication instead, a sample that
+    waited 0.3 s for the other collectors (a loaded machine) moved 0.3 s of power across a run's edge, a
+    few percent of an 8 s run."""
+    if snapshot.monotonic is None:
+        return 0.0
+    read = [g.read_at for g in snapshot.gpus if g.up and g.read_at is not None]
+    if not read:
+        return 0.0
+    age = snapshot.monotonic - max(read)
+    return age if 0.0 <= age <= MAX_READING_AGE_S else 0.0

@@ -51,10 +51,11 @@ MAX_PENDING = 1000
 
 
 def on_clock(frame: Frame, now: float) -> Frame:
-    """``frame`` dated ``now`` on the steady clock, when the ledger received it (right after the sampler
-    made it). Not its wall-clock stamp moved by the clocks' offset: a step between the two readings would
-    put it an hour away, and a frame in the future would stop the ledger counting until then."""
-    return replace(frame, t=now)
+    """``frame`` dated on the steady clock: ``now``, when the ledger received it (right after the sampler
+    made it), less the age of its GPU readings then (``Frame.age``, measured on the monotonic clock). Not
+    its wall-clock stamp moved by the clocks' offset: a step between the two readings would put it an hour
+    away, and a frame in the future would stop the ledger counting until then."""
+    return replace(frame, t=now - frame.age)
 
 
 def steady_point_time(offsets: dict[str, dict[str, float]], run_id: str, rank: str, t: float, received: float,
