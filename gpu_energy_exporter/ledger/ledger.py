@@ -123,6 +123,9 @@ class RunLedger(LedgerViews):
         self._wall = wall  # the wall clock snapshots are stamped with, when ``clock`` is another (steady) one
         self._job_ids: set[str] = set()  # active runs that are Slurm jobs (ledger.jobs)
         self._offsets: dict[str, dict[str, float]] = {}  # run id -> rank -> sender clock offset (restart)
+        # (run, rank, client, resource, received) of the last point that passed the client and process checks
+        # in this chunk of points (_record_locked), None when the next point must be checked
+        self._admitted: tuple[object, ...] | None = None
         # Who uses which GPU, by snapshot time (ledger_split.Holding), rebuilt when runs change.
         self._holders_gen = 0
         self._holders_cache: dict[float, dict[str, list[Holding]]] = {}
@@ -161,6 +164,7 @@ class RunLedger(LedgerViews):
         for start in range(0, len(points), self.POINTS_CHUNK):
             with self._lock:
                 received = self._clock()  # one request's points arrived together
+                self._admitted = None
                 for point in points[start:start + self.POINTS_CHUNK]:
                     count = getattr(point, "count", None)
                     record(point.run_id, point.name, point.labels, point.value, point.time,
@@ -172,6 +176,7 @@ class RunLedger(LedgerViews):
         """One accepted point: ``value`` cumulative for counters (the histogram's sum, with ``count``),
         the value for gauges; ``t`` in Unix seconds; ``client``: who pushed it (``core.clientid``)."""
         with self._lock:
+            self._admitted = None
             self._record_locked(run_id, name, labels, value, t, count, client=client)
 
     def _record_locked(self, run_id: str, name: str, labels: Mapping[str, str], value: float, t: float,
@@ -186,21 +191,29 @@ class RunLedger(LedgerViews):
         self._version += 1
         if received is None:
             received = self._clock()
+        rank = labels.get(contract.ATTR_RANK, "")
         if self._wall is not None:  # on the steady clock: senders' clocks are placed against it
-            t = restart.steady_point_time(self._offsets, run_id, labels.get(contract.ATTR_RANK, ""), t, received,
-                                          self._late_window_s)
+            t = restart.steady_point_time(self._offsets, run_id, rank, t, received, self._late_window_s)
         run = self._active.get(run_id)
         if run is None:
             run = self._new_run(run_id, name, value, t, client, received)
             if run is None:
                 self._offsets.pop(run_id, None)
                 return
-        if clients.refused(self._clients, run, self._active.values(), name, labels, value, client, received):
-            return
         gpus_before, end_before = len(run.gpus), run.e
-        refused, new_process = claims.note_process(run, resource, labels, received)
-        if refused:  # another process under the run's id whose job identity disagrees (docs/ledger.md)
-            return self._claims.refuse(refused)
+        # Who pushed it: the points of one request share their run, rank, client and resource; once one of
+        # them passed both checks, the next ones of that origin pass them too (a finish is checked each time).
+        origin = (run, rank, client, resource, received)
+        new_process = False
+        if origin != self._admitted or name == runs.RUN_FINISHED:
+            self._admitted = None
+            if clients.refused(self._clients, run, self._active.values(), name, rank, value, client, received):
+                return
+            refused, new_process = claims.note_process(run, resource, rank, received)
+            if refused:  # another process under the run's id whose job identity disagrees (docs/ledger.md)
+                return self._claims.refuse(refused)
+            if not run.tentative:  # a tentative run's first progress point records its owner: check it
+                self._admitted = origin
         if run.restored is not None and progress:
             restart.reconcile(run, name, labels, value, key)
         runs.apply_point(run, name, labels, value, t, count, received, key)

@@ -165,8 +165,9 @@ _ATTRS_KEY_MAX = 512
 
 def _point_labels(attributes: Sequence[bytes], reserved: tuple[str, ...], limits: Limits) -> _Attrs:
     """``translate_labels`` of a data point's attributes (``KeyValue`` bytes, ``wire``), the labels'
-    ``run_id``, ``label_chars`` and ``reserved_names.labels_fit``, cached per attribute list. Raises ``wire.Undecodable`` for bytes that are
-    not a ``KeyValue`` (all of them are parsed before any limit is applied, as the full parse would)."""
+    ``run_id``, ``label_chars`` and ``reserved_names.labels_fit``, cached per attribute list. Raises
+    ``wire.Undecodable`` for bytes that are not a ``KeyValue`` (all of them are parsed before any limit is
+    applied, as the full parse would)."""
     key = None
     if len(attributes) <= limits.max_labels_per_point:
         key = (reserved, limits.max_label_length, limits.max_labels_per_point, *attributes)
