@@ -216,7 +216,7 @@ class RunLedger(LedgerViews):
                 self._admitted = origin
         if run.restored is not None and progress:
             restart.reconcile(run, name, labels, value, key)
-        runs.apply_point(run, name, labels, value, t, count, received, key)
+        runs.apply_point(run, name, labels, value, t, count, received, key, rank)
         if len(run.gpus) != gpus_before or new_process:
             self._holders_gen += 1  # a GPU named for the first time
         if run.tentative:

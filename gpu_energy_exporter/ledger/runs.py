@@ -240,10 +240,11 @@ class Run:
 
 
 def apply_point(run: Run, name: str, labels: Mapping[str, str], value: float, t: float, count: float | None,
-                received: float, key: LabelKey | None = None) -> None:
+                received: float, key: LabelKey | None = None, rank: str | None = None) -> None:
     """One accepted point of the run (``received``: wall time it arrived; ``key``: ``labels`` as their sorted
-    items, ``tuple(sorted(labels.items()))``, when the caller already has them)."""
-    rank = labels.get(_RANK, "")
+    items, ``tuple(sorted(labels.items()))``, and ``rank`` its rank label, when the caller already has them)."""
+    if rank is None:
+        rank = labels.get(_RANK, "")
     run.changes += 1
     run.ranks.add(rank)
     run.last_point_received = received
