@@ -166,10 +166,10 @@ class RunLedger(LedgerViews):
                 received = self._clock()  # one request's points arrived together
                 self._admitted = None
                 for point in points[start:start + self.POINTS_CHUNK]:
-                    count = getattr(point, "count", None)
+                    count = point.count
                     record(point.run_id, point.name, point.labels, point.value, point.time,
-                           float(count) if count is not None else None, getattr(point, "key", None), received,
-                           getattr(point, "resource", ()), getattr(point, "client", ""))
+                           float(count) if count is not None else None, point.key, received, point.resource,
+                           point.client)
 
     def record(self, run_id: str, name: str, labels: Mapping[str, str], value: float, t: float, *,
                count: float | None = None, client: str = "") -> None:

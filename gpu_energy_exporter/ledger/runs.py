@@ -47,17 +47,15 @@ _NOT_GPUS = frozenset({"", contract.GPU_NONE, contract.GPU_UNKNOWN})
 class PointLike(Protocol):
     """What the OTLP store hands its listeners (``otlp.store.AcceptedPoint``)."""
 
-    # read-only members, so frozen dataclasses (the store's AcceptedPoint) match
-    @property
-    def run_id(self) -> str: ...
-    @property
-    def name(self) -> str: ...
-    @property
-    def labels(self) -> Mapping[str, str]: ...
-    @property
-    def value(self) -> float: ...
-    @property
-    def time(self) -> float: ...
+    run_id: str
+    name: str
+    labels: Mapping[str, str]
+    value: float
+    time: float
+    count: float | None
+    key: tuple[tuple[str, str], ...] | None
+    resource: tuple[tuple[str, str], ...]
+    client: str
 
 
 #: A point's labels as their sorted items: a counter series' identity within its run (with its name).
