@@ -124,8 +124,9 @@ def refused(bounds: ClientBounds, run: Run, active: Iterable[Run], name: str, ra
     """Whether ``client`` may not change ``run`` with this point of ``rank`` (its ``contract.ATTR_RANK`` label;
     counted in ``bounds``); ``active``: the ledger's active runs. A point that may records what it took (a
     start, a finish, a rank's owner). Once a point of a run that is no longer tentative is taken, the next
-    point of the same rank and client is taken too, unless it is a ``training_run_finished`` (the ledger
-    skips the call for those: ``RunLedger._record_locked``)."""
+    point of the same rank and client is taken too, unless it is a ``training_run_finished``:
+    ``RunLedger._record_locked`` relies on this to skip the call for a request's further points of one
+    origin, and calls it for every finish."""
     progress = name in runs.COUNTERS or name == runs.HISTOGRAM
     if run.tentative:
         if not progress:
