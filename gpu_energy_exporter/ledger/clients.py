@@ -124,7 +124,7 @@ def refused(bounds: ClientBounds, run: Run, active: Iterable[Run], name: str, ra
     """Whether ``client`` may not change ``run`` with this point of ``rank`` (its ``contract.ATTR_RANK`` label;
     counted in ``bounds``); ``active``: the ledger's active runs. A point that may records what it took (a
     start, a finish, a rank's owner). Once a point of a run that is no longer tentative is taken, the next
-    point of the same rank and client is taken too, unless it is a ``training_run_finished``:
+    point of the same rank and client is taken too, unless it is a ``training_run_finished`` of 1 or more:
     ``RunLedger._record_locked`` relies on this to skip the call for a request's further points of one
     origin, and calls it for every finish."""
     progress = name in runs.COUNTERS or name == runs.HISTOGRAM

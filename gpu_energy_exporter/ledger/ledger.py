@@ -46,6 +46,11 @@ from gpu_energy_exporter.ledger.views import LedgerViews
 
 log = logging.getLogger(__name__)
 
+# Read for every point pushed (_record_locked): module constants, not attribute lookups each time.
+_isfinite = math.isfinite
+_RANK = contract.ATTR_RANK
+_PROGRESS = runs.COUNTERS | {runs.HISTOGRAM}  # training progress: a tentative run id becomes a run
+_FINISHED = runs.RUN_FINISHED
 
 CarbonSource = Callable[[], "tuple[float, float]"]
 
@@ -183,15 +188,15 @@ class RunLedger(LedgerViews):
                        count: float | None, key: runs.LabelKey | None = None, received: float | None = None,
                        resource: tuple[tuple[str, str], ...] = (), client: str = "") -> None:
         """``key``, ``received``: ``labels`` as their sorted items, the clock's time, when the caller has them."""
-        if not run_id or not math.isfinite(value) or not math.isfinite(t):
+        if not run_id or not _isfinite(value) or not _isfinite(t):
             return
         if self._job_ids and resource:
             run_id = jobs.alias(self._active, run_id, resource)  # a job's rank under a run id of its own
-        progress = name in runs.COUNTERS or name == runs.HISTOGRAM
+        progress = name in _PROGRESS
         self._version += 1
         if received is None:
             received = self._clock()
-        rank = labels.get(contract.ATTR_RANK, "")
+        rank = labels.get(_RANK, "")
         if self._wall is not None:  # on the steady clock: senders' clocks are placed against it
             t = restart.steady_point_time(self._offsets, run_id, rank, t, received, self._late_window_s)
         run = self._active.get(run_id)
@@ -202,10 +207,11 @@ class RunLedger(LedgerViews):
                 return
         gpus_before, end_before = len(run.gpus), run.e
         # Who pushed it: the points of one request share their run, rank, client and resource; once one of
-        # them passed both checks, the next ones of that origin pass them too (a finish is checked each time).
+        # them passed both checks, the next ones of that origin pass them too (a finish is checked each time;
+        # the helper's ``training_run_finished 0``, sent with every export, finishes nothing).
         origin = (run, rank, client, resource, received)
         new_process = False
-        if origin != self._admitted or name == runs.RUN_FINISHED:
+        if origin != self._admitted or (name == _FINISHED and value >= 1):
             self._admitted = None
             if clients.refused(self._clients, run, self._active.values(), name, rank, value, client, received):
                 return
