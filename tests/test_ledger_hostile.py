@@ -389,3 +389,62 @@ def test_who_may_change_a_run_and_the_per_client_buckets() -> None:
     assert bounds.may(clients.CLIENT_NEW_RUNS, rank0, t + 20.0)
     assert bounds.too_many_active([rank0, rank1, other_pod], rank0)
     assert not bounds.too_many_active([rank0, other_pod], rank1)
+
+
+def test_one_requests_points_are_checked_per_origin() -> None:
+    """The ledger checks a point's client and process once per origin (run, rank, client, resource) within
+    one chunk of points: a point of another client, rank or process between two of one origin is checked
+    again, and so is every finish."""
+    sys.path.insert(0, str(Path(__file__).parent))
+    from test_ledger import T0, Clock, point
+
+    from gpu_energy_exporter.core.clientid import client_id
+    from gpu_energy_exporter.ledger import RunLedger, claims, clients
+
+    def pt(name: str, value: float, client: str, resource: tuple[tuple[str, str], ...], rank: str = "0") -> Any:
+        p = point("r", name, value, T0 + 1, rank=rank)
+        p.client, p.resource = client, resource
+        return p
+
+    res_a = (("host_name", "pod-a"), ("process_pid", "100"), ("service_instance_id", "u-0"),
+             ("slurm_job_id", "7"))
+    res_b = (("host_name", "pod-a"), ("process_pid", "101"), ("service_instance_id", "u-1"),
+             ("slurm_job_id", "8"))  # another process of the node, claiming another job
+    owner = client_id("10.0.0.5", res_a)
+    forger = client_id("10.0.0.5", (("host_name", "pod-a"), ("process_pid", "999")))
+    other = client_id("10.0.0.5", res_b)
+    # the same client (its identity has no container id) from another container, claiming another job
+    res_c = (*res_a[:3], ("slurm_job_id", "8"), ("container_id", "c2"))
+    assert client_id("10.0.0.5", res_c) == owner
+    ledger = RunLedger(None, warmup_s=0.0, clock=Clock(T0 + 1))
+    ledger.on_points([pt("training_tokens_total", 100, owner, res_a)])  # the run starts: rank 0 is owner's
+    rank2 = client_id("10.0.0.5", (("host_name", "pod-a"), ("process_pid", "102")))
+    ledger.on_points([pt("training_tokens_total", 1, rank2, (), rank="2")])  # same node: rank 2 is rank2's
+    ledger.on_points([
+        pt("training_tokens_total", 200, owner, res_a),
+        pt("training_tokens_total", 9_000, forger, res_a),  # same run, rank and resource: another client
+        pt("training_samples_total", 2, owner, res_a),
+        pt("training_tokens_total", 9_000, other, res_b, rank="1"),  # its job identity disagrees
+        pt("training_tokens_total", 300, owner, res_a),
+        pt("training_tokens_total", 9_000, owner, res_c),  # same client, another resource: its job disagrees
+        pt("training_samples_total", 3, owner, res_a),
+        pt("training_tokens_total", 9_000, owner, res_a, rank="2"),  # rank 2 is another client's (above)
+        pt("training_run_finished", 1, forger, res_a),  # a finish from another client, after owner's point
+        pt("training_steps_total", 2, owner, res_a),
+        pt("training_run_finished", 1, forger, res_a),
+    ])
+    assert ledger._clients.refused[clients.NOT_RUN_OWNER] == 4
+    assert ledger._claims.refused[claims.REFUSED_JOB] == 2
+    run = ledger.run("r")
+    assert run is not None and run["tokens"] == 301 and run["status"] == "running"
+    # owner's run "q" takes the one finish a minute allows; then a finish of "r" right after a point of the
+    # same origin is still checked against the bucket
+    ledger = RunLedger(None, warmup_s=0.0, clock=Clock(T0 + 1), finished_runs_per_client_per_minute=1)
+    q = [pt("training_tokens_total", 5, owner, res_a), pt("training_run_finished", 1, owner, res_a)]
+    for p in q:
+        p.run_id = p.labels["run_id"] = "q"
+    ledger.on_points(q)
+    ledger.on_points([pt("training_tokens_total", 400, owner, res_a), pt("training_tokens_total", 401, owner, res_a),
+                      pt("training_run_finished", 1, owner, res_a)])
+    assert ledger._clients.refused[clients.CLIENT_FINISHED_RUNS] == 1
+    assert ledger.run("r")["status"] == "running"  # type: ignore[index]

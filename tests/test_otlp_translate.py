@@ -265,3 +265,41 @@ def test_translate_request_details() -> None:
     hist = points["step_duration_seconds"]
     assert (hist.kind, hist.delta, hist.bounds, hist.counts, hist.count, hist.sum, hist.unit) == (
         "histogram", True, (0.5, 1.0), (1, 2, 0), 3, 1.5, "seconds")
+
+
+# ----------------------------------------------------------------------------------------------------
+# the training contract's labels, checked once per label set (otlp.reserved.labels_fit in the attribute cache)
+
+
+def test_contract_label_check_is_cached_per_label_set_not_per_family() -> None:
+    attrs = {"run_id": "c1", "rank": "0", "gpu_uuid": "GPU-1", "model": "tiny"}
+    tokens = pb.Metric(name="training.tokens", unit="{token}", sum=pb.Sum(
+        aggregation_temporality=CUMULATIVE, is_monotonic=True, data_points=[_dp(5, attrs)]))
+    info = pb.Metric(name="training.run.info", gauge=pb.Gauge(data_points=[_dp(1, attrs)]))
+    mine = pb.Metric(name="my.gauge", gauge=pb.Gauge(data_points=[_dp(1, attrs)]))
+    # The same attribute bytes under three families, in both orders: the first translation fills the
+    # attribute cache, the others hit it; each family still gets its own answer.
+    for order in ((mine, info, tokens), (tokens, info, mine)):
+        batch = translate_request(_request(*order), received_ns=99)
+        assert sorted(p.name for p in batch.points) == ["my_gauge", "training_run_info"]
+        assert batch.rejected == {"contract_violation": 1}
+        assert "training_tokens_total: label 'model' is not an attribute" in batch.messages["contract_violation"]
+    # A label set the contract accepts for tokens, then one without run_id (a new label set: refused).
+    ok = translate_request(_request(pb.Metric(name="training.tokens", unit="{token}", sum=pb.Sum(
+        aggregation_temporality=CUMULATIVE, is_monotonic=True, data_points=[
+            _dp(5, {"run_id": "c1", "rank": "0"}), _dp(5, {"rank": "1"})]))), received_ns=99)
+    assert [p.labels for p in ok.points] == [(("rank", "0"), ("run_id", "c1"))]
+    assert ok.rejected == {"contract_violation": 1} and "needs a run_id" in ok.messages["contract_violation"]
+
+
+@pytest.mark.parametrize("keys", [(), ("run_id",), ("rank",), ("run_id", "rank", "gpu_uuid"),
+                                  ("run_id", "model"), ("run_id", "padding", "flops"), ("run_id", "step"),
+                                  ("model", "rank"), ("run_id", "rank", "model", "step")])
+def test_labels_fit_agrees_with_label_refusal(keys: tuple[str, ...]) -> None:
+    from gpu_energy_exporter.otlp import reserved
+
+    labels = tuple(sorted((k, "v") for k in keys))
+    fits = reserved.labels_fit(labels)
+    for name in reserved.ALLOWED_LABELS:
+        assert bool(fits & reserved.family_bit(name)) == (reserved.label_refusal(name, labels) is None), name
+    assert reserved.family_bit("my_gauge") == 0

@@ -24,7 +24,6 @@ from gpu_energy_exporter.ledger.split import Proc
 if TYPE_CHECKING:
     from gpu_energy_exporter.ledger.runs import Run
 
-_RANK = contract.ATTR_RANK
 
 #: Which process pushed a point: (host name, pid in its own namespace, container id, pod UID) from its resource.
 ProcessKey = tuple[str, int, str, str]
@@ -78,13 +77,13 @@ def admit_process(run: Run, key: ProcessKey, resource: Mapping[str, str], rank: 
     return ""
 
 
-def note_process(run: Run, resource: tuple[tuple[str, str], ...], labels: Mapping[str, str], received: float
+def note_process(run: Run, resource: tuple[tuple[str, str], ...], rank: str, received: float
                  ) -> tuple[str, bool]:
     """(why the point's process is refused or "", whether it is a process new to the run) for a point of
-    ``run`` carried by a resource with ``resource`` labels (points with no pid are taken as they come)."""
+    ``run`` and ``rank`` (its ``contract.ATTR_RANK`` label) carried by a resource with ``resource`` labels
+    (points with no pid are taken as they come)."""
     if not resource:
         return "", False
-    rank = labels.get(_RANK, "")
     # The points of one request (one ``received``) share one resource tuple: the first one decides for all
     # (this runs for every point a trainer pushes).
     if run.admitted[0] is resource and run.admitted[1] == received and run.admitted[2] == rank:

@@ -26,9 +26,8 @@ lock: nothing here locks, reads a clock of its own, or does I/O.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 
-from gpu_energy_exporter.core import contract
 from gpu_energy_exporter.core.clientid import node_of, peer_of
 from gpu_energy_exporter.ledger import runs
 from gpu_energy_exporter.ledger.runs import Run
@@ -120,11 +119,14 @@ class ClientBounds:
         return sum(1 for c in starters if peer_of(c) == peer) >= self.max_active
 
 
-def refused(bounds: ClientBounds, run: Run, active: Iterable[Run], name: str, labels: Mapping[str, str],
+def refused(bounds: ClientBounds, run: Run, active: Iterable[Run], name: str, rank: str,
             value: float, client: str, now: float) -> bool:
-    """Whether ``client`` may not change ``run`` with this point (counted in ``bounds``); ``active``: the
-    ledger's active runs. A point that may records what it took (a start, a finish, a rank's owner)."""
-    rank = labels.get(contract.ATTR_RANK, "")
+    """Whether ``client`` may not change ``run`` with this point of ``rank`` (its ``contract.ATTR_RANK`` label;
+    counted in ``bounds``); ``active``: the ledger's active runs. A point that may records what it took (a
+    start, a finish, a rank's owner). Once a point of a run that is no longer tentative is taken, the next
+    point of the same rank and client is taken too, unless it is a ``training_run_finished`` of 1 or more:
+    ``RunLedger._record_locked`` relies on this to skip the call for a request's further points of one
+    origin, and calls it for every finish."""
     progress = name in runs.COUNTERS or name == runs.HISTOGRAM
     if run.tentative:
         if not progress:

@@ -46,6 +46,11 @@ from gpu_energy_exporter.ledger.views import LedgerViews
 
 log = logging.getLogger(__name__)
 
+# Read for every point pushed (_record_locked): module constants, not attribute lookups each time.
+_isfinite = math.isfinite
+_RANK = contract.ATTR_RANK
+_PROGRESS = runs.COUNTERS | {runs.HISTOGRAM}  # training progress: a tentative run id becomes a run
+_FINISHED = runs.RUN_FINISHED
 
 CarbonSource = Callable[[], "tuple[float, float]"]
 
@@ -123,6 +128,9 @@ class RunLedger(LedgerViews):
         self._wall = wall  # the wall clock snapshots are stamped with, when ``clock`` is another (steady) one
         self._job_ids: set[str] = set()  # active runs that are Slurm jobs (ledger.jobs)
         self._offsets: dict[str, dict[str, float]] = {}  # run id -> rank -> sender clock offset (restart)
+        # (run, rank, client, resource, received) of the last point that passed the client and process checks
+        # in this chunk of points (_record_locked), None when the next point must be checked
+        self._admitted: tuple[object, ...] | None = None
         # Who uses which GPU, by snapshot time (ledger_split.Holding), rebuilt when runs change.
         self._holders_gen = 0
         self._holders_cache: dict[float, dict[str, list[Holding]]] = {}
@@ -161,49 +169,60 @@ class RunLedger(LedgerViews):
         for start in range(0, len(points), self.POINTS_CHUNK):
             with self._lock:
                 received = self._clock()  # one request's points arrived together
+                self._admitted = None
                 for point in points[start:start + self.POINTS_CHUNK]:
-                    count = getattr(point, "count", None)
+                    count = point.count
                     record(point.run_id, point.name, point.labels, point.value, point.time,
-                           float(count) if count is not None else None, getattr(point, "key", None), received,
-                           getattr(point, "resource", ()), getattr(point, "client", ""))
+                           float(count) if count is not None else None, point.key, received, point.resource,
+                           point.client)
 
     def record(self, run_id: str, name: str, labels: Mapping[str, str], value: float, t: float, *,
                count: float | None = None, client: str = "") -> None:
         """One accepted point: ``value`` cumulative for counters (the histogram's sum, with ``count``),
         the value for gauges; ``t`` in Unix seconds; ``client``: who pushed it (``core.clientid``)."""
         with self._lock:
+            self._admitted = None
             self._record_locked(run_id, name, labels, value, t, count, client=client)
 
     def _record_locked(self, run_id: str, name: str, labels: Mapping[str, str], value: float, t: float,
                        count: float | None, key: runs.LabelKey | None = None, received: float | None = None,
                        resource: tuple[tuple[str, str], ...] = (), client: str = "") -> None:
         """``key``, ``received``: ``labels`` as their sorted items, the clock's time, when the caller has them."""
-        if not run_id or not math.isfinite(value) or not math.isfinite(t):
+        if not run_id or not _isfinite(value) or not _isfinite(t):
             return
         if self._job_ids and resource:
             run_id = jobs.alias(self._active, run_id, resource)  # a job's rank under a run id of its own
-        progress = name in runs.COUNTERS or name == runs.HISTOGRAM
+        progress = name in _PROGRESS
         self._version += 1
         if received is None:
             received = self._clock()
+        rank = labels.get(_RANK, "")
         if self._wall is not None:  # on the steady clock: senders' clocks are placed against it
-            t = restart.steady_point_time(self._offsets, run_id, labels.get(contract.ATTR_RANK, ""), t, received,
-                                          self._late_window_s)
+            t = restart.steady_point_time(self._offsets, run_id, rank, t, received, self._late_window_s)
         run = self._active.get(run_id)
         if run is None:
             run = self._new_run(run_id, name, value, t, client, received)
             if run is None:
                 self._offsets.pop(run_id, None)
                 return
-        if clients.refused(self._clients, run, self._active.values(), name, labels, value, client, received):
-            return
         gpus_before, end_before = len(run.gpus), run.e
-        refused, new_process = claims.note_process(run, resource, labels, received)
-        if refused:  # another process under the run's id whose job identity disagrees (docs/ledger.md)
-            return self._claims.refuse(refused)
+        # Who pushed it: the points of one request share their run, rank, client and resource; once one of
+        # them passed both checks, the next ones of that origin pass them too (a finish is checked each time;
+        # the helper's ``training_run_finished 0``, sent with every export, finishes nothing).
+        origin = (run, rank, client, resource, received)
+        new_process = False
+        if origin != self._admitted or (name == _FINISHED and value >= 1):
+            self._admitted = None
+            if clients.refused(self._clients, run, self._active.values(), name, rank, value, client, received):
+                return
+            refused, new_process = claims.note_process(run, resource, rank, received)
+            if refused:  # another process under the run's id whose job identity disagrees (docs/ledger.md)
+                return self._claims.refuse(refused)
+            if not run.tentative:  # a tentative run's first progress point records its owner: check it
+                self._admitted = origin
         if run.restored is not None and progress:
             restart.reconcile(run, name, labels, value, key)
-        runs.apply_point(run, name, labels, value, t, count, received, key)
+        runs.apply_point(run, name, labels, value, t, count, received, key, rank)
         if len(run.gpus) != gpus_before or new_process:
             self._holders_gen += 1  # a GPU named for the first time
         if run.tentative:

@@ -47,17 +47,15 @@ _NOT_GPUS = frozenset({"", contract.GPU_NONE, contract.GPU_UNKNOWN})
 class PointLike(Protocol):
     """What the OTLP store hands its listeners (``otlp.store.AcceptedPoint``)."""
 
-    # read-only members, so frozen dataclasses (the store's AcceptedPoint) match
-    @property
-    def run_id(self) -> str: ...
-    @property
-    def name(self) -> str: ...
-    @property
-    def labels(self) -> Mapping[str, str]: ...
-    @property
-    def value(self) -> float: ...
-    @property
-    def time(self) -> float: ...
+    run_id: str
+    name: str
+    labels: Mapping[str, str]
+    value: float
+    time: float
+    count: float | None
+    key: tuple[tuple[str, str], ...] | None
+    resource: tuple[tuple[str, str], ...]
+    client: str
 
 
 #: A point's labels as their sorted items: a counter series' identity within its run (with its name).
@@ -240,10 +238,11 @@ class Run:
 
 
 def apply_point(run: Run, name: str, labels: Mapping[str, str], value: float, t: float, count: float | None,
-                received: float, key: LabelKey | None = None) -> None:
+                received: float, key: LabelKey | None = None, rank: str | None = None) -> None:
     """One accepted point of the run (``received``: wall time it arrived; ``key``: ``labels`` as their sorted
-    items, ``tuple(sorted(labels.items()))``, when the caller already has them)."""
-    rank = labels.get(_RANK, "")
+    items, ``tuple(sorted(labels.items()))``, and ``rank`` its rank label, when the caller already has them)."""
+    if rank is None:
+        rank = labels.get(_RANK, "")
     run.changes += 1
     run.ranks.add(rank)
     run.last_point_received = received

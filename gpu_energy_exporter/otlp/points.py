@@ -84,17 +84,19 @@ class Point:
     time_ns: int
     delta: bool = False
     value: float = 0.0
+    # cost, client and resource come before the distribution fields so that the translation of a scalar
+    # point (nearly every point) passes all of its fields by position: keywords cost ~0.1 µs per point
+    cost: int = 0  # series_bytes() of the series this point gives
+    client: str = ""  # who pushed it (core.clientid): the peer address and the resource's process identity
+    #: the translated attributes of the resource that carried the point (shared by its points; () when none):
+    #: the run ledger reads which process pushed from it (core.contract LABEL_PROCESS_PID...)
+    resource: Labels = ()
     bounds: tuple[float, ...] = ()  # histogram upper bounds (without +Inf)
     counts: tuple[int, ...] = ()  # histogram per-bucket counts, len(bounds) + 1 (or empty)
     count: int = 0  # histogram / summary count
     sum: float | None = None  # histogram / summary sum (None: not recorded)
     quantiles: tuple[tuple[float, float], ...] = ()  # summary (quantile, value)
     no_value: bool = False  # the sender marked the stream as ended
-    cost: int = 0  # series_bytes() of the series this point gives
-    #: the translated attributes of the resource that carried the point (shared by its points; () when none):
-    #: the run ledger reads which process pushed from it (core.contract LABEL_PROCESS_PID...)
-    resource: Labels = ()
-    client: str = ""  # who pushed it (core.clientid): the peer address and the resource's process identity
 
 
 @dataclass

@@ -67,5 +67,21 @@ def label_refusal(name: str, labels: Labels) -> str | None:
     return None
 
 
-def is_contract(name: str) -> bool:
-    return name in _KINDS
+#: The label sets the contract families accept, one bit each (``family_bit``, ``labels_fit``): the translation
+#: checks a point's labels once per label set (``translate``'s attribute cache), not once per point.
+_LABEL_SETS: tuple[frozenset[str], ...] = tuple(dict.fromkeys(ALLOWED_LABELS.values()))
+_BITS: dict[str, int] = {name: 1 << _LABEL_SETS.index(allowed) for name, allowed in ALLOWED_LABELS.items()}
+
+
+def family_bit(name: str) -> int:
+    """The bit of the label set the contract family ``name`` accepts; 0 when it is no contract family."""
+    return _BITS.get(name, 0)
+
+
+def labels_fit(labels: Labels) -> int:
+    """The bits (``family_bit``) of the contract families whose ``label_refusal`` accepts ``labels``:
+    ``label_refusal(name, labels)`` is None exactly when ``labels_fit(labels) & family_bit(name)``."""
+    keys = {key for key, _ in labels}
+    if contract.ATTR_RUN_ID not in keys:
+        return 0
+    return sum(1 << i for i, allowed in enumerate(_LABEL_SETS) if keys <= allowed)

@@ -154,17 +154,20 @@ def translate_labels(attributes: Sequence[Any], reserved: tuple[str, ...] = (),
 
 #: Translated data-point attributes by their bytes as sent (``wire``): a trainer sends the same few attribute
 #: lists on every export (run id, rank, GPU), and translating them is a third of the receiver's work per point.
-#: Bounded in entries and key size (longer attribute lists are translated every time).
-_ATTRS_CACHE: dict[tuple[object, ...], tuple[Labels, str, int]] = {}  # (reserved, the two limits used, *attributes)
+#: Bounded in entries and key size (longer attribute lists are translated every time). The value: the labels,
+#: their ``run_id``, ``label_chars`` and which training-contract families accept them
+#: (``otlp.reserved.labels_fit``: checked once per label set, not once per point).
+_Attrs = tuple[Labels, str, int, int]
+_ATTRS_CACHE: dict[tuple[object, ...], _Attrs] = {}  # (reserved, the two limits used, *attributes)
 _ATTRS_CACHE_MAX = 512
 _ATTRS_KEY_MAX = 512
 
 
-def _point_labels(attributes: Sequence[bytes], reserved: tuple[str, ...],
-                  limits: Limits) -> tuple[Labels, str, int]:
+def _point_labels(attributes: Sequence[bytes], reserved: tuple[str, ...], limits: Limits) -> _Attrs:
     """``translate_labels`` of a data point's attributes (``KeyValue`` bytes, ``wire``), the labels'
-    ``run_id`` and ``label_chars``, cached per attribute list. Raises ``wire.Undecodable`` for bytes that are
-    not a ``KeyValue`` (all of them are parsed before any limit is applied, as the full parse would)."""
+    ``run_id``, ``label_chars`` and ``reserved_names.labels_fit``, cached per attribute list. Raises
+    ``wire.Undecodable`` for bytes that are not a ``KeyValue`` (all of them are parsed before any limit is
+    applied, as the full parse would)."""
     key = None
     if len(attributes) <= limits.max_labels_per_point:
         key = (reserved, limits.max_label_length, limits.max_labels_per_point, *attributes)
@@ -172,7 +175,7 @@ def _point_labels(attributes: Sequence[bytes], reserved: tuple[str, ...],
         if out is not None:
             return out
     labels = translate_labels([key_value(raw) for raw in attributes], reserved, limits)  # a rejection is never cached
-    out = (labels, _run_id(labels), label_chars(labels))
+    out = (labels, _run_id(labels), label_chars(labels), reserved_names.labels_fit(labels))
     if key is not None and sum(map(len, attributes)) <= _ATTRS_KEY_MAX:
         remember(_ATTRS_CACHE, key, out, _ATTRS_CACHE_MAX)
     return out
@@ -225,14 +228,10 @@ def translate_request(request: Message, received_ns: int, limits: Limits = DEFAU
             resource_labels = _resource_labels(rm.resource, limits)
             if resource_labels:
                 batch.resources.append(resource_labels)
-        first = len(batch.points)
         client = client_id(peer, resource_labels)
         for sm in rm.scope_metrics[:]:
             for metric in sm.metrics[:]:  # a slice (a list) is cheaper to walk than upb's container
-                _translate_metric(metric, batch, received_ns, limits, client)
-        if resource_labels:
-            for p in batch.points[first:]:
-                p.resource = resource_labels
+                _translate_metric(metric, batch, received_ns, limits, client, resource_labels)
     return batch
 
 
@@ -257,15 +256,16 @@ def _resource_labels(resource: Any, limits: Limits) -> Labels:
 
 #: What a metric's envelope translates to or its rejection (reason, message), by everything it depends on: a
 #: trainer sends the same envelopes on every export. A translation is (kind, name, help, unit, reserved labels,
-#: delta, the head of its points' ``_ATTRS_CACHE`` keys, ``series_cost`` of a scalar series with no labels, whether
-#: it is a family of the training contract, ``otlp.reserved``).
-_Descriptor = tuple[Kind, str, str, str, tuple[str, ...], bool, tuple[object, ...], int, bool] | tuple[str, str]
+#: delta, the head of its points' ``_ATTRS_CACHE`` keys, ``series_cost`` of a scalar series with no labels, the
+#: bit of the training contract's label set its points must fit, 0 when it is no contract family: ``otlp.reserved``).
+_Descriptor = tuple[Kind, str, str, str, tuple[str, ...], bool, tuple[object, ...], int, int] | tuple[str, str]
 _DESCRIPTOR_CACHE: dict[tuple[object, ...], _Descriptor] = {}
 _DESCRIPTOR_CACHE_MAX = 1024
 _isfinite = math.isfinite
 
 
-def _translate_metric(metric: Any, batch: Batch, received_ns: int, limits: Limits, client: str = "") -> None:
+def _translate_metric(metric: Any, batch: Batch, received_ns: int, limits: Limits, client: str = "",
+                      resource: Labels = ()) -> None:
     data = metric.WhichOneof("data")
     if data is None:
         return  # an empty envelope carries no points
@@ -297,7 +297,7 @@ def _translate_metric(metric: Any, batch: Batch, received_ns: int, limits: Limit
         _check_attributes(points)
         batch.reject(desc[0], n, desc[1])
         return
-    kind, prom_name, help_text, family_unit, reserved, delta, key_head, base_cost, contract_family = desc
+    kind, prom_name, help_text, family_unit, reserved, delta, key_head, base_cost, contract_bit = desc
     # the points, in this function rather than one more call per metric (most metrics carry one point)
     latest = received_ns + limits.max_future_skew_ns
     max_cost = limits.max_series_bytes
@@ -312,11 +312,9 @@ def _translate_metric(metric: Any, batch: Batch, received_ns: int, limits: Limit
             # _point_labels, its cache looked up here first (one call less per point; the slice is cheaper
             # than unpacking upb's container)
             hit = cached((*key_head, *attributes[:])) if len(attributes) <= max_labels else None
-            labels, run_id, label_chars = hit or _point_labels(attributes, reserved, limits)
-            if contract_family:
-                wrong = reserved_names.label_refusal(prom_name, labels)
-                if wrong is not None:
-                    raise _Rejected(reserved_names.REASON, wrong)
+            labels, run_id, label_chars, fits = hit or _point_labels(attributes, reserved, limits)
+            if contract_bit and not fits & contract_bit:
+                raise _Rejected(reserved_names.REASON, reserved_names.label_refusal(prom_name, labels) or "")
             time_ns = dp.time_unix_nano or received_ns
             start_ns = dp.start_time_unix_nano
             if time_ns > latest or start_ns > latest:
@@ -326,11 +324,11 @@ def _translate_metric(metric: Any, batch: Batch, received_ns: int, limits: Limit
                                 "check the sender's clock")
             if dp.flags & FLAG_NO_RECORDED_VALUE:
                 append(Point(kind, prom_name, help_text, family_unit, labels, run_id, start_ns, time_ns, delta,
-                             no_value=True, client=client))
+                             no_value=True, client=client, resource=resource))
                 continue
             if distribution:
                 point = Point(kind, prom_name, help_text, family_unit, labels, run_id, start_ns, time_ns, delta,
-                              client=client)
+                              client=client, resource=resource)
                 _fill_distribution(point, dp, limits, label_chars)
                 cost = point.cost
             else:
@@ -348,8 +346,9 @@ def _translate_metric(metric: Any, batch: Batch, received_ns: int, limits: Limit
                     if value < 0:
                         raise _Rejected("invalid_point", f"invalid counter value {value!r}")
                 cost = base_cost + 4 * label_chars  # series_cost(prom_name, label_chars, kind): linear in it
+                # every field by position (Point's order): keywords cost more per point
                 point = Point(kind, prom_name, help_text, family_unit, labels, run_id, start_ns, time_ns, delta,
-                              value, cost=cost, client=client)
+                              value, cost, client, resource)
             if cost > max_cost:
                 raise _Rejected("series_too_large", f"series of about {cost} bytes, more than "
                                 f"{limits.max_series_bytes} (--otlp.max-series-bytes); use fewer or shorter "
@@ -413,7 +412,7 @@ def _describe(metric: Any, data: str, container: Any, limits: Limits) -> _Descri
     reserved = ("le",) if kind == "histogram" else ("quantile",) if kind == "summary" else ()
     return (kind, prom_name, help_text, family_unit, reserved, delta,
             (reserved, limits.max_label_length, limits.max_labels_per_point), series_cost(prom_name, 0, kind),
-            reserved_names.is_contract(prom_name))
+            reserved_names.family_bit(prom_name))
 
 
 def _fill_distribution(point: Point, dp: Any, limits: Limits, label_chars: int) -> None:
