@@ -27,8 +27,9 @@ import selectors
 import socket
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from gpu_energy_exporter.http.lazytls import TLS, handshake
 from gpu_energy_exporter.http.messages import Headers, Response, serialise
 from gpu_energy_exporter.http.parsing import (
     MAX_HEAD,
@@ -40,32 +41,8 @@ from gpu_energy_exporter.http.parsing import (
 )
 from gpu_energy_exporter.http.webconfig import WebConfig
 
-if TYPE_CHECKING:
-    import ssl
-
 log = logging.getLogger(__name__)
 
-
-class _NotTLS:
-    """Stands in for ``ssl.SSLSocket`` until a TLS connection is made: no socket is one."""
-
-
-class _TLS:
-    """What the loop needs of ``ssl``, imported with the first TLS connection: ``ssl`` loads OpenSSL (about
-    5 MB of the daemon's memory) and a port without TLS never needs it. ``SSLError`` and its ``Want*``
-    subclasses are ``OSError``s, so ``except OSError`` covers them either way."""
-
-    socket: type[ssl.SSLSocket] = _NotTLS  # type: ignore[assignment]  # ssl.SSLSocket once loaded
-    #: what a non-blocking send or receive raises when it must wait
-    would_block: tuple[type[BaseException], ...] = (BlockingIOError, InterruptedError)
-
-    @classmethod
-    def load(cls) -> None:
-        if cls.socket is _NotTLS:
-            import ssl
-
-            cls.would_block = (BlockingIOError, InterruptedError, ssl.SSLWantReadError, ssl.SSLWantWriteError)
-            cls.socket = ssl.SSLSocket
 
 HANDSHAKE, IDLE, HEAD, BODY, WORK, WRITE, DRAIN, CLOSED = range(8)
 
@@ -211,7 +188,7 @@ class Connections:
             sock.close()
             return
         if ctx is not None:
-            _TLS.load()
+            TLS.load()
             conn.sock = ctx.wrap_socket(sock, server_side=True, do_handshake_on_connect=False)
             conn.state = HANDSHAKE
             conn.deadline = now + self.handshake_timeout
@@ -306,21 +283,16 @@ class Connections:
 
     def _handshake(self, conn: Conn) -> None:
         sock = conn.sock
-        import ssl  # loaded by now (_TLS.load)
-
-        assert isinstance(sock, ssl.SSLSocket)
         try:
-            sock.do_handshake()
-        except ssl.SSLWantReadError:
-            self.want(conn, selectors.EVENT_READ)
-            return
-        except ssl.SSLWantWriteError:
-            self.want(conn, selectors.EVENT_WRITE)
-            return
+            wait = handshake(sock)
         except OSError as exc:
             log.debug("%s: TLS handshake with %s failed: %s", self.name, conn.addr[0], exc)
             self.close(conn)
             return
+        if wait:
+            self.want(conn, wait)
+            return
+        assert isinstance(sock, TLS.socket)
         tls = self._web_config.tls
         if tls is not None and not tls.client_san_allowed(sock.getpeercert()):
             log.debug("%s: %s: client certificate has none of client_allowed_sans", self.name, conn.addr[0])
@@ -339,13 +311,13 @@ class Connections:
         while True:
             try:
                 data = sock.recv(_RECV)
-            except _TLS.would_block:
+            except TLS.would_block:
                 break
             if not data:
                 eof = True
                 break
             conn.buf += data
-            if len(conn.buf) > MAX_HEAD + _RECV or conn.state == BODY or not isinstance(sock, _TLS.socket):
+            if len(conn.buf) > MAX_HEAD + _RECV or conn.state == BODY or not isinstance(sock, TLS.socket):
                 break  # parse what is there before reading more (keeps one connection's memory bounded)
             if not sock.pending():
                 break
@@ -463,7 +435,7 @@ class Connections:
         them; returns what the socket did not take, to write the usual way (joined only then). TLS sockets
         have no ``sendmsg``: joined."""
         sock = conn.sock
-        if isinstance(sock, _TLS.socket) or len(parts) > 512:
+        if isinstance(sock, TLS.socket) or len(parts) > 512:
             return b"".join(parts)
         try:
             sent = sock.sendmsg(parts)
@@ -482,7 +454,7 @@ class Connections:
         while conn.out:
             try:
                 n = sock.send(conn.out)
-            except _TLS.would_block:
+            except TLS.would_block:
                 return
             except OSError as exc:
                 log.debug("%s: writing to %s failed: %s", self.name, conn.addr[0], exc)
@@ -491,7 +463,7 @@ class Connections:
             conn.out = conn.out[n:]
             self._out_pending -= n
         if conn.close_after or self.stopping:
-            if isinstance(sock, _TLS.socket) or self.stopping:
+            if isinstance(sock, TLS.socket) or self.stopping:
                 self.close(conn)
                 return
             # Lingering close: read and drop what the client is still sending for a moment, so that a
@@ -511,7 +483,7 @@ class Connections:
         conn.since = time.monotonic()
         conn.deadline = conn.since + self.idle_timeout
         self.want(conn, selectors.EVENT_READ)
-        if conn.buf or (isinstance(sock, _TLS.socket) and sock.pending()):
+        if conn.buf or (isinstance(sock, TLS.socket) and sock.pending()):
             self.ready.append(conn)  # a pipelined request, already received
 
     def _cut_stalled_writers(self, keep: Conn) -> None:
