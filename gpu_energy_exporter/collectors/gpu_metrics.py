@@ -197,6 +197,12 @@ _GPM_GAUGES: tuple[tuple[str, str], ...] = tuple((key, spec.name) for key, spec 
 
 
 @lru_cache(maxsize=256)
+def _last_samples(gpu: str, uuid: str) -> dict[str, Sample]:
+    """The last gauge samples emitted for one GPU, by name (``emit_reading`` runs on one thread)."""
+    return {}
+
+
+@lru_cache(maxsize=256)
 def _clock_event_samples(gpu: str, uuid: str) -> tuple[tuple[str, Sample, Sample], ...]:
     """Each clock-event reason's two possible samples for one GPU, (reason, active, inactive): built once and
     shared by every snapshot (a sample is an immutable tuple), instead of nine new samples per GPU per
@@ -232,10 +238,17 @@ def emit_reading(fams: dict[str, Metric], r: GPUReading, labels: list[str], *, p
     reading's gauges (this runs for every GPU at every sample)."""
     sets = label_sets(labels[0], labels[1])
     base = sets.base
+    # A gauge whose value did not change since the last sample (memory total, limit, clocks, temperature
+    # mostly) reuses that sample's immutable tuple: fewer objects made here and freed with the old snapshot.
+    last = _last_samples(labels[0], labels[1])
     for name, attr in _READING_GAUGES:
         value = getattr(r, attr)
         if value is not None:
-            fams[name].samples.append(Sample(name, base, float(value), None))
+            value = float(value)
+            sample = last.get(name)
+            if sample is None or sample.value != value:
+                sample = last[name] = Sample(name, base, value, None)
+            fams[name].samples.append(sample)
     if r.clock_events is not None:
         events = r.clock_events
         fams[CLOCK_EVENT.name].samples.extend(
