@@ -246,13 +246,6 @@ class Connections:
                     self.stats["write_timeout"] += 1
                 self.close(c)
 
-    def next_deadline(self) -> float | None:
-        """The earliest deadline ``expire`` enforces (monotonic seconds), None when no connection has one: the
-        selector sleeps until then instead of waking on a fixed tick while a keep-alive connection idles
-        between two scrapes."""
-        deadlines = [c.deadline for c in self.conns.values() if c.state not in (WORK, CLOSED)]
-        return min(deadlines) if deadlines else None
-
     def on_event(self, conn: Conn, events: int) -> None:
         try:
             if conn.state == HANDSHAKE:

@@ -326,9 +326,9 @@ class HTTPServer:
             return _TICK
         now = time.monotonic()
         until = now + _IDLE_TICK
-        deadline = self._front.next_deadline()
-        if deadline is not None:
-            until = min(until, deadline)
+        for c in self._front.conns.values():  # the deadlines Connections.expire enforces
+            if c.state not in (WORK, CLOSED) and c.deadline < until:
+                until = c.deadline
         if self._accept_paused_until:
             until = min(until, self._accept_paused_until)
         return max(_MIN_TICK, until - now)
