@@ -266,6 +266,37 @@ def test_memory_utilisation_clocks_and_throttle_reasons(rig) -> None:  # type: i
     assert active == {"sw_power_cap": 1.0, "hw_thermal_slowdown": 1.0, "gpu_idle": 0.0, "hw_slowdown": 0.0}
 
 
+def test_a_power_limit_change_is_seen_within_its_read_cadence(rig) -> None:  # type: ignore[no-untyped-def]
+    """The enforced limit is read once per LIMIT_INTERVAL_S (10 s) of the backend's clock and held between:
+    a limit set in between shows at the first sample 10 s after the last read, never later."""
+    from gpu_energy_exporter.devices.nvml import LIMIT_INTERVAL_S
+
+    assert LIMIT_INTERVAL_S == 10.0
+    gpus = [h100(0, power_limit_mw=700_000)]
+    r = rig(frozen(T0 + 5, gpus))
+    r.sample()
+    lab = L(0, gpus)
+
+    def limit_reads() -> int:
+        return r.collector.backend.call_costs()["nvmlDeviceGetEnforcedPowerLimit"][0]
+
+    assert r.value("gpuenergy_gpu_power_limit_watts", **lab) == 700.0
+    assert limit_reads() == 1
+    lowered = [h100(0, power_limit_mw=450_000)]
+    for t in (T0 + 6, T0 + 14.9):  # within the cadence: the held value, and no call
+        r.rewrite(frozen(t, lowered))
+        r.sample()
+        assert r.value("gpuenergy_gpu_power_limit_watts", **lab) == 700.0
+    assert limit_reads() == 1
+    r.rewrite(frozen(T0 + 15, lowered))  # 10 s after the first read
+    r.sample()
+    assert r.value("gpuenergy_gpu_power_limit_watts", **lab) == 450.0
+    assert limit_reads() == 2
+    r.rewrite(frozen(T0 + 3, lowered))  # the clock stepped back: read again rather than hold for ever
+    r.sample()
+    assert limit_reads() == 3
+
+
 def test_gpm_ratios_on_hopper_and_no_leaked_samples(rig, fake_nvml_lib: Path) -> None:  # type: ignore[no-untyped-def]
     gpm = {2: 62.5, 3: 30.0, 5: 41.0, 10: 55.0, 1: 90.0}
     gpus = [h100(0, gpm=gpm), a100(1)]

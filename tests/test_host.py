@@ -68,6 +68,25 @@ def test_real_psutil_values() -> None:
     assert reg.get_sample_value("gpuenergy_host_memory_critical_bytes") == DEFAULT_MEMORY_CRITICAL_BYTES
 
 
+def test_swap_from_meminfo_is_what_psutil_reports() -> None:
+    """The collector's own swap reader (meminfo alone) against psutil's, on this host's /proc."""
+    from gpu_energy_exporter.collectors.host import swap_memory
+
+    ours, theirs = swap_memory(), psutil.swap_memory()
+    assert ours.total == theirs.total
+    assert abs(ours.used - theirs.used) <= 64 << 20  # the two reads are moments apart
+
+
+def test_swap_reader_parses_meminfo(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    from gpu_energy_exporter.collectors.host import swap_memory
+
+    (tmp_path / "meminfo").write_text("MemTotal:       32000000 kB\nSwapCached:            0 kB\n"
+                                      "SwapTotal:       2097148 kB\nSwapFree:        1048572 kB\n")
+    monkeypatch.setattr(psutil, "PROCFS_PATH", str(tmp_path))
+    got = swap_memory()
+    assert (got.total, got.used) == (2097148 * 1024, (2097148 - 1048572) * 1024)
+
+
 def test_utilization_is_the_busy_share_between_updates() -> None:
     c = fixed_host(script([
         times(user=100, system=50, idle=800, iowait=50),

@@ -32,18 +32,18 @@ SAMPLES = 3
 BUDGET_PER_GPU: dict[str, int] = {
     # R470: no field values, so energy and power are a call each; no GPM; the _v2 process list. (A100 with a
     # process, V100 without.)
-    "r470": 10,
+    "r470": 9,
     # no energy counter, no power fields: PowerUsage is the power reading. (The power sampler that integrates
     # it runs on its own thread, its period set out of the way here: not part of a sample.)
-    "pre_volta": 10,
+    "pre_volta": 9,
     # A10: field values (energy counter), PowerUsage for the 1 s average (no power field on this board).
-    "ampere": 10,
+    "ampere": 9,
     # one field-values call (power instant and average, memory temperature, module power, energy counter),
-    # limit, memory, utilisation, temperature, 2 clocks, clock events, processes, GPM sample + metrics.
-    "hopper": 11,
-    "grace_hopper": 11,
-    "mig": 10,  # no utilisation on the parent GPU (asked once at start-up: not supported)
-    "future": 11,
+    # memory, utilisation, temperature, 2 clocks, clock events, processes, GPM sample + metrics.
+    "hopper": 10,
+    "grace_hopper": 10,
+    "mig": 9,  # no utilisation on the parent GPU (asked once at start-up: not supported)
+    "future": 10,
 }
 #: Never called in a steady sample where the driver has the batched reading.
 _BATCHED_AWAY = ("nvmlDeviceGetTotalEnergyConsumption", "nvmlDeviceGetPowerUsage", "nvmlGpmSampleAlloc",
@@ -128,6 +128,8 @@ def test_eight_h100s_make_at_most_eleven_calls_per_gpu_per_sample(fake_nvml_lib:
     assert calls["nvmlGpmSampleGet"] == calls["nvmlGpmMetricsGet"] == 8
     assert calls["nvmlDeviceGetComputeRunningProcesses_v3"] == 8
     assert not set(_BATCHED_AWAY) & set(calls), dict(calls)
+    # the enforced power limit is read every 10 s (devices.nvml.LIMIT_INTERVAL_S), not every sample
+    assert "nvmlDeviceGetEnforcedPowerLimit" not in calls, dict(calls)
 
 
 #: What one sample costs per GPU on the h100-580 cost profile (the fake burns what an H100 on driver 580 burns

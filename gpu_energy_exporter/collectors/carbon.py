@@ -225,6 +225,7 @@ class CarbonCollector(Collector):
         self._unknown_models: set[str] = set()
         self._gpu_states = gpu_states
         self._co2 = CO2Meter()
+        self._static: tuple[object, list[Metric]] | None = None  # (what they show, the families)
         if gpu_states is not None:
             self.depends_on = ("gpu",)  # prices the energy the gpu collector just read
 
@@ -258,6 +259,23 @@ class CarbonCollector(Collector):
     def update(self) -> list[Metric]:
         self._watch.refresh()
         value = self._watch.value
+        # The intensity, PUE, reference and peak FLOP/s families change only with the intensity or the GPUs:
+        # built again only then, and shared by the snapshots between (no one mutates a published family).
+        key = (value, tuple((g.index, g.uuid, g.name) for g in self._gpus()))
+        if self._static is None or self._static[0] != key:
+            self._static = (key, self._static_families(value))
+        out = list(self._static[1])
+        if self._gpu_states is not None:
+            # The intensity read just now prices the interval that ends now, as the run ledger does.
+            self._co2.add([(str(g.identity.index), g.identity.uuid, g.energy_j if g.up else None)
+                           for g in self._gpu_states()], value, self._pue)
+            co2 = GPU_CO2.family()
+            for index, uuid, grams in self._co2.grams():
+                metrics.add(co2, (index, uuid), grams)
+            out.append(co2)
+        return out
+
+    def _static_families(self, value: float) -> list[Metric]:
         intensity = INTENSITY.family()
         metrics.add(intensity, (self._intensity.source, self._intensity.region), value)
         pue = PUE.family()
@@ -280,14 +298,6 @@ class CarbonCollector(Collector):
                 if precision in row.flops:
                     metrics.add(peak, (str(gpu.index), gpu.uuid, precision), row.flops[precision])
         out.append(peak)
-        if self._gpu_states is not None:
-            # The intensity read just now prices the interval that ends now, as the run ledger does.
-            self._co2.add([(str(g.identity.index), g.identity.uuid, g.energy_j if g.up else None)
-                           for g in self._gpu_states()], value, self._pue)
-            co2 = GPU_CO2.family()
-            for index, uuid, grams in self._co2.grams():
-                metrics.add(co2, (index, uuid), grams)
-            out.append(co2)
         return out
 
     def _log_unknown(self, model: str, row: PeakFlops | None) -> None:

@@ -26,8 +26,10 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import replace
+from functools import lru_cache
 
 from prometheus_client.core import Metric
+from prometheus_client.samples import Sample
 
 from gpu_energy_exporter.collectors.base import Collector, NoData
 from gpu_energy_exporter.collectors.gpu_metrics import (
@@ -40,6 +42,8 @@ from gpu_energy_exporter.collectors.gpu_metrics import (
     NVML_INFO,
     PER_GPU_SPECS,
     emit_reading,
+    label_sets,
+    put,
 )
 from gpu_energy_exporter.collectors.gpu_processes import ProcessTable, UtilizationCadence
 from gpu_energy_exporter.collectors.gpu_tracks import GPUTrack, PowerSampler
@@ -57,6 +61,12 @@ from gpu_energy_exporter.core.state import (
 from gpu_energy_exporter.devices.base import GPUBackend
 
 log = logging.getLogger(__name__)
+
+
+@lru_cache(maxsize=512)
+def _function_labels(name: str) -> dict[str, str]:
+    """The label set of one NVML function's self-cost samples, shared by every snapshot (never mutated)."""
+    return {NVML_CALLS.labels[0]: name}
 
 
 class GPUCollector(Collector):
@@ -255,7 +265,7 @@ class GPUCollector(Collector):
             if not t.up and t.error:
                 log.info("GPU %d (%s) answers again", g.index, g.uuid)
             t.up, t.error, t.reading, t.last_good, t.read_at = True, "", r, r.timestamp, started
-            add(fams[GPU_UP.name], labels, 1.0)
+            put(fams, GPU_UP, label_sets(labels[0], labels[1]).base, 1.0)
             t.fresh = False
             done = self._monotonic()
             if r.energy_j is not None and t.integrator is None:
@@ -311,8 +321,9 @@ class GPUCollector(Collector):
             return []
         calls, seconds = NVML_CALLS.family(), NVML_CALL_SECONDS.family()
         for name, (n, s) in sorted(costs.items()):
-            add(calls, [name], float(n))
-            add(seconds, [name], s)
+            labels = _function_labels(name)  # the same samples as add() builds, label sets made once
+            calls.samples.append(Sample(NVML_CALLS.name, labels, float(n), None))
+            seconds.samples.append(Sample(NVML_CALL_SECONDS.name, labels, float(s), None))
         return [calls, seconds]
 
     def _field_errors(self, backend: GPUBackend) -> list[Metric]:

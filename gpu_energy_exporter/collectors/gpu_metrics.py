@@ -197,6 +197,40 @@ _READING_GAUGES: tuple[tuple[str, str], ...] = tuple((spec.name, attr) for spec,
 _GPM_GAUGES: tuple[tuple[str, str], ...] = tuple((key, spec.name) for key, spec in GPM_SPECS.items())
 
 
+@lru_cache(maxsize=256)
+def _last_samples(gpu: str, uuid: str) -> dict[str, Sample]:
+    """The last gauge samples emitted for one GPU, by name (``emit_reading`` runs on one thread)."""
+    return {}
+
+
+@lru_cache(maxsize=256)
+def _clock_event_samples(gpu: str, uuid: str) -> tuple[tuple[str, Sample, Sample], ...]:
+    """Each clock-event reason's two possible samples for one GPU, (reason, active, inactive): built once and
+    shared by every snapshot (a sample is an immutable tuple), instead of nine new samples per GPU per
+    sample."""
+    name = CLOCK_EVENT.name
+    return tuple((reason, Sample(name, labels, 1.0, None), Sample(name, labels, 0.0, None))
+                 for reason, labels in label_sets(gpu, uuid).clock_event.items())
+
+
+#: GPU label sets -> (the GPM figures last emitted, their samples). The collector serves the same dict between
+#: two GPM samples (--collector.gpm-interval), so its samples are built once per GPM sample, not per sample.
+_GPM_SAMPLES: dict[tuple[str, str], tuple[dict[str, float], list[tuple[str, Sample]]]] = {}
+
+
+def _gpm_samples(gpu: str, uuid: str, gpm: dict[str, float]) -> list[tuple[str, Sample]]:
+    held = _GPM_SAMPLES.get((gpu, uuid))
+    if held is not None and held[0] is gpm:
+        return held[1]
+    base = label_sets(gpu, uuid).base
+    samples = [(name, Sample(name, base, float(gpm[key]), None)) for key, name in _GPM_GAUGES
+               if gpm.get(key) is not None]
+    if len(_GPM_SAMPLES) >= 256:  # bounded as label_sets is
+        _GPM_SAMPLES.clear()
+    _GPM_SAMPLES[(gpu, uuid)] = (gpm, samples)
+    return samples
+
+
 def emit_reading(fams: dict[str, Metric], r: GPUReading, labels: list[str], *, processes: bool) -> None:
     """The samples of one good reading (all but energy and idle power). ``processes``: with the
     per-process memory series (``--collector.processes``).
@@ -205,22 +239,26 @@ def emit_reading(fams: dict[str, Metric], r: GPUReading, labels: list[str], *, p
     reading's gauges (this runs for every GPU at every sample)."""
     sets = label_sets(labels[0], labels[1])
     base = sets.base
+    # A gauge whose value did not change since the last sample (memory total, limit, clocks, temperature
+    # mostly) reuses that sample's immutable tuple: fewer objects made here and freed with the old snapshot.
+    last = _last_samples(labels[0], labels[1])
     for name, attr in _READING_GAUGES:
         value = getattr(r, attr)
         if value is not None:
-            fams[name].samples.append(Sample(name, base, float(value), None))
+            value = float(value)
+            sample = last.get(name)
+            if sample is None or sample.value != value:
+                sample = last[name] = Sample(name, base, value, None)
+            fams[name].samples.append(sample)
     if r.clock_events is not None:
         events = r.clock_events
-        name = CLOCK_EVENT.name
-        append = fams[name].samples.append
-        for reason, reason_labels in sets.clock_event.items():
-            append(Sample(name, reason_labels, 1.0 if reason in events else 0.0, None))
+        fams[CLOCK_EVENT.name].samples.extend(
+            active if reason in events else inactive
+            for reason, active, inactive in _clock_event_samples(labels[0], labels[1]))
     gpm = r.gpm
     if gpm:
-        for key, name in _GPM_GAUGES:
-            value = gpm.get(key)
-            if value is not None:
-                fams[name].samples.append(Sample(name, base, float(value), None))
+        for name, sample in _gpm_samples(labels[0], labels[1], gpm):
+            fams[name].samples.append(sample)
     if r.processes is not None:
         put(fams, COMPUTE_PROCESSES, base, float(len(r.processes)))
         if processes:

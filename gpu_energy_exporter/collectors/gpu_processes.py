@@ -98,6 +98,9 @@ class UtilizationCadence:
         procs = reading.processes
         if procs is None:
             return reading
+        if not procs:  # nothing runs: no identity or weight to add (this runs for every GPU at every sample)
+            self._weights.pop(index, None)
+            return reading
         weights = self._weights.setdefault(index, {})
         if asked:
             weights.clear()

@@ -188,6 +188,8 @@ class Snapshot:
     def value(self, name: str) -> float | None:
         """The first sample called ``name`` in this snapshot (for unlabelled series such as host memory)."""
         for fam in self.families:
+            if not name.startswith(fam.name):
+                continue  # a family's samples all start with its name: not one of them (the GPUs' hundreds)
             for sample in fam.samples:
                 if sample.name == name:
                     return float(sample.value)

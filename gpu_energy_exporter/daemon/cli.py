@@ -7,6 +7,7 @@ what only one sub-command needs (matplotlib for ``report``, curses for ``top``).
 from __future__ import annotations
 
 import argparse
+import gc
 import importlib
 import logging
 import os
@@ -86,6 +87,7 @@ def serve(argv: Sequence[str], *, backend_factory: object = None) -> int:
         log.error("%s", exc)
         exporter.stop()
         return 1
+    _freeze_startup_heap()
     try:
         while not stop.wait(1.0):
             pass
@@ -93,6 +95,16 @@ def serve(argv: Sequence[str], *, backend_factory: object = None) -> int:
         exporter.stop()
     log.info("stopped")
     return 0
+
+
+def _freeze_startup_heap() -> None:
+    """Move everything alive after start-up (modules, the metric catalogue, protobuf and gRPC descriptors,
+    the first snapshot) out of the garbage collector's view. Those objects live as long as the process, yet
+    every full collection walked all of them again: with 8 GPUs, the collections that the per-sample
+    allocations trigger were a third of the gpu collector's Python CPU (perf). Objects made later are
+    collected as before."""
+    gc.collect()
+    gc.freeze()
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -95,6 +95,9 @@ GPM_METRICS: dict[str, int] = {
 }
 #: NVML requires GPM samples at least 100 ms apart for meaningful metrics.
 GPM_MIN_INTERVAL_S = 0.1
+#: The enforced power limit is read at most this often per GPU (seconds of the backend's clock) and held
+#: between reads: it changes only when someone sets it, and a call per GPU per sample was spent on it.
+LIMIT_INTERVAL_S = 10.0
 
 #: NVML's clock-event (throttle) reason bits, by the name a reading reports (``core.state.CLOCK_EVENT_REASONS``).
 _CLOCK_EVENT_BITS: dict[str, int] = dict(zip(CLOCK_EVENT_REASONS, (
@@ -120,6 +123,7 @@ class NVMLBackend(GPUBackend):
         self._process_util_ts: dict[int, int] = {}
         self._mig_instances: dict[int, dict[tuple[int, int], str]] = {}  # GPU -> (GI, CI) -> MIG uuid
         self._field_requests: dict[tuple[int, bool], FieldValues] = {}  # read()'s field values, per GPU
+        self._limits: dict[int, tuple[float, Any]] = {}  # GPU -> (when read, enforced power limit)
         self._process_lists: dict[int, tuple[RunningProcesses, RunningProcesses]] = {}  # _v3, _v2 per GPU
         self._driver = NVMLCalls.call_global("", "nvmlSystemGetDriverVersion")
         self._nvml_version = NVMLCalls.call_global("", "nvmlSystemGetNVMLVersion")
@@ -295,7 +299,7 @@ class NVMLBackend(GPUBackend):
                     average = float(usage)
                 else:
                     instant = float(usage)
-        limit = self._nvml.field(i, "power_limit", "nvmlDeviceGetEnforcedPowerLimit", h)
+        limit = self._power_limit(i, h, now)
         # v2 reports reserved memory apart (R510+); v1 counts it as used.
         mem = self._nvml.get(i, "memory", ("nvmlDeviceGetMemoryInfo", h, pynvml.nvmlMemory_v2),
                              ("nvmlDeviceGetMemoryInfo", h))
@@ -332,6 +336,23 @@ class NVMLBackend(GPUBackend):
             processes=procs,
             gpm=gpm_values,
         )
+
+    # -- readings that seldom change: read at a slow cadence ------------------------------------------
+
+    def _power_limit(self, i: int, h: Any, now: float) -> Any:
+        """The enforced power limit (mW), read at most every ``LIMIT_INTERVAL_S`` of ``now`` per GPU and held
+        between: it changes only when someone sets it (``nvidia-smi -pl``, a power-capping policy), and it
+        was one of the calls every sample made for every GPU. A failed read is not held (asked again at the
+        next sample); a clock that stepped back reads again."""
+        held = self._limits.get(i)
+        if held is not None and 0.0 <= now - held[0] < LIMIT_INTERVAL_S:
+            return held[1]
+        limit = self._nvml.field(i, "power_limit", "nvmlDeviceGetEnforcedPowerLimit", h)
+        if limit is None:
+            self._limits.pop(i, None)
+        else:
+            self._limits[i] = (now, limit)
+        return limit
 
     def _processes(self, i: int, h: Any, utilization: bool) -> tuple[GPUProcess, ...] | None:
         # _v3 (R510+), else _v2, each in one call with a buffer kept per GPU (pynvml's wrappers make two).

@@ -135,12 +135,16 @@ class NVMLCalls:
     def timed(self, fn: Callable[..., T], *args: Any) -> T:
         """``fn(*args)``, its calls and the calling thread's CPU time counted under the NVML function's name
         (also when it raises: a failed call costs the driver too)."""
+        return self._timed(_name(fn), fn, args)
+
+    def _timed(self, name: str, fn: Callable[..., T], args: tuple[Any, ...]) -> T:
+        """``timed`` with the function's name already known (``get`` runs for every reading of every GPU at
+        every sample: the name is not worked out again each time)."""
         t0 = time.thread_time()
         try:
             return fn(*args)
         finally:
             spent = time.thread_time() - t0
-            name = _name(fn)
             with self._lock:
                 cost = self._costs.get(name)
                 if cost is None:
@@ -239,13 +243,17 @@ class NVMLCalls:
         reason, detail = REASON_EXCEPTION, "no variant"
         answered = self._variant.get(key)
         for k in range(answered or 0, len(variants)):
-            named, *args = variants[k]
-            fn = getattr(pynvml, named, None) if isinstance(named, str) else named
+            variant = variants[k]
+            named = variant[0]
+            if isinstance(named, str):
+                fn, name = getattr(pynvml, named, None), named
+            else:
+                fn, name = named, _name(named)
             if fn is None:
                 reason, detail = REASON_FUNCTION_NOT_FOUND, f"the installed pynvml has no {named}"
             else:
                 try:
-                    value = self.timed(fn, *args)
+                    value = self._timed(name, fn, variant[1:])
                 except Exception as exc:  # noqa: BLE001 - one call never takes more than its own reading
                     reason = self.classify(index, what, exc)
                     detail = f"{_name(named)}: {type(exc).__name__}: {exc}"

@@ -55,8 +55,9 @@ DEFAULT_MAX_BODY_BYTES = 64 * 1024
 DEFAULT_WORKERS = 4
 AUTH_WORKERS = 2
 AUTH_QUEUE = 8  # requests waiting for a bcrypt check; beyond it, 429 at once
-_TICK = 0.2  # with connections open: how late a deadline (408, idle close) can be enforced
+_TICK = 0.2  # while shutting down: how often the draining connections are checked
 _IDLE_TICK = 2.0  # with none: a new connection or a shutdown wakes the selector anyway
+_MIN_TICK = 0.01  # a deadline already past is enforced at the next pass: never a busy loop
 
 #: What ``HTTPServer.stats`` counts, all present from the start.
 CONNECTION_EVENTS = ("evicted", "refused", "timeout", "write_timeout", "write_cut", "accept_failed")
@@ -281,7 +282,7 @@ class HTTPServer:
             while True:
                 if self._front.stopping and not self._stop_step():
                     return
-                tick = _TICK if self._front.conns or self._accept_paused_until else _IDLE_TICK
+                tick = self._tick()
                 if self._front.ready:
                     tick = 0.0
                 accept = False
@@ -314,6 +315,23 @@ class HTTPServer:
             except (KeyError, ValueError):
                 pass
             self._listener.close()
+
+    def _tick(self) -> float:
+        """How long the selector may sleep: until the earliest connection deadline or the end of an accept
+        pause, at most ``_IDLE_TICK`` and at least ``_MIN_TICK``; ``_TICK`` while shutting down. A request, a
+        worker's answer (the wake socket), a new connection or a shutdown wake it at once, so only deadlines
+        need a timer: an idle keep-alive connection (Prometheus between scrapes) no longer wakes it five times
+        a second."""
+        if self._front.stopping:
+            return _TICK
+        now = time.monotonic()
+        until = now + _IDLE_TICK
+        for c in self._front.conns.values():  # the deadlines Connections.expire enforces
+            if c.state not in (WORK, CLOSED) and c.deadline < until:
+                until = c.deadline
+        if self._accept_paused_until:
+            until = min(until, self._accept_paused_until)
+        return max(_MIN_TICK, until - now)
 
     def _resume_accept(self) -> None:
         if self._accept_paused_until and time.monotonic() >= self._accept_paused_until and not self._front.stopping:
