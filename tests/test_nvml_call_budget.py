@@ -135,21 +135,22 @@ def test_eight_h100s_make_at_most_eleven_calls_per_gpu_per_sample(fake_nvml_lib:
 #: What one sample costs per GPU on the h100-580 cost profile (the fake burns what an H100 on driver 580 burns
 #: per call; figures and their sources in tests/fakenvml/fakenvml.c, COST_H100_580, recalibrated 2026-11-26),
 #: at the exporter's default schedule, by hand, in µs:
-#:   every sample: field values 5 + 4 fields x 40 = 165; enforced limit 15, memory 16, utilisation 7,
-#:     temperature 12, 2 clocks 2 x 10, clock events 7, process list 90: 167 more; 332 in all;
+#:   every sample: field values 5 + 4 fields x 40 = 165; memory 16, utilisation 7, temperature 12,
+#:     2 clocks 2 x 10, clock events 7, process list 90: 152 more; 317 in all;
+#:   the enforced power limit (15) every 10 s: 1.5 a sample;
 #:   the energy counter (field 83, 3,500) every 30 s: 116.7 a sample;
-#:   GPM (sample 105 + metrics 1,900) every 10 s: 200.5 a sample;
-#:   649.2 a sample (field values alone 165 + 116.7 = 281.7: the real H100's own counter read 282 µs a second;
-#:   GPM metrics 190: the real one 195). Before the schedule (every reading every sample): 5,837.
+#:   GPM (sample 105 + metrics 1,900) every 30 s: 66.8 a sample;
+#:   502.0 a sample (field values alone 165 + 116.7 = 281.7: the real H100's own counter read 282 µs a second).
+#:   Before the schedule (every reading every sample): 5,837.
 #: The budget: that, with 10% for the spinning's overshoot and a reading a change may add.
-CPU_PER_GPU_SAMPLE_US = 332 + 3500 / 30 + 2005 / 10
+CPU_PER_GPU_SAMPLE_US = 317 + 15 / 10 + 3500 / 30 + 2005 / 30
 CPU_BUDGET_PER_GPU_S = 1.1 * CPU_PER_GPU_SAMPLE_US * 1e-6
 #: The expensive readings apart, per GPU per sample: at most what their schedule allows (a change that reads
 #: the counter or GPM more often fails here even if cheaper readings made room in the total).
 EXPENSIVE_PER_GPU_SAMPLE_US = {
     "nvmlDeviceGetFieldValues": 165 + 3500 / 30,  # the counter rides on the sample's field-values call
-    "nvmlGpmMetricsGet": 1900 / 10,
-    "nvmlGpmSampleGet": 105 / 10,
+    "nvmlGpmMetricsGet": 1900 / 30,
+    "nvmlGpmSampleGet": 105 / 30,
 }
 #: The C functions whose burned CPU the fake counts apart (variants the exporter may pick included).
 _FUNCTIONS = [*EXPENSIVE_PER_GPU_SAMPLE_US, "nvmlDeviceGetTotalEnergyConsumption", "nvmlDeviceGetEnforcedPowerLimit",
