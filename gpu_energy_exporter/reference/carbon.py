@@ -22,10 +22,14 @@ import io
 import math
 import re
 from dataclasses import dataclass
-from importlib import resources
+from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple
 
 from gpu_energy_exporter.core.errors import ConfigError
+
+#: The bundled tables (package data). A plain path, not importlib.resources: that imports tempfile,
+#: zipfile, bz2 and lzma (about 2 MB of the daemon's memory) to read files that are always on disk.
+DATA_DIR = Path(__file__).resolve().parent / "data"
 
 if TYPE_CHECKING:
     from gpu_energy_exporter.core.config import Config
@@ -79,7 +83,7 @@ class IntensityResolution(NamedTuple):
 
 def _read_data(filename: str) -> str:
     # utf-8-sig: the cloud table was published with a byte-order mark; tolerate it if it comes back.
-    return (resources.files("gpu_energy_exporter.reference") / "data" / filename).read_text(encoding="utf-8-sig")
+    return (DATA_DIR / filename).read_text(encoding="utf-8-sig")
 
 
 def _parse_figure(raw: str, where: str) -> float:

@@ -21,7 +21,11 @@ import math
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
-from importlib import resources
+from pathlib import Path
+
+#: The bundled tables (package data). A plain path, not importlib.resources: that imports tempfile,
+#: zipfile, bz2 and lzma (about 2 MB of the daemon's memory) to read files that are always on disk.
+DATA_DIR = Path(__file__).resolve().parent / "data"
 
 #: Tensor precisions in the table, the values of the ``precision`` label.
 PRECISIONS: tuple[str, ...] = ("bf16", "fp16", "fp8", "tf32")
@@ -90,7 +94,7 @@ def parse_peak_table(text: str) -> tuple[PeakFlops, ...]:
 @functools.cache
 def peak_table() -> tuple[PeakFlops, ...]:
     """The bundled table, parsed once."""
-    text = (resources.files("gpu_energy_exporter.reference") / "data" / PEAK_FLOPS_FILE).read_text(encoding="utf-8")
+    text = (DATA_DIR / PEAK_FLOPS_FILE).read_text(encoding="utf-8")
     return parse_peak_table(text)
 
 
