@@ -28,8 +28,9 @@ from gpu_energy_exporter.core.state import GPU_SAMPLE_AGE
 
 GOLDEN_DIR = Path(__file__).parent / "golden" / "drivers"
 # The counter read every sample (--collector.energy-interval): the driver clock is frozen, and energy apportioned
-# by power between reads would grow with the wall clock.
-ARGS = ["--collector.interval=200ms", "--collector.energy-interval=200ms", "--collector.processes",
+# by power between reads would grow with the wall clock. GPM every sample too: the test waits for its second sample.
+ARGS = ["--collector.interval=200ms", "--collector.energy-interval=200ms", "--collector.gpm-interval=200ms",
+        "--collector.processes",
         "--gpu.idle-power=60", "--no-collector.host", "--no-collector.rapl"]
 
 GPM = {s.name for s in g.GPM_SPECS.values()}
