@@ -205,6 +205,12 @@ def test_loss_is_converted_at_export_time_not_in_step() -> None:
     loss = LazyNumber(3.25)
     with receiver() as (endpoint, store):
         run = start_run(endpoint=endpoint, export_interval=30, gpu_uuids=[GPU_A])
+        # start_run's first export runs in a thread of its own: wait for it, so that on a loaded machine it
+        # does not collect (and convert) the loss the steps below set (it would, rightly, in its thread)
+        deadline = time.monotonic() + 30
+        while run.delivered_exports < 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert run.delivered_exports == 1
         for _ in range(100):
             run.step(tokens=1, loss=loss)
         assert loss.conversions == 0
