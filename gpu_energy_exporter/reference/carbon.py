@@ -22,14 +22,10 @@ import io
 import math
 import re
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple
 
 from gpu_energy_exporter.core.errors import ConfigError
-
-#: The bundled tables (package data). A plain path, not importlib.resources: that imports tempfile,
-#: zipfile, bz2 and lzma (about 2 MB of the daemon's memory) to read files that are always on disk.
-DATA_DIR = Path(__file__).resolve().parent / "data"
+from gpu_energy_exporter.reference import DATA_DIR
 
 if TYPE_CHECKING:
     from gpu_energy_exporter.core.config import Config

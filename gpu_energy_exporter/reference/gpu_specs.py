@@ -21,11 +21,8 @@ import math
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
-#: The bundled tables (package data). A plain path, not importlib.resources: that imports tempfile,
-#: zipfile, bz2 and lzma (about 2 MB of the daemon's memory) to read files that are always on disk.
-DATA_DIR = Path(__file__).resolve().parent / "data"
+from gpu_energy_exporter.reference import DATA_DIR
 
 #: Tensor precisions in the table, the values of the ``precision`` label.
 PRECISIONS: tuple[str, ...] = ("bf16", "fp16", "fp8", "tf32")
