@@ -235,9 +235,13 @@ class GPUCollector(Collector):
             labels = [str(g.index), g.uuid]
             try:
                 started = self._monotonic()
-                ask = self._process_utilization or self._cadence.due(g.index, self._process_counts.get(g.index, 0))
                 asked = (wanted or t.counter_due(started)) if g.energy_method == ENERGY_METHOD_COUNTER else (
                     g.energy_method == ENERGY_METHOD_NONE)
+                # Per-process SM use is read with every counter read of a shared GPU (what settles the span's
+                # split: core.settle), and every --collector.gpu.process-interval between reads.
+                counted = asked and g.energy_method == ENERGY_METHOD_COUNTER
+                ask = self._process_utilization or self._cadence.due(
+                    g.index, self._process_counts.get(g.index, 0), with_counter=counted)
                 r = backend.read(g, processes=self._read_processes, process_utilization=ask, gpm=gpm_now,
                                  energy=asked)
                 if ask and not self._process_utilization:
@@ -268,6 +272,8 @@ class GPUCollector(Collector):
             put(fams, GPU_UP, label_sets(labels[0], labels[1]).base, 1.0)
             t.fresh = False
             done = self._monotonic()
+            if r.process_samples:
+                t.add_samples(r.process_samples, self._clock() - done)
             if r.energy_j is not None and t.integrator is None:
                 t.count_energy(backend, r, started, done, self._monotonic)
             if t.integrator is None:

@@ -11,9 +11,10 @@ Two jobs, both on the sampler thread, for the GPU collector:
   keeps listing it (procfs is memory, not disk; a pid no longer listed is forgotten).
 - ``UtilizationCadence`` decides when a GPU is asked for per-process SM utilisation
   (``nvmlDeviceGetProcessUtilization`` costs 1.6-2.6 ms of CPU per call on a real H100, against
-  microseconds for the process list): at most every ``--collector.gpu.process-interval``, and only for a
-  GPU that lists two processes or more (a lone process gets the whole GPU whatever it uses). Between reads,
-  each process keeps the weight last measured.
+  microseconds for the process list): with every read of the GPU's energy counter (the samples since the
+  last ask split the span that read settles, ``core.settle``) and every ``--collector.gpu.process-interval``
+  between, and only for a GPU that lists two processes or more (a lone process gets the whole GPU whatever it
+  uses). Between reads, each process keeps the weight last measured (the provisional split).
 
 Never calls NVML itself and never touches anything under procfs but ``<pid>/status`` and ``<pid>/cgroup``.
 """
@@ -82,10 +83,14 @@ class UtilizationCadence:
         self._last: dict[int, float] = {}  # GPU index -> monotonic time of the last ask
         self._weights: dict[int, dict[int, float]] = {}  # GPU index -> pid -> SM %
 
-    def due(self, index: int, processes: int) -> bool:
-        """Whether GPU ``index``, listing ``processes`` processes last time, should be asked now."""
+    def due(self, index: int, processes: int, *, with_counter: bool = False) -> bool:
+        """Whether GPU ``index``, listing ``processes`` processes last time, should be asked now:
+        ``with_counter``, its energy counter is read in this sample (the samples since the last ask then
+        settle the span that read closes: ``core.settle``), or ``interval`` has passed since the last ask."""
         if self._interval <= 0 or processes < 2:
             return False
+        if with_counter:
+            return True
         last = self._last.get(index)
         return last is None or self._monotonic() - last >= self._interval
 

@@ -36,7 +36,7 @@ from gpu_energy_exporter.collectors.gpu_metrics import (
 from gpu_energy_exporter.core.apportion import Apportioner
 from gpu_energy_exporter.core.energy import EnergyCounter, TrapezoidIntegrator, Verdict
 from gpu_energy_exporter.core.metrics import add
-from gpu_energy_exporter.core.state import GPUIdentity, GPUReading, GPUState
+from gpu_energy_exporter.core.state import EnergySpan, GPUIdentity, GPUReading, GPUState, ProcessSample
 from gpu_energy_exporter.devices.base import GPUBackend
 
 log = logging.getLogger(__name__)
@@ -98,6 +98,9 @@ class GPUTrack:
     estimated: bool = False  # this sample's energy is the counter's last total plus the power since
     next_counter_read: float = float("-inf")  # monotonic time the energy counter is next read
     counter_reads: int = 0  # accepted reads so far (the first spans are short)
+    #: per-process samples (monotonic) gathered since the last counter read, handed on with the next one
+    samples: list[ProcessSample] = field(default_factory=list)
+    span: EnergySpan | None = None  # where the energy stands since the last counter read (settlement)
 
     # ---- the energy counter's schedule
 
@@ -128,13 +131,37 @@ class GPUTrack:
             # against the counter is learned within seconds of start-up.
             self.counter_reads += 1
             self.next_counter_read = done + min(energy_interval, 2.0 ** self.counter_reads)
-        elif not asked and power is not None and self.apportion.value_j is not None:
-            # Not read this sample (a read that was held back or rejected leaves the sample absent, as
-            # without a schedule: see emit_energy).
-            self.apportion.power(t, power, average=average)
-            self.series.power(t, power, average=average)
-            self.estimated = True
+            self._span(settled=True)
+        else:
+            if power is not None and self.apportion.value_j is not None:
+                # The in-process total goes on by the power readings (the span's shape, settled at the next
+                # read) even when a read was asked and held back or rejected; the exposed series does not:
+                # such a sample is absent there, as without a schedule (see emit_energy).
+                self.apportion.power(t, power, average=average)
+                if not asked:
+                    self.series.power(t, power, average=average)
+                    self.estimated = True
+            self._span(settled=False)
         self.reset_seen = False
+
+    def add_samples(self, samples: tuple[ProcessSample, ...], offset: float) -> None:
+        """Per-process samples of this sample's reading (wall-clock times, ``offset``: wall minus monotonic
+        now), kept on the monotonic clock until the counter read that settles their span."""
+        if samples and len(self.samples) < 4096:
+            self.samples.extend(ProcessSample(s.pid, s.sm_pct, s.start - offset, s.end - offset) for s in samples)
+
+    def _span(self, *, settled: bool) -> None:
+        """The span since the last counter read, as consumers settle it (``core.settle``)."""
+        a = self.apportion
+        anchor = a.anchor
+        if anchor is None:
+            self.span = None
+            return
+        samples: tuple[ProcessSample, ...] = ()
+        if settled:
+            samples, self.samples = tuple(self.samples), []
+        self.span = EnergySpan(anchor_j=anchor[1], anchor_at=anchor[0], raw_j=a.raw_j, whole=a.whole,
+                               scale=a.scale, closed=a.closed if settled else None, samples=samples)
 
     # ---- the energy counter
 
@@ -234,6 +261,7 @@ class GPUTrack:
             identity=self.identity, up=self.up, reading=self.reading, energy_j=self.energy(),
             energy_resets=self.counter.resets, last_good=self.last_good, idle_power_w=idle,
             idle_power_source=source, error=self.error, read_at=self.read_at,
+            span=self.span if self.integrator is None else None,
         )
 
 

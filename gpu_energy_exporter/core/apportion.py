@@ -54,11 +54,32 @@ class Apportioner:
     scale: float = 1.0
     _spans: deque[tuple[float, float]] = field(default_factory=lambda: deque(maxlen=SCALE_SPANS))
     _anchor_j: float | None = None  # the counter's total at its last read
+    _anchor_t: float | None = None  # ... and when it was read
     _estimate_j: float = 0.0  # scaled power-integrated energy since that read
     _raw_j: float = 0.0  # the same, unscaled, for learning the scale
     _whole: bool = True  # every step of the span since the last read was estimated (no gap)
     _last_t: float | None = None
     _last_w: float | None = None
+    #: the span the last counter read closed: (start t, start total, raw estimate over it, whole); None when
+    #: that read opened the first span or restarted the counter (settlement: ``core.settle``)
+    closed: tuple[float, float, float, bool] | None = None
+
+    @property
+    def anchor(self) -> tuple[float, float] | None:
+        """(time, total) of the last counter read, None before the first."""
+        if self._anchor_j is None or self._anchor_t is None:
+            return None
+        return self._anchor_t, self._anchor_j
+
+    @property
+    def raw_j(self) -> float:
+        """The unscaled power-integrated estimate since the last counter read (the span's shape so far)."""
+        return self._raw_j
+
+    @property
+    def whole(self) -> bool:
+        """Every step since the last counter read had a power reading (no gap)."""
+        return self._whole
 
     def _step(self, t: float, watts: float | None, average: bool) -> float:
         """The unscaled energy estimate from the last sample to ``t`` (0 over a gap or without power)."""
@@ -87,7 +108,10 @@ class Apportioner:
             if SCALE_MIN <= delta / raw <= SCALE_MAX:
                 self._spans.append((delta, raw))
                 self.scale = sum(d for d, _ in self._spans) / sum(r for _, r in self._spans)
-        self._anchor_j, self._estimate_j, self._raw_j, self._whole = total_j, 0.0, 0.0, True
+        self.closed = None
+        if self._anchor_j is not None and self._anchor_t is not None and not restart and t > self._anchor_t:
+            self.closed = (self._anchor_t, self._anchor_j, raw, self._whole)
+        self._anchor_j, self._anchor_t, self._estimate_j, self._raw_j, self._whole = total_j, t, 0.0, 0.0, True
         self.value_j = total_j if self.value_j is None or restart else max(self.value_j, total_j)
         return self.value_j
 
@@ -96,6 +120,7 @@ class Apportioner:
         exposed energy grows by the scaled estimate since the last sample; None before the first counter
         read."""
         inc = self._step(t, watts, average)
+        self.closed = None
         if self.value_j is None or self._anchor_j is None:
             return self.value_j
         self._raw_j += inc

@@ -239,10 +239,12 @@ FLAGS: tuple[Flag, ...] = (
          "per GPU index, or '<index>.<gpu instance>' for MIG, listing job ids) for --collector.slurm.",
          "DIR"),
     Flag("collector.gpu.process-interval", parse_duration, "10s",
-         "How often each GPU shared by several processes is asked for its per-process SM utilisation "
-         "(nvmlDeviceGetProcessUtilization: 1.6-2.6 ms of CPU per call on an H100), the weights that split "
-         "a shared GPU's energy between runs and pods; between two reads the last weights hold. A GPU with "
-         "one process is never asked. 0 never asks (shared GPUs are split evenly).", "DURATION"),
+         "A GPU shared by several processes is asked for its per-process SM utilisation "
+         "(nvmlDeviceGetProcessUtilization: 1.6-2.6 ms of CPU per call on an H100) with every read of its "
+         "energy counter and this often between reads. The driver answers one mean per process since the "
+         "last ask: the asks since a counter read split the span that read settles, piece by piece; between "
+         "asks the last weights hold (provisional). A GPU with one process is never asked. 0 never asks "
+         "(shared GPUs are split evenly).", "DURATION"),
     Flag("runs.claim-grace", parse_duration, "30s",
          "How long after a run's start a GPU it names may go without NVML listing one of its processes "
          "(CUDA start-up); meanwhile it shares only energy no other run's process uses. After it, an "

@@ -106,6 +106,36 @@ class GPUProcess:
     mig_uuid: str = ""
 
 
+@dataclass(frozen=True, slots=True)
+class ProcessSample:
+    """One process's SM utilisation as NVML reported it (``nvmlDeviceGetProcessUtilization``): a mean over
+    (``start``, ``end``] in seconds: on the wall clock in a ``GPUReading`` (the driver's CPU timestamps),
+    on the monotonic clock of ``GPUState.read_at`` in an ``EnergySpan``."""
+
+    pid: int
+    sm_pct: float  # percent, as the driver reports it (a relative weight, never exposed)
+    start: float
+    end: float
+
+
+@dataclass(frozen=True, slots=True)
+class EnergySpan:
+    """Where a GPU's energy stands between two reads of its energy counter: what settles the span
+    (``core.settle``). Times are on the monotonic clock of ``GPUState.read_at``; energy is the counter's
+    monotonic total (resets absorbed, ``core.energy.EnergyCounter.total_j``)."""
+
+    anchor_j: float  # the total at the last accepted counter read
+    anchor_at: float  # when that read was taken
+    raw_j: float  # the power readings integrated since (unscaled): the span's shape so far, up to read_at
+    whole: bool  # every step since the anchor had a power reading (the shape is known)
+    scale: float  # what the counter said of the power readings lately (provisional figures: raw x scale)
+    #: on the sample that read the counter: the span that read settled, (start_at, start_j, raw_j, whole)
+    #: with raw_j the shape's total up to this read; None on other samples
+    closed: tuple[float, float, float, bool] | None = None
+    #: per-process SM use over the span just closed, read with the counter (``ProcessSample``)
+    samples: tuple[ProcessSample, ...] = ()
+
+
 @dataclass(frozen=True)
 class GPUReading:
     """One sample of one GPU, in base units. Every reading field may be None (not available)."""
@@ -128,6 +158,8 @@ class GPUReading:
     clock_events: frozenset[str] | None = None  # active CLOCK_EVENT_REASONS; None: not readable
     processes: tuple[GPUProcess, ...] | None = None
     gpm: dict[str, float] = field(default_factory=dict)  # GPM metric name -> ratio 0..1
+    #: every per-process SM sample NVML gave since its last answer (wall-clock seconds), when it was asked
+    process_samples: tuple[ProcessSample, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -146,6 +178,9 @@ class GPUState:
     #: the monotonic time (``time.monotonic``) the last good reading was taken: ``energy_j`` is the energy
     #: at that moment, which can be tenths of a second before the snapshot that carries it is published
     read_at: float | None = None
+    #: the span since the last counter read (None: no counter, or not read yet): its energy is provisional
+    #: until the next read settles it (``core.settle``); ``energy_j`` is then the apportioned estimate
+    span: EnergySpan | None = None
 
 
 @dataclass(frozen=True)

@@ -152,6 +152,14 @@ class Exporter:
         self.process_exposition = ProcessExposition("gpuenergy")  # the same series, encoded directly
         self._build_servers()
 
+    def read_counters_now(self) -> None:
+        """A member's edge (a run's first point or its finish, a Slurm job's prolog or epilog): every GPU's
+        energy counter is read in a sample taken now, so the settled figure covers exactly the member's own
+        interval (issue 28). Any thread."""
+        if self.gpu is not None:
+            self.gpu.request_counter_read()
+            self.sampler.sample_soon()
+
     def _identities(self) -> tuple[GPUIdentity, ...]:
         return self.gpu.identities() if self.gpu else ()
 
@@ -196,7 +204,7 @@ class Exporter:
         self.sampler.add_listener(self.ledger_exposition.prepare)
         self.store.add_batch_listener(self.ledger.on_points)
         if self.gpu is not None:
-            self.store.add_batch_listener(counter_reads_at_run_edges(self.gpu.request_counter_read))
+            self.store.add_batch_listener(counter_reads_at_run_edges(self.read_counters_now))
         self.snapshot_collector.add_live_source(self.ledger.collect)
         sc = self.snapshot_collector
         self.exposition = CachedExposition([
@@ -375,8 +383,8 @@ RUN_EDGE_IDS = 4096
 
 def counter_reads_at_run_edges(request: Callable[[], None]) -> Callable[[Sequence[Any]], None]:
     """A store batch listener: a request carrying a run's first point, or its ``training_run_finished`` of 1,
-    calls ``request`` (``GPUCollector.request_counter_read``: every energy counter is read at the next
-    sample), so a run's energy between its edges is the counter's own delta, not power apportioned between
+    calls ``request`` (``Exporter.read_counters_now``: every energy counter is read in a sample taken at
+    once), so a run's energy between its edges is the counter's own delta, not power apportioned between
     reads every --collector.energy-interval. One set lookup per point; runs on the request thread."""
     seen: set[str] = set()
     finished = RUN_FINISHED.prometheus

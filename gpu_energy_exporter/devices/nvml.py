@@ -39,6 +39,7 @@ from gpu_energy_exporter.core.state import (
     GPUProcess,
     GPUReading,
     MIGDevice,
+    ProcessSample,
 )
 from gpu_energy_exporter.devices.base import GPUBackend, HealthReader, hertz, joules, ratio, watts
 from gpu_energy_exporter.devices.nvml_calls import (
@@ -311,7 +312,7 @@ class NVMLBackend(GPUBackend):
         # "Clocks event reasons" is the R535+ name of the throttle reasons.
         reasons = self._nvml.get(i, "clocks_event_reasons", ("nvmlDeviceGetCurrentClocksEventReasons", h),
                                  ("nvmlDeviceGetCurrentClocksThrottleReasons", h))
-        procs = self._processes(i, h, process_utilization) if processes or process_utilization else None
+        procs, samples = self._processes(i, h, process_utilization) if processes or process_utilization else (None, ())
         gpm_values = self._gpm(i, h) if gpm else {}
         # Module scope equal to GPU scope means the board has no separate module sensor.
         if module is not None and instant is not None and module <= instant:
@@ -335,6 +336,7 @@ class NVMLBackend(GPUBackend):
             clock_events=_clock_events(int(reasons)) if reasons is not None else None,
             processes=procs,
             gpm=gpm_values,
+            process_samples=samples,
         )
 
     # -- readings that seldom change: read at a slow cadence ------------------------------------------
@@ -354,7 +356,11 @@ class NVMLBackend(GPUBackend):
             self._limits[i] = (now, limit)
         return limit
 
-    def _processes(self, i: int, h: Any, utilization: bool) -> tuple[GPUProcess, ...] | None:
+    def _processes(self, i: int, h: Any, utilization: bool
+                   ) -> tuple[tuple[GPUProcess, ...] | None, tuple[ProcessSample, ...]]:
+        """The processes listed on GPU ``i`` and, when ``utilization`` asks, the per-process SM samples NVML
+        gave since the last ask (each covering the time since the sample before it of the same process, or
+        since the last ask; wall-clock seconds)."""
         # _v3 (R510+), else _v2, each in one call with a buffer kept per GPU (pynvml's wrappers make two).
         lists = self._process_lists.get(i)
         if lists is None:
@@ -362,20 +368,29 @@ class NVMLBackend(GPUBackend):
                                               RunningProcesses("nvmlDeviceGetComputeRunningProcesses_v2"))
         procs = self._nvml.get(i, "processes", (lists[0], h), (lists[1], h))
         if procs is None:
-            return None
+            return None, ()
         sm: dict[int, float] = {}
+        found: list[ProcessSample] = []
         if utilization and procs:
             last_seen = self._process_util_ts.get(i, 0)
             samples = self._nvml.field(i, "process_utilization", process_utilization, h, last_seen)
-            # Every sample since the last call (the driver keeps a few per second): their mean per pid is the
-            # process's SM use over the whole period, not at one instant.
+            # Every sample since the last call: a driver answers one mean per process over the time since
+            # `last_seen` (R535-R580), or one sample per process and sampling period; each covers the time
+            # since the one before it. Their mean per pid is the process's SM use over the whole period.
             seen: dict[int, list[float]] = {}
-            for s in samples or ():
-                seen.setdefault(int(s.pid), []).append(float(s.smUtil))
-                self._process_util_ts[i] = max(self._process_util_ts.get(i, 0), int(s.timeStamp))
+            begun: dict[int, float] = {}
+            first = last_seen / 1e6 if last_seen else None
+            for s in sorted(samples or (), key=lambda x: int(x.timeStamp)):
+                pid, ts, util = int(s.pid), int(s.timeStamp), float(s.smUtil)
+                seen.setdefault(pid, []).append(util)
+                end = ts / 1e6
+                start = begun.get(pid, first if first is not None else end)
+                found.append(ProcessSample(pid, util, min(start, end), end))
+                begun[pid] = end
+                self._process_util_ts[i] = max(self._process_util_ts.get(i, 0), ts)
             sm = {pid: sum(v) / len(v) for pid, v in seen.items()}
         instances = self._mig_instances.get(i, {})
-        return tuple(
+        listed = tuple(
             GPUProcess(
                 pid=int(p.pid),
                 used_memory_bytes=int(p.usedGpuMemory) if p.usedGpuMemory is not None else None,
@@ -385,6 +400,7 @@ class NVMLBackend(GPUBackend):
             )
             for p in procs
         )
+        return listed, tuple(found)
 
     def _gpm(self, i: int, h: Any) -> dict[str, float]:
         supported = self._gpm_supported.get(i)

@@ -129,6 +129,8 @@ class Sampler:
         self._seq = 0
         self._listeners: list[Callable[[Snapshot], None]] = []
         self._stop = threading.Event()
+        self._wake = threading.Event()  # set by stop() and sample_soon()
+        self._soon = False  # an early sample was asked for (sample_soon)
         self._thread: threading.Thread | None = None
         self._last_errors: dict[str, str] = {}
         self._runners = {c.name: _Runner(c) for c in self._collectors}
@@ -153,6 +155,7 @@ class Sampler:
         Waits for the collectors at most ``wait_budget`` seconds. A collector still busy then (a slow or
         hung driver) is reported as failed with its last families kept, and its result is used when it
         arrives: one stuck collector never holds up the others."""
+        self._soon = False  # this sample serves any early one asked for until now
         deadline = time.monotonic() + self._wait_budget
         names = {c.name for c in self._collectors}
         first = [c for c in self._collectors if not set(c.depends_on) & names]
@@ -214,16 +217,39 @@ class Sampler:
             log.info("collector %s recovered", name)
         self._last_errors[name] = err
 
+    def sample_soon(self) -> None:
+        """Take a sample now rather than at the next tick (any thread; cheap): a run started or finished, and
+        the energy counter read at its edge must be taken at the edge, not up to an interval later (issue
+        28). Requests while a sample is being taken are served by one sample right after it; the regular
+        ticks go on (one that would fall within ``MIN_EARLY_GAP_S`` of the early sample is skipped)."""
+        self._soon = True
+        self._wake.set()
+
+    def soon_pending(self) -> bool:
+        """Whether an early sample was asked for and not taken yet."""
+        return self._soon
+
+    #: A regular tick this close after an early sample is skipped (the early one served it).
+    MIN_EARLY_GAP_S = 0.25
+
     def _run(self, first: threading.Event | None = None) -> None:
         self.sample_once()
         if first is not None:
             first.set()
         next_tick = time.monotonic() + self._interval
-        while not self._stop.wait(max(0.0, next_tick - time.monotonic())):
+        while not self._stop.is_set():
+            self._wake.wait(max(0.0, next_tick - time.monotonic()))
+            if self._stop.is_set():
+                break
+            self._wake.clear()
+            early = self._soon
             self.sample_once()
+            now = time.monotonic()
+            if early and next_tick - now > self.MIN_EARLY_GAP_S:
+                continue  # an early sample: the schedule goes on as it was
             next_tick += self._interval
-            if next_tick < time.monotonic():  # fell behind (slow driver): skip missed ticks, no burst
-                next_tick = time.monotonic() + self._interval
+            if next_tick < now:  # fell behind (slow driver): skip missed ticks, no burst
+                next_tick = now + self._interval
 
     def start(self, first_sample_timeout: float = 5.0) -> bool:
         """Run in a thread, taking the first snapshot at once. Waits up to ``first_sample_timeout`` for it
@@ -241,6 +267,7 @@ class Sampler:
 
     def stop(self, timeout: float = 3.0) -> None:
         self._stop.set()
+        self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout)
             if self._thread.is_alive():

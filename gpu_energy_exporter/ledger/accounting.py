@@ -48,6 +48,8 @@ class Acc:
     # seconds per GPU its claim went unconfirmed (charged nothing) / was charged on the claim alone
     unconfirmed_s: dict[str, float] = field(default_factory=dict)
     unverified_s: dict[str, float] = field(default_factory=dict)
+    #: the part of ``energy_j`` from frames no counter read has settled yet (``ledger.settlement``)
+    provisional_j: float = 0.0
 
     def copy(self) -> Acc:
         return replace(self, idle_unknown_s=dict(self.idle_unknown_s),
@@ -138,6 +140,8 @@ def integrate(acc: Acc, f0: Frame, f1: Frame, lo: float, hi: float, *, run_id: s
             acc.energy_j += joules
             acc.win_energy_j += delta * win_share_s / span
             acc.per_gpu_j[key] = acc.per_gpu_j.get(key, 0.0) + joules
+            if not g1.settled:
+                acc.provisional_j += joules
             acc.measured_gpu_s += overlap
             segment_j += joules
         else:

@@ -31,6 +31,29 @@ class GPUFrame:
     #: known: not read, GPU down, or none of the listed pids is in the exporter's view of /proc (no host
     #: pid namespace): then the runs' claims alone split the GPU (``ledger.split``).
     procs: tuple[Proc, ...] | None = None
+    #: ``energy_j`` is settled: the counter read at this frame, or spread by the power samples' shape over the
+    #: span between two counter reads (``ledger.settlement``); False while it is the estimate of a span the
+    #: next counter read has not closed yet (provisional). A GPU state without a span is settled as it is.
+    settled: bool = True
+    #: The span since the last counter read (``core.state.EnergySpan``), its instants as offsets from the
+    #: frame's time (so a frame moved onto another clock keeps them): None for a GPU without one.
+    span: SpanFrame | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class SpanFrame:
+    """A GPU's ``EnergySpan`` in a frame: instants as seconds before the frame's time (``t``), so that
+    ``frame.t + anchor_dt`` is when the span's counter read was taken."""
+
+    anchor_dt: float
+    anchor_j: float
+    raw_j: float
+    whole: bool
+    scale: float
+    #: the span this frame's counter read closed: (start_dt, start_j, raw_j, whole), or None
+    closed: tuple[float, float, float, bool] | None = None
+    #: per-process samples (pid, SM %, start_dt, end_dt) over the closed span
+    samples: tuple[tuple[int, float, float, float], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,7 +84,9 @@ def uuid_key(uuid: str) -> str:
     return key[4:] if key.startswith("gpu-") else key
 
 
-def gpu_frame(g: GPUState) -> GPUFrame:
+def gpu_frame(g: GPUState, ref: float | None = None) -> GPUFrame:
+    """``ref``: the monotonic time the frame's ``t`` stands for (the span's instants are kept relative to it;
+    None: the span is not placed, and the energy is taken as it is)."""
     r = g.reading
     power = None
     mem = total = None
@@ -70,12 +95,31 @@ def gpu_frame(g: GPUState) -> GPUFrame:
         power = r.power_instant_w if r.power_instant_w is not None else r.power_average_w
     if not g.up:
         power = mem = None
+    energy = g.energy_j if g.up else None
+    span = span_frame(g, ref) if g.up else None
+    if span is not None:
+        # Provisional until the next counter read: the counter's last total plus the power readings since,
+        # scaled by what the counter said of them lately (``ledger.settlement`` replaces it at the read).
+        energy = span.anchor_j + span.scale * span.raw_j
     return GPUFrame(
         uuid=g.identity.uuid, name=g.identity.name,
-        energy_j=g.energy_j if g.up else None, power_w=power, memory_used=mem, memory_total=total,
+        energy_j=energy, power_w=power, memory_used=mem, memory_total=total,
         idle_w=g.idle_power_w, idle_source=g.idle_power_source, index=g.identity.index,
         procs=procs_of(r.processes, g.identity.mig_devices) if r is not None and g.up else None,
+        settled=span is None or (g.span is not None and g.span.anchor_at == g.read_at), span=span,
     )
+
+
+def span_frame(g: GPUState, ref: float | None) -> SpanFrame | None:
+    """The GPU's span with its instants relative to ``ref`` (None without a span, or without ``ref``)."""
+    s = g.span
+    if s is None or ref is None:
+        return None
+    closed = None
+    if s.closed is not None:
+        closed = (s.closed[0] - ref, s.closed[1], s.closed[2], s.closed[3])
+    samples = tuple((p.pid, p.sm_pct, p.start - ref, p.end - ref) for p in s.samples)
+    return SpanFrame(s.anchor_at - ref, s.anchor_j, s.raw_j, s.whole, s.scale, closed, samples)
 
 
 def procs_of(processes: tuple[GPUProcess, ...] | None, migs: tuple[MIGDevice, ...] = ()) -> tuple[Proc, ...] | None:
@@ -96,13 +140,14 @@ def frame_of(snapshot: Snapshot, intensity: float | None, pue: float | None) -> 
     gpus: dict[str, GPUFrame] = {}
     mig: dict[str, str] = {}
     profile: dict[str, tuple[int, float | None]] = {}
+    age = reading_age(snapshot)
+    ref = snapshot.monotonic - age if snapshot.monotonic is not None else None
     for g in snapshot.gpus:
         key = uuid_key(g.identity.uuid)
-        gpus[key] = gpu_frame(g)
+        gpus[key] = gpu_frame(g, ref)
         for m in g.identity.mig_devices:
             mig[uuid_key(m.uuid)] = key
             profile[uuid_key(m.uuid)] = (m.slices, m.sm_share)
-    age = reading_age(snapshot)
     return Frame(snapshot.timestamp - age, gpus, mig, intensity, pue, snapshot.value(MEMORY_AVAILABLE.name),
                  snapshot.xid_events, profile, age)
 

@@ -349,9 +349,11 @@ def _apply_finished(run: Run, rank: str, value: float, t: float) -> None:
 
 def holdings(frame: Frame, tracked: Iterable[Run], grace_s: float = math.inf) -> dict[str, list[Holding]]:
     """Physical GPU key -> the runs using it (with the MIG instance they name, and the pids NVML lists there
-    that are theirs), as known now. Runs still tentative hold nothing; closed runs hold their GPUs from start
-    to end. A listed pid two runs declare goes to the run that started first (a later run cannot take a
-    running one's process by naming its pid)."""
+    that are theirs), as known now, in the order the runs started. Runs still tentative hold nothing; closed
+    runs hold their GPUs from start to end, and nothing after. A listed pid belongs to the run active in it at
+    each moment (``split.piece_shares``): two runs one after the other in one process are each charged
+    their own interval; while two runs that declare the same pid are both active, the one that started first
+    keeps it (a later run cannot take a running one's process by naming its pid)."""
     out: dict[str, list[Holding]] = {}
     order = sorted((r for r in tracked if not r.tentative), key=lambda r: r.s)
     for run in order:
@@ -363,9 +365,6 @@ def holdings(frame: Frame, tracked: Iterable[Run], grace_s: float = math.inf) ->
                 continue
             held = out.setdefault(parent, [])
             pids = own_pids(run, g.procs) if g.procs is not None and run.procs else frozenset()
-            if pids:
-                taken = {pid for h in held for pid in h.pids}
-                pids = frozenset(pids - taken)
             slices = frame.mig_profile.get(key, (1, None))[0] if parent != key else 1
             held.append(Holding(run.run_id, run.s, end, key if parent != key else "", slices, pids,
                                 run.s + grace_s, bool(run.procs), key in run.allocated))

@@ -269,6 +269,8 @@ def summarize(run: Run, acc: Acc, *, warmup_s: float, local: Local, carbon_confi
                                if steps_remaining is not None and j_per_step is not None else None),
         "mean_step_s": mean_step_s,
         "energy_coverage": coverage,
+        # the part of energy_j no counter read has settled yet (ledger.settlement); 0 once settled
+        "energy_provisional_j": acc.provisional_j if energy is not None else None,
         "energy_split": ",".join(sorted(run.splits)),
         "summary_file": summary_file,
         "ledger_notes": "; ".join(notes),

@@ -207,6 +207,7 @@ struct proc {
     unsigned long long used_bytes;
     unsigned int sm_pct, mem_pct;
     int mig; /* issue 19: the MIG device (index) the process runs on, -1 for the whole GPU */
+    int has_sm_trace; /* issue 28: process_sm = PID <trace>: SM % over time instead of sm_pct */
 };
 
 /* GPM metrics the scenario can script: id, scenario key, short name. */
@@ -280,6 +281,9 @@ struct gpu_cfg {
     unsigned long long clocks_event_reasons;
     int nproc;
     struct proc procs[MAX_PROCS];
+    struct trace proc_sm[MAX_PROCS]; /* issue 28: the SM % trace of procs[i] when has_sm_trace */
+    double proc_sample_period_s;      /* per-process utilisation samples this far apart, on a grid from the epoch */
+    int proc_samples_kept;            /* ... and this many kept by the driver */
     int mig_capable, mig_mode, mig_pending, has_mig_pending, max_mig, nmig;
     char mig_uuid[MAX_MIG][STR_LEN];
     /* issue 19: each MIG device's profile (nvmlDeviceGetAttributes_v2), "mig_profiles = gi:ci:sm ..." in the
@@ -953,6 +957,8 @@ static void gpu_defaults(struct gpu_cfg *c, unsigned int index) {
     c->period_s = 0.1;
     c->avg_windows = 10;
     c->max_mig = 7;
+    c->proc_sample_period_s = 1.0 / 6.0; /* issue 28: nvidia-smi documents 1/6 s to 1 s for utilisation */
+    c->proc_samples_kept = 1024;         /* about 170 s; one report of a real driver keeps 4,096 */
 }
 
 /* Parse key=value in a [gpu N] section. Returns 0, or -1 for a bad value, -2 for an unknown key. */
@@ -1004,6 +1010,25 @@ static int gpu_key(struct gpu_cfg *c, const char *key, const char *v) {
         c->nproc++;
         return 0;
     }
+    if (!strcmp(key, "process_sm")) { /* issue 28: PID <trace>, the trace in percent */
+        unsigned int pid;
+        int used = 0;
+        if (sscanf(v, "%u %n", &pid, &used) < 1) return -1;
+        for (int i = 0; i < c->nproc; i++)
+            if (c->procs[i].pid == pid) {
+                if (parse_trace(v + used, &c->proc_sm[i])) return -1;
+                c->procs[i].has_sm_trace = 1;
+                return 0;
+            }
+        return -1; /* a process line must come first */
+    }
+    if (!strcmp(key, "process_sample_period_ms")) {
+        double ms;
+        if (parse_double(v, &ms) || ms <= 0) return -1;
+        c->proc_sample_period_s = ms / 1000.0;
+        return 0;
+    }
+    if (!strcmp(key, "process_samples_kept")) return parse_int(v, &c->proc_samples_kept) || c->proc_samples_kept < 1 ? -1 : 0;
     if (!strcmp(key, "mig_capable")) return parse_bool(v, &c->mig_capable);
     if (!strcmp(key, "mig_mode")) return parse_int(v, &c->mig_mode);
     if (!strcmp(key, "mig_pending_mode")) {
@@ -1737,19 +1762,32 @@ EXPORT nvmlReturn_t nvmlDeviceGetProcessUtilization(nvmlDevice_t device, nvmlPro
     ENTER_GPU(device, g);
     if (!processSamplesCount) return leave(NVML_ERROR_INVALID_ARGUMENT);
     if (g->c.mig_mode) return leave(NVML_ERROR_NOT_SUPPORTED);
-    unsigned long long ts = (unsigned long long)(now() * 1e6);
-    unsigned int n = (unsigned int)g->c.nproc;
-    if (n == 0 || lastSeenTimeStamp >= ts) return leave(NVML_ERROR_NOT_FOUND); /* no samples since then */
+    /* Issue 28: as drivers R535-R580 answer it, one entry per process: the mean of the driver's samples newer
+     * than lastSeenTimeStamp (one every proc_sample_period_s on a grid from the epoch, the last
+     * proc_samples_kept of them kept), stamped with the newest sample's time. A sample is the mean SM % of
+     * the process over the period it closes (its process_sm trace, else its constant sm_pct). */
+    const struct gpu_cfg *c = &g->c;
+    double period = c->proc_sample_period_s, t = now() - g_epoch;
+    double last = floor(t / period + 1e-9);
+    double first = last - (double)c->proc_samples_kept + 1;
+    double seen = lastSeenTimeStamp ? floor(((double)lastSeenTimeStamp / 1e6 - g_epoch) / period + 1e-3) + 1 : first;
+    if (seen > first) first = seen;
+    unsigned int n = (unsigned int)c->nproc;
+    if (n == 0 || first > last) return leave(NVML_ERROR_NOT_FOUND); /* no samples since then */
     if (!utilization || *processSamplesCount < n) {
         *processSamplesCount = n;
         return leave(NVML_ERROR_INSUFFICIENT_SIZE);
     }
+    double a = (first - 1) * period, b = last * period;
     for (unsigned int i = 0; i < n; i++) {
+        const struct proc *p = &c->procs[i];
+        double sm = p->sm_pct;
+        if (p->has_sm_trace) sm = (trace_cumulative(&c->proc_sm[i], b) - trace_cumulative(&c->proc_sm[i], a)) / (b - a);
         memset(&utilization[i], 0, sizeof utilization[i]);
-        utilization[i].pid = g->c.procs[i].pid;
-        utilization[i].timeStamp = ts;
-        utilization[i].smUtil = g->c.procs[i].sm_pct;
-        utilization[i].memUtil = g->c.procs[i].mem_pct;
+        utilization[i].pid = p->pid;
+        utilization[i].timeStamp = (unsigned long long)llround((g_epoch + b) * 1e6);
+        utilization[i].smUtil = (unsigned int)lround(sm < 0 ? 0 : sm);
+        utilization[i].memUtil = p->mem_pct;
     }
     *processSamplesCount = n;
     return leave(NVML_SUCCESS);

@@ -199,6 +199,8 @@ class Process:
     sm_util_pct: int = 0
     mem_util_pct: int = 0
     mig_index: int = -1  # issue 19: the MIG device it runs on (its GPU/compute instance ids in the list)
+    #: issue 28: its SM % over time (a trace in percent: Constant, Square or Steps), instead of sm_util_pct
+    sm_trace: PowerTrace | None = None
 
 
 @dataclass(frozen=True)
@@ -294,6 +296,9 @@ class GPU:
     power_period_ms: float = 100.0  # ... out of every period
     power_average_windows: int = 10  # windows in the "1 s" average
     module_power_extra_w: float | None = None  # Grace Hopper: module power = GPU power + this
+    #: issue 28: per-process utilisation samples this far apart (None: the fake's 1/6 s), and kept (1,024)
+    process_sample_period_ms: float | None = None
+    process_samples_kept: int | None = None
     health: Health | None = None  # ECC, remapping, PCIe, NVLink, events (health.py); None: none of them
 
     def __post_init__(self) -> None:
@@ -379,6 +384,13 @@ class GPU:
         for p in self.processes:
             put("process", f"{p.pid} {p.used_memory_bytes} {p.sm_util_pct} {p.mem_util_pct}"
                 + (f" {p.mig_index}" if p.mig_index >= 0 else ""))
+        for p in self.processes:
+            if p.sm_trace is not None:
+                put("process_sm", f"{p.pid} {p.sm_trace.spec()}")
+        if self.process_sample_period_ms is not None:
+            put("process_sample_period_ms", self.process_sample_period_ms)
+        if self.process_samples_kept is not None:
+            put("process_samples_kept", self.process_samples_kept)
         put("mig_capable", _yes(self.mig_capable))
         put("mig_mode", self.mig_mode)
         if self.mig_pending_mode is not None:

@@ -1,0 +1,186 @@
+"""A whole node in one process on a frozen clock, for settlement tests (issue 28): the fake NVML library with
+scripted power and per-process SM traces, the real GPU collector and sampler reading it through pynvml at the
+daemon's defaults (a sample a second, the energy counter every 30 s), the real run ledger fed by them, and
+trainers pushing points as the training helper does. The clock only moves when the rig steps it, so every
+figure is exact arithmetic on the scenario, whatever the machine's load.
+
+Edges as the daemon makes them: a run's first point and its finish make the exporter read every energy
+counter at once (``counter_reads_at_run_edges`` and the sampler's early sample), ``EDGE_LATENCY_S`` after
+the point (the export's delay, the request and the wake-up).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from fakenvml import Process, Scenario, h100
+from fakenvml.scenario import Driver, PowerTrace
+
+from gpu_energy_exporter.collectors.gpu import GPUCollector
+from gpu_energy_exporter.core import contract
+from gpu_energy_exporter.daemon.exporter import counter_reads_at_run_edges
+from gpu_energy_exporter.devices.nvml import NVMLBackend
+from gpu_energy_exporter.engine.sampler import Sampler
+from gpu_energy_exporter.ledger import RunLedger
+from gpu_energy_exporter.otlp.store import AcceptedPoint
+
+EPOCH = 1_750_000_000.0
+EDGE_LATENCY_S = 0.02
+INTERVAL = 1.0
+ENERGY_INTERVAL = 30.0  # the flag's default
+PROCESS_INTERVAL = 10.0  # --collector.gpu.process-interval's default
+
+
+@dataclass
+class Pusher:
+    """One trainer process: pushes cumulative tokens every ``every`` s from ``start`` to ``end`` under
+    ``run_id``, as ``pid`` (in the rig's /proc), on ``gpu``."""
+
+    run_id: str
+    start: float
+    end: float
+    gpu: str
+    pid: int | None = 4242
+    rate: float = 1000.0
+    every: float = 5.0
+    rank: str = "0"
+    pushed: list[float] = field(default_factory=list)
+    finished: bool = False
+
+    def resource(self) -> tuple[tuple[str, str], ...]:
+        if self.pid is None:
+            return ()
+        return ((contract.LABEL_HOST_NAME, "node-1"), (contract.LABEL_PROCESS_PID, str(self.pid)))
+
+    def point(self, name: str, value: float, t: float) -> AcceptedPoint:
+        labels = {"run_id": self.run_id, "rank": self.rank, "gpu_uuid": self.gpu}
+        kind = "counter" if name.endswith("_total") else "gauge"
+        return AcceptedPoint(self.run_id, name, labels, value, t, kind, resource=self.resource(),  # type: ignore[arg-type]
+                             client="node-1")
+
+
+class Node:
+    """The fake GPUs, the GPU collector, the sampler and the ledger on one frozen clock."""
+
+    def __init__(self, lib: Path, tmp: Path, gpus: Sequence[Any], *, warmup_s: float = 0.0,
+                 claim_grace_s: float = 30.0) -> None:
+        self.now = EPOCH + 5.0
+        self.gpus = list(gpus)
+        # the host's /proc as the exporter sees it with hostPID: every process the GPUs list
+        procfs = fake_procfs(tmp / "proc", sorted({p.pid for g in self.gpus for p in g.processes}))
+        self.path = tmp / "scenario.ini"
+        self._old = os.environ.get("FAKE_NVML_SCENARIO")
+        os.environ["FAKE_NVML_SCENARIO"] = str(self.path)
+        self.write()
+        clock = self.clock
+        self.gpu = GPUCollector(lambda: NVMLBackend(str(lib), clock=clock), retry_interval=0.0, gpm=False,
+                                interval=INTERVAL, energy_interval=ENERGY_INTERVAL, clock=clock, monotonic=clock,
+                                power_interval=3600.0, process_interval=PROCESS_INTERVAL,
+                                procfs=str(procfs), idle_power_w=50.0)
+        self.sampler = Sampler([self.gpu], INTERVAL, gpu_states=self.gpu.states, clock=clock, monotonic=clock,
+                               wait_budget=30.0)
+        self.ledger = RunLedger(str(tmp / "runs.csv"), warmup_s=warmup_s, stale_after_s=300.0, clock=clock,
+                                claim_grace_s=claim_grace_s)
+        self.sampler.add_listener(self.ledger.on_snapshot)
+        # the daemon's wiring (daemon/exporter.py): a run's edge reads every counter in a sample taken at once
+        self.edges = counter_reads_at_run_edges(lambda: (self.gpu.request_counter_read(), self.sampler.sample_soon()))
+        self.next_tick = self.now
+        self.pushers: list[Pusher] = []
+
+    def clock(self) -> float:
+        return self.now
+
+    def write(self) -> None:
+        Scenario(epoch=EPOCH, driver=Driver(frozen_time=self.now), gpus=self.gpus).write(self.path)
+
+    def scenario(self) -> Scenario:
+        return Scenario(epoch=EPOCH, driver=Driver(frozen_time=self.now), gpus=self.gpus)
+
+    def true_energy_j(self, index: int, t0: float, t1: float) -> float:
+        return self.scenario().true_energy_j(index, t0, t1)
+
+    def sample_at(self, t: float) -> None:
+        self.now = t
+        self.write()
+        self.sampler.sample_once()
+
+    def deliver(self, points: list[AcceptedPoint]) -> None:
+        """Points as the OTLP store hands them on: to the edge listener and the ledger."""
+        self.edges(points)
+        self.ledger.on_points(points)
+
+    def early_sample(self) -> None:
+        """The sample the sampler takes when asked for one early, ``EDGE_LATENCY_S`` after the request."""
+        if self.sampler.soon_pending():
+            self.sample_at(self.now + EDGE_LATENCY_S)
+
+    def add(self, p: Pusher) -> None:
+        self.pushers.append(p)
+
+    def _push(self, p: Pusher, t: float) -> None:
+        """Pushes of ``p`` due at ``t``."""
+        if not p.pushed and t >= p.start:
+            self.now = max(self.now, p.start)
+            self.deliver([p.point("training_run_info", 1, p.start),
+                                   p.point("training_run_finished", 0, p.start),
+                                   p.point("training_tokens_total", 0, p.start)])
+            p.pushed.append(p.start)
+        while p.pushed and not p.finished and p.pushed[-1] + p.every <= min(t, p.end) + 1e-9:
+            pt = p.pushed[-1] + p.every
+            self.now = max(self.now, pt)
+            self.deliver([p.point("training_tokens_total", p.rate * (pt - p.start), pt)])
+            p.pushed.append(pt)
+        if p.pushed and not p.finished and t >= p.end:
+            self.now = max(self.now, p.end)
+            self.deliver([p.point("training_tokens_total", p.rate * (p.end - p.start), p.end),
+                                   p.point("training_run_finished", 1, p.end)])
+            p.finished = True
+
+    def run_until(self, until: float) -> None:
+        """Samples every ``INTERVAL`` up to ``until``, the trainers pushing between them (an edge reads the
+        counters at once)."""
+        events = sorted({e for p in self.pushers for e in (p.start, p.end)})
+        while self.next_tick <= until + 1e-9:
+            tick = self.next_tick
+            for e in [e for e in events if self.now < e <= tick]:
+                for p in self.pushers:
+                    self._push(p, e)
+                self.early_sample()
+            for p in self.pushers:
+                self._push(p, tick)
+            self.sample_at(tick)
+            self.next_tick = tick + INTERVAL
+
+    def close(self) -> None:
+        self.ledger.close()
+        self.sampler.stop()
+        if self._old is None:
+            os.environ.pop("FAKE_NVML_SCENARIO", None)
+        else:
+            os.environ["FAKE_NVML_SCENARIO"] = self._old
+
+
+def fake_procfs(root: Path, pids: Sequence[int]) -> Path:
+    """A /proc with the given pids, each in the host's pid namespace (what the exporter sees with hostPID)."""
+    root.mkdir(parents=True, exist_ok=True)
+    for pid in pids:
+        d = root / str(pid)
+        d.mkdir(parents=True, exist_ok=True)
+        (d / "status").write_text(f"Name:\tpython\nPid:\t{pid}\nNSpid:\t{pid}\n")
+        (d / "cgroup").write_text("0::/user.slice\n")
+    return root
+
+
+def h100_with(index: int, power: PowerTrace, processes: Sequence[Process] = (Process(4242, 1 << 30, 90),)) -> Any:
+    """An H100 with ``power``, listing ``processes`` (by default the trainer of pid 4242 that ``Pusher`` is)."""
+    return h100(index, power=power, processes=tuple(processes))
+
+
+def rel_error(value: float | None, truth: float) -> float:
+    assert value is not None
+    return value / truth - 1.0 if truth else math.inf
