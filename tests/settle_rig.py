@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -68,7 +68,7 @@ class Node:
     """The fake GPUs, the GPU collector, the sampler and the ledger on one frozen clock."""
 
     def __init__(self, lib: Path, tmp: Path, gpus: Sequence[Any], *, warmup_s: float = 0.0,
-                 claim_grace_s: float = 30.0) -> None:
+                 claim_grace_s: float = 30.0, carbon: Callable[[], tuple[float, float]] | None = None) -> None:
         self.now = EPOCH + 5.0
         self.gpus = list(gpus)
         # the host's /proc as the exporter sees it with hostPID: every process the GPUs list
@@ -85,7 +85,7 @@ class Node:
         self.sampler = Sampler([self.gpu], INTERVAL, gpu_states=self.gpu.states, clock=clock, monotonic=clock,
                                wait_budget=30.0)
         self.ledger = RunLedger(str(tmp / "runs.csv"), warmup_s=warmup_s, stale_after_s=300.0, clock=clock,
-                                claim_grace_s=claim_grace_s)
+                                claim_grace_s=claim_grace_s, carbon=carbon)
         self.sampler.add_listener(self.ledger.on_snapshot)
         # the daemon's wiring (daemon/exporter.py): a run's edge reads every counter in a sample taken at once
         self.edges = counter_reads_at_run_edges(lambda: (self.gpu.request_counter_read(), self.sampler.sample_soon()))
@@ -155,6 +155,14 @@ class Node:
                 self._push(p, tick)
             self.sample_at(tick)
             self.next_tick = tick + INTERVAL
+
+    def served(self, name: str, run_id: str) -> float | None:
+        """The value the ledger serves on /metrics for ``name`` and ``run_id``."""
+        for fam in self.ledger.collect():
+            for sample in fam.samples:
+                if sample.name == name and sample.labels.get("run_id") == run_id:
+                    return float(sample.value)
+        return None
 
     def close(self) -> None:
         self.ledger.close()

@@ -54,6 +54,28 @@ def test_gpu_co2_counter_prices_each_interval_at_the_intensity_then(tmp_path: Pa
     assert registry_of(c.update()).get_sample_value(name, labels) == pytest.approx(720.0)
 
 
+def test_gpu_co2_counter_prices_an_interval_straddling_a_change_part_at_each_intensity(tmp_path: Path) -> None:
+    """Issue 28: the intensity file rewritten 4 s into a 10 s interval (its mtime): 40% of the interval's
+    energy at the value before, 60% at the new one. Before, the whole interval at the new value (-48% of
+    this interval's grams here)."""
+    f = tmp_path / "intensity"
+    t0 = 1_800_000_000.0
+    write_intensity(f, "500\n", int((t0 - 60) * 1e9))
+    now = [t0]
+    gpu = {"state": state(0.0)}
+    c = CarbonCollector.from_config(load_config([f"--carbon.intensity-file={f}", "--carbon.pue=1.2"], {}),
+                                    gpu_states=lambda: (gpu["state"],), clock=lambda: now[0])
+    name, labels = "gpuenergy_gpu_co2_grams_total", {"gpu": "0", "gpu_uuid": UUID_A}
+    assert registry_of(c.update()).get_sample_value(name, labels) == 0.0
+    write_intensity(f, "100\n", int((t0 + 4) * 1e9))
+    now[0] = t0 + 10
+    gpu["state"] = state(1 * KWH)  # 0.4 kWh at 500 + 0.6 kWh at 100, x PUE 1.2: 240 + 72 = 312 g
+    assert registry_of(c.update()).get_sample_value(name, labels) == pytest.approx(312.0)
+    now[0] = t0 + 20
+    gpu["state"] = state(2 * KWH)  # then all at 100: + 120 g
+    assert registry_of(c.update()).get_sample_value(name, labels) == pytest.approx(432.0)
+
+
 def test_co2_meter_skips_a_counter_reset_and_a_gpu_that_is_down() -> None:
     m = CO2Meter()
     m.add([("0", "GPU-x", 10 * KWH)], 100.0, 1.0)  # baseline only

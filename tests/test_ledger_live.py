@@ -24,9 +24,9 @@ class CountingLedger(RunLedger):
         super().__init__(*args, **kwargs)
         self.summaries = 0
 
-    def _summary(self, run: Run, acc: Acc | None = None) -> dict[str, Any]:
+    def _summary(self, run: Run, acc: Acc | None = None, as_of: float | None = None) -> dict[str, Any]:
         self.summaries += 1
-        return super()._summary(run, acc)
+        return super()._summary(run, acc, as_of)
 
 
 class FreshLedger(RunLedger):

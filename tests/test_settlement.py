@@ -170,3 +170,62 @@ def test_a_change_of_sharers_falls_on_counter_reads_and_each_run_gets_its_sm_sha
             assert abs(rel_error(s["energy_j"], want[run_id])) <= 0.02, (run_id, s["energy_j"], want[run_id])
     finally:
         node.close()
+
+
+def test_metrics_serve_every_counter_as_of_the_settled_time_and_the_rest_as_provisional(
+    fake_nvml_lib: Path, tmp_path: Path
+) -> None:
+    """Mid-run, 20 s after the last counter read: the energy counter is what the counter said up to that read,
+    the token counter stands at the same instant (so their ratio is the run's J/token so far, exactly), and
+    the provisional gauge holds what the power readings say of the 20 s since. At the first collect after the
+    start, energy, CO2 and tokens appear together at (nearly) zero, so no rate() loses a first interval."""
+    node = Node(fake_nvml_lib, tmp_path, [h100_with(0, WAVE_10S)], carbon=lambda: (400.0, 1.25))
+    try:
+        start = EPOCH + 40.3
+        p = Pusher("r1", start, start + 120.0, _uuid(node), every=1.0)
+        node.add(p)
+        node.run_until(start + 1.0)  # the start at 40.3 s, its counter read at 40.32 s, a sample at 41 s
+        assert node.served("gpuenergy_run_tokens_total", "r1") == 0.0
+        first = node.served("gpuenergy_run_energy_joules_total", "r1")
+        assert first is not None and first <= 650.0 * 0.05
+        assert node.served("gpuenergy_run_co2_grams_total", "r1") == pytest.approx(first / 3.6e6 * 1.25 * 400.0)
+        node.run_until(start + 50.0)  # counter reads at start + 0.02 s, then 30 s later; now 20 s after that
+        tokens = node.served("gpuenergy_run_tokens_total", "r1")
+        energy = node.served("gpuenergy_run_energy_joules_total", "r1")
+        provisional = node.served("gpuenergy_run_energy_provisional_joules", "r1")
+        assert tokens is not None and energy is not None and provisional is not None
+        settled_at = start + tokens / p.rate
+        assert 25.0 <= settled_at - start <= 35.0  # the read 30 s after the start's
+        assert abs(rel_error(energy, node.true_energy_j(0, start, settled_at))) <= 0.01
+        since = node.true_energy_j(0, settled_at, p.pushed[-1])
+        assert abs(rel_error(provisional, since)) <= 0.10  # an estimate: the power readings over ~20 s
+    finally:
+        node.close()
+
+
+@pytest.mark.parametrize("change_at", [61.37, 72.5, 83.9])
+def test_co2_prices_each_part_of_the_run_at_the_intensity_in_force_then(
+    fake_nvml_lib: Path, tmp_path: Path, change_at: float
+) -> None:
+    """The grid intensity falls from 500 to 100 g/kWh inside a sampling interval (the file rewritten at
+    ``change_at``): the run's CO2 is within 0.5% of the hand value, each part of the run at its intensity.
+    Before, the interval that straddled the change was priced at the new value (-1.9% for a 60 s run)."""
+    tc = EPOCH + change_at
+    box: dict[str, float] = {}
+
+    def carbon() -> tuple[float, float, tuple[float, float] | None]:
+        now = box["now"]()
+        return (100.0, 1.2, (tc, 500.0)) if now >= tc else (500.0, 1.2, None)
+
+    node = Node(fake_nvml_lib, tmp_path, [h100_with(0, WAVE_10S)], carbon=carbon)
+    box["now"] = node.clock
+    try:
+        start, end = EPOCH + 40.3, EPOCH + 100.7
+        node.add(Pusher("r1", start, end, _uuid(node)))
+        node.run_until(end + 3.0)
+        s = node.ledger.run("r1")
+        assert s is not None and s["status"] == "finished"
+        want = (node.true_energy_j(0, start, tc) * 500.0 + node.true_energy_j(0, tc, end) * 100.0) * 1.2 / 3.6e6
+        assert abs(rel_error(s["co2_g"], want)) <= 0.005, (s["co2_g"], want)
+    finally:
+        node.close()

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from collections.abc import Callable, Sequence
 
 from prometheus_client.core import Metric
@@ -95,8 +96,15 @@ class CO2Meter:
         self._last: dict[str, float] = {}
         self._grams: dict[str, tuple[str, float]] = {}  # uuid -> (gpu index, grams)
 
-    def add(self, energy_j: Sequence[tuple[str, str, float | None]], intensity: float, pue: float) -> None:
-        """``energy_j``: (gpu index, uuid, counter J or None when the GPU is down or has no counter)."""
+    def add(self, energy_j: Sequence[tuple[str, str, float | None]], intensity: float, pue: float,
+            before: tuple[float, float] | None = None) -> None:
+        """``energy_j``: (gpu index, uuid, counter J or None when the GPU is down or has no counter).
+        ``before``: (fraction of the interval since the previous ``add``, intensity then) when the intensity
+        changed inside the interval: that part is priced at the intensity then, the rest at ``intensity``."""
+        price = pue * intensity
+        if before is not None:
+            f = min(1.0, max(0.0, before[0]))
+            price = pue * (f * before[1] + (1.0 - f) * intensity)
         for index, uuid, joules in energy_j:
             grams = self._grams.get(uuid, (index, 0.0))[1]
             self._grams[uuid] = (index, grams)  # the series exists from the GPU's first update
@@ -106,7 +114,7 @@ class CO2Meter:
             self._last[uuid] = joules
             if last is None or joules < last:
                 continue
-            self._grams[uuid] = (index, grams + (joules - last) / J_PER_KWH * pue * intensity)
+            self._grams[uuid] = (index, grams + (joules - last) / J_PER_KWH * price)
 
     def grams(self) -> list[tuple[str, str, float]]:
         """(gpu index, uuid, grams) of every GPU seen, by index."""
@@ -125,6 +133,10 @@ class IntensityWatch:
             raise ValueError("an intensity read from a file needs intensity_file")
         self.resolution = intensity
         self._value = intensity.value
+        #: when the value in force took effect (wall clock: the file's modification time; None: always) and
+        #: the value before it, so an interval that straddles the change is priced part at each (issue 28)
+        self.since: float | None = None
+        self.previous: float | None = None
         self.file = intensity_file if intensity.source == SOURCE_FILE else None
         # None: the first refresh re-reads the file, closing the gap since resolve_intensity read it.
         self._file_key: tuple[int, int, int] | None = None
@@ -172,6 +184,8 @@ class IntensityWatch:
             return
         if value != self._value:
             log.info("carbon intensity from %s: %g g/kWh (was %g)", self.file, value, self._value)
+            if self._file_key is not None:  # not the first read: the file changed at its mtime
+                self.previous, self.since = self._value, key[0] / 1e9
         self._value = value
         self._file_key = key
         self._bad_key = None
@@ -211,6 +225,7 @@ class CarbonCollector(Collector):
         lookup_peak: Callable[[str], PeakFlops | None] = lookup_peak_flops,
         gpu_states: Callable[[], Sequence[GPUState]] | None = None,
         watch: IntensityWatch | None = None,
+        clock: Callable[[], float] = time.time,
     ) -> None:
         """``gpu_states``: the GPU collector's latest states (``GPUCollector.states``), for the per-GPU CO2
         counters (none without it); the collector then runs after the GPU collector. ``watch``: an
@@ -225,6 +240,8 @@ class CarbonCollector(Collector):
         self._unknown_models: set[str] = set()
         self._gpu_states = gpu_states
         self._co2 = CO2Meter()
+        self._clock = clock
+        self._last_update: float | None = None  # wall time of the last update (the CO2 interval's start)
         self._static: tuple[object, list[Metric]] | None = None  # (what they show, the families)
         if gpu_states is not None:
             self.depends_on = ("gpu",)  # prices the energy the gpu collector just read
@@ -266,9 +283,17 @@ class CarbonCollector(Collector):
             self._static = (key, self._static_families(value))
         out = list(self._static[1])
         if self._gpu_states is not None:
-            # The intensity read just now prices the interval that ends now, as the run ledger does.
+            # The intensity read just now prices the interval that ends now, as the run ledger does; where it
+            # changed inside the interval (the file's mtime), the part before is priced at the value before.
+            now = self._clock()
+            w = self._watch
+            before = None
+            if self._last_update is not None and w.since is not None and w.previous is not None \
+                    and self._last_update < w.since < now:
+                before = ((w.since - self._last_update) / (now - self._last_update), w.previous)
+            self._last_update = now
             self._co2.add([(str(g.identity.index), g.identity.uuid, g.energy_j if g.up else None)
-                           for g in self._gpu_states()], value, self._pue)
+                           for g in self._gpu_states()], value, self._pue, before)
             co2 = GPU_CO2.family()
             for index, uuid, grams in self._co2.grams():
                 metrics.add(co2, (index, uuid), grams)

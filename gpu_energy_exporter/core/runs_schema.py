@@ -53,9 +53,15 @@ RUN_DURATION = metrics.define(
 # ledger.specs.counter_values for why they never decrease.
 RUN_ENERGY = metrics.define(
     "run", "energy_joules_total", "counter",
-    "Energy charged to the run since it started: its share of each of its GPUs on this node (split with "
-    "other runs using the same GPU or MIG-partitioned GPU), from the GPU energy counters.",
-    _RUN, collector=COLLECTOR, unit="joules")
+    "Energy charged to the run since it started, settled: its share of each of its GPUs on this node (split "
+    "with other runs using the same GPU or MIG-partitioned GPU), from the GPU energy counters, up to the "
+    "GPU's last energy-counter read (it lags by at most --collector.energy-interval; the part since is "
+    "gpuenergy_run_energy_provisional_joules).", _RUN, collector=COLLECTOR, unit="joules")
+RUN_PROVISIONAL_ENERGY = metrics.define(
+    "run", "energy_provisional_joules", "gauge",
+    "Energy charged to the run since its GPUs' last energy-counter read: the power readings' estimate, "
+    "provisional until the next read settles it into gpuenergy_run_energy_joules_total (docs/measurement.md, "
+    "settlement). Their sum is the run's energy now.", _RUN, collector=COLLECTOR, unit="joules")
 RUN_DYNAMIC_ENERGY = metrics.define(
     "run", "dynamic_energy_joules", "gauge",
     "Run energy above the GPUs' idle baseline (energy - idle power x time); absent while the idle "
@@ -121,9 +127,10 @@ RUN_MFU = metrics.define(
     _RUN, collector=COLLECTOR)
 RUN_CO2 = metrics.define(
     "run", "co2_grams_total", "counter",
-    "CO2-equivalent of the run's GPU energy since it started: each snapshot interval's energy (kWh) x PUE x "
-    "the grid intensity in force then, so an increase() or rate() over any window is right across a change "
-    "of intensity (the ledger's co2_g).", _RUN, collector=COLLECTOR, unit="grams")
+    "CO2-equivalent of the run's settled GPU energy (gpuenergy_run_energy_joules_total) since it started: each "
+    "snapshot interval's energy (kWh) x PUE x the grid intensity in force then, so an increase() or rate() "
+    "over any window is right across a change of intensity (the ledger's co2_g).", _RUN, collector=COLLECTOR,
+    unit="grams")
 # The efficiency window's counters: 0 during the run's warm-up (--runs.warmup), then the energy and the local
 # tokens after it, the numerator and denominator of the ledger's J/token. Their increases over a range give
 # the ledger's J/token for the part of the run in the range, warm-up excluded, where the whole-run counters
@@ -131,8 +138,9 @@ RUN_CO2 = metrics.define(
 # the whole run).
 RUN_WINDOW_ENERGY = metrics.define(
     "run", "window_energy_joules_total", "counter",
-    "Energy charged to the run after its warm-up (--runs.warmup): 0 during the warm-up, then the ledger's "
-    "window_energy_j. Over its token twin (gpuenergy_run_window_tokens_total): the ledger's J/token.",
+    "Energy charged to the run after its warm-up (--runs.warmup), settled as gpuenergy_run_energy_joules_total: "
+    "0 during the warm-up, then the ledger's window_energy_j. Over its token twin "
+    "(gpuenergy_run_window_tokens_total): the ledger's J/token.",
     _RUN, collector=COLLECTOR, unit="joules")
 RUN_WINDOW_TOKENS = metrics.define(
     "run", "window_tokens_total", "counter",

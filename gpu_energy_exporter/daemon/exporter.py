@@ -110,7 +110,8 @@ class Exporter:
         if config.enabled("carbon"):
             self.carbon = CarbonCollector(
                 intensity=self.intensity, pue=config.carbon_pue, intensity_file=config.carbon_intensity_file,
-                gpus=self._identities, gpu_states=self.gpu.states if self.gpu else None, watch=self.intensity_watch)
+                gpus=self._identities, gpu_states=self.gpu.states if self.gpu else None, watch=self.intensity_watch,
+                clock=clock)
             collectors.append(self.carbon)
         elif self.intensity_watch.file is not None:
             collectors.append(IntensityFileCollector(self.intensity_watch))
@@ -187,7 +188,7 @@ class Exporter:
         steady = SteadyClock.start() if self._clock is time.time else self._clock
         self.ledger = RunLedger(
             config.runs_csv, warmup_s=config.runs_warmup, stale_after_s=config.runs_stale_after,
-            carbon=self.carbon_now, clock=steady, wall=self._clock if steady is not self._clock else None,
+            carbon=self.carbon_for_ledger, clock=steady, wall=self._clock if steady is not self._clock else None,
             state_dir=runs_state_dir(config), background_writes=True,
             journal_interval_s=config.runs_journal_interval, claim_grace_s=config.runs_claim_grace,
             max_active_per_client=config.runs_max_active_per_client, max_backdate_s=config.runs_max_backdate,
@@ -257,6 +258,13 @@ class Exporter:
     def carbon_now(self) -> tuple[float, float]:
         """(grid intensity g/kWh, PUE) in force now, whether or not the carbon collector runs."""
         return self.intensity_watch.value, self.config.carbon_pue
+
+    def carbon_for_ledger(self) -> tuple[float, float, tuple[float, float] | None]:
+        """``carbon_now`` and, when the intensity changed (its file was rewritten), (when, in wall-clock
+        seconds, the value before): the ledger prices the interval that straddles the change part at each."""
+        w = self.intensity_watch
+        change = (w.since, w.previous) if w.since is not None and w.previous is not None else None
+        return w.value, self.config.carbon_pue, change
 
     def status(self) -> dict[str, Any]:
         backend = self.gpu.backend if self.gpu else None

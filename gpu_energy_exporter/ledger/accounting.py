@@ -48,8 +48,11 @@ class Acc:
     # seconds per GPU its claim went unconfirmed (charged nothing) / was charged on the claim alone
     unconfirmed_s: dict[str, float] = field(default_factory=dict)
     unverified_s: dict[str, float] = field(default_factory=dict)
-    #: the part of ``energy_j`` from frames no counter read has settled yet (``ledger.settlement``)
+    #: the parts of ``energy_j``, ``win_energy_j`` and ``co2_g`` from frames no counter read has settled yet
+    #: (``ledger.settlement``): provisional, replaced by the settled figures when the next read recounts them
     provisional_j: float = 0.0
+    provisional_win_j: float = 0.0
+    provisional_co2_g: float = 0.0
 
     def copy(self) -> Acc:
         return replace(self, idle_unknown_s=dict(self.idle_unknown_s),
@@ -115,6 +118,7 @@ def integrate(acc: Acc, f0: Frame, f1: Frame, lo: float, hi: float, *, run_id: s
     vram_max: float | None = None
     vram_n = 0
     segment_j = 0.0
+    provisional_j = 0.0  # the part of segment_j that is not settled yet
     measured_all = True
     for key in keys:
         g0, g1 = f0.gpus.get(key), f1.gpus.get(key)
@@ -142,6 +146,8 @@ def integrate(acc: Acc, f0: Frame, f1: Frame, lo: float, hi: float, *, run_id: s
             acc.per_gpu_j[key] = acc.per_gpu_j.get(key, 0.0) + joules
             if not g1.settled:
                 acc.provisional_j += joules
+                acc.provisional_win_j += delta * win_share_s / span
+                provisional_j += joules
             acc.measured_gpu_s += overlap
             segment_j += joules
         else:
@@ -175,16 +181,33 @@ def integrate(acc: Acc, f0: Frame, f1: Frame, lo: float, hi: float, *, run_id: s
             acc.peak_power_w = max_opt(acc.peak_power_w, power_sum)
         if vram_max is not None:
             acc.vram_peak = max_opt(acc.vram_peak, vram_max)
-    kwh = segment_j / 3.6e6
-    if f1.intensity is not None:
-        pue = f1.pue if f1.pue is not None else 1.0
-        acc.co2_g += kwh * pue * f1.intensity
+    for fraction, intensity, pue in carbon_parts(f0, f1, a, b):
+        kwh = segment_j * fraction / 3.6e6
+        if intensity is None:
+            acc.carbon_missing_kwh += kwh
+            continue
+        acc.co2_g += kwh * pue * intensity
+        acc.provisional_co2_g += provisional_j * fraction / 3.6e6 * pue * intensity
         acc.carbon_kwh += kwh
-        acc.carbon_weighted_intensity += kwh * f1.intensity
+        acc.carbon_weighted_intensity += kwh * intensity
         acc.carbon_weighted_pue += kwh * pue
-    else:
-        acc.carbon_missing_kwh += kwh
     return seg
+
+
+def carbon_parts(f0: Frame, f1: Frame, a: float, b: float) -> list[tuple[float, float | None, float]]:
+    """How the energy of (a, b] (part of the interval (f0, f1], spread evenly over it) is priced: (fraction,
+    intensity g/kWh or None when unknown, PUE). The intensity in force at ``f1`` prices it all, unless it
+    took that value inside (a, b) (``Frame.intensity_change``): then the part before is priced at the value
+    before, at ``f0``'s PUE."""
+    pue1 = f1.pue if f1.pue is not None else 1.0
+    change = f1.intensity_change
+    if change is not None and f1.intensity is not None and b > a:
+        tc = f1.t + change[0]
+        if a < tc < b:
+            before = (tc - a) / (b - a)
+            pue0 = f0.pue if f0.pue is not None else pue1
+            return [(before, change[1], pue0), (1.0 - before, f1.intensity, pue1)]
+    return [(1.0, f1.intensity, pue1)]
 
 
 def unattributed(f0: Frame, f1: Frame, holders: Mapping[str, Sequence[Holding]]

@@ -69,6 +69,9 @@ class Frame:
     mig_profile: dict[str, tuple[int, float | None]] = field(default_factory=dict)
     #: how long before the snapshot was published its GPUs were read (s): ``t`` is the time of the readings
     age: float = 0.0
+    #: when the intensity in force took effect, as seconds before ``t`` (None: not within reach), and the
+    #: intensity before it: an interval that straddles the change is priced part at each (``accounting``)
+    intensity_change: tuple[float, float] | None = None
 
 
 #: A reading older than this when its snapshot is published is not dated by: the GPU collector is stuck (a
@@ -135,8 +138,10 @@ def procs_of(processes: tuple[GPUProcess, ...] | None, migs: tuple[MIGDevice, ..
                       slices.get(p.mig_uuid, 1)) for p in processes)
 
 
-def frame_of(snapshot: Snapshot, intensity: float | None, pue: float | None) -> Frame:
-    """The frame of one snapshot, with the grid intensity (g/kWh) and PUE in force when it was taken."""
+def frame_of(snapshot: Snapshot, intensity: float | None, pue: float | None,
+             change: tuple[float, float] | None = None) -> Frame:
+    """The frame of one snapshot, with the grid intensity (g/kWh) and PUE in force when it was taken;
+    ``change``: (when the intensity took that value, wall clock; the value before)."""
     gpus: dict[str, GPUFrame] = {}
     mig: dict[str, str] = {}
     profile: dict[str, tuple[int, float | None]] = {}
@@ -148,8 +153,12 @@ def frame_of(snapshot: Snapshot, intensity: float | None, pue: float | None) -> 
         for m in g.identity.mig_devices:
             mig[uuid_key(m.uuid)] = key
             profile[uuid_key(m.uuid)] = (m.slices, m.sm_share)
-    return Frame(snapshot.timestamp - age, gpus, mig, intensity, pue, snapshot.value(MEMORY_AVAILABLE.name),
-                 snapshot.xid_events, profile, age)
+    t = snapshot.timestamp - age
+    since = None
+    if change is not None and change[0] <= t:
+        since = (change[0] - t, change[1])  # wall-clock offsets: steps of the clock aside, as the snapshot's
+    return Frame(t, gpus, mig, intensity, pue, snapshot.value(MEMORY_AVAILABLE.name),
+                 snapshot.xid_events, profile, age, since)
 
 
 def reading_age(snapshot: Snapshot) -> float:

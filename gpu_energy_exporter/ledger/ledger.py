@@ -52,7 +52,8 @@ _RANK = contract.ATTR_RANK
 _PROGRESS = runs.COUNTERS | {runs.HISTOGRAM}  # training progress: a tentative run id becomes a run
 _FINISHED = runs.RUN_FINISHED
 
-CarbonSource = Callable[[], "tuple[float, float]"]
+#: () -> (grid intensity g/kWh, PUE[, (when the intensity took that value, wall clock; the value before) or None])
+CarbonSource = Callable[[], "tuple[float, float] | tuple[float, float, tuple[float, float] | None]"]
 
 
 class RunLedger(LedgerViews):
@@ -287,14 +288,17 @@ class RunLedger(LedgerViews):
     def on_snapshot(self, snapshot: Snapshot) -> None:
         """Sampler listener: ``Sampler.add_listener(ledger.on_snapshot)``."""
         intensity = pue = None
+        change = None
         if self._carbon is not None:
             try:
-                intensity, pue = self._carbon()
+                carbon = self._carbon()
+                intensity, pue = carbon[0], carbon[1]
+                change = carbon[2] if len(carbon) > 2 else None
             except Exception as exc:  # noqa: BLE001 - a carbon source bug must not stop the ledger
                 if not self._carbon_error_logged:
                     log.warning("run ledger: carbon intensity unavailable (%s); CO2 figures will be missing", exc)
                     self._carbon_error_logged = True
-        frame = frame_of(snapshot, intensity, pue)
+        frame = frame_of(snapshot, intensity, pue, change)
         if self._wall is not None:
             # Stamped by the wall clock: dated on the ledger's (steady) clock instead.
             frame = restart.on_clock(frame, self._clock())

@@ -149,7 +149,7 @@ class Durable:
                 "finished_counts": dict(led._finished_counts),
             }
             for run in state["active"]:
-                run.live_memo = None  # a cache: not worth the bytes
+                run.live_memo = run.settled_memo = None  # caches: not worth the bytes
             return pickle.dumps(state, protocol=pickle.HIGHEST_PROTOCOL)
 
     def _journaled(self, ticket: int, timeout: float) -> bool:
@@ -179,7 +179,7 @@ class Durable:
             run.last_point_received = now  # it gets --runs.stale-after from now to push again
             run.checkpoints = deque()
             run.alive_checkpoint = run.acc.copy()
-            run.live_memo = None
+            run.live_memo = run.settled_memo = None
             led._active[run.run_id] = run
         if frame is not None and led._active:
             led._history.append(frame)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from gpu_energy_exporter.core import contract
@@ -58,6 +58,9 @@ class PointLike(Protocol):
     client: str
 
 
+#: Points kept per counter series for ``SeriesState.value_at`` (a minute of exports every second).
+SERIES_HISTORY = 64
+
 #: A point's labels as their sorted items: a counter series' identity within its run (with its name).
 LabelKey = tuple[tuple[str, str], ...]
 
@@ -77,6 +80,23 @@ class SeriesState:
     at_w: float | None = None  # value at the warm-up boundary, once a point at or after it arrived
     count: float = 0.0  # histograms: cumulative count (value is the cumulative sum)
     gpus: tuple[str, ...] = ()  # uuid keys of the series' gpu_uuid label (local or remote rank)
+    #: the recent points (t, value), oldest first: the value at an earlier time (``value_at``), for the
+    #: counters /metrics serves as of the run's settled time (``views``)
+    hist: deque[tuple[float, float]] = field(default_factory=lambda: deque(maxlen=SERIES_HISTORY))
+
+    def value_at(self, t: float) -> float:
+        """The series' value at ``t`` (less its baseline): interpolated between the points around ``t``, the
+        last one from ``t`` on, the oldest one kept before it."""
+        if t >= self.last_t or not self.hist:
+            return self.last_v - self.baseline
+        after = None
+        for pt, pv in reversed(self.hist):
+            if pt <= t:
+                if after is None or after[0] <= pt:
+                    return pv - self.baseline
+                return pv + (after[1] - pv) * (t - pt) / (after[0] - pt) - self.baseline
+            after = (pt, pv)
+        return self.hist[0][1] - self.baseline
 
 
 def rank_order(rank: str) -> tuple[int, str]:
@@ -135,6 +155,7 @@ class Run:
         self.next_write_try = 0.0
         self.changes = 0  # bumped by every point applied to the run (a part of its live summary's stamp)
         self.live_memo: tuple[tuple[int, ...], dict[str, Any]] | None = None  # (stamp, live summary)
+        self.settled_memo: tuple[tuple[int, ...], dict[str, Any]] | None = None  # (stamp, settled summary)
         # Restored from the journal after a restart: series key -> whether its first point since was seen
         # (``ledger.restart.reconcile``); None for a run this process started.
         self.restored: dict[tuple[str, LabelKey], bool] | None = None
@@ -166,6 +187,13 @@ class Run:
             return total
         self.overflowed.add(name)
         return None
+
+    def counter_at(self, name: str, t: float, local: Callable[[SeriesState], bool] | None = None) -> float | None:
+        """``counter`` as it stood at ``t`` (each series interpolated between its points)."""
+        values = [s.value_at(t) for s in self.series.values() if s.name == name and (local is None or local(s))]
+        if not values:
+            return None
+        return self._finite(name, max(values) if name == STEPS else sum(values))
 
     def counter_at_w(self, name: str, local: Callable[[SeriesState], bool] | None = None) -> float | None:
         values = [(s.at_w if s.at_w is not None else s.last_v) - s.baseline
@@ -317,6 +345,7 @@ def _apply_counter(run: Run, name: str, labels: Mapping[str, str], rank: str, va
         else:
             s = SeriesState(name, rank, baseline=value, last_t=t, last_v=value)
         s.gpus = gpu_keys(labels.get(contract.ATTR_GPU_UUID, ""))
+        s.hist.append((s.last_t, s.last_v))
         run.series[key] = s
     if t < s.last_t:
         return
@@ -326,6 +355,7 @@ def _apply_counter(run: Run, name: str, labels: Mapping[str, str], rank: str, va
         else:
             s.at_w = s.last_v + (value - s.last_v) * (run.w - s.last_t) / (t - s.last_t)
     s.last_t, s.last_v = t, value
+    s.hist.append((t, value))
     if count is not None:
         s.count = count
 

@@ -94,12 +94,19 @@ def peak_flops(gpus: Mapping[str, str], frame: Frame | None, precision: str,
     return total
 
 
+def _counter_at(run: Run, t: float, name: str, local: Local | None = None) -> float | None:
+    return run.counter_at(name, t, local)
+
+
 def summarize(run: Run, acc: Acc, *, warmup_s: float, local: Local, carbon_configured: bool,
-              peak: float | None, summary_file: str | None, xids: Sequence[XidEvent] = ()) -> dict[str, Any]:
+              peak: float | None, summary_file: str | None, xids: Sequence[XidEvent] = (),
+              as_of: float | None = None) -> dict[str, Any]:
     """The run's summary, as of ``acc`` (``acc.t`` is the end of a run still going). ``peak``: the run's
     peak FLOP/s (``peak_flops``); ``carbon_configured``: a carbon source was given (a run with no energy
     then has 0 g CO2 rather than none); ``xids``: the recent critical Xids (a note names those of the run's
-    GPUs while it ran)."""
+    GPUs while it ran); ``as_of``: the counters (tokens, samples, steps, FLOPs) as they stood then (``acc``
+    cut there too), else their latest values."""
+    counter = run.counter if as_of is None else functools.partial(_counter_at, run, as_of)
     end = acc.t if run.e is None else run.e
     duration = max(0.0, end - run.s)
     notes = list(run.notes)
@@ -107,24 +114,26 @@ def summarize(run: Run, acc: Acc, *, warmup_s: float, local: Local, carbon_confi
     if warmup_applied:
         warmup = warmup_s
         win_energy: float | None = acc.win_energy_j
+        win_provisional = acc.provisional_win_j
         win_idle_j, win_unknown = acc.win_idle_j, acc.win_idle_unknown_s
         tokens_w = run.counter_at_w(TOKENS, local)
         samples_w = run.counter_at_w(SAMPLES, local)
     else:
         warmup = 0.0
         win_energy = acc.energy_j
+        win_provisional = acc.provisional_j
         win_idle_j, win_unknown = acc.idle_j, acc.idle_unknown_s
         tokens_w = samples_w = 0.0
         if warmup_s > 0:
             notes.append(f"run shorter than the warm-up ({warmup_s:g}s): efficiency figures "
                          "cover the whole run")
     window = duration - warmup
-    tokens_all = run.counter(TOKENS)
-    tokens = run.counter(TOKENS, local)
+    tokens_all = counter(TOKENS)
+    tokens = counter(TOKENS, local)
     if tokens is None and tokens_all is not None:
         tokens = 0.0  # every rank is remote
-    tokens_remote = run.counter(TOKENS, lambda x: not local(x))
-    samples = run.counter(SAMPLES, local)
+    tokens_remote = counter(TOKENS, lambda x: not local(x))
+    samples = counter(SAMPLES, local)
     window_tokens = tokens - (tokens_w or 0.0) if tokens is not None else None
     window_samples = samples - (samples_w or 0.0) if samples is not None else None
     if tokens_remote is not None:
@@ -173,7 +182,7 @@ def summarize(run: Run, acc: Acc, *, warmup_s: float, local: Local, carbon_confi
         return num / den
 
     j_per_token = ratio(win_energy, window_tokens)
-    steps = run.counter(STEPS)
+    steps = counter(STEPS)
     steps_w = run.counter_at_w(STEPS) if warmup_applied else 0.0
     window_steps = steps - (steps_w or 0.0) if steps is not None else None
     # Progress counts the trainer's global step, which includes the steps before a resume from a
@@ -207,7 +216,7 @@ def summarize(run: Run, acc: Acc, *, warmup_s: float, local: Local, carbon_confi
         if info is not None and info.name not in models:
             models.append(info.name)
     meta = run.metadata
-    flops = run.counter(FLOPS, local)
+    flops = counter(FLOPS, local)
     flops_w = run.counter_at_w(FLOPS, local) if warmup_applied else 0.0
     window_flops = flops - (flops_w or 0.0) if flops is not None else None
     total_mem = [run.gpu_info[k].memory_total for k in keys if k in run.gpu_info]
@@ -269,8 +278,11 @@ def summarize(run: Run, acc: Acc, *, warmup_s: float, local: Local, carbon_confi
                                if steps_remaining is not None and j_per_step is not None else None),
         "mean_step_s": mean_step_s,
         "energy_coverage": coverage,
-        # the part of energy_j no counter read has settled yet (ledger.settlement); 0 once settled
+        # the parts of energy_j, window_energy_j and co2_g no counter read has settled yet (ledger.settlement):
+        # 0 once settled; /metrics serves the settled counters and the provisional part as a gauge
         "energy_provisional_j": acc.provisional_j if energy is not None else None,
+        "window_energy_provisional_j": win_provisional if win_energy is not None else None,
+        "co2_provisional_g": acc.provisional_co2_g if co2 is not None else None,
         "energy_split": ",".join(sorted(run.splits)),
         "summary_file": summary_file,
         "ledger_notes": "; ".join(notes),

@@ -28,7 +28,7 @@ class LedgerViews:
 
     csv_path: str | None
     warmup_s: float
-    _carbon: Callable[[], tuple[float, float]] | None
+    _carbon: Callable[[], Any] | None
     _clock: Callable[[], float]
     _lock: threading.RLock
     _history: deque[Frame]
@@ -46,6 +46,7 @@ class LedgerViews:
     _snapshots: int
     _holders_gen: int
     _expirations: int
+    _anchors: dict[str, float]
 
     # RunLedger's (the driver's) own
     def _recount(self) -> None:
@@ -85,13 +86,57 @@ class LedgerViews:
                 return self._summary(run, acc)
         return self._summary(run)
 
-    def _summary(self, run: Run, acc: accounting.Acc | None = None) -> dict[str, Any]:
+    def _summary(self, run: Run, acc: accounting.Acc | None = None, as_of: float | None = None) -> dict[str, Any]:
         latest = self._history[-1] if self._history else None
         precision = run.metadata.get("precision") or ""
         return summarize(run, run.acc if acc is None else acc, warmup_s=self.warmup_s, local=local_check(latest),
                          carbon_configured=self._carbon is not None,
                          peak=peak_flops(run.gpus, latest, precision, peak_row),
-                         summary_file=summary_path(self.csv_path, run.run_id), xids=latest.xid_events if latest else ())
+                         summary_file=summary_path(self.csv_path, run.run_id), xids=latest.xid_events if latest else (),
+                         as_of=as_of)
+
+    def _settled_time(self, run: Run) -> float:
+        """Up to when the run's figures are settled: the earliest last counter read of its GPUs (frame clock),
+        no later than its last point (counters are known up to then) nor the latest snapshot."""
+        latest = self._history[-1] if self._history else None
+        if latest is None:
+            return run.s
+        t = min(run.last_point_t, latest.t)
+        for key in run.parents(latest):
+            g = latest.gpus.get(key)
+            if g is not None and g.span is not None:
+                t = min(t, self._anchors.get(key, run.s))
+        return max(t, run.s)
+
+    def _settled_summary(self, run: Run) -> dict[str, Any]:
+        """An active run's figures as of its settled time (``_settled_time``): energy, CO2 and every counter
+        (tokens, steps, samples, FLOPs, active seconds) cut at that one instant, so the counters /metrics
+        serves describe the same interval and any ratio of their increases (J/token, tokens/s) is right; they
+        lag by at most one --collector.energy-interval. Kept with the live summary's stamp."""
+        stamp = (run.changes, self._snapshots, self._holders_gen, self._expirations)
+        memo = getattr(run, "settled_memo", None)
+        if memo is not None and memo[0] == stamp:
+            return memo[1]
+        t = self._settled_time(run)
+        live_t = run.last_point_t if run.s < run.last_point_t < run.acc.t else run.acc.t  # _live_summary_now's cut
+        if t >= live_t:
+            summary = self._live_summary(run)  # settled as far as the live figures go: the same figures
+            run.settled_memo = (stamp, summary)
+            return summary
+        base = run.checkpoint_before(t)
+        acc = base.copy() if base is not None else accounting.Acc(t=run.s)
+        if acc.t < t:
+            runs.replay(run, acc, self._history, max(acc.t, run.s), t, self._holders, live=False)
+        acc.t = t
+        summary = self._summary(run, acc, as_of=t)
+        latest = self._history[-1] if self._history else None
+        if summary.get("energy_j") is None and acc.expected_gpu_s == 0 and run.parents(latest) & set(
+                latest.gpus if latest else ()):
+            # Nothing settled yet on GPUs of this node: the counters start at zero, all together, so that no
+            # rate() loses a first interval (a series that first appears at a value counts none of it).
+            summary.update(energy_j=0.0, window_energy_j=0.0, co2_g=0.0 if self._carbon is not None else None)
+        run.settled_memo = (stamp, summary)
+        return summary
 
     def _document(self, run: Run, summary: dict[str, Any]) -> dict[str, Any]:
         """A run's document (``/api/v1/run``, the JSON summary): its summary, GPUs, metadata and timeline."""
@@ -133,10 +178,15 @@ class LedgerViews:
             for r in self._closed:
                 if r.summary is not None:
                     by_id[r.run_id] = (r, r.summary)
+            settled: dict[str, Mapping[str, Any]] = {}
             for r in self._active.values():
                 if not r.tentative:
                     by_id[r.run_id] = (r, self._live_summary(r))
-            served = [(run_id, r.status, s, specs.counter_values(r.exposed, s, self.warmup_s))
+                    settled[r.run_id] = self._settled_summary(r)
+            # Counters as of the run's settled time (a closed run's are all settled), gauges live; the
+            # provisional energy is what the live figures add to the settled ones.
+            served = [(run_id, r.status, specs.with_provisional(s, settled.get(run_id, s)),
+                       specs.counter_values(r.exposed, settled.get(run_id, s), self.warmup_s))
                       for run_id, (r, s) in by_id.items()]
             finished = dict(self._finished_counts)
             rejected, errors, evicted = self._rejected, self._write_errors, self._evicted
