@@ -13,7 +13,8 @@ The rules, in order (the returned rule names say which one applied to each part)
   nothing (those in use absorb the whole GPU); inside one instance the members share evenly.
 - ``exclusive``: one owner uses the (whole) GPU: it gets all of it, idle power included.
 - ``sm_util``: several owners share the whole GPU and every member has a measured weight (NVML's per-process
-  SM utilisation) and the weights sum above zero: split in proportion to the weights. A member that pushes
+  SM utilisation) and the weights sum above zero: split in proportion to the weights. A weight that is not
+  a finite number >= 0 (NaN, negative, infinite) is no measurement: the rule falls to ``even``. A member that pushes
   nothing anywhere keeps its share: the splitter never looks at who pushed what.
 - ``even``: several owners share the whole GPU without usable weights: split evenly per member.
 
@@ -24,6 +25,7 @@ package.
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
@@ -71,7 +73,7 @@ def split(total: float, members: Sequence[Member[O]]) -> list[tuple[O, str, floa
         measured = True
         for m in unit_members:
             count[m.owner] = count.get(m.owner, 0) + 1
-            if m.weight is None or not m.weight >= 0:  # None, NaN or negative: not a usable measurement
+            if m.weight is None or not 0 <= m.weight < math.inf:  # None, NaN, negative, infinite: not usable
                 measured = False
             else:
                 weight[m.owner] = weight.get(m.owner, 0.0) + m.weight
