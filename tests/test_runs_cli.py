@@ -246,3 +246,37 @@ def test_the_exporter_cli_dispatches_to_runs(ledger_csv: Path, capsys: pytest.Ca
     assert "unsloth vs bitsandbytes" in capsys.readouterr().out
     assert cli.main(["runs", "--help"]) == 0
     assert "--group-by" in capsys.readouterr().out
+
+
+def test_a_live_runs_unsettled_energy_is_marked_provisional_in_runs_and_top() -> None:
+    """Issue 28: a live run whose energy includes the power readings' estimate since the last counter read
+    is marked `~` (J/token, kWh, average power, CO2) with one line saying what it means; a settled one is not."""
+    from gpu_energy_exporter.client import fmt
+    from gpu_energy_exporter.client.runs import runs_table
+    from gpu_energy_exporter.client.top.frame import _run_cells
+
+    live = {"run_id": "r1", "status": "running", "tokens": 1000.0, "j_per_token": 0.5, "energy_kwh": 0.001,
+            "energy_j": 3600.0, "avg_power_w": 300.0, "co2_g": 1.2, "energy_provisional_j": 120.0}
+    settled = {**live, "run_id": "r2", "energy_provisional_j": 0.0}
+    text = runs_table([live, settled])
+    r1 = next(line for line in text.splitlines() if line.startswith("r1"))
+    r2 = next(line for line in text.splitlines() if line.startswith("r2"))
+    assert r1.count(fmt.PROVISIONAL_MARK) == 4 and fmt.PROVISIONAL_MARK not in r2
+    assert fmt.PROVISIONAL_NOTE in text
+    assert fmt.PROVISIONAL_NOTE not in runs_table([settled])
+    cells = _run_cells(live)
+    assert [c for c in cells if c.startswith(fmt.PROVISIONAL_MARK)] == [cells[3], cells[6], cells[7]]
+    assert not any(c.startswith(fmt.PROVISIONAL_MARK) for c in _run_cells(settled))
+
+
+def test_a_report_of_a_live_run_says_which_energy_is_provisional() -> None:
+    from gpu_energy_exporter.client.report.render import summary_rows
+    from gpu_energy_exporter.client.report.run import RunData
+
+    summary = {"run_id": "r1", "status": "running", "energy_j": 3600.0, "avg_power_w": 300.0, "j_per_token": 0.5,
+               "co2_g": 1.2, "tokens": 1000.0, "warmup_s": 30.0, "energy_provisional_j": 120.0}
+    rows = dict(summary_rows(RunData("r1", "api", summary)))
+    assert rows["settlement"].startswith("~120") and "provisional" in rows["settlement"]
+    assert rows["total energy"].startswith("~") and rows["CO2"].startswith("~")
+    assert rows["J/token (after a 30 s warm-up)"].startswith("~")
+    assert "settlement" not in dict(summary_rows(RunData("r1", "api", {**summary, "energy_provisional_j": 0.0})))

@@ -74,3 +74,21 @@ def fmt_mfu(ratio: float | None) -> str:
 
 
 __all__ = ["GIB", "fmt_co2", "fmt_duration", "fmt_gib", "fmt_mfu", "rank_coverage"]
+
+
+#: The mark of a figure not settled by an energy-counter read yet (docs/measurement.md, "Settlement").
+PROVISIONAL_MARK = "~"
+PROVISIONAL_NOTE = ("~: provisional, the power readings' estimate since the GPUs' last energy-counter read "
+                    "(settled at the next read, at most --collector.energy-interval later)")
+
+
+def is_provisional(run: Mapping[str, Any]) -> bool:
+    """Whether a run's energy figures include energy no counter read has settled yet."""
+    part = run.get("energy_provisional_j")
+    return isinstance(part, (int, float)) and part > 0
+
+
+def provisional(text: str, run: Mapping[str, Any]) -> str:
+    """``text`` marked as provisional when the run's energy is not all settled (and it shows a figure)."""
+    return PROVISIONAL_MARK + text if text != "-" and is_provisional(run) else text
+

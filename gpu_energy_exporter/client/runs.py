@@ -37,7 +37,14 @@ from gpu_energy_exporter.client.api import (
     add_client_flags,
     client_from_args,
 )
-from gpu_energy_exporter.client.fmt import fmt_gib, fmt_mfu, rank_coverage
+from gpu_energy_exporter.client.fmt import (
+    PROVISIONAL_NOTE,
+    fmt_gib,
+    fmt_mfu,
+    is_provisional,
+    provisional,
+    rank_coverage,
+)
 from gpu_energy_exporter.client.report.prometheus import PrometheusSource, whole_runs
 from gpu_energy_exporter.client.report.run import ReportError
 from gpu_energy_exporter.core.config import FLAGS, parse_duration
@@ -207,7 +214,10 @@ def runs_table(runs: Sequence[dict[str, Any]]) -> str:
     # the status.
     status = next(i for i, c in enumerate(TABLE) if c.key == "status")
     partial = []
+    energy_cols = [i for i, c in enumerate(TABLE) if c.key in ("j_per_token", "energy_kwh", "avg_power_w", "co2_g")]
     for row, r in zip(rows, runs, strict=True):
+        for i in energy_cols:
+            row[i] = provisional(row[i], r)
         if is_simulated(r):
             row[status] += SIMULATED_MARK
         coverage = rank_coverage(r)
@@ -216,6 +226,8 @@ def runs_table(runs: Sequence[dict[str, Any]]) -> str:
             row[status] += f" ({coverage})"
             partial.append(r)
     text = render_table([c.header for c in TABLE], rows, [c.right for c in TABLE])
+    if any(is_provisional(r) for r in runs):
+        text += PROVISIONAL_NOTE + "\n"
     if any(is_simulated(r) for r in runs):
         text += "(SIMULATED): a run of `gpu-energy-exporter demo` on simulated GPUs, not a measurement\n"
     if any(r.get("ranks_scope") != "in Prometheus" for r in partial):

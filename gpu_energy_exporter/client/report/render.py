@@ -17,7 +17,15 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from gpu_energy_exporter import __version__
-from gpu_energy_exporter.client.fmt import GIB, fmt_co2, fmt_duration, fmt_mfu, rank_coverage
+from gpu_energy_exporter.client.fmt import (
+    GIB,
+    fmt_co2,
+    fmt_duration,
+    fmt_mfu,
+    is_provisional,
+    provisional,
+    rank_coverage,
+)
 from gpu_energy_exporter.client.report.plots import COMPARISON_PLOTS, PLOTS
 from gpu_energy_exporter.client.report.run import RunData, num
 from gpu_energy_exporter.core.textfmt import fmt_num, md_text, printable
@@ -78,6 +86,12 @@ def summary_rows(run: RunData) -> list[tuple[str, str]]:
         ("steps", (f"{n['steps']:,.0f}" if n.get("steps") is not None else "-")
          + (f" of {n['total_steps']:,.0f} planned" if n.get("total_steps") else "")),
     ]
+    if is_provisional(s):
+        # A run still going: part of its energy is the power readings' estimate since the last counter read.
+        rows = [(label, provisional(value, s) if label.startswith(_ENERGY_ROWS) else value) for label, value in rows]
+        rows.insert(0, ("settlement", f"~{fmt_energy(n.get('energy_provisional_j'))} of the energy is provisional: "
+                                      "the power readings' estimate since the GPUs' last energy-counter read, "
+                                      "settled at the next read (figures marked ~)"))
     coverage = rank_coverage(s)
     if coverage is not None:
         # A multi-node run read from one exporter: say so before any figure is taken as the run's.
@@ -95,6 +109,9 @@ def summary_rows(run: RunData) -> list[tuple[str, str]]:
         rows.append(("mean step time", f"{n['mean_step_s']:.3f} s"))
     return rows
 
+
+#: The summary rows that carry energy (marked ~ while part of it is provisional), by the start of their label.
+_ENERGY_ROWS = ("total energy", "average power", "J/token", "energy per 10k tokens", "CO2")
 
 _META = ("status", "model", "backend", "optimizer", "precision", "batch_size", "grad_accum", "seq_len", "seed",
          "world_size", "ranks", "gpu_count", "gpu_models", "gpu_uuids", "start_time", "end_time", "notes")

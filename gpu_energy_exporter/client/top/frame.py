@@ -14,7 +14,15 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from gpu_energy_exporter.client.fmt import fmt_co2, fmt_duration, fmt_gib, fmt_mfu, rank_coverage
+from gpu_energy_exporter.client.fmt import (
+    fmt_co2,
+    fmt_duration,
+    fmt_gib,
+    fmt_mfu,
+    is_provisional,
+    provisional,
+    rank_coverage,
+)
 from gpu_energy_exporter.core.textfmt import fmt_num, printable
 
 
@@ -231,9 +239,10 @@ def _run_cells(r: dict[str, Any]) -> list[str]:
     loss = r.get("last_loss")
     return [
         steps_text, f"{loss:.3f}" if isinstance(loss, (int, float)) else "-",
-        fmt_num(r.get("tokens_per_s")), fmt_num(r.get("j_per_token")), fmt_duration(r.get("duration_s")),
+        fmt_num(r.get("tokens_per_s")), provisional(fmt_num(r.get("j_per_token")), r),
+        fmt_duration(r.get("duration_s")),
         fmt_duration(eta_seconds(r)) if active else str(r.get("status") or ""),
-        fmt_energy(r.get("energy_j")), fmt_co2(r.get("co2_g")),
+        provisional(fmt_energy(r.get("energy_j")), r), provisional(fmt_co2(r.get("co2_g")), r),
     ]
 
 
@@ -284,6 +293,8 @@ def _run_lines(runs: list[dict[str, Any]], width: int, max_finished: int = 3) ->
             about.append(f"MFU {fmt_mfu(r['mfu'])}")
         if "shorter than the warm-up" in (r.get("ledger_notes") or ""):
             about.append("in warm-up: J/token and tok/s cover the run so far")
+        if is_provisional(r):
+            about.append(f"~{fmt_energy(r.get('energy_provisional_j'))} provisional (settled at the next counter read)")
         if about:
             out.append([("  " + " · ".join(about), "dim")])
     for r in done:
