@@ -13,7 +13,8 @@ from bench import harness
 
 #: Run order: cheap and self-contained first; peers last (they may install packages on first use).
 MODULES: tuple[str, ...] = (
-    "scrape_latency", "exporter_cost", "otlp_throughput", "helper_overhead", "accuracy", "energy_schedule", "peers",
+    "scrape_latency", "exporter_cost", "otlp_throughput", "helper_overhead", "accuracy", "energy_schedule",
+    "settlement", "peers",
 )
 
 

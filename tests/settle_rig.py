@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import math
 import os
+import random
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +24,7 @@ from fakenvml.scenario import Driver, PowerTrace
 
 from gpu_energy_exporter.collectors.gpu import GPUCollector
 from gpu_energy_exporter.core import contract
+from gpu_energy_exporter.core.state import Snapshot
 from gpu_energy_exporter.daemon.exporter import counter_reads_at_run_edges
 from gpu_energy_exporter.devices.nvml import NVMLBackend
 from gpu_energy_exporter.engine.sampler import Sampler
@@ -68,7 +70,14 @@ class Node:
     """The fake GPUs, the GPU collector, the sampler and the ledger on one frozen clock."""
 
     def __init__(self, lib: Path, tmp: Path, gpus: Sequence[Any], *, warmup_s: float = 0.0,
-                 claim_grace_s: float = 30.0, carbon: Callable[[], tuple[float, float]] | None = None) -> None:
+                 claim_grace_s: float = 30.0, carbon: Callable[[], tuple[float, float]] | None = None,
+                 settle: bool = True, early: bool = True, jitter: float = 0.0, seed: int = 1) -> None:
+        """``settle`` False: the ledger gets the GPU states without their spans (charged from the apportioned
+        energy at each sample, as before issue 28); ``early`` False: an edge reads the counters at the next
+        tick instead of a sample taken at once (the benchmark's "before"). ``jitter``: each sample taken up to
+        that many seconds late, as on a loaded machine (a deterministic sequence from ``seed``)."""
+        self._jitter = jitter
+        self._rng = random.Random(seed)
         self.now = EPOCH + 5.0
         self.gpus = list(gpus)
         # the host's /proc as the exporter sees it with hostPID: every process the GPUs list
@@ -86,14 +95,18 @@ class Node:
                                wait_budget=30.0)
         self.ledger = RunLedger(str(tmp / "runs.csv"), warmup_s=warmup_s, stale_after_s=300.0, clock=clock,
                                 claim_grace_s=claim_grace_s, carbon=carbon)
-        self.sampler.add_listener(self.ledger.on_snapshot)
+        self.sampler.add_listener(self.ledger.on_snapshot if settle else self._unsettled)
         # the daemon's wiring (daemon/exporter.py): a run's edge reads every counter in a sample taken at once
-        self.edges = counter_reads_at_run_edges(lambda: (self.gpu.request_counter_read(), self.sampler.sample_soon()))
+        self.edges = counter_reads_at_run_edges(
+            lambda: (self.gpu.request_counter_read(), self.sampler.sample_soon() if early else None))
         self.next_tick = self.now
         self.pushers: list[Pusher] = []
 
     def clock(self) -> float:
         return self.now
+
+    def _unsettled(self, snapshot: Snapshot) -> None:
+        self.ledger.on_snapshot(replace(snapshot, gpus=tuple(replace(g, span=None) for g in snapshot.gpus)))
 
     def write(self) -> None:
         Scenario(epoch=EPOCH, driver=Driver(frozen_time=self.now), gpus=self.gpus).write(self.path)
@@ -151,9 +164,14 @@ class Node:
                 for p in self.pushers:
                     self._push(p, e)
                 self.early_sample()
+            late = tick + self._rng.uniform(0.0, self._jitter) if self._jitter else tick
+            for e in [e for e in events if tick < e <= late and self.now < e]:
+                for p in self.pushers:
+                    self._push(p, e)
+                self.early_sample()
             for p in self.pushers:
-                self._push(p, tick)
-            self.sample_at(tick)
+                self._push(p, max(tick, self.now))
+            self.sample_at(max(late, self.now + 0.001))
             self.next_tick = tick + INTERVAL
 
     def served(self, name: str, run_id: str) -> float | None:

@@ -45,6 +45,7 @@ EXPECTED_TABLES = (
     "Energy error over 5 s windows",
     "Energy error over 1 s windows",
     "Energy error over the whole",
+    "Run energy against the exact integral over [start, end]",
 )
 
 
