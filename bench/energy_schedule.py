@@ -149,7 +149,40 @@ def run(ctx: Context) -> list[Table]:
                 "yes" if worst_charged <= 0.005 else "no")
     verdict.add(f"runs charged within 0.5% over 60 s ({len(runs)} runs per trace, counter read at their edges)",
                 pct(worst_runs, 3), "yes" if worst_runs <= 0.005 else "no")
-    return [table, verdict, _startup(ctx)]
+    return [table, verdict, _startup(ctx), _windows(ctx)]
+
+
+#: A loaded machine's samples: each taken up to this many seconds after its tick (a seeded sequence).
+LOADED_LATE = 0.6
+WAVE = fakenvml.Square(150.0, 650.0, 10.0, 0.5)
+
+
+def _windows(ctx: Context) -> Table:
+    """The exposed counter over 10 s and 60 s windows of a 10 s square wave (150/650 W), on an idle machine
+    (every sample on its tick) and on a loaded one (each up to ``LOADED_LATE`` late): what rate() sees."""
+    path = ctx.path("energy-schedule-windows.ini")
+    duration = ctx.pick(150.0, 660.0)
+    table = Table(
+        "The exposed counter (gpuenergy_gpu_energy_joules_total) over windows of a 10 s square wave 150/650 W: "
+        "mean |error| (worst, signed) against the exact integral",
+        ["machine", "10 s windows", "60 s windows", "5 min windows"],
+        [f"{duration:.0f} s simulated, counter every {ENERGY_INTERVAL:g} s, windows from every sample after "
+         f"{ENERGY_INTERVAL:g} s. Loaded: each sample taken up to {LOADED_LATE:g} s after its tick (seeded), as "
+         "on a machine whose sampler thread waits for a core. Windows are measured between two samples' own "
+         "times, as a scrape that happens to follow each sample would; what Prometheus' rate() adds "
+         "(extrapolation to the window's edges) is not in these figures."],
+    )
+    old = os.environ.get(fakenvml.SCENARIO_ENV)
+    os.environ[fakenvml.SCENARIO_ENV] = str(path)
+    try:
+        for machine, late in (("idle", 0.0), ("loaded", LOADED_LATE)):
+            table.add(machine, *(_cell(e) for e in _window_errors(ctx, path, duration, late)))
+    finally:
+        if old is None:
+            os.environ.pop(fakenvml.SCENARIO_ENV, None)
+        else:
+            os.environ[fakenvml.SCENARIO_ENV] = old
+    return table
 
 
 #: A loaded machine at start-up: the first sample's read of the counter and the read that confirms it this far
@@ -225,6 +258,52 @@ def _startup_errors(lib: Path, path: Path, trace: fakenvml.PowerTrace) -> list[f
     width = int(SHORT / INTERVAL)
     return [(values[a + width] - values[a]) / sc.true_energy_j(0, times[a], times[a + width]) - 1.0
             for a in range(1, len(times) - width)]
+
+
+def _window_errors(ctx: Context, path: Path, duration: float, late: float) -> list[list[float]]:
+    """Errors of the exposed counter over 10 s, 60 s and 5 min windows, each sample up to ``late`` s late."""
+    import random
+
+    from gpu_energy_exporter.collectors.gpu import GPUCollector
+    from gpu_energy_exporter.devices.nvml import NVMLBackend
+
+    rng = random.Random(7)
+    now = [EPOCH + 10.0]
+
+    def write() -> fakenvml.Scenario:
+        sc = fakenvml.Scenario(epoch=EPOCH, driver=fakenvml.Driver(frozen_time=now[0]),
+                               gpus=[fakenvml.h100(0, power=WAVE)])
+        sc.write(path)
+        return sc
+
+    sc = write()
+    clock = lambda: now[0]  # noqa: E731
+    c = GPUCollector(lambda: NVMLBackend(str(ctx.lib), clock=clock), retry_interval=0.0, gpm=False,
+                     interval=INTERVAL, energy_interval=ENERGY_INTERVAL, clock=clock, monotonic=clock,
+                     power_interval=3600.0)
+    times, values = [], []
+    try:
+        for k in range(int(duration / INTERVAL)):
+            now[0] = EPOCH + 10.0 + k * INTERVAL + (rng.uniform(0.0, late) if late else 0.0)
+            write()
+            value = _series(c).get("0")
+            if value is not None:
+                times.append(now[0])
+                values.append(value)
+    finally:
+        c.close()
+    out = []
+    for width in (10.0, 60.0, 300.0):
+        errors = []
+        for a in range(len(times)):
+            if times[a] - times[0] < ENERGY_INTERVAL:
+                continue
+            b = next((j for j in range(a, len(times)) if times[j] - times[a] >= width - 0.5), None)
+            if b is None:
+                break
+            errors.append((values[b] - values[a]) / sc.true_energy_j(0, times[a], times[b]) - 1.0)
+        out.append(errors)
+    return out
 
 
 def _cell(errors: list[float]) -> str:

@@ -35,12 +35,14 @@ def _uuid(node: Node) -> str:
 @pytest.mark.parametrize("trace", list(TRACES), ids=list(TRACES))
 @pytest.mark.parametrize("offset", [0.0, 0.33, 2.5, 4.9, 7.71])
 @pytest.mark.parametrize("length", [8.0, 12.5, 45.0])
+@pytest.mark.parametrize("jitter", [0.0, 0.6], ids=["idle", "loaded"])
 def test_a_run_is_charged_the_exact_integral_of_its_own_interval(
-    fake_nvml_lib: Path, tmp_path: Path, trace: str, offset: float, length: float
+    fake_nvml_lib: Path, tmp_path: Path, trace: str, offset: float, length: float, jitter: float
 ) -> None:
     """Runs of 8 s and more, starting anywhere in the wave's phase (a high phase at offset 0, a low one at
-    5 s, the step at 47 s), within 1% of the exact integral over [start, end]."""
-    node = Node(fake_nvml_lib, tmp_path, [h100_with(0, TRACES[trace])])
+    5 s, the step at 47 s), within 1% of the exact integral over [start, end], on an idle machine and on a
+    loaded one (each sample up to 0.6 s late: before settlement, -4.9% on the 10 s wave)."""
+    node = Node(fake_nvml_lib, tmp_path, [h100_with(0, TRACES[trace])], jitter=jitter, seed=int(offset * 100))
     try:
         start = EPOCH + 40.0 + offset
         node.add(Pusher("r1", start, start + length, _uuid(node)))
