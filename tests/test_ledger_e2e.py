@@ -88,7 +88,10 @@ def test_ledger_j_per_token_equals_the_hand_computed_value(
     # 150/690 W at 70% duty = 528 W, plus 333 W: the average power of the run's two GPUs
     assert s["avg_power_w"] == pytest.approx(861.0, rel=0.01)
     assert s["model"] == "tiny-lm" and s["backend"] == "eager"
-    # one CSV row and a JSON summary, written atomically beside it
+    # one CSV row and a JSON summary, written atomically beside it (by the file writer's own thread: the row
+    # lands a moment after the run shows as finished)
+    summary_json = runs_csv.parent / "runs" / "ledger-e2e.json"
+    wait_until(lambda: runs_csv.exists() and summary_json.exists(), timeout=10, what="the runs CSV and summary")
     with runs_csv.open() as f:
         rows = list(csv.DictReader(f))
     assert [r["run_id"] for r in rows] == ["ledger-e2e"]

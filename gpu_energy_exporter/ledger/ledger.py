@@ -41,7 +41,7 @@ from gpu_energy_exporter.ledger.filewriter import Row
 from gpu_energy_exporter.ledger.frames import Frame, frame_of
 from gpu_energy_exporter.ledger.runs import PointLike, Run
 from gpu_energy_exporter.ledger.split import Holding
-from gpu_energy_exporter.ledger.summary import fmt
+from gpu_energy_exporter.ledger.summary import fmt, with_provisional
 from gpu_energy_exporter.ledger.views import LedgerViews
 
 log = logging.getLogger(__name__)
@@ -445,9 +445,14 @@ class RunLedger(LedgerViews):
     def _close(self, run: Run, status: str) -> None:
         self._recount()
         self._holders_gen += 1
+        # Settled to its end (its end read the counters), unless a GPU's counter could not be read after it
+        # (``_settled_to`` waited settle_wait_s): the part since that GPU's last read stays provisional.
+        end = run.e if run.e is not None else run.acc.t
+        t = self._settled_time(run, cap=end)
+        settled = self._summary_as_of(run, t) if t < end - 1e-6 else None
         runs.close_accounts(run, status, self._history, self._holders)
         run.closed_at = self._clock()
-        run.summary = self._summary(run)
+        run.summary = with_provisional(self._summary(run), settled)
         del self._active[run.run_id]
         self._offsets.pop(run.run_id, None)
         self._closed.append(run)
