@@ -127,8 +127,11 @@ class Exporter:
 
             # Processes NVML lists are placed in pods through the host's /proc (hostPID or the host's /proc
             # mounted, docs/deploy.md), so a time-sliced GPU is split by each pod's SM use.
+            # A pod's start and stop read every energy counter at once (the refresh that sees it, else the
+            # sample that does): its settled energy covers its own interval (issue 28).
             collectors.append(KubernetesCollector.from_config(config, self.gpu.states,
-                                                              pid_to_pod=ProcfsPods(config.path_procfs)))
+                                                              pid_to_pod=ProcfsPods(config.path_procfs),
+                                                              request_counter_read=self.read_counters_now))
         self.slurm: SlurmCollector | None = None
         if config.enabled("slurm"):
             from gpu_energy_exporter.collectors.slurm import SlurmCollector
