@@ -31,12 +31,17 @@ __all__ = ["EDGE_LATENCY_S", "MemberNode"]
 
 
 class MemberNode(Node):
-    """``settle_rig.Node`` with the slurm collector on ``tmp/slurm-jobs`` and, with ``kubelet_socket``, the
-    kubernetes collector (``owners``: pid -> container, what ``ProcfsPods`` finds on a node)."""
+    """``settle_rig.Node`` with the slurm collector on ``tmp/slurm-jobs`` (``job_pids``: pid -> the job whose
+    cgroup it runs in) and, with ``kubelet_socket``, the kubernetes collector (``owners``: pid -> container,
+    what ``ProcfsPods`` finds on a node)."""
 
     def __init__(self, lib: Path, tmp: Path, gpus: Sequence[Any], *, kubelet_socket: str | None = None,
-                 owners: Mapping[int, PodRef] | None = None, **kwargs: Any) -> None:
+                 owners: Mapping[int, PodRef] | None = None, job_pids: Mapping[int, str] | None = None,
+                 **kwargs: Any) -> None:
         super().__init__(lib, tmp, gpus, **kwargs)
+        for pid, job in (job_pids or {}).items():  # processes in Slurm job cgroups (cgroup v2)
+            (tmp / "proc" / str(pid) / "cgroup").write_text(
+                f"0::/system.slice/slurmstepd.scope/job_{job}/step_0/user/task_0\n")
         self.mapping = tmp / "slurm-jobs"
         self.mapping.mkdir()
         clock = self.clock
