@@ -179,3 +179,22 @@ def test_over_every_span_the_settled_parts_sum_to_the_counters_delta() -> None:
             assert book.update("g", t=t, energy_j=total, span=span(anchor_t, anchor_j, raw), segments=segments) == {}
             assert sum(book.provisional("g").values()) == pytest.approx(raw)
     assert settled == pytest.approx(anchor_j, rel=1e-9)
+
+
+def test_a_span_that_never_closes_is_charged_as_estimated_in_bounded_memory(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A counter that cannot be read: past ``MAX_PIECES`` pending pieces the estimate is charged, and the read
+    that finally closes the span settles only the part after (the part before is charged already)."""
+    import gpu_energy_exporter.core.settle as settle
+
+    monkeypatch.setattr(settle, "MAX_PIECES", 4)
+    book: SpanBook[str] = SpanBook()
+    book.update("g", t=0.0, energy_j=0.0, span=span(0.0, 0.0, 0.0), segments=[(INF, to("a"))])
+    got: dict[str, float] = {}
+    for t in range(1, 6):
+        for k, v in book.update("g", t=float(t), energy_j=100.0 * t, span=span(0.0, 0.0, 100.0 * t),
+                                segments=[(INF, to("a"))]).items():
+            got[k] = got.get(k, 0.0) + v
+    assert got == pytest.approx({"a": 500.0}) and book.provisional("g") == {}
+    final = book.update("g", t=6.0, energy_j=660.0, span=span(6.0, 660.0, 0.0, closed=(0.0, 0.0, 600.0, True)),
+                        segments=[(INF, to("b"))])
+    assert final == pytest.approx({"b": 110.0})  # the last piece's share of the span's 660 J

@@ -141,7 +141,9 @@ class SlurmCollector(Collector):
         by_index = {s.identity.index: s.identity.uuid for s in states}
         for s in states:
             self._gpu_index[s.identity.uuid] = str(s.identity.index)
-        changes = self._edges.update(sig, mapping, lambda: dir_mtime(self._dir), self._clock())
+        # (an unreadable directory is no edge: the next good read is compared with the last good one)
+        changes = self._edges.update(sig, mapping, lambda: dir_mtime(self._dir), self._clock()) if (
+            mapping.available) else {}
         holdings: dict[str, list[JobSlot]] = defaultdict(list)
         for (index, gi), jobs in mapping.gpus.items():
             uuid = by_index.get(index)

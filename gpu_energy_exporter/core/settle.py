@@ -91,6 +91,8 @@ Split = Callable[[float, "Mapping[int, float] | None"], Iterable[tuple[K, float]
 
 #: Two instants of one monotonic clock closer than this are one.
 EPS_S = 1e-6
+#: Pending pieces kept per GPU (an hour of 1 s samples): a span longer than that is charged as estimated.
+MAX_PIECES = 4096
 
 
 @dataclass(slots=True)
@@ -162,6 +164,11 @@ class SpanBook(Generic[K]):
         if abs(span.anchor_at - g.anchor_at) <= EPS_S:
             self._cut(g, t, span.raw_j - g.raw_j, segments, weights, span.scale)
             g.t, g.energy_j, g.raw_j = t, energy_j, span.raw_j
+            if len(g.pieces) > MAX_PIECES:
+                # A counter that cannot be read for an hour: what is pending is charged as estimated (bounded
+                # memory); the read that closes the span settles only what follows.
+                _add(settled, self._flush(g))
+                g.pieces.append(_Piece(span.anchor_at, t, max(0.0, span.raw_j), None, None))
             return settled
         # The span moved on without a read this book saw closing it (a sample missed, a counter restart):
         # what is pending is charged as estimated (all that is known of it), and a new span opens here.
