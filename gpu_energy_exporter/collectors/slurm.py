@@ -7,6 +7,10 @@ the SM utilisation of each job's processes, found through their cgroup in ``--pa
 evenly). Never calls NVML: it reads the GPU collector's last states. Never puts a job label on a GPU
 series: jobs get their own counters, which expire with the job, so series follow running jobs.
 
+A job's edges are the mapping files' own modification times (``slurm.edges``), and the daemon reads every
+energy counter as soon as the directory changes (``slurm.watch``); the job counters are settled at each
+counter read (``slurm.jobs``), the part since in ``gpuenergy_slurm_job_energy_provisional_joules``.
+
 A missing directory is "no job has started yet" (``gpuenergy_slurm_job_mapping_available 0``), not an
 error; a malformed file loses only itself and is logged once.
 """
@@ -24,17 +28,29 @@ from prometheus_client.core import Metric
 from gpu_energy_exporter.collectors.base import Collector
 from gpu_energy_exporter.core.metrics import GPU_LABELS, add, define
 from gpu_energy_exporter.core.state import GPUState, SlurmJob
+from gpu_energy_exporter.slurm.edges import MappingEdges, monotonic_cuts
 from gpu_energy_exporter.slurm.jobs import JobEnergyAttributor, JobSlot
 from gpu_energy_exporter.slurm.mapping import JobInfo, JobMapping, job_of_cgroup, mapping_signature, read_mapping
+from gpu_energy_exporter.slurm.watch import dir_mtime
 
 log = logging.getLogger(__name__)
 
 JOB_ENERGY = define(
     "slurm", "job_energy_joules_total", "counter",
-    "GPU energy charged to the Slurm job while it held GPUs on this node, since the exporter saw it. "
+    "GPU energy charged to the Slurm job while it held GPUs on this node (from the prolog's write of the "
+    "job-mapping file to the epilog's), since the exporter saw it, settled at each read of the GPU's energy "
+    "counter (it lags by at most --collector.energy-interval; the part since is "
+    "..._job_energy_provisional_joules). "
     "method: exclusive (whole GPU), mig_slices (MIG instances), sm_utilization or shared_even (GPU "
     "shared by several jobs). Sum over method (and over nodes) for the job's total.",
     ("job_id", "method"), collector="slurm", unit="joules",
+)
+JOB_PROVISIONAL = define(
+    "slurm", "job_energy_provisional_joules", "gauge",
+    "GPU energy charged to the Slurm job since its GPUs' energy counters were last read: the power readings' "
+    "estimate, not settled yet. The next counter read (every --collector.energy-interval, and at every job "
+    "start and end) settles it into ..._job_energy_joules_total and this gauge drops back.",
+    ("job_id",), collector="slurm", unit="joules",
 )
 JOB_INFO = define(
     "slurm", "job_info", "info",
@@ -50,7 +66,8 @@ GPU_JOB_INFO = define(
 )
 UNATTRIBUTED_ENERGY = define(
     "slurm", "unattributed_energy_joules_total", "counter",
-    "GPU energy consumed while no Slurm job held the GPU, since the slurm collector started.",
+    "GPU energy consumed while no Slurm job held the GPU, since the slurm collector started (settled at each "
+    "read of the GPU's energy counter, as the jobs' counters).",
     GPU_LABELS, collector="slurm", unit="joules",
 )
 MAPPING_AVAILABLE = define(
@@ -91,6 +108,8 @@ class SlurmCollector(Collector):
         self._checked_sig: tuple[tuple[str, int, int], ...] = ()
         self._late_change = request_counter_read
         self._held: tuple[SlurmJob, ...] | None = None
+        self._edges = MappingEdges()  # when each job's hold began and ended (the files' mtimes)
+        self._before: dict[str, tuple[JobSlot, ...]] = {}  # the last update's holders of each GPU
 
     def held(self) -> tuple[SlurmJob, ...] | None:
         """The jobs holding GPUs at the last update (each GPU by its UUID, a MIG instance's UUID where the
@@ -122,6 +141,9 @@ class SlurmCollector(Collector):
         by_index = {s.identity.index: s.identity.uuid for s in states}
         for s in states:
             self._gpu_index[s.identity.uuid] = str(s.identity.index)
+        # (an unreadable directory is no edge: the next good read is compared with the last good one)
+        changes = self._edges.update(sig, mapping, lambda: dir_mtime(self._dir), self._clock()) if (
+            mapping.available) else {}
         holdings: dict[str, list[JobSlot]] = defaultdict(list)
         for (index, gi), jobs in mapping.gpus.items():
             uuid = by_index.get(index)
@@ -132,7 +154,12 @@ class SlurmCollector(Collector):
         self._info.update(mapping.info)
         self._held = self._jobs(states, mapping) if mapping.available else None
         energy = {s.identity.uuid: s.energy_j for s in states if s.energy_j is not None}
-        self._attributor.update(self._clock(), energy, holdings, self._sm_weights(states, holdings, mapping))
+        sm, owners = self._sm_weights(states, holdings, mapping)
+        self._before = {uuid: tuple(slots) for uuid, slots in holdings.items()}
+        offsets = {s.identity.index: (s.identity.uuid, s.reading.timestamp - s.read_at) for s in states
+                   if s.reading is not None and s.read_at is not None}
+        self._attributor.update(self._clock(), energy, holdings, sm, states={s.identity.uuid: s for s in states},
+                                cuts=monotonic_cuts(changes, offsets), owners=owners)
         live = self._attributor.jobs()
         self._info = {job: info for job, info in self._info.items() if job in live}
         return self._families(holdings, mapping.available)
@@ -152,30 +179,40 @@ class SlurmCollector(Collector):
         out = []
         for job in sorted(gpus):
             i = mapping.info.get(job) or self._info.get(job) or JobInfo(job)
-            out.append(SlurmJob(job, tuple(gpus[job]), i.user, i.account, i.partition))
+            out.append(SlurmJob(job, tuple(gpus[job]), i.user, i.account, i.partition,
+                                since=self._edges.since.get(job)))
+        # Jobs that ended lately, with the epilog's time (the run ledger ends their runs there).
+        out.extend(SlurmJob(job, (), until=until) for job, (until, _) in sorted(self._edges.ended.items())
+                   if until is not None and job not in gpus)
         return tuple(out)
 
     def _sm_weights(
         self, states: Sequence[GPUState], holdings: dict[str, list[JobSlot]], mapping: JobMapping
-    ) -> dict[str, dict[str, float]]:
-        """GPU UUID -> job -> SM utilisation of the job's processes, for whole GPUs several jobs share."""
+    ) -> tuple[dict[str, dict[str, float]], dict[str, dict[int, str]]]:
+        """GPU UUID -> job -> SM utilisation of the job's processes, for whole GPUs several jobs share; and
+        GPU UUID -> pid -> job of those processes (maps the per-process samples when a piece settles)."""
         sluids = {i.sluid: job for job, i in mapping.info.items() if i.sluid}
         out: dict[str, dict[str, float]] = {}
+        owners: dict[str, dict[int, str]] = {}
         for s in states:
             slots = holdings.get(s.identity.uuid, ())
-            jobs = {slot.job_id for slot in slots if not slot.instance}
+            # (the jobs before this sample's change too: the piece before the edge is theirs)
+            jobs = {slot.job_id for slot in (*slots, *self._before.get(s.identity.uuid, ())) if not slot.instance}
             if len(jobs) < 2 or s.reading is None or not s.reading.processes:
                 continue
             w: dict[str, float] = defaultdict(float)
+            placed: dict[int, str] = {}
+            owners[s.identity.uuid] = placed
             for p in s.reading.processes:
-                if p.sm_util_pct is None:
-                    continue
                 job = self._job_of_pid(p.pid, sluids)
-                if job in jobs:
+                if job is None or job not in jobs:
+                    continue
+                placed[p.pid] = job
+                if p.sm_util_pct is not None:
                     w[job] += p.sm_util_pct
             if w:
                 out[s.identity.uuid] = dict(w)
-        return out
+        return out, owners
 
     def _job_of_pid(self, pid: int, sluids: dict[str, str]) -> str | None:
         try:
@@ -197,12 +234,15 @@ class SlurmCollector(Collector):
         energy = JOB_ENERGY.family()
         for (job, method), joules in sorted(self._attributor.job_energy().items()):
             add(energy, [job, method], joules)
+        provisional = JOB_PROVISIONAL.family()
+        for job, joules in sorted(self._attributor.job_provisional().items()):
+            add(provisional, [job], joules)
         unattributed = UNATTRIBUTED_ENERGY.family()
         for uuid, joules in sorted(self._attributor.unattributed_energy().items()):
             add(unattributed, [self._gpu_index.get(uuid, ""), uuid], joules)
         up = MAPPING_AVAILABLE.family()
         add(up, [], 1.0 if available else 0.0)
-        return [gpu_job, info, energy, unattributed, up]
+        return [gpu_job, info, energy, provisional, unattributed, up]
 
     def _log(self, mapping: JobMapping) -> None:
         if mapping.available != self._available_logged:

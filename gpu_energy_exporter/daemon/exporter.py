@@ -50,6 +50,7 @@ from gpu_energy_exporter.reference.carbon import resolve_intensity
 if TYPE_CHECKING:
     from gpu_energy_exporter.collectors.slurm import SlurmCollector
     from gpu_energy_exporter.otlp.grpcreceiver import GRPCReceiver
+    from gpu_energy_exporter.slurm.watch import DirectoryWatch
 
 log = logging.getLogger(__name__)
 
@@ -128,9 +129,13 @@ class Exporter:
 
             # Processes NVML lists are placed in pods through the host's /proc (hostPID or the host's /proc
             # mounted, docs/deploy.md), so a time-sliced GPU is split by each pod's SM use.
+            # A pod's start and stop read every energy counter at once (the refresh that sees it, else the
+            # sample that does): its settled energy covers its own interval (issue 28).
             collectors.append(KubernetesCollector.from_config(config, self.gpu.states,
-                                                              pid_to_pod=ProcfsPods(config.path_procfs)))
+                                                              pid_to_pod=ProcfsPods(config.path_procfs),
+                                                              request_counter_read=self.read_counters_now))
         self.slurm: SlurmCollector | None = None
+        self.slurm_watch: DirectoryWatch | None = None
         if config.enabled("slurm"):
             from gpu_energy_exporter.collectors.slurm import SlurmCollector
 
@@ -138,9 +143,13 @@ class Exporter:
                 raise ConfigError("--collector.slurm needs the gpu collector (remove --no-collector.gpu)")
             self.slurm = SlurmCollector(self.gpu.states, config.collector_slurm_job_mapping_dir,
                                         procfs=config.path_procfs, request_counter_read=self.gpu.request_counter_read)
-            # A job's start and end fall on energy-counter reads (docs/slurm.md)
+            # A job's start and end fall on energy-counter reads (docs/slurm.md): read at once when the
+            # directory changes (the watch), and in any sample that finds it changed.
             self.gpu.add_counter_read_check(self.slurm.mapping_changed)
             collectors.append(self.slurm)
+            from gpu_energy_exporter.slurm.watch import DirectoryWatch
+
+            self.slurm_watch = DirectoryWatch(config.collector_slurm_job_mapping_dir, self.read_counters_now)
         self.collectors = collectors
         self.sampler = Sampler(
             collectors, config.collector_interval, gpu_states=self.gpu.states if self.gpu else None, clock=clock,
@@ -335,6 +344,8 @@ class Exporter:
         self.web = web
         self._started = True
         self.sampler.start()
+        if self.slurm_watch is not None:
+            self.slurm_watch.start()
         if self.otlp_grpc is not None:
             self.otlp_grpc.start()
         self.web.start()
@@ -352,6 +363,8 @@ class Exporter:
             self.otlp.shutdown()
         if self.otlp_grpc is not None:
             self.otlp_grpc.shutdown()
+        if self.slurm_watch is not None:
+            self.slurm_watch.stop()
         self.sampler.stop()
         self.ledger.close()
 

@@ -325,7 +325,8 @@ class RunLedger(LedgerViews):
                 self._settle(self._history[0], self._history[1])
                 self._history.popleft()
             # Slurm jobs are runs: opened, given their GPUs and ended by the job-mapping directory (ledger.jobs).
-            if jobs.track(snapshot.slurm_jobs, prev, frame, self._active, self._open_job, self._holders_changed):
+            if jobs.track(snapshot.slurm_jobs, prev, frame, self._active, self._open_job, self._holders_changed,
+                          wall=snapshot.timestamp - frame.age, max_backdate_s=self._max_backdate_s):
                 self._durable.started()
             self._job_ids = {r.run_id for r in self._active.values() if r.allocated}
             now = self._clock()
