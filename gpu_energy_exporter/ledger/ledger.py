@@ -9,7 +9,6 @@ journal (``state_dir``) open runs outlive the process (``restart``); all times a
 daemon the steady clock, with ``wall`` the clock snapshots are stamped with).
 ``collect()`` serves per-run series on /metrics; ``runs()`` / ``run(run_id)`` feed the JSON API
 (``daemon/api.py``: ``/api/v1/runs``, ``/api/v1/run?id=``) that ``top``, ``report`` and ``runs --url`` read.
-
 How the figures are made: the package's docstring (``gpu_energy_exporter.ledger``) and docs/ledger.md.
 
 This module never calls NVML or reads hardware, never integrates power into energy, and never raises
@@ -18,9 +17,9 @@ counted, the row is kept (journaled) and retried with back-off by the file write
 
 This module is the ledger's driver: the lock, the snapshot history, who holds which GPU, when runs open
 and close, and the write-retry queue; what /metrics and the JSON API get is read in ``views`` (inherited).
-The arithmetic lives beside it: point ingestion and the accumulator's moves in ``runs``, interval
-accounting in ``accounting``, figures in ``summary``, snapshot framing in ``frames``, files in ``files``,
-series in ``specs``, who may change a run and per-client bounds in ``clients``.
+Beside it: point ingestion and the accumulator's moves in ``runs``, interval accounting in ``accounting``,
+settlement at counter reads in ``settlement``, figures in ``summary``, snapshot framing in ``frames``, files
+in ``files``, series in ``specs``, who may change a run and per-client bounds in ``clients``.
 """
 
 from __future__ import annotations
@@ -140,9 +139,7 @@ class RunLedger(LedgerViews):
         # Energy of each GPU charged to no run, settled when its interval leaves the snapshot history
         # (no late point can change who used the GPU then): uuid key -> (gpu index, uuid, joules).
         self._unattributed: dict[str, tuple[str, str, float]] = {}
-        # Settlement (ledger.settlement): GPU key -> when its counter was last read (frame clock); a run
-        # closes once its GPUs' counters were read after its end, or settle_wait_s after it.
-        self._anchors: dict[str, float] = {}
+        self._anchors: dict[str, float] = {}  # GPU key -> its last counter read (frame clock; settlement)
         self.settle_wait_s = settle_wait_s
         # Recounts owed since the last snapshot or read: new runs' first replay, run id -> recount from.
         self._replay_pending: set[str] = set()
@@ -319,8 +316,7 @@ class RunLedger(LedgerViews):
                     self._unattributed[key] = (str(gf.index), gf.uuid, 0.0)
                 if gf.span is not None and gf.settled:
                     self._settled_gpu(key, frame)
-            if prev is not None:
-                prev = self._history[-2]  # as settled
+            prev = self._history[-2] if prev is not None else None  # as settled
             while len(self._history) > 1 and self._history[0].t < frame.t - self._history_s:
                 self._settle(self._history[0], self._history[1])
                 self._history.popleft()
@@ -347,44 +343,23 @@ class RunLedger(LedgerViews):
                     log.warning("run %s: nothing pushed for %.0fs; closing it as stale at its last point (%s)",
                                 run.run_id, self.stale_after_s, iso_utc(run.e))
                     self._holders_changed(run, run.e)
-                if run.e is not None and (frame.t >= run.e or run.status == "stale") and self._settled_to(run, frame):
+                ended = run.e is not None and (frame.t >= run.e or run.status == "stale")
+                if ended and settlement.closable(run, frame, self._anchors, self.settle_wait_s):
                     self._close(run, run.status if run.status == "stale" else "finished")
             self._expire(now)
         self._durable.after_snapshot(now)
 
     def _settled_gpu(self, key: str, frame: Frame) -> None:
-        """``frame`` read GPU ``key``'s counter and closed a span: settle the history over it and recount the
-        runs holding the GPU from the span's start (``ledger.settlement``)."""
+        """``frame`` read GPU ``key``'s counter: settle the span it closed, recount the runs holding the GPU."""
         start = settlement.settle_gpu(self._history, key)
         t = settlement.anchor_time(frame, key)
         if t is not None:
             self._anchors[key] = t
-        if start is None:
-            return
-        self._holders_gen += 1  # the frames' process weights changed
-        for run in self._active.values():
-            if run.tentative or run.acc.t <= start or key not in run.parents(frame):
-                continue
-            since = self._recount_from.get(run.run_id)
-            self._recount_from[run.run_id] = start if since is None else min(since, start)
-
-    def _settled_to(self, run: Run, frame: Frame) -> bool:
-        """Whether every GPU of ``run`` had its counter read at or after the run's end (its energy is
-        settled), or ``settle_wait_s`` passed since the end (the run is then closed with what is known: the
-        part after the GPU's last counter read stays an estimate, and its row says so)."""
-        e = run.e if run.e is not None else frame.t
-        waiting = [k for k in run.parents(frame)
-                   if k in frame.gpus and frame.gpus[k].span is not None and self._anchors.get(k, -math.inf) < e - 1e-6]
-        if not waiting:
-            return True
-        if frame.t - e < self.settle_wait_s:
-            return False
-        note = (f"the energy counter of GPU(s) {', '.join(frame.gpus[k].uuid for k in waiting)} was not read "
-                f"within {self.settle_wait_s:g}s after the run's end: the energy after its last read is the power "
-                "readings' estimate (provisional)")
-        if note not in run.notes:
-            run.notes.append(note)
-        return True
+        if start is not None:
+            self._holders_gen += 1  # the frames' process weights changed
+            for run_id in settlement.holding_since(self._active.values(), key, start, frame):
+                since = self._recount_from.get(run_id)
+                self._recount_from[run_id] = start if since is None else min(since, start)
 
     def _open_job(self, job_id: str, start: float) -> Run | None:
         """A new run for a Slurm job (``jobs.track``), or None when the ledger tracks all the runs it may."""
