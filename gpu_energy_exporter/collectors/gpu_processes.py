@@ -107,6 +107,11 @@ class UtilizationCadence:
             self._weights.pop(index, None)
             return reading
         weights = self._weights.setdefault(index, {})
+        if asked and all(p.sm_util_pct is None for p in procs):
+            # NOT_FOUND: the driver took no sample since the last ask (asked again within its sampling period,
+            # 1/6 s to 1 s): nothing was measured, so the last weights hold, as between asks. (Read as "no
+            # weight", it split the GPU evenly for that sample: +7% for a trainer at 10% of the SMs.)
+            asked = False
         if asked:
             weights.clear()
             weights.update({p.pid: p.sm_util_pct for p in procs if p.sm_util_pct is not None})
