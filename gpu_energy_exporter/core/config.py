@@ -31,15 +31,14 @@ from gpu_energy_exporter.core.flagtypes import (  # noqa: F401 - parse_* are par
     parse_listen_address,
     parse_optional_listen_address,
 )
+from gpu_energy_exporter.core.ports import (  # noqa: F401 - the default ports are part of config's API
+    DEFAULT_METRICS_PORT,
+    DEFAULT_OTLP_GRPC_PORT,
+    DEFAULT_OTLP_PORT,
+)
 
 ENV_PREFIX = "GPU_ENERGY_EXPORTER_"
 
-#: Default /metrics port. 9100 (node_exporter), 9400 (DCGM exporter), 9835 (nvidia_gpu_exporter) and
-#: 9445 (nvidia-gpu-exporter forks) are taken; 9863 is unused in the Prometheus default port allocations.
-DEFAULT_METRICS_PORT = 9863
-DEFAULT_OTLP_PORT = 4318
-#: OTLP/gRPC's registered port (the OpenTelemetry specification's default for gRPC exporters).
-DEFAULT_OTLP_GRPC_PORT = 4317
 
 
 # ----------------------------------------------------------------------------------------------------
