@@ -52,6 +52,8 @@ UNREACHABLE = "unreachable"
 WRONG_PORT = "wrong_port"
 ANSWER = "answer"
 
+#: Bound on each of the (at most two) connections of a probe after a failure (``probe.py``).
+PROBE_TIMEOUT_S = 2.0
 #: Where an OTLP/HTTP receiver takes pushes: it answers a GET there with 405 and ``Allow: POST``.
 OTLP_METRICS_PATH = "/v1/metrics"
 
@@ -198,7 +200,8 @@ class ExporterClient:
         return None
 
     def _probe(self) -> ExporterUnreachable | None:
-        return self._wrong_scheme(probe.listener_kind(self._host, self._port, min(self.timeout, 2.0)))
+        # its own bound, not the request's: a short --interval must not make a slow probe say nothing
+        return self._wrong_scheme(probe.listener_kind(self._host, self._port, PROBE_TIMEOUT_S))
 
     def _is_otlp_http_receiver(self, base: str | None = None) -> bool:
         """An OTLP/HTTP receiver answers a GET of /v1/metrics with 405 Method Not Allowed, Allow: POST."""
