@@ -29,24 +29,26 @@ UNKNOWN = ""
 
 
 def listener_kind(host: str, port: int, timeout: float = 2.0) -> str:
-    """One of the module's kinds for ``host:port``; ``timeout`` bounds each of the two probes."""
-    return _plain(host, port, timeout) or _tls(host, port, timeout)
-
-
-def _plain(host: str, port: int, timeout: float) -> str:
+    """One of the module's kinds for ``host:port``; ``timeout`` bounds each of the two probes. A host that
+    cannot be connected to (refused, unreachable, silent) is ``UNKNOWN`` after the first."""
     name = f"[{host}]" if ":" in host else host
     request = f"GET / HTTP/1.1\r\nHost: {name}:{port}\r\nConnection: close\r\n\r\n".encode("ascii", "replace")
     try:
-        with socket.create_connection((host, port), timeout=timeout) as sock:
+        sock = socket.create_connection((host, port), timeout=timeout)
+    except OSError:
+        return UNKNOWN  # nothing to tell apart: the caller's own message stands
+    with sock:
+        try:
             sock.sendall(request)
             head = _read_head(sock, 9, timeout)
-    except OSError:
-        return UNKNOWN
+        except OSError:
+            head = b""
     if head.startswith(b"HTTP/"):
         return PLAIN_HTTP
     if is_http2_frame(head):
         return PLAIN_H2
-    return UNKNOWN  # a TLS alert, a reset, silence: perhaps TLS, which the second probe asks
+    # a TLS alert, a reset, silence: perhaps TLS, which the second probe asks
+    return _tls(host, port, timeout)
 
 
 def _read_head(sock: socket.socket, size: int, timeout: float) -> bytes:
