@@ -41,7 +41,6 @@ from gpu_energy_exporter.core.ports import (  # noqa: F401 - the default ports a
 ENV_PREFIX = "GPU_ENERGY_EXPORTER_"
 
 
-
 # ----------------------------------------------------------------------------------------------------
 # the flag table
 
