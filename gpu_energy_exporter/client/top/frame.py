@@ -245,7 +245,7 @@ def _gpu_lines(status: dict[str, Any], width: int, unicode: bool, stale: str | N
 #: Run table columns after the run id: (header, width, right-aligned).
 _RUN_COLS: tuple[tuple[str, int, bool], ...] = (
     ("steps", 13, True), ("loss", 7, True), ("tok/s", 8, True), ("J/token", 8, True), ("elapsed", 8, True),
-    ("ETA", 8, True), ("energy", 10, True), ("CO2", 8, True),
+    ("ETA", 8, True), ("energy", 11, True), ("CO2", 8, True),
 )
 
 
