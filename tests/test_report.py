@@ -169,7 +169,7 @@ def test_comparison_report_of_two_backends(runs: Runs, tmp_path: Path) -> None:
 
 def test_comparison_bars_carry_their_values(tmp_path: Path) -> None:
     # Issue 31 item 9: the comparison bars had no value labels (two backends 3% apart looked equal).
-    from test_first_hour_clients import _Keep, _document
+    from test_first_hour_clients import _document, _Keep
 
     docs = [_document(), {**_document(), "run_id": "other", "j_per_token": 5.82, "tokens_per_s": 1234.5,
                           "energy_kwh": 0.0312, "avg_power_w": None}]
