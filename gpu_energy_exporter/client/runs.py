@@ -49,6 +49,7 @@ from gpu_energy_exporter.client.report.prometheus import PrometheusSource, whole
 from gpu_energy_exporter.client.report.run import ReportError
 from gpu_energy_exporter.core.config import FLAGS, parse_duration
 from gpu_energy_exporter.core.errors import ExporterError
+from gpu_energy_exporter.core.flagparser import FlagParser
 from gpu_energy_exporter.core.runs_schema import COLUMN_NAMES, NUMERIC_COLUMNS
 from gpu_energy_exporter.core.textfmt import csv_cell, fmt_num, printable, strict_json
 
@@ -321,8 +322,7 @@ def comparison_text(result: dict[str, Any]) -> str:
 
 
 def new_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        allow_abbrev=False,
+    parser = FlagParser(
         prog="gpu-energy-exporter runs",
         description="List and compare training runs recorded by the exporter's run ledger.",
         formatter_class=argparse.RawDescriptionHelpFormatter,

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gpu_energy_exporter.core.errors import ConfigError
+from gpu_energy_exporter.core.flagparser import FlagParser, did_you_mean
 from gpu_energy_exporter.core.flagtypes import (  # noqa: F401 - parse_* are part of config's API
     _choice,
     _existing_dir,
@@ -31,15 +32,13 @@ from gpu_energy_exporter.core.flagtypes import (  # noqa: F401 - parse_* are par
     parse_listen_address,
     parse_optional_listen_address,
 )
+from gpu_energy_exporter.core.ports import (  # noqa: F401 - the default ports are part of config's API
+    DEFAULT_METRICS_PORT,
+    DEFAULT_OTLP_GRPC_PORT,
+    DEFAULT_OTLP_PORT,
+)
 
 ENV_PREFIX = "GPU_ENERGY_EXPORTER_"
-
-#: Default /metrics port. 9100 (node_exporter), 9400 (DCGM exporter), 9835 (nvidia_gpu_exporter) and
-#: 9445 (nvidia-gpu-exporter forks) are taken; 9863 is unused in the Prometheus default port allocations.
-DEFAULT_METRICS_PORT = 9863
-DEFAULT_OTLP_PORT = 4318
-#: OTLP/gRPC's registered port (the OpenTelemetry specification's default for gRPC exporters).
-DEFAULT_OTLP_GRPC_PORT = 4317
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -55,6 +54,10 @@ class Flag:
     metavar: str = "VALUE"
     #: A switch: ``--name`` / ``--no-name`` on the command line, true/false in the environment.
     boolean: bool = False
+    #: The collector this flag configures (``COLLECTORS``), or "": while that collector is disabled the flag
+    #: has no effect, and ``inert_flags`` says so at start. A flag another part also reads (the ledger
+    #: prices CO2 with ``--carbon.*`` whatever the carbon collector) names none.
+    collector: str = ""
 
     @property
     def dest(self) -> str:
@@ -159,29 +162,30 @@ FLAGS: tuple[Flag, ...] = (
          "How often GPUs and the host are sampled (the snapshot /metrics serves).", "DURATION"),
     Flag("collector.power-interval", parse_duration, "100ms",
          "Fast power sampling period used to integrate energy on GPUs without an energy counter "
-         "(pre-Volta); 20ms at the lowest.", "DURATION"),
+         "(pre-Volta); 20ms at the lowest.", "DURATION", collector="gpu"),
     Flag("collector.energy-interval", parse_duration, "30s",
          "How often each GPU's energy counter is read (about 3.5 ms of CPU a read on an H100, driver 580; the "
          "other readings cost microseconds). Between two reads each sample's energy is apportioned by the "
          "GPU's ~1 s average power, and at each read the exposed energy meets the counter exactly; runs and "
          "pods keep --collector.interval's grid (docs/measurement.md). At most --collector.interval reads "
-         "it every sample.", "DURATION"),
+         "it every sample.", "DURATION", collector="gpu"),
     Flag("collector.gpm-interval", parse_duration, "30s",
          "How often GPM (SM, tensor, DRAM activity) is sampled: about 2 ms of CPU a sample on an H100 (1.8-2.0 "
          "ms of it computing the metrics). Each figure is the average over the span between two GPM samples, "
-         "served until the next: a longer interval loses no activity, only time resolution.", "DURATION"),
+         "served until the next: a longer interval loses no activity, only time resolution.", "DURATION",
+         collector="gpm"),
     Flag("collector.gpu.energy-timestamps", parse_bool, "false",
          "Expose the GPU energy counter with the time it was read as an explicit sample timestamp. Off by "
          "default, as Prometheus' guidelines for exporters ask; see docs/measurement.md for what it costs "
          "(staleness markers, clock steps) and Prometheus' track_timestamps_staleness.",
-         boolean=True),
+         boolean=True, collector="gpu"),
     Flag("collector.health.interval", parse_duration, "30s",
          "How often the health collector reads ECC, row remapping, retired pages, PCIe and NVLink (they change "
          "slowly; each read costs NVML calls per GPU, see docs/health.md). Xid and ECC events are counted as "
-         "they happen, whatever this is.", "DURATION"),
+         "they happen, whatever this is.", "DURATION", collector="health"),
     Flag("nvml.library", _existing_file, None,
-         "Path of libnvidia-ml.so.1 to load instead of the one the dynamic linker finds.", "PATH"),
-    Flag("path.sysfs", _existing_dir, "/sys", "sysfs mount point (RAPL powercap tree).", "PATH"),
+         "Path of libnvidia-ml.so.1 to load instead of the one the dynamic linker finds.", "PATH", collector="gpu"),
+    Flag("path.sysfs", _existing_dir, "/sys", "sysfs mount point (RAPL powercap tree).", "PATH", collector="rapl"),
     Flag("path.procfs", _existing_dir, "/proc",
          "procfs mount point: host CPU and memory are read there (the exporter's own process_* series keep "
          "/proc/self).", "PATH"),
@@ -197,10 +201,11 @@ FLAGS: tuple[Flag, ...] = (
     Flag("carbon.pue", _positive_float, "1.0",
          "Power usage effectiveness of the data centre (facility energy / IT energy), >= 1.", "RATIO"),
     Flag("host.memory-critical", _positive_int, str(1 << 30),
-         "Host available memory under which the exporter warns (log, alert, terminal view).", "BYTES"),
+         "Host available memory under which the exporter warns (log, alert, terminal view).", "BYTES",
+         collector="host"),
     Flag("gpu.idle-power", _non_negative_float, None,
          "Idle power of each GPU in watts, used for dynamic energy. Default: learned from samples "
-         "with no compute process.", "WATTS"),
+         "with no compute process.", "WATTS", collector="gpu"),
     Flag("runs.csv", _text, None,
          "Append one row per finished training run to this CSV file (a JSON summary per run is "
          "written beside it).", "FILE"),
@@ -231,20 +236,20 @@ FLAGS: tuple[Flag, ...] = (
          "a JSON summary); a refused finish leaves the run going until a later push or --runs.stale-after.",
          "RUNS_PER_MINUTE"),
     Flag("kubernetes.pod-resources-socket", _text, "/var/lib/kubelet/pod-resources/kubelet.sock",
-         "Kubelet pod-resources socket used to attribute GPUs to pods.", "PATH"),
+         "Kubelet pod-resources socket used to attribute GPUs to pods.", "PATH", collector="kubernetes"),
     Flag("kubernetes.refresh-interval", parse_duration, "10s",
-         "How often the GPU to pod mapping is refreshed from the kubelet.", "DURATION"),
+         "How often the GPU to pod mapping is refreshed from the kubelet.", "DURATION", collector="kubernetes"),
     Flag("collector.slurm.job-mapping-dir", _text, "/run/gpu-energy-exporter/slurm-jobs",
          "Directory the Slurm prolog/epilog keep (dcgm-exporter's DCGM_HPC_JOB_MAPPING_DIR format: one file "
          "per GPU index, or '<index>.<gpu instance>' for MIG, listing job ids) for --collector.slurm.",
-         "DIR"),
+         "DIR", collector="slurm"),
     Flag("collector.gpu.process-interval", parse_duration, "10s",
          "A GPU shared by several processes is asked for its per-process SM utilisation "
          "(nvmlDeviceGetProcessUtilization: 1.6-2.6 ms of CPU per call on an H100) with every read of its "
          "energy counter and this often between reads. The driver answers one mean per process since the "
          "last ask: the asks since a counter read split the span that read settles, piece by piece; between "
          "asks the last weights hold (provisional). A GPU with one process is never asked. 0 never asks "
-         "(shared GPUs are split evenly).", "DURATION"),
+         "(shared GPUs are split evenly).", "DURATION", collector="gpu"),
     Flag("runs.claim-grace", parse_duration, "30s",
          "How long after a run's start a GPU it names may go without NVML listing one of its processes "
          "(CUDA start-up); meanwhile it shares only energy no other run's process uses. After it, an "
@@ -337,16 +342,11 @@ class Config:
         return collector in self.collectors
 
 
-class _Parser(argparse.ArgumentParser):
-    """argparse that raises ConfigError instead of printing usage and exiting, and takes no abbreviated
-    flags (``--web.listen`` is not ``--web.listen-address``: a typo must fail, not pick a flag)."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        kwargs.setdefault("allow_abbrev", False)
-        super().__init__(*args, **kwargs)
+class _Parser(FlagParser):
+    """The exporter's parser: raises ConfigError instead of printing usage and exiting."""
 
     def error(self, message: str) -> None:  # type: ignore[override]
-        raise ConfigError(f"{message} (see --help)")
+        raise ConfigError(f"{did_you_mean(message, self.known_flags())} (see --help)")
 
 
 def add_exporter_flags(parser: argparse.ArgumentParser) -> None:
@@ -414,6 +414,35 @@ def config_from_namespace(ns: argparse.Namespace, environ: Mapping[str, str]) ->
     cfg = Config(**values)
     _check(cfg)
     return cfg
+
+
+def inert_flags(ns: argparse.Namespace, environ: Mapping[str, str], cfg: Config) -> list[str]:
+    """One warning per disabled collector whose flags were given (on the command line or in the environment):
+    they have no effect, and the warning names the flag that enables the collector. Pure, over the flag
+    table: a flag belongs to the collector its ``collector`` names."""
+    given: dict[str, list[str]] = {}
+    for flag in FLAGS:
+        if not flag.collector or cfg.enabled(flag.collector):
+            continue
+        if getattr(ns, flag.dest, None) is not None:
+            given.setdefault(flag.collector, []).append("--" + flag.name)
+        elif flag.env in environ:
+            given.setdefault(flag.collector, []).append(flag.env)
+    warnings = []
+    for c in COLLECTORS:
+        if c.name not in given:
+            continue
+        names = given[c.name]
+        verb = "has" if len(names) == 1 else "have"
+        if getattr(ns, c.dest, None) is False:
+            why, fix = f"--no-collector.{c.name}", f"remove --no-collector.{c.name}"
+        elif c.env in environ:
+            why, fix = f"{c.env}={environ[c.env]}", f"set {c.env}=true or pass --collector.{c.name}"
+        else:
+            why, fix = "its default", f"add --collector.{c.name}"
+        warnings.append(f"{', '.join(names)} {verb} no effect: the {c.name} collector is disabled ({why}); "
+                        f"{fix} to use {'it' if len(names) == 1 else 'them'}")
+    return warnings
 
 
 def _check(cfg: Config) -> None:

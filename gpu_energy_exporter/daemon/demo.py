@@ -39,6 +39,7 @@ from gpu_energy_exporter.core.config import (
     parse_duration,
 )
 from gpu_energy_exporter.core.errors import ConfigError, ExporterError
+from gpu_energy_exporter.core.flagparser import FlagParser
 from gpu_energy_exporter.core.runs_schema import KEEP_FINISHED_S
 from gpu_energy_exporter.http.listen import client_url
 
@@ -204,8 +205,7 @@ def _lr(step: int, total: int, peak: float = 2e-4, warmup: int = 10) -> float:
 
 
 def new_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        allow_abbrev=False,
+    parser = FlagParser(
         prog="gpu-energy-exporter demo",
         description="Start the exporter with SIMULATED GPUs (no driver needed) and a simulated training run "
                     "pushing through OTLP, to see every metric, the run ledger, `top` and `report` on any "

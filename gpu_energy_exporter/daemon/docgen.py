@@ -356,6 +356,11 @@ def configuration_markdown() -> str:
     ]
     for c in COLLECTORS:
         out.append(f"| `{c.name}` | {'enabled' if c.default else 'disabled'} | `{c.env}` | {_escape(c.help)} |")
+    out += ["", "A flag that configures one collector has no effect while that collector is disabled: the exporter "
+            "then warns at start, naming the flag to add (`--collector.slurm.job-mapping-dir` alone does not "
+            "enable the slurm collector; add `--collector.slurm`). Those flags, by collector: "
+            + "; ".join(f"{c.name}: " + ", ".join(f"`--{f.name}`" for f in FLAGS if f.collector == c.name)
+                        for c in COLLECTORS if any(f.collector == c.name for f in FLAGS)) + "."]
     out += ["", *_http_limits(), "", *_grpc_limits()]
     out += [
         "",
