@@ -53,13 +53,14 @@ class _End:
 
 
 class _Pair:
-    __slots__ = ("down", "up", "key", "closed")
+    __slots__ = ("down", "up", "key", "closed", "ending")
 
     def __init__(self) -> None:
         self.down: _End
         self.up: _End
         self.key: tuple[str, int] | None = None
         self.closed = False
+        self.ending = False  # one side closed: what it sent last (a GOAWAY) is written, then both close
 
 
 class Splice:
@@ -145,16 +146,19 @@ class Splice:
                 if err:
                     raise OSError(err, errno.errorcode.get(err, "connect failed"))
                 end.connecting = False
-            if events & selectors.EVENT_READ:
+            if events & selectors.EVENT_READ and not pair.ending:
                 other = pair.up if end is pair.down else pair.down
                 data = end.sock.recv(_RECV)
-                if not data:
-                    self._close(pair)
-                    return
-                other.out += data
+                if data:
+                    other.out += data
+                else:
+                    pair.ending = True
             if events & selectors.EVENT_WRITE and end.out and not end.connecting:
                 sent = end.sock.send(end.out)
                 del end.out[:sent]
+            if pair.ending and not pair.down.out and not pair.up.out:
+                self._close(pair)
+                return
         except (BlockingIOError, InterruptedError):
             pass
         except OSError as exc:
@@ -166,7 +170,7 @@ class Splice:
     def _rearm(self, pair: _Pair) -> None:
         for end, other in ((pair.down, pair.up), (pair.up, pair.down)):
             want = 0
-            if not end.connecting and len(other.out) < MAX_BUFFERED:
+            if not end.connecting and not pair.ending and len(other.out) < MAX_BUFFERED:
                 want |= selectors.EVENT_READ  # read only while the other side keeps up
             if end.out or end.connecting:
                 want |= selectors.EVENT_WRITE
