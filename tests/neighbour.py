@@ -63,7 +63,8 @@ print(json.dumps(out))
 '''
 
 
-def push(address: tuple[str, int], requests: list[dict[str, Any]], timeout: float = 120.0) -> list[tuple[int, int, str]]:
+def push(address: tuple[str, int], requests: list[dict[str, Any]],
+         timeout: float = 120.0) -> list[tuple[int, int, str]]:
     """Send ``requests`` from another process to the OTLP receiver at ``address`` (see the module docstring)."""
     job = {"host": address[0], "port": address[1], "requests": requests}
     done = subprocess.run([sys.executable, "-c", _SCRIPT], input=json.dumps(job), capture_output=True, text=True,

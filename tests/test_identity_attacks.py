@@ -124,7 +124,8 @@ def _victim_is_exact(node: Node, run_id: str, tokens: int) -> dict[str, Any]:
     truth = node.scenario.true_energy_j(0, doc["start_unix"], doc["end_unix"])
     assert doc["energy_j"] == pytest.approx(truth, rel=0.02), (doc["energy_j"], truth)
     assert float(row["energy_j"]) == pytest.approx(doc["energy_j"], rel=1e-6)
-    exposed = [v for labels, v in samples(node.exp.metrics(), "training_tokens_total") if labels.get("run_id") == run_id]
+    exposed = [v for labels, v in samples(node.exp.metrics(), "training_tokens_total")
+               if labels.get("run_id") == run_id]
     assert sum(exposed) == tokens, exposed
     return doc
 

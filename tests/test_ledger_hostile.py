@@ -20,8 +20,8 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-import pytest
 import neighbour
+import pytest
 from fakenvml import Constant, Scenario, h100
 from google.protobuf import json_format
 from helpers import ExporterProcess, sample_value, samples, wait_until
