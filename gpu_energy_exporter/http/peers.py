@@ -211,13 +211,13 @@ class PeerResolver:
             self._inodes.clear()
         denied = 0
         try:
-            entries = list(os.scandir(self.procfs))
+            entries = [e for e in os.scandir(self.procfs) if e.name.isdigit()]
         except OSError:
             return
+        # the newest processes first: a connection just opened is more often a trainer's than a daemon's
+        entries.sort(key=lambda e: -int(e.name))
         target = f"socket:[{inode}]"
         for entry in entries:
-            if not entry.name.isdigit():
-                continue
             try:
                 if (entry.stat().st_uid == uid) != owners_only:
                     continue
