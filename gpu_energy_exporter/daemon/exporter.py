@@ -224,15 +224,15 @@ class Exporter:
             config.otlp_listen_address, self.store, handler=handler,
             max_connections=config.web_max_connections, request_timeout=config.web_request_timeout,
         )
-        # The OTLP Unix socket: HTTP, and gRPC's HTTP/2 spliced to the gRPC port (http.splice), each
-        # connection identified by SO_PEERCRED
+        # The OTLP Unix socket: HTTP, and gRPC's HTTP/2 spliced to the gRPC port (http.splice; not when that
+        # port serves TLS: the socket is plain text), each connection identified by SO_PEERCRED
         self.otlp_unix: OTLPReceiver | None = None
         self.spliced: dict[tuple[str, int], Peer] = {}
         if config.otlp_unix_socket:
             unix: list[OTLPReceiver] = []
             splice = Splice(self._grpc_target, lambda info: unix[0].unix_peer(info), self.spliced,
                             max_pairs=config.web_max_connections) \
-                if config.otlp_grpc_listen_address is not None else None
+                if config.otlp_grpc_listen_address is not None and self.web_config.tls is None else None
             self.otlp_unix = OTLPReceiver(
                 config.otlp_listen_address, self.store, handler=handler, unix_path=config.otlp_unix_socket,
                 max_connections=config.web_max_connections, request_timeout=config.web_request_timeout,

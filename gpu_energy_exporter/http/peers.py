@@ -24,8 +24,11 @@ done only for an inode not seen before, at most one at a time. Callers cache the
 (``http.server`` on the connection); ``tcp`` also remembers each connection's answer, believed again only while
 the process still holds the socket (``otlp.grpcreceiver``, which sees a call's peer address, not its connection).
 
-This module reads ``/proc`` and nothing else, never writes, never blocks on a client, and never raises for
-what it cannot read (it answers what it could establish).
+``ConnectionInfo`` is what a request handler may know of its connection (``Request.connection``): the
+addresses, a Unix peer's credentials (read once, at accept) and the identity a handler established for it.
+
+This module reads ``/proc`` and its own sockets' options and nothing else, never writes, never blocks on a
+client, and never raises for what it cannot read (it answers what it could establish).
 """
 
 from __future__ import annotations

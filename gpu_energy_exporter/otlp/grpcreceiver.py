@@ -33,6 +33,11 @@ change, on the next connection). Settings grpcio cannot enforce (``client_allowe
 than 1.2 to 1.3, ``cipher_suites``) stop the exporter at start-up with a message, rather than serve weaker
 than the file says. Basic auth and ``rate_limit`` in that file are HTTP-only: the bearer token is OTLP's.
 
+Identity (docs/security.md): a call's peer (``context.peer()``, an address and port) is looked up in the
+socket table (``http.peers``; off the loop when not remembered), or in ``spliced`` when the connection came
+through the OTLP Unix socket (``http.splice``: its Unix peer); the token's tenant and trusted forwarders as
+over HTTP (``ExportHandler.identify``).
+
 Threads: one ``otlp-grpc`` thread runs an asyncio loop with a ``grpc.aio`` server; messages up to
 ``receiver.INLINE_MAX_BODY`` are stored on it (a rank's export costs less than a hand-off), larger ones on a
 small pool. In plain text ``bind`` holds the port with a ``grpcwake.Placeholder`` and ``grpc`` is imported,
