@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 from fakenvml import GPU, Constant, Process, Scenario, h100, mig_uuids
-from helpers import Child, ExporterProcess, sample_value, samples, wait_until
+from helpers import Child, ExporterProcess, sample_value, wait_until
 
 TESTS = Path(__file__).resolve().parent
 FIXTURE = TESTS / "fixtures" / "procfs-host"

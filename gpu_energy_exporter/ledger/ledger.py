@@ -48,7 +48,6 @@ from gpu_energy_exporter.ledger.views import LedgerViews
 
 log = logging.getLogger(__name__)
 
-
 # Read for every point pushed (_record_locked): module constants, not attribute lookups each time.
 _isfinite = math.isfinite
 _RANK = contract.ATTR_RANK
