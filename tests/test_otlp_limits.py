@@ -398,7 +398,10 @@ def test_scrapes_stay_fast_during_a_big_push_to_the_exporter(start_exporter: typ
     n = 100_000
     exp = start_exporter(["--collector.interval=200ms", f"--otlp.max-series={2 * n}",
                           f"--otlp.max-series-per-run={2 * n}", f"--otlp.max-new-series-per-request={2 * n}",
-                          "--otlp.max-bytes=2000000000", "--otlp.max-body-bytes=33554432"], {}).wait_ready()
+                          "--otlp.max-bytes=2000000000", "--otlp.max-body-bytes=33554432",
+                          # one client pushes all of them: its own quota is raised with the store's
+                          f"--otlp.max-series-per-client={2 * n}", "--otlp.max-bytes-per-client=2000000000"],
+                         {}).wait_ready()
     body = _wrap(gauge("g", [({"run_id": "big", "rank": str(i)}, 1.0) for i in range(n)]))
     exp.metrics()
     done = threading.Event()

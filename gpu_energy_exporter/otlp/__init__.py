@@ -9,9 +9,13 @@
 - ``admission``: the store's bounds and name rules, as refusals with their flag (pure).
 - ``series``: the store's families and series and their encoded exposition lines.
 - ``selfmetrics``: the receiver's ``gpuenergy_otlp_*`` counters.
-- ``store``: ``TrainingStore``, the bounded, locked series the pushes build, collected on the scrape path.
+- ``store``: ``TrainingStore``, the bounded, locked series the pushes build, collected on the scrape path;
+  ``gate`` what it asks the run ledger before storing a request's points (who may change which run).
+- ``identify``: who pushed a request (tokens and tenants, the kernel's view of the connection, trusted
+  forwarders: docs/security.md).
 - ``receiver``: ``POST /v1/metrics`` handling (``ExportHandler``) and a standalone server
-  (``OTLPReceiver``); the only module here that imports the HTTP server.
+  (``OTLPReceiver``, on a TCP port or the OTLP Unix socket); the only module here that imports the HTTP
+  server.
 - ``grpcreceiver``: ``GRPCReceiver``, ``MetricsService/Export`` over gRPC into ``ExportHandler.store_body``
   (the one path after a body is read); ``grpctls`` its TLS credentials; ``grpcslots`` its admission (calls
   at once, the slowest cut); ``grpcwake`` the plain sockets that hold its port until the first connection

@@ -33,6 +33,11 @@ change, on the next connection). Settings grpcio cannot enforce (``client_allowe
 than 1.2 to 1.3, ``cipher_suites``) stop the exporter at start-up with a message, rather than serve weaker
 than the file says. Basic auth and ``rate_limit`` in that file are HTTP-only: the bearer token is OTLP's.
 
+Identity (docs/security.md): a call's peer (``context.peer()``, an address and port) is looked up in the
+socket table (``http.peers``; off the loop when not remembered), or in ``spliced`` when the connection came
+through the OTLP Unix socket (``http.splice``: its Unix peer); the token's tenant and trusted forwarders as
+over HTTP (``ExportHandler.identify``).
+
 Threads: one ``otlp-grpc`` thread runs an asyncio loop with a ``grpc.aio`` server; messages up to
 ``receiver.INLINE_MAX_BODY`` are stored on it (a rank's export costs less than a hand-off), larger ones on a
 small pool. In plain text ``bind`` holds the port with a ``grpcwake.Placeholder`` and ``grpc`` is imported,
@@ -47,11 +52,13 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client.core import Metric
 
 from gpu_energy_exporter.core import metrics
+from gpu_energy_exporter.core.clientid import UNRESOLVED_LOCAL, Peer, address_peer
 from gpu_energy_exporter.core.errors import ConfigError
 from gpu_energy_exporter.core.lazymodule import lazy
 from gpu_energy_exporter.http.listen import bind as probe_bind
@@ -127,8 +134,11 @@ class GRPCReceiver:
         max_connections: int = 256,
         request_timeout: float = 30.0,
         slots: int = SLOTS,
+        spliced: Mapping[tuple[str, int], Peer] | None = None,
     ) -> None:
         self.address = address
+        #: connections spliced from the OTLP Unix socket (``http.splice``): their local address -> Unix peer
+        self.spliced = spliced
         self.handler = handler
         self.tls = tls
         self.max_connections = max_connections
@@ -223,16 +233,36 @@ class GRPCReceiver:
         deadline = time.monotonic() + self.request_timeout
         await self._slots.acquire(call, deadline)
         try:
+            peer = self.handler.identify(await self._peer(context.peer()), authorization)
             data = await self._receive(context, call, deadline)
             if len(data) <= INLINE_MAX_BODY:
-                return self.handler.store_body(data, PROTOBUF, peer_host(context.peer()))
+                return self.handler.store_body(data, PROTOBUF, peer)
             loop = asyncio.get_running_loop()
-            return await loop.run_in_executor(self._pool, self.handler.store_body, data, PROTOBUF,
-                                              peer_host(context.peer()))
+            return await loop.run_in_executor(self._pool, self.handler.store_body, data, PROTOBUF, peer)
         except ExportFailure as exc:
             raise Refused("INVALID_ARGUMENT", exc.message) from None
         finally:
             await self._slots.release(call)
+
+    async def _peer(self, text: str | None) -> Peer:
+        """What the kernel says of a call's connection (``http.peers``): a connection spliced from the OTLP
+        Unix socket is its Unix peer (``spliced``); a TCP one is looked up in the socket table, on the worker
+        pool when not remembered (a scan reads /proc)."""
+        host, port = peer_address(text)
+        if not port:
+            return address_peer(host) if host and not host.startswith("/") else UNRESOLVED_LOCAL
+        if self.spliced is not None:
+            found = self.spliced.get((host, port))
+            if found is not None:
+                return found
+        resolver = self.handler.resolver
+        if resolver is None:
+            return address_peer(host)
+        known = resolver.known(host, port, self.port)
+        if known is not None:
+            return known
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._pool, resolver.tcp, host, port, self.port)
 
     async def _receive(self, context: aio.ServicerContext, call: Call, deadline: float) -> bytes:
         from grpc import aio
@@ -426,6 +456,21 @@ class GRPCReceiver:
 
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
+
+
+def peer_address(peer: str | None) -> tuple[str, int]:
+    """(address, port) from gRPC's peer string (``ipv4:127.0.0.1:5000``, ``ipv6:[::1]:5000``); port 0 for
+    another kind (``unix:...``)."""
+    if not peer:
+        return "", 0
+    kind, _, rest = peer.partition(":")
+    if kind == "ipv6" and rest.startswith("[") and "]:" in rest:
+        host, _, port = rest[1:].partition("]:")
+    elif kind == "ipv4":
+        host, _, port = rest.rpartition(":")
+    else:
+        return rest, 0
+    return host, int(port) if port.isdigit() else 0
 
 
 def peer_host(peer: str | None) -> str:

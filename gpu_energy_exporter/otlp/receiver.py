@@ -41,12 +41,17 @@ from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import (
     ExportMetricsServiceResponse,
 )
 
-from gpu_energy_exporter.core.errors import ConfigError
+from gpu_energy_exporter.core.clientid import Peer
 from gpu_energy_exporter.http.codec import GZIP, RAW_DEFLATE, ZLIB, BodyTooLarge, MalformedBody, TruncatedBody, inflate
 from gpu_energy_exporter.http.messages import HTTPError, Request
 from gpu_energy_exporter.http.messages import Response as WebResponse
+from gpu_energy_exporter.http.peers import PeerResolver
 from gpu_energy_exporter.http.server import DEFAULT_MAX_CONNECTIONS, DEFAULT_REQUEST_TIMEOUT, HTTPServer
+from gpu_energy_exporter.http.splice import Splice
 from gpu_energy_exporter.otlp import jsonwire
+from gpu_energy_exporter.otlp.identify import Identities
+from gpu_energy_exporter.otlp.identify import load_bearer_token as load_bearer_token
+from gpu_energy_exporter.otlp.identify import load_bearer_tokens as load_bearer_tokens
 from gpu_energy_exporter.otlp.status import JSON, PROTOBUF, status_body
 from gpu_energy_exporter.otlp.store import TrainingStore
 from gpu_energy_exporter.otlp.translate import translate_request
@@ -180,18 +185,6 @@ _FULL_SUCCESS = {ct: _encode_response(0, "", ct) for ct in (PROTOBUF, JSON)}
 # the handler
 
 
-def load_bearer_token(path: str) -> str:
-    """The token from ``--otlp.bearer-token-file`` (surrounding whitespace removed)."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            token = f.read().strip()
-    except OSError as exc:
-        raise ConfigError(f"cannot read --otlp.bearer-token-file {path!r}: {exc.strerror}") from None
-    if not token:
-        raise ConfigError(f"--otlp.bearer-token-file {path!r} is empty; put the token in it")
-    return token
-
-
 class ExportHandler:
     """OTLP export requests in, ``(status, content_type, body)`` out. Thread-safe; holds no per-request
     state."""
@@ -202,28 +195,35 @@ class ExportHandler:
         *,
         max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
         bearer_token: str | None = None,
+        tokens: Mapping[str, str] | None = None,
+        resolver: PeerResolver | None = None,
+        forwarders: tuple[str, ...] = (),
     ) -> None:
         if max_body_bytes <= 0:
             raise ValueError("max_body_bytes must be positive")
         self.store = store
         self.max_body_bytes = max_body_bytes
-        self._token = f"Bearer {bearer_token}".encode() if bearer_token else None
+        #: who a push is: tokens and tenants, the kernel's view of a connection, trusted forwarders
+        self.identities = Identities(tokens=tokens, bearer_token=bearer_token, resolver=resolver,
+                                     forwarders=forwarders)
 
     @property
     def bearer_required(self) -> bool:
-        """Whether pushes must carry the ``--otlp.bearer-token-file`` token."""
-        return self._token is not None
+        """Whether pushes must carry a ``--otlp.bearer-token-file`` token."""
+        return self.identities.bearer_required
+
+    @property
+    def resolver(self) -> PeerResolver | None:
+        return self.identities.resolver
 
     def bearer_ok(self, authorization: str) -> bool:
-        """Whether an ``Authorization`` value (HTTP header or gRPC metadata) carries the token, or none is
-        required. Compared in constant time."""
-        if self._token is None:
-            return True
-        scheme, _, credentials = authorization.strip().partition(" ")
-        presented = b"Bearer " + credentials.strip().encode()
-        import hmac  # here: it loads OpenSSL's libcrypto (~4 MB), and only a configured token needs it
+        """Whether an ``Authorization`` value (HTTP header or gRPC metadata) carries a token, or none is
+        required."""
+        return self.identities.authenticate(authorization) is not None
 
-        return scheme.lower() == "bearer" and hmac.compare_digest(presented, self._token)
+    def identify(self, peer: Peer, authorization: str) -> Peer:
+        """``Identities.identify``: the identity of a push from ``peer`` carrying ``authorization``."""
+        return self.identities.identify(peer, authorization)
 
     @staticmethod
     def _lower(headers: Mapping[str, str]) -> dict[str, str]:
@@ -281,10 +281,10 @@ class ExportHandler:
         """Handle one ``POST /v1/metrics``. Never raises."""
         return self._export(self._lower(headers), body)
 
-    def _export(self, h: Mapping[str, str], body: bytes, checked: str = "", peer: str = "") -> Response:
+    def _export(self, h: Mapping[str, str], body: bytes, checked: str = "", peer: Peer | str = "") -> Response:
         """``handle_export`` with the header names already lower-cased (``_lower``); ``checked``: the content
         type ``_check`` gave for these headers and a body of this size or more (``route``'s preflight);
-        ``peer``: the sender's address (``core.clientid``)."""
+        ``peer``: who sent it (``identify``; an address alone is taken as such: ``core.clientid``)."""
         started = time.perf_counter()
         try:
             status, content_type, out = self._handle(h, body, checked, peer)
@@ -302,17 +302,17 @@ class ExportHandler:
         self.store.record_request(status, time.perf_counter() - started)
         return status, content_type, out
 
-    def _handle(self, h: Mapping[str, str], body: bytes, checked: str, peer: str = "") -> Response:
+    def _handle(self, h: Mapping[str, str], body: bytes, checked: str, peer: Peer | str = "") -> Response:
         content_type = checked or self._check(h, len(body))
         data = decompress(body, h.get("content-encoding", "").strip().lower(), self.max_body_bytes)
         return 200, content_type, self.store_body(data, content_type, peer)
 
-    def store_body(self, data: bytes, content_type: str, peer: str = "") -> bytes:
+    def store_body(self, data: bytes, content_type: str, peer: Peer | str = "") -> bytes:
         """One export request's decompressed body decoded, translated and stored; returns the
         ``ExportMetricsServiceResponse`` body (``partial_success`` when points were refused). The one path
         after the body is read, for OTLP/HTTP and OTLP/gRPC alike. Raises ``ExportFailure(400)`` for a body
-        that does not decode; the store is then untouched. Counts nothing in ``requests_total``. ``peer``: the
-        sender's address (``core.clientid``)."""
+        that does not decode; the store is then untouched. Counts nothing in ``requests_total``. ``peer``: who
+        sent it (``identify``; an address alone is taken as such)."""
         request = decode_wire(data, content_type)
         try:
             batch = translate_request(request, time.time_ns(), self.store.limits, peer)
@@ -327,6 +327,8 @@ class ExportHandler:
             parts = [f"{n} {reason}: {result.messages.get(reason, '')[:400]}"
                      for reason, n in sorted(result.rejected.items())]
             message = ("rejected data points - " + "; ".join(parts))[:8000]
+        if result.notices:  # accepted, but not as sent (a run id taken by another identity, scoped)
+            message = ("; ".join(m[:400] for m in result.notices[:4]) + ("; " + message if message else ""))[:8000]
         return _response_body(rejected, message, content_type)
 
 
@@ -352,13 +354,18 @@ class OTLPReceiver:
         path: str = PATH,
         max_connections: int = DEFAULT_MAX_CONNECTIONS,
         request_timeout: float = DEFAULT_REQUEST_TIMEOUT,
+        handler: ExportHandler | None = None,
+        unix_path: str | None = None,
+        splice: Splice | None = None,
     ) -> None:
         self.address = address
+        self.unix_path = unix_path
+        self.splice = splice
         self.max_connections = max_connections
         self.request_timeout = request_timeout
         self.path = path
         self.store = store
-        self.handler = ExportHandler(store, max_body_bytes=max_body_bytes, bearer_token=bearer_token)
+        self.handler = handler or ExportHandler(store, max_body_bytes=max_body_bytes, bearer_token=bearer_token)
         self._server: HTTPServer | None = None
         self._started = False
 
@@ -382,8 +389,12 @@ class OTLPReceiver:
             return _web_response(self.handler.fail(exc.status, exc.message, headers,
                                                    "body" if exc.status == 400 else None))
         # within max_body_bytes (read_body): what the preflight checked holds for it, not checked twice
-        peer = str(req.client_address[0]) if req.client_address else ""
+        peer = self.handler.identify(self.handler.identities.connection_peer(req), h.get("authorization", ""))
         return _web_response(self.handler._export(h, body, early, peer))
+
+    def unix_peer(self, info: Any) -> Peer:
+        """The identity of a Unix-socket connection (its ``http.connection.ConnectionInfo``): ``SO_PEERCRED``."""
+        return self.handler.identities.unix_peer(info)
 
     @property
     def http_server(self) -> HTTPServer | None:
@@ -404,10 +415,11 @@ class OTLPReceiver:
             auth = "bearer token " + ("on" if self.handler.bearer_required else "off")
             # The server buffers a whole body before the route runs (so a slow client never holds a worker):
             # its limit is ours; gzip is inflated by the handler within the same limit.
-            self._server = HTTPServer(self.address, {("POST", self.path): self.route}, name="otlp", auth=auth,
+            self._server = HTTPServer(self.address, {("POST", self.path): self.route},
+                                      name="otlp-unix" if self.unix_path else "otlp", auth=auth,
                                       max_body_bytes=self.handler.max_body_bytes,
                                       max_connections=self.max_connections, request_timeout=self.request_timeout,
-                                      inline=_inline)
+                                      inline=_inline, unix_path=self.unix_path, splice=self.splice)
         return self
 
     def start(self) -> OTLPReceiver:
@@ -442,6 +454,8 @@ INLINE_MAX_BODY = 64 * 1024
 def _inline(req: Request) -> bool:
     if req.body_length > INLINE_MAX_BODY:
         return False
+    if req.connection is not None and req.connection.identity is None:
+        return False  # a connection's first request: finding its peer reads /proc, off the selector thread
     encoding = req.headers.get("Content-Encoding")
     return encoding is None or encoding.strip().lower() in ("", "identity")
 

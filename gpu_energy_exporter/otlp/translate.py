@@ -38,7 +38,7 @@ from typing import Any
 
 from google.protobuf.message import Message
 
-from gpu_energy_exporter.core.clientid import client_id
+from gpu_energy_exporter.core.clientid import Peer, address_peer, claim_refusal, client_id
 from gpu_energy_exporter.core.contract import ATTR_RUN_ID
 from gpu_energy_exporter.core.memo import remember
 from gpu_energy_exporter.otlp import reserved as reserved_names
@@ -211,28 +211,51 @@ def _family_unit(prom_name: str, kind: Kind, unit: str) -> str:
     return unit if base.endswith("_" + unit) else ""
 
 
-def translate_request(request: Message, received_ns: int, limits: Limits = DEFAULT_LIMITS, peer: str = "") -> Batch:
+def translate_request(request: Message, received_ns: int, limits: Limits = DEFAULT_LIMITS,
+                      peer: Peer | str = "") -> Batch:
     """Translate a decoded ``ExportMetricsServiceRequest`` (OTLP's, or ``wire.WireRequest``) into a ``Batch``.
 
     Never raises on content: anything it cannot use becomes a counted rejection with a reason; only a
     ``WireRequest`` whose attribute bytes are not ``KeyValue`` messages raises ``wire.Undecodable`` (OTLP's
     own parser refuses such a body). ``received_ns`` stands in for a data point's missing ``time_unix_nano``
     and is the reference for ``limits.max_future_skew_ns``. A resource whose attributes break a limit gets
-    no ``target_info``. ``peer``: the sender's address; with the resource's process identity it makes each
-    point's ``client`` (``core.clientid``).
+    no ``target_info``. ``peer``: who sent it (``core.clientid.Peer``, or an address); with the resource's
+    claims it makes each point's ``client``. A resource whose ``process.pid`` the kernel contradicts
+    (``core.clientid.claim_refusal``) has all its points rejected (``identity_mismatch``) and no ``target_info``.
     """
     batch = Batch()
+    if isinstance(peer, str):
+        peer = address_peer(peer)
     for rm in as_wire(request).resource_metrics[:]:
         resource_labels: Labels = ()
         if rm.HasField("resource") and len(rm.resource.attributes):
             resource_labels = _resource_labels(rm.resource, limits)
             if resource_labels:
+                why = claim_refusal(peer, resource_labels)
+                if why is not None:
+                    _reject_resource(rm, batch, why)
+                    continue
                 batch.resources.append(resource_labels)
         client = client_id(peer, resource_labels)
         for sm in rm.scope_metrics[:]:
             for metric in sm.metrics[:]:  # a slice (a list) is cheaper to walk than upb's container
                 _translate_metric(metric, batch, received_ns, limits, client, resource_labels)
     return batch
+
+
+IDENTITY_MISMATCH = "identity_mismatch"
+
+
+def _reject_resource(rm: Any, batch: Batch, why: str) -> None:
+    """Count every data point of a resource as rejected for ``why`` (its claims contradict its peer)."""
+    n = 0
+    for sm in rm.scope_metrics[:]:
+        for metric in sm.metrics[:]:
+            data = metric.WhichOneof("data")
+            if data is not None:
+                n += len(getattr(metric, data).data_points)
+    batch.received += n
+    batch.reject(IDENTITY_MISMATCH, n, why)
 
 
 #: Translated resource attributes by the resource's bytes (every export of a process repeats them).
