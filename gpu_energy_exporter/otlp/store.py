@@ -47,6 +47,7 @@ from dataclasses import dataclass
 from prometheus_client.core import Metric
 
 from gpu_energy_exporter.core import encoder
+from gpu_energy_exporter.core.ratelog import RateLimitedLog
 from gpu_energy_exporter.otlp import admission, folding
 from gpu_energy_exporter.otlp.points import DEFAULT_LIMITS, Batch, Kind, Labels, Limits, Point, series_bytes
 from gpu_energy_exporter.otlp.selfmetrics import Tally
@@ -161,7 +162,7 @@ class TrainingStore:
         self._version = 0
         self._swept_at = -math.inf
         self._tally = Tally()  # self-metrics
-        self._last_warning: dict[str, float] = {}
+        self._refusals_log = RateLimitedLog(log, clock=clock)  # a reason a minute, then how many were left out
 
     # ------------------------------------------------------------------------------------------------
     # listeners and request accounting
@@ -486,12 +487,7 @@ class TrainingStore:
     # ------------------------------------------------------------------------------------------------
 
     def _warn(self, key: str, message: str) -> None:
-        """One warning per reason per minute: a misconfigured trainer must not flood the log."""
-        now = self._clock()
-        with self._lock:
-            last = self._last_warning.get(key)
-            if last is not None and now - last < 60.0:
-                return
-            self._last_warning[key] = now
-        log.warning("%s", message[:1000])
+        """One warning per reason per minute, and the count of those left out (``core.ratelog``): a
+        misconfigured trainer or a neighbour must not flood the log."""
+        self._refusals_log.warning(key, "%s", message[:1000])
 
