@@ -42,6 +42,7 @@ from gpu_energy_exporter.http.server import HTTPServer
 from gpu_energy_exporter.http.webconfig import load_web_config
 from gpu_energy_exporter.ledger import RunLedger
 from gpu_energy_exporter.ledger.journal import SteadyClock
+from gpu_energy_exporter.otlp.census import RequestLimits
 from gpu_energy_exporter.otlp.push import OTLPPusher, PushSettings, load_headers_file
 from gpu_energy_exporter.otlp.receiver import OTLPReceiver, load_bearer_token
 from gpu_energy_exporter.otlp.store import TrainingStore
@@ -212,6 +213,7 @@ class Exporter:
         self.otlp = OTLPReceiver(
             config.otlp_listen_address, self.store, max_body_bytes=config.otlp_max_body_bytes, bearer_token=token,
             max_connections=config.web_max_connections, request_timeout=config.web_request_timeout,
+            request_limits=RequestLimits(config.otlp_max_points_per_request),
         )
         # OTLP/gRPC: the same handler (store, limits, token), TLS from the web config; grpc loads at bind()
         self.otlp_grpc: GRPCReceiver | None = None

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 import time
 from collections.abc import Mapping
 from types import MappingProxyType
@@ -46,7 +47,8 @@ from gpu_energy_exporter.http.codec import GZIP, RAW_DEFLATE, ZLIB, BodyTooLarge
 from gpu_energy_exporter.http.messages import HTTPError, Request
 from gpu_energy_exporter.http.messages import Response as WebResponse
 from gpu_energy_exporter.http.server import DEFAULT_MAX_CONNECTIONS, DEFAULT_REQUEST_TIMEOUT, HTTPServer
-from gpu_energy_exporter.otlp import jsonwire
+from gpu_energy_exporter.otlp import census, jsonwire
+from gpu_energy_exporter.otlp.census import DEFAULT_REQUEST_LIMITS, RequestLimits
 from gpu_energy_exporter.otlp.status import JSON, PROTOBUF, status_body
 from gpu_energy_exporter.otlp.store import TrainingStore
 from gpu_energy_exporter.otlp.translate import translate_request
@@ -56,6 +58,9 @@ log = logging.getLogger(__name__)
 
 PATH = "/v1/metrics"
 DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
+#: Bodies larger than ``census.SMALL_BODY`` (or compressed) decoded at once, both ports together: the worst
+#: concurrent case is this many worst single requests, plus the bodies the servers hold meanwhile.
+DECODING_AT_ONCE = 2
 
 Response = tuple[int, str, bytes]
 
@@ -135,18 +140,36 @@ def decode(body: bytes, content_type: str) -> ExportMetricsServiceRequest:
     return request
 
 
-def decode_wire(body: bytes, content_type: str) -> Message:
+def _count(body: bytes, limits: RequestLimits, as_json: bool = False) -> None:
+    """``census`` (``json_census``) of a body about to be parsed: ``_Failure(413)`` naming the limit and its
+    flag when it would make more than ``limits`` allow, before anything is built for it."""
+    try:
+        if as_json:
+            census.json_census(body, limits)
+        else:
+            census.census(body, limits)
+    except census.TooMuch as exc:
+        raise _Failure(413, str(exc)) from None
+
+
+def decode_wire(body: bytes, content_type: str, limits: RequestLimits = DEFAULT_REQUEST_LIMITS) -> Message:
     """``decode``, into a ``wire.WireRequest`` (data-point attributes left as bytes: see ``otlp.wire``); JSON
     bodies through ``otlp.jsonwire`` when it handles them, else the generic parser. A protobuf body that parses
     so and not as OTLP's type fails in ``translate_request`` (``wire.Undecodable``); ``_handle`` then answers
-    what ``decode`` says."""
+    what ``decode`` says. Every body is counted first (``otlp.census``): one that would make more than
+    ``limits`` allow is refused (413) before it is parsed."""
     if content_type == JSON:
+        _count(body, limits, as_json=True)
         doc = _load_json(body)
         try:
             # the fast path (``otlp.jsonwire``): the same message as ParseDict gives, or Unsupported
-            return WireRequest.FromString(jsonwire.encode(doc))
+            encoded = jsonwire.encode(doc)
         except jsonwire.Unsupported:
             return _parse_json(doc)
+        del doc  # the document is the larger: gone before the parse
+        _count(encoded, limits)
+        return WireRequest.FromString(encoded)
+    _count(body, limits)
     request = WireRequest()
     try:
         request.ParseFromString(body)
@@ -202,11 +225,16 @@ class ExportHandler:
         *,
         max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
         bearer_token: str | None = None,
+        request_limits: RequestLimits = DEFAULT_REQUEST_LIMITS,
     ) -> None:
         if max_body_bytes <= 0:
             raise ValueError("max_body_bytes must be positive")
         self.store = store
         self.max_body_bytes = max_body_bytes
+        self.request_limits = request_limits
+        # Large bodies decoded at once, over both ports: each may hold what census allows, and the GIL runs one
+        # at a time anyway, so waiting costs no throughput (and a reentrant lock would not bound anything).
+        self._decoding = threading.BoundedSemaphore(DECODING_AT_ONCE)
         self._token = f"Bearer {bearer_token}".encode() if bearer_token else None
 
     @property
@@ -304,21 +332,41 @@ class ExportHandler:
 
     def _handle(self, h: Mapping[str, str], body: bytes, checked: str, peer: str = "") -> Response:
         content_type = checked or self._check(h, len(body))
-        data = decompress(body, h.get("content-encoding", "").strip().lower(), self.max_body_bytes)
-        return 200, content_type, self.store_body(data, content_type, peer)
+        encoding = h.get("content-encoding", "").strip().lower()
+        if encoding not in ("", "identity"):
+            try:  # a push of a few KiB inflates here; a larger one waits its turn before it inflates further
+                body = decompress(body, encoding, min(census.SMALL_BODY, self.max_body_bytes))
+            except _Failure as exc:
+                if exc.status != 413:
+                    raise
+                with self._decoding:
+                    data = decompress(body, encoding, self.max_body_bytes)
+                    return 200, content_type, self._store_body(data, content_type, peer)
+        return 200, content_type, self.store_body(body, content_type, peer)
 
     def store_body(self, data: bytes, content_type: str, peer: str = "") -> bytes:
         """One export request's decompressed body decoded, translated and stored; returns the
         ``ExportMetricsServiceResponse`` body (``partial_success`` when points were refused). The one path
         after the body is read, for OTLP/HTTP and OTLP/gRPC alike. Raises ``ExportFailure(400)`` for a body
-        that does not decode; the store is then untouched. Counts nothing in ``requests_total``. ``peer``: the
-        sender's address (``core.clientid``)."""
-        request = decode_wire(data, content_type)
+        that does not decode, ``ExportFailure(413)`` for one that would make more than ``request_limits``
+        allow (``otlp.census``); the store is then untouched. Counts nothing in ``requests_total``. ``peer``:
+        the sender's address (``core.clientid``). Bodies over ``census.SMALL_BODY`` are decoded
+        ``DECODING_AT_ONCE`` at a time (whichever thread and port they came from)."""
+        if len(data) <= census.SMALL_BODY:
+            return self._store_body(data, content_type, peer)
+        with self._decoding:
+            return self._store_body(data, content_type, peer)
+
+    def _store_body(self, data: bytes, content_type: str, peer: str) -> bytes:
+        request = decode_wire(data, content_type, self.request_limits)
         try:
-            batch = translate_request(request, time.time_ns(), self.store.limits, peer)
+            batch = translate_request(request, time.time_ns(), self.store.limits, peer, self.request_limits)
         except Undecodable:
             decode(data, content_type)  # raises the 400 OTLP's own parser gives this body
             raise
+        except census.TooMuch as exc:
+            raise _Failure(413, str(exc)) from None
+        del request  # what the parse made is not needed while the store applies the batch
         result = self.store.apply(batch)
         rejected = sum(result.rejected.values())
         message = ""
@@ -352,13 +400,15 @@ class OTLPReceiver:
         path: str = PATH,
         max_connections: int = DEFAULT_MAX_CONNECTIONS,
         request_timeout: float = DEFAULT_REQUEST_TIMEOUT,
+        request_limits: RequestLimits = DEFAULT_REQUEST_LIMITS,
     ) -> None:
         self.address = address
         self.max_connections = max_connections
         self.request_timeout = request_timeout
         self.path = path
         self.store = store
-        self.handler = ExportHandler(store, max_body_bytes=max_body_bytes, bearer_token=bearer_token)
+        self.handler = ExportHandler(store, max_body_bytes=max_body_bytes, bearer_token=bearer_token,
+                                     request_limits=request_limits)
         self._server: HTTPServer | None = None
         self._started = False
 

@@ -41,7 +41,9 @@ from google.protobuf.message import Message
 from gpu_energy_exporter.core.clientid import client_id
 from gpu_energy_exporter.core.contract import ATTR_RUN_ID
 from gpu_energy_exporter.core.memo import remember
+from gpu_energy_exporter.otlp import census
 from gpu_energy_exporter.otlp import reserved as reserved_names
+from gpu_energy_exporter.otlp.census import DEFAULT_REQUEST_LIMITS, RequestLimits, TooMuch
 from gpu_energy_exporter.otlp.naming import NameKind, attribute_value, label_name, metric_name, unit_name
 from gpu_energy_exporter.otlp.points import DEFAULT_LIMITS, Batch, Kind, Labels, Limits, Point, label_chars, series_cost
 from gpu_energy_exporter.otlp.wire import as_wire, key_value
@@ -211,7 +213,8 @@ def _family_unit(prom_name: str, kind: Kind, unit: str) -> str:
     return unit if base.endswith("_" + unit) else ""
 
 
-def translate_request(request: Message, received_ns: int, limits: Limits = DEFAULT_LIMITS, peer: str = "") -> Batch:
+def translate_request(request: Message, received_ns: int, limits: Limits = DEFAULT_LIMITS, peer: str = "",
+                      bounds: RequestLimits = DEFAULT_REQUEST_LIMITS) -> Batch:
     """Translate a decoded ``ExportMetricsServiceRequest`` (OTLP's, or ``wire.WireRequest``) into a ``Batch``.
 
     Never raises on content: anything it cannot use becomes a counted rejection with a reason; only a
@@ -219,19 +222,24 @@ def translate_request(request: Message, received_ns: int, limits: Limits = DEFAU
     own parser refuses such a body). ``received_ns`` stands in for a data point's missing ``time_unix_nano``
     and is the reference for ``limits.max_future_skew_ns``. A resource whose attributes break a limit gets
     no ``target_info``. ``peer``: the sender's address; with the resource's process identity it makes each
-    point's ``client`` (``core.clientid``).
+    point's ``client`` (``core.clientid``). A request of more than ``bounds.max_points`` data points, or whose
+    translation would make more than ``bounds.max_made_bytes`` (``Batch.made``: points, their labels, buckets
+    and quantiles), raises ``census.TooMuch`` as soon as it is known, before more is made.
     """
     batch = Batch()
     for rm in as_wire(request).resource_metrics[:]:
         resource_labels: Labels = ()
         if rm.HasField("resource") and len(rm.resource.attributes):
             resource_labels = _resource_labels(rm.resource, limits)
+            batch.made += census.LABEL_MADE * len(resource_labels)
+            if batch.made > bounds.max_made_bytes:
+                raise TooMuch(bounds.refusal(batch.received, batch.made))
             if resource_labels:
                 batch.resources.append(resource_labels)
         client = client_id(peer, resource_labels)
         for sm in rm.scope_metrics[:]:
             for metric in sm.metrics[:]:  # a slice (a list) is cheaper to walk than upb's container
-                _translate_metric(metric, batch, received_ns, limits, client, resource_labels)
+                _translate_metric(metric, batch, received_ns, limits, client, resource_labels, bounds)
     return batch
 
 
@@ -265,7 +273,7 @@ _isfinite = math.isfinite
 
 
 def _translate_metric(metric: Any, batch: Batch, received_ns: int, limits: Limits, client: str = "",
-                      resource: Labels = ()) -> None:
+                      resource: Labels = (), bounds: RequestLimits = DEFAULT_REQUEST_LIMITS) -> None:
     data = metric.WhichOneof("data")
     if data is None:
         return  # an empty envelope carries no points
@@ -273,6 +281,10 @@ def _translate_metric(metric: Any, batch: Batch, received_ns: int, limits: Limit
     points = container.data_points
     n = len(points)
     batch.received += n
+    batch.made += n * census.POINT_MADE
+    if batch.received > bounds.max_points or batch.made > bounds.max_made_bytes:
+        raise TooMuch(bounds.refusal(batch.received, batch.made))
+    max_made = bounds.max_made_bytes
     if n == 0:
         return
     otel_name, unit, description = metric.name, metric.unit, metric.description
@@ -312,7 +324,12 @@ def _translate_metric(metric: Any, batch: Batch, received_ns: int, limits: Limit
             # _point_labels, its cache looked up here first (one call less per point; the slice is cheaper
             # than unpacking upb's container)
             hit = cached((*key_head, *attributes[:])) if len(attributes) <= max_labels else None
-            labels, run_id, label_chars, fits = hit or _point_labels(attributes, reserved, limits)
+            if hit is None:
+                hit = _point_labels(attributes, reserved, limits)
+                batch.made += census.LABEL_MADE * len(hit[0])  # a new label set: its strings and tuples
+                if batch.made > max_made:
+                    raise TooMuch(bounds.refusal(batch.received, batch.made))
+            labels, run_id, label_chars, fits = hit
             if contract_bit and not fits & contract_bit:
                 raise _Rejected(reserved_names.REASON, reserved_names.label_refusal(prom_name, labels) or "")
             time_ns = dp.time_unix_nano or received_ns
@@ -330,6 +347,9 @@ def _translate_metric(metric: Any, batch: Batch, received_ns: int, limits: Limit
                 point = Point(kind, prom_name, help_text, family_unit, labels, run_id, start_ns, time_ns, delta,
                               client=client, resource=resource)
                 _fill_distribution(point, dp, limits, label_chars)
+                batch.made += census.VALUE_MADE * (len(point.counts) + len(point.bounds) + 2 * len(point.quantiles))
+                if batch.made > max_made:
+                    raise TooMuch(bounds.refusal(batch.received, batch.made))
                 cost = point.cost
             else:
                 which = dp.WhichOneof("value")
