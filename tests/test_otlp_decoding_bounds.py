@@ -44,12 +44,14 @@ def _helper_batch(ranks: int) -> bytes:
 def test_the_walk_counts_what_the_parse_makes_and_the_bound_agrees() -> None:
     body = _helper_batch(80) * 2  # 2,080 points in 160 resources, 300 KB
     parsed = ExportMetricsServiceRequest.FromString(body)
-    exact = census._walk(body, census.DEFAULT_REQUEST_LIMITS, bound=False).counts
+    exact = census._walk(body, census.DEFAULT_REQUEST_LIMITS, bound=census.EXACT).counts
     assert exact[1:5] == [len(parsed.resource_metrics), sum(len(rm.scope_metrics) for rm in parsed.resource_metrics),
                           sum(len(sm.metrics) for rm in parsed.resource_metrics for sm in rm.scope_metrics), 2080]
-    counts = census.census(body)  # the fast walk: resources, scopes and metrics exact, the points' bytes bounded
-    assert counts.walked and (counts.resources, counts.scopes, counts.metrics) == tuple(exact[1:4])
-    assert exact[0] <= counts.decoded_bytes <= 12 * exact[0]
+    for bound in (census.COARSE, census.METRICS):  # resources (and scopes) exact, the rest bounded
+        counts = census._walk(body, census.DEFAULT_REQUEST_LIMITS, bound=bound).counts
+        assert counts[1:3] == exact[1:3]
+        assert exact[0] <= counts[0] <= 16 * exact[0]
+    assert census.census(body).walked
     small, _ = Trainer("x", 0).request()  # one rank's export: never walked
     assert len(small) <= census.SMALL_BODY and not census.census(small).walked
 

@@ -11,12 +11,13 @@ Two budgets, both derived from ``--otlp.max-points-per-request`` (``RequestLimit
   (tags and lengths; nothing is built) and estimates what the parse would allocate: ``MESSAGE_BYTES`` a message,
   ``ENTRY_BYTES`` a repeated string or attribute, ``VARINT_BYTES`` a varint of a packed list, following OTLP's
   own message definitions. It also counts resources, scopes and metrics (``max_resources``, ``max_metrics``:
-  the translation walks each) and the nesting depth (``MAX_DEPTH``). A metric's points are bounded without a
-  walk where that is enough: every message and entry in them starts with a length tag, so the count of bytes
-  that could be one bounds them at C speed; only a request that this bound puts over the budget is walked
-  exactly (then its points are counted too). ``json_census`` bounds an OTLP/JSON body before ``json.loads``:
-  its objects, arrays and commas (one Python object each at most) and its text, at the width Python will
-  store it in.
+  the translation walks each) and the nesting depth (``MAX_DEPTH``). A scope's metrics, or failing that a
+  metric's points, are bounded without a walk where that is enough: every message and entry in them starts
+  with a length tag, so the count of bytes that could be one bounds them at C speed; only a request that
+  these bounds put over the budget is walked closer, then exactly (its points counted too). Where the walk
+  does not count scopes' metrics, the translation does, exactly, and stops at the cap. ``json_census``
+  bounds an OTLP/JSON body before ``json.loads``: its objects, arrays and commas (one Python object each at
+  most) and its text, at the width Python will store it in.
 - What the translation makes (``max_made_bytes``): ``otlp.translate`` adds up ``POINT_MADE`` a point,
   ``LABEL_MADE`` a label of a new label set and ``VALUE_MADE`` a bucket, bound or quantile value as it goes,
   with the points themselves (``max_points``), and stops at either bound.
@@ -117,6 +118,11 @@ class RequestLimits:
         return (f"the request's points, labels and buckets would take more than {self.max_made_bytes >> 20} MiB "
                 f"once translated ({MADE_BYTES_PER_POINT} bytes a data point that --otlp.max-points-per-request "
                 f"allows); {_SMALLER}")
+
+
+def kind_refusal(what: str, cap: int) -> str:
+    """Why a request of more than ``cap`` resources, scopes or metrics is refused."""
+    return f"the request holds more than {cap} {what} (derived from --otlp.max-points-per-request); {_SMALLER}"
 
 
 def points_refusal(max_points: int) -> str:
@@ -225,9 +231,9 @@ class _Walk:
 
     __slots__ = ("data", "counts", "caps", "bound")
 
-    def __init__(self, data: bytes, limits: RequestLimits, bound: bool) -> None:
+    def __init__(self, data: bytes, limits: RequestLimits, bound: int) -> None:
         self.data = data
-        self.bound = bound
+        self.bound = bound  # COARSE, METRICS or EXACT (``census``)
         self.counts = [0, 0, 0, 0, 0]
         self.caps = (limits.max_decoded_bytes, limits.max_resources, limits.max_resources, limits.max_metrics,
                      limits.max_points)
@@ -278,7 +284,7 @@ class _Walk:
                     counts[_BYTES] += n
                 elif kind == _DATA:
                     counts[_BYTES] += weight
-                    if self.bound:
+                    if self.bound:  # METRICS (COARSE never gets here)
                         # Every point and everything in it starts with a length tag: their count bounds what the
                         # parse makes (the points are counted by the translation, which stops at the cap). Over
                         # the cap, TooMuch has the request walked again, exactly (``census``).
@@ -290,6 +296,13 @@ class _Walk:
                         counts[kind] += 1
                         if counts[kind] > caps[kind]:
                             raise TooMuch(self._kind_message(kind))
+                        if kind == _SCOPE and self.bound == COARSE:
+                            # The whole scope bounded as a metric's points are (above), and 8 bytes a byte for
+                            # the packed varints an exponential histogram may hold; its metrics are counted by
+                            # the translation (exactly: it stops at the cap).
+                            counts[_BYTES] += (MESSAGE_BYTES * len(data[pos:stop].translate(None, _NOT_LENGTH_TAGS))
+                                               + VARINT_BYTES * n)
+                            child = _ENTRY
                 if counts[_BYTES] > cap:
                     raise TooMuch(self._bytes_message())
                 if type(child) is dict:  # a message: walk it, then go on after it
@@ -319,9 +332,7 @@ class _Walk:
     def _kind_message(self, kind: int) -> str:
         if kind == _POINT:
             return points_refusal(self.caps[_POINT])
-        what = ("", "resources", "scopes", "metrics")[kind]
-        return (f"the request holds more than {self.caps[kind]} {what} (derived from --otlp.max-points-per-request); "
-                f"{_SMALLER}")
+        return kind_refusal(("", "resources", "scopes", "metrics")[kind], self.caps[kind])
 
     def _bytes_message(self) -> str:
         return (f"the request would take more than {self.caps[_BYTES] >> 20} MiB to decode ({MESSAGE_BYTES} bytes a "
@@ -344,7 +355,11 @@ def _varint(data: bytes, pos: int, first: int) -> tuple[int, int]:
             raise _Stop
 
 
-def _walk(data: bytes, limits: RequestLimits, *, bound: bool) -> _Walk:
+#: How closely ``census`` walks: scopes bounded as a whole, metrics' points bounded, everything walked.
+COARSE, METRICS, EXACT = 2, 1, 0
+
+
+def _walk(data: bytes, limits: RequestLimits, *, bound: int) -> _Walk:
     walk = _Walk(data, limits, bound)
     try:
         walk.message(0, len(data), _ROOT)
@@ -359,9 +374,12 @@ def census(data: bytes, limits: RequestLimits = DEFAULT_REQUEST_LIMITS) -> Count
     if len(data) <= SMALL_BODY:
         return Counts()
     try:
-        walk = _walk(data, limits, bound=True)
+        walk = _walk(data, limits, bound=COARSE)
     except TooMuch:
-        walk = _walk(data, limits, bound=False)  # the bounds were too loose: count exactly (or refuse)
+        try:  # the bounds were too loose: closer (or refuse)
+            walk = _walk(data, limits, bound=METRICS)
+        except TooMuch:
+            walk = _walk(data, limits, bound=EXACT)
     c = walk.counts
     return Counts(c[_RESOURCE], c[_SCOPE], c[_METRIC], c[_POINT], c[_BYTES], walked=True)
 

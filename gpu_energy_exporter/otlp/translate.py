@@ -227,6 +227,7 @@ def translate_request(request: Message, received_ns: int, limits: Limits = DEFAU
     and quantiles), raises ``census.TooMuch`` as soon as it is known, before more is made.
     """
     batch = Batch()
+    scopes = metrics = 0  # against the census' caps: it bounds whole scopes without counting them (census)
     for rm in as_wire(request).resource_metrics[:]:
         resource_labels: Labels = ()
         if rm.HasField("resource") and len(rm.resource.attributes):
@@ -237,7 +238,13 @@ def translate_request(request: Message, received_ns: int, limits: Limits = DEFAU
             if resource_labels:
                 batch.resources.append(resource_labels)
         client = client_id(peer, resource_labels)
+        scopes += len(rm.scope_metrics)
+        if scopes > bounds.max_resources:
+            raise TooMuch(census.kind_refusal("scopes", bounds.max_resources))
         for sm in rm.scope_metrics[:]:
+            metrics += len(sm.metrics)
+            if metrics > bounds.max_metrics:
+                raise TooMuch(census.kind_refusal("metrics", bounds.max_metrics))
             for metric in sm.metrics[:]:  # a slice (a list) is cheaper to walk than upb's container
                 _translate_metric(metric, batch, received_ns, limits, client, resource_labels, bounds)
     return batch
