@@ -35,7 +35,7 @@ Pure: bytes in, counts or ``TooMuch`` out; never parses, never performs I/O and 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from google.protobuf.descriptor import Descriptor, FieldDescriptor
 from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import ExportMetricsServiceRequest
@@ -77,39 +77,32 @@ class TooMuch(ValueError):
 
 @dataclass(frozen=True, slots=True)
 class RequestLimits:
-    """What one request may make (``--otlp.max-points-per-request``, the rest derived from it)."""
+    """What one request may make (``--otlp.max-points-per-request``, the rest derived from it at construction:
+    the translation reads them per metric).
+
+    ``max_decoded_bytes``: what the parse may allocate (``census``'s estimate). ``max_made_bytes``: what the
+    translation may make (``Batch.made``). ``max_metrics``: every metric worth sending carries a point.
+    ``max_resources``: resources, and scopes (a trainer's process is one resource with one scope and a dozen
+    points). ``max_json_items``: objects, arrays and commas in an OTLP/JSON body; loaded, each makes 100 bytes
+    at most (a one-key object and the comma after it make 192; a helper's point has about 20 items)."""
 
     max_points: int = DEFAULT_MAX_POINTS
+    max_decoded_bytes: int = field(init=False)
+    max_made_bytes: int = field(init=False)
+    max_metrics: int = field(init=False)
+    max_resources: int = field(init=False)
+    max_json_items: int = field(init=False)
 
     def __post_init__(self) -> None:
         if self.max_points <= 0:
             raise ValueError("max_points must be positive")
-
-    @property
-    def max_decoded_bytes(self) -> int:
-        """What the parse may allocate (``census``'s estimate)."""
-        return max(MIN_DECODED_BYTES, DECODED_BYTES_PER_POINT * self.max_points)
-
-    @property
-    def max_made_bytes(self) -> int:
-        """What the translation may make (``Batch.made``)."""
-        return max(MIN_MADE_BYTES, MADE_BYTES_PER_POINT * self.max_points)
-
-    @property
-    def max_metrics(self) -> int:
-        """Metrics: every metric worth sending carries a point."""
-        return self.max_points
-
-    @property
-    def max_resources(self) -> int:
-        """Resources, and scopes: a trainer's process is one resource with one scope and a dozen points."""
-        return max(MIN_RESOURCES, self.max_points // 4)
-
-    @property
-    def max_json_items(self) -> int:
-        """Objects, arrays and commas in an OTLP/JSON body: loaded, each makes 100 bytes at most (a one-key
-        object and the comma after it make 192; a helper's point has about 14 items): 13 MB at the default."""
-        return self.max_decoded_bytes // 128
+        decoded = max(MIN_DECODED_BYTES, DECODED_BYTES_PER_POINT * self.max_points)
+        for name, value in (("max_decoded_bytes", decoded),
+                            ("max_made_bytes", max(MIN_MADE_BYTES, MADE_BYTES_PER_POINT * self.max_points)),
+                            ("max_metrics", self.max_points),
+                            ("max_resources", max(MIN_RESOURCES, self.max_points // 4)),
+                            ("max_json_items", decoded // 128)):
+            object.__setattr__(self, name, value)
 
     def refusal(self, points: int, made: int) -> str:
         """Why the translation stopped (``points`` so far, ``made`` bytes so far)."""
