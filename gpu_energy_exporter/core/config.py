@@ -103,6 +103,10 @@ FLAGS: tuple[Flag, ...] = (
     Flag("otlp.max-body-bytes", _positive_int, str(8 * 1024 * 1024),
          "Largest accepted OTLP request body, checked before and after gzip decompression (OTLP/gRPC: the "
          "largest message, also after decompression).", "BYTES"),
+    Flag("otlp.max-points-per-request", _positive_int, "16384",
+         "Most data points in one OTLP request (HTTP or gRPC); a request with more is refused whole (413, gRPC "
+         "INVALID_ARGUMENT) before it is decoded. Resources, scopes, metrics and what the decoding allocates are "
+         "bounded in proportion (docs/security.md).", "N"),
     Flag("otlp.series-ttl", parse_duration, "10m",
          "Training series not updated for this long are dropped from /metrics.", "DURATION"),
     Flag("otlp.max-series", _positive_int, "20000",
@@ -301,6 +305,7 @@ class Config:
     web_request_timeout: float = 30.0
     otlp_listen_address: tuple[str, int] = ("localhost", DEFAULT_OTLP_PORT)
     otlp_max_body_bytes: int = 8 * 1024 * 1024
+    otlp_max_points_per_request: int = 16384
     otlp_series_ttl: float = 600.0
     otlp_max_series: int = 20000
     otlp_max_series_per_run: int = 2000

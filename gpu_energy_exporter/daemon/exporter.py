@@ -45,6 +45,7 @@ from gpu_energy_exporter.http.splice import Splice
 from gpu_energy_exporter.http.webconfig import load_web_config
 from gpu_energy_exporter.ledger import RunLedger
 from gpu_energy_exporter.ledger.journal import SteadyClock
+from gpu_energy_exporter.otlp.census import RequestLimits
 from gpu_energy_exporter.otlp.push import OTLPPusher, PushSettings, load_headers_file
 from gpu_energy_exporter.otlp.receiver import ExportHandler, OTLPReceiver, load_bearer_tokens
 from gpu_energy_exporter.otlp.store import TrainingStore
@@ -237,7 +238,8 @@ class Exporter:
         # One handler for every OTLP transport: the store, the limits, the tokens and who a peer is
         # (the kernel's view through --path.procfs: docs/security.md)
         handler = ExportHandler(self.store, max_body_bytes=config.otlp_max_body_bytes, tokens=tokens,
-                                resolver=PeerResolver(config.path_procfs), forwarders=config.otlp_trusted_forwarders)
+                                resolver=PeerResolver(config.path_procfs), forwarders=config.otlp_trusted_forwarders,
+                                request_limits=RequestLimits(config.otlp_max_points_per_request))
         self.otlp = OTLPReceiver(
             config.otlp_listen_address, self.store, handler=handler,
             max_connections=config.web_max_connections, request_timeout=config.web_request_timeout,

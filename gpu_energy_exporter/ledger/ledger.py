@@ -33,6 +33,7 @@ from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 
 from gpu_energy_exporter.core import contract
+from gpu_energy_exporter.core.ratelog import RateLimitedLog
 from gpu_energy_exporter.core.runs_schema import KEEP_FINISHED_S
 from gpu_energy_exporter.core.state import Snapshot
 from gpu_energy_exporter.ledger import accounting, clients, files, jobs, restart, runs, settlement, specs
@@ -151,7 +152,9 @@ class RunLedger(LedgerAdmission, LedgerViews):
         self._recount_from: dict[str, float] = {}
         self.recount_intervals = 0  # snapshot intervals recounted (bench/ledger_backdated.py)
         self._carbon_error_logged = False
-        self._last_reject_log = -math.inf
+        # Per-run lines (started, finished, stale, refused) under a flood of runs: 30 of each a minute, then
+        # a count (core.ratelog); the counters on /metrics stay exact.
+        self._runs_log = RateLimitedLog(log, burst=30)
         self._version = 0  # bumped whenever what collect() returns may have changed
         # Parts of each live summary's stamp (with the run's own points and _holders_gen): bumped by every
         # snapshot counted and every expiry of finished runs.
@@ -238,7 +241,7 @@ class RunLedger(LedgerAdmission, LedgerViews):
             run.tentative = False
             self._holders_changed(run, run.s)
             self._replay_pending.add(run_id)  # counted with the other recounts (_recount)
-            log.info("run %s started (first point at %s)", run_id, iso_utc(run.s))
+            self._runs_log.info("started", "run %s started (first point at %s)", run_id, iso_utc(run.s))
             self._durable.started()
             return
         if len(run.gpus) != gpus_before or new_process:
@@ -263,11 +266,9 @@ class RunLedger(LedgerAdmission, LedgerViews):
                 self._evicted += 1
         if len(self._active) >= self._max_active:
             self._rejected += 1
-            now = self._clock()
-            if now - self._last_reject_log > 60:
-                self._last_reject_log = now
-                log.warning("run ledger: already tracking %d active runs; ignoring new run %r (runs end on "
-                            "training_run_finished or after --runs.stale-after)", self._max_active, run_id)
+            self._runs_log.warning("too many", "run ledger: already tracking %d active runs; ignoring new run %r "
+                                   "(runs end on training_run_finished or after --runs.stale-after)",
+                                   self._max_active, run_id)
             return None
         # A first point dated long before it arrived would make the run's start replay (and every run sharing
         # its GPUs recount) that much history: its start is taken at most max_backdate_s back (bounded cost).
@@ -340,8 +341,8 @@ class RunLedger(LedgerAdmission, LedgerViews):
                 if run.e is None and now - run.last_point_received > self.stale_after_s:
                     run.status = "stale"
                     run.e = run.last_point_t
-                    log.warning("run %s: nothing pushed for %.0fs; closing it as stale at its last point (%s)",
-                                run.run_id, self.stale_after_s, iso_utc(run.e))
+                    self._runs_log.warning("stale", "run %s: nothing pushed for %.0fs; closing it as stale at its "
+                                           "last point (%s)", run.run_id, self.stale_after_s, iso_utc(run.e))
                     self._holders_changed(run, run.e)
                 ended = run.e is not None and (frame.t >= run.e or run.status == "stale")
                 if ended and settlement.closable(run, frame, self._anchors, self.settle_wait_s):
@@ -435,8 +436,8 @@ class RunLedger(LedgerAdmission, LedgerViews):
         self._claims.closed(run.unconfirmed.values())
         self._finished_counts[status] = self._finished_counts.get(status, 0.0) + 1
         s = run.summary
-        log.info("run %s %s: %.0fs, %s tokens, %s J, %s J/token", run.run_id, status, s["duration_s"],
-                 fmt(s["tokens"]), fmt(s["energy_j"]), fmt(s["j_per_token"]))
+        self._runs_log.info("finished", "run %s %s: %.0fs, %s tokens, %s J, %s J/token", run.run_id, status,
+                            s["duration_s"], fmt(s["tokens"]), fmt(s["energy_j"]), fmt(s["j_per_token"]))
         if self.csv_path is not None:
             self._seq += 1
             row = Row(self._seq, run.run_id, run.s, dict(s), self._document(run, dict(s)))

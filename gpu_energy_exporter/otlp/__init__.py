@@ -4,6 +4,8 @@
 - ``naming``: OpenTelemetry names, units and attribute values to Prometheus names and label values (pure).
 - ``points``: the translated ``Point`` / ``Batch``, the per-point ``Limits`` and series sizes (pure).
 - ``wire``: the request type protobuf pushes are parsed into (OTLP's, data-point attributes kept as bytes).
+- ``census``: what a request would make, counted before it is parsed, and the budgets it must fit (pure).
+- ``decoding``: request bodies to messages: inflating within the limit, the census, protobuf and JSON (pure).
 - ``translate``: a decoded ``ExportMetricsServiceRequest`` to a ``Batch``, every limit applied.
 - ``folding``: delta and cumulative streams, restarts and histogram layouts into exposed values (pure).
 - ``admission``: the store's bounds and name rules, as refusals with their flag (pure).

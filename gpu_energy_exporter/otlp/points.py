@@ -111,6 +111,7 @@ class Batch:
     rejected: dict[str, int] = field(default_factory=dict)  # reason -> count
     messages: dict[str, str] = field(default_factory=dict)  # reason -> first human-readable message
     resources: list[Labels] = field(default_factory=list)  # target_info label sets
+    made: int = 0  # estimated bytes the translation made (otlp.census: POINT_MADE, LABEL_MADE, VALUE_MADE)
 
     def reject(self, reason: str, count: int, message: str) -> None:
         if count <= 0:

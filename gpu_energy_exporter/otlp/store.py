@@ -49,6 +49,7 @@ from prometheus_client.core import Metric
 
 from gpu_energy_exporter.core import encoder
 from gpu_energy_exporter.core.clientid import identity_of, principal_of
+from gpu_energy_exporter.core.ratelog import RateLimitedLog
 from gpu_energy_exporter.otlp import admission, folding
 from gpu_energy_exporter.otlp.gate import Gate, ask_gate
 from gpu_energy_exporter.otlp.points import DEFAULT_LIMITS, Batch, Labels, Limits, Point, series_bytes
@@ -142,7 +143,7 @@ class TrainingStore:
         self._version = 0
         self._swept_at = -math.inf
         self._tally = Tally()  # self-metrics
-        self._last_warning: dict[str, float] = {}
+        self._refusals_log = RateLimitedLog(log, clock=clock)  # a reason a minute, then how many were left out
 
     # ------------------------------------------------------------------------------------------------
     # listeners and request accounting
@@ -489,12 +490,7 @@ class TrainingStore:
     # ------------------------------------------------------------------------------------------------
 
     def _warn(self, key: str, message: str) -> None:
-        """One warning per reason per minute: a misconfigured trainer must not flood the log."""
-        now = self._clock()
-        with self._lock:
-            last = self._last_warning.get(key)
-            if last is not None and now - last < 60.0:
-                return
-            self._last_warning[key] = now
-        log.warning("%s", message[:1000])
+        """One warning per reason per minute, and the count of those left out (``core.ratelog``): a
+        misconfigured trainer or a neighbour must not flood the log."""
+        self._refusals_log.warning(key, "%s", message[:1000])
 
