@@ -123,7 +123,7 @@ def container(docs: tuple[dict[str, Any], ...]) -> dict[str, Any]:
 def test_expected_overlays_and_components_exist() -> None:
     assert {"tls-basic-auth", "trainer-example", "pod-attribution", "without-prometheus-operator"} <= set(OVERLAYS)
     assert {"tls-basic-auth", "pod-attribution-root", "runtime-class-nvidia", "podmonitor", "dcgm-compat",
-            "pod-sm-split"} <= set(COMPONENTS)
+            "pod-sm-split", "pod-identity"} <= set(COMPONENTS)
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -298,8 +298,20 @@ def test_daemonset_runs_on_gpu_nodes_without_taking_a_gpu(rendered: Renders, var
     assert pod["securityContext"]["seccompProfile"]["type"] == "RuntimeDefault"
     assert not pod.get("hostNetwork") and not pod.get("hostPID")  # no 4318 host-port clash
     assert not any("hostPort" in p for p in c["ports"])
-    assert pod["automountServiceAccountToken"] is False
-    assert not [d for d in docs if d["kind"] in ("Role", "ClusterRole", "RoleBinding", "ClusterRoleBinding")]
+    # only components/pod-identity talks to the API server: a token, and read access to pods (not nodes/proxy)
+    identity = variant in ("pod-attribution", "all-components")
+    assert pod["automountServiceAccountToken"] is identity
+    rbac = [d for d in docs if d["kind"] in ("Role", "ClusterRole", "RoleBinding", "ClusterRoleBinding")]
+    if identity:
+        role = one(docs, "ClusterRole", "gpu-energy-exporter-pod-identity")
+        assert role["rules"] == [{"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list"]}]
+        binding = one(docs, "ClusterRoleBinding", "gpu-energy-exporter-pod-identity")
+        assert binding["subjects"] == [{"kind": "ServiceAccount", "name": pod["serviceAccountName"],
+                                        "namespace": ds["metadata"]["namespace"]}]
+        assert one(docs, "ServiceAccount", pod["serviceAccountName"])["automountServiceAccountToken"] is True
+        assert len(rbac) == 2
+    else:
+        assert not rbac
     one(docs, "PriorityClass", pod["priorityClassName"])
     one(docs, "ServiceAccount", pod["serviceAccountName"])
     image, _, tag = c["image"].rpartition(":")

@@ -131,6 +131,7 @@ class KubernetesCollector(Collector):
         self._unresolved_logged: frozenset[str] = frozenset()
         self._request_counter_read = request_counter_read
         self._holdings: dict[str, tuple[Slot, ...]] | None = None  # the last update's
+        self._pod_devices: dict[tuple[str, str], frozenset[str]] | None = None  # None: no answer yet
 
     @classmethod
     def from_config(
@@ -176,6 +177,8 @@ class KubernetesCollector(Collector):
         if changed and self._request_counter_read is not None and self._unread(states, holdings):
             self._request_counter_read()  # the edge falls on the next counter read, taken at once
         self._holdings = holdings
+        if view.assignments is not None:
+            self._pod_devices = _devices_by_pod(holdings)
 
         families = self._families(holdings, view.state)
         if view.state == STATE_RPC_ERROR:
@@ -186,6 +189,13 @@ class KubernetesCollector(Collector):
             # No socket, no permission, or no answer yet: no attribution, said once by the watcher.
             raise NoData(view.message or view.state, families)
         return families
+
+    def devices_of(self, namespace: str, pod: str) -> frozenset[str] | None:
+        """The GPUs and MIG instances (uuid keys: lower case, no ``GPU-`` prefix) the kubelet gave ``pod``, as of
+        the last update; None when the kubelet has not answered yet, or its answer does not list the pod (it
+        started since, or holds no GPU). Any thread (the OTLP receivers: ``otlp.podgpus``)."""
+        known = self._pod_devices
+        return None if known is None else known.get((namespace, pod))
 
     def _unread(self, states: Sequence[GPUState], holdings: dict[str, tuple[Slot, ...]]) -> bool:
         """Whether a GPU whose holders changed was not read by its energy counter in this sample."""
@@ -265,3 +275,16 @@ class KubernetesCollector(Collector):
 
     def close(self) -> None:
         self._source.close()
+
+
+def _devices_by_pod(holdings: dict[str, tuple[Slot, ...]]) -> dict[tuple[str, str], frozenset[str]]:
+    """(namespace, pod) -> the uuid keys of the GPUs (and MIG instances, with their parent) it holds."""
+    out: dict[tuple[str, str], set[str]] = defaultdict(set)
+    for gpu, slots in holdings.items():
+        for slot in slots:
+            keys = out[(slot.pod.namespace, slot.pod.pod)]
+            for uuid in (gpu, slot.mig_uuid):
+                if uuid:
+                    key = uuid.strip().lower()
+                    keys.add(key[4:] if key.startswith("gpu-") else key)
+    return {pod: frozenset(keys) for pod, keys in out.items()}

@@ -8,8 +8,10 @@ Identity is established by the transport, never asserted (docs/security.md):
   through ``SO_PEERCRED``: ``http.peers``), a per-tenant bearer token (the tenant), or the peer's address when
   nothing better is known (a remote host or a pod: a TCP handshake cannot complete from an address the sender
   does not own, except on loopback, where any local process may bind 127.x.y.z, so a loopback address is never
-  an identity). ``key`` is the identity (what quotas count by); ``principal`` the group it belongs to (a Unix
-  user, a tenant, an address): the processes of one multi-rank job share it.
+  an identity). On Kubernetes a pod's address is resolved through the API server to the pod itself
+  (``pod_peer``: its uid, so a pod that reuses a deleted pod's address is another identity). ``key`` is the
+  identity (what quotas count by); ``principal`` the group it belongs to (a Unix user, a tenant, an address, a
+  pod's namespace): the processes of one multi-rank job share it.
 - The resource's attributes (``host.name``, ``process.pid``, ``service.instance.id``) are claims. They narrow
   an identity (two helpers in one process are two clients: a run's rank belongs to the one that pushed it
   first) and never widen it: two identities are never one client whatever they claim. ``process.pid`` is
@@ -37,6 +39,7 @@ _SEP = "\x1f"  # no attribute value or address carries it after translation... a
 KERNEL = "kernel"  # the peer process, from the socket table (loopback TCP) or SO_PEERCRED (Unix socket)
 ADDRESS = "address"  # the peer's address: a remote host or a pod
 TOKEN = "token"  # a per-tenant bearer token
+POD = "pod"  # a Kubernetes pod, by its address on the pod network (kubernetes.podips)
 UNRESOLVED = "unresolved"  # a loopback peer the kernel's tables did not show (it closed, or a race)
 
 
@@ -47,7 +50,9 @@ class Peer:
     ``pid``: the kernel's peer process (0 unknown: not root, another network namespace, or no kernel view);
     ``pids``: the ``process.pid`` claims the kernel confirms without looking further (the pid in each pid
     namespace); ``confirm``: a look-up for other claims (a descendant's pid), None when there is none.
-    ``tag``: a short readable form of the identity, for a scoped run id and messages."""
+    ``tag``: a short readable form of the identity, for a scoped run id and messages. ``pod``: the
+    (namespace, name) of the Kubernetes pod the connection comes from, when known: its points may name only
+    the GPUs the kubelet gave that pod (``otlp.podgpus``)."""
 
     kind: str
     key: str
@@ -57,16 +62,18 @@ class Peer:
     pids: frozenset[str] = frozenset()
     vouches: bool = False
     confirm: Callable[[str], bool] | None = field(default=None, compare=False, repr=False)
+    pod: tuple[str, str] | None = None
 
     def with_tenant(self, tenant: str) -> Peer:
         """This peer, pushing with ``tenant``'s token: the tenant is the identity, whatever the network path
         (the kernel's pid stays, to check ``process.pid`` against)."""
         name = _clean(tenant)
-        return Peer(TOKEN, f"tenant={name}", f"tenant={name}", name, self.pid, self.pids, self.vouches, self.confirm)
+        return Peer(TOKEN, f"tenant={name}", f"tenant={name}", name, self.pid, self.pids, self.vouches, self.confirm,
+                    self.pod)
 
     def trusted(self) -> Peer:
         """This peer as a trusted forwarder: it vouches for its clients' claims."""
-        return Peer(self.kind, self.key, self.principal, self.tag, self.pid, self.pids, True, self.confirm)
+        return Peer(self.kind, self.key, self.principal, self.tag, self.pid, self.pids, True, self.confirm, self.pod)
 
 
 def address_peer(address: str) -> Peer:
@@ -75,6 +82,14 @@ def address_peer(address: str) -> Peer:
         return ANONYMOUS
     a = _clean(address)
     return Peer(ADDRESS, f"ip={a}", f"ip={a}", a)
+
+
+def pod_peer(namespace: str, name: str, uid: str) -> Peer:
+    """A Kubernetes pod, found by its address: the identity is the pod (its uid: a pod that later gets the same
+    address, or the same name, is another one); the principal its namespace, so the pods of one job on this
+    node (one namespace) may add ranks to one run, as the processes of one user may."""
+    ns, pod, u = _clean(namespace), _clean(name), _clean(uid)
+    return Peer(POD, f"pod={ns}/{pod}@{u}", f"ns={ns}", pod, pod=(ns, pod))
 
 
 def kernel_peer(uid: int, pid: int = 0, start: str = "", ns_pids: Iterable[int] = (),
@@ -166,6 +181,8 @@ def tag_of(client: str) -> str:
     key = identity_of(client)
     if " pid=" in key and ">" not in key:
         return "pid" + key.split(" pid=", 1)[1].split("@", 1)[0]
+    if key.startswith("pod=") and " " not in key and ">" not in key:
+        return key[4:].split("@", 1)[0].rsplit("/", 1)[-1]
     for prefix in ("tenant=", "ip=", "uid="):
         if key.startswith(prefix) and " " not in key and ">" not in key:
             return ("uid" if prefix == "uid=" else "") + key[len(prefix):]

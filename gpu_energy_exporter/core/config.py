@@ -263,6 +263,15 @@ FLAGS: tuple[Flag, ...] = (
          "Kubelet pod-resources socket used to attribute GPUs to pods.", "PATH", collector="kubernetes"),
     Flag("kubernetes.refresh-interval", parse_duration, "10s",
          "How often the GPU to pod mapping is refreshed from the kubelet.", "DURATION", collector="kubernetes"),
+    Flag("kubernetes.pod-identity", parse_bool, "true",
+         "Know an OTLP push from a pod's address as that pod (this node's pods, listed from the API server; RBAC "
+         "pods get/list), and refuse its points for GPUs the pod does not hold (docs/security.md).",
+         boolean=True, collector="kubernetes"),
+    Flag("kubernetes.api-url", _text, "", "Kubernetes API server for --kubernetes.pod-identity (default: "
+         "in the pod, KUBERNETES_SERVICE_HOST/PORT, with the service account's token and CA).", "URL",
+         collector="kubernetes"),
+    Flag("kubernetes.node-name", _text, "", "This node's name, whose pods --kubernetes.pod-identity lists "
+         "(default: $NODE_NAME, set from the downward API's spec.nodeName).", "NAME", collector="kubernetes"),
     Flag("collector.slurm.job-mapping-dir", _text, "/run/gpu-energy-exporter/slurm-jobs",
          "Directory the Slurm prolog/epilog keep (dcgm-exporter's DCGM_HPC_JOB_MAPPING_DIR format: one file "
          "per GPU index, or '<index>.<gpu instance>' for MIG, listing job ids) for --collector.slurm.",
@@ -360,6 +369,9 @@ class Config:
     runs_max_finished_per_client: int = 60
     kubernetes_pod_resources_socket: str = "/var/lib/kubelet/pod-resources/kubelet.sock"
     kubernetes_refresh_interval: float = 10.0
+    kubernetes_pod_identity: bool = True
+    kubernetes_api_url: str = ""
+    kubernetes_node_name: str = ""
     collector_slurm_job_mapping_dir: str = "/run/gpu-energy-exporter/slurm-jobs"
     log_level: str = "info"
     log_format: str = "logfmt"

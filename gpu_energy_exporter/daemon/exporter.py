@@ -52,6 +52,7 @@ from gpu_energy_exporter.otlp.store import TrainingStore
 from gpu_energy_exporter.reference.carbon import resolve_intensity
 
 if TYPE_CHECKING:
+    from gpu_energy_exporter.collectors.kubernetes import KubernetesCollector
     from gpu_energy_exporter.collectors.slurm import SlurmCollector
     from gpu_energy_exporter.otlp.grpcreceiver import GRPCReceiver
     from gpu_energy_exporter.slurm.watch import DirectoryWatch
@@ -124,6 +125,7 @@ class Exporter:
         if config.enabled("health") and self.gpu is not None:
             self.health = HealthCollector(self.gpu, interval=config.collector_health_interval, clock=clock)
             collectors.append(self.health)
+        self.kubernetes: KubernetesCollector | None = None
         if config.enabled("kubernetes"):
             from gpu_energy_exporter.collectors.kubernetes import KubernetesCollector
 
@@ -135,9 +137,10 @@ class Exporter:
             # mounted, docs/deploy.md), so a time-sliced GPU is split by each pod's SM use.
             # A pod's start and stop read every energy counter at once (the refresh that sees it, else the
             # sample that does): its settled energy covers its own interval (issue 28).
-            collectors.append(KubernetesCollector.from_config(config, self.gpu.states,
+            self.kubernetes = KubernetesCollector.from_config(config, self.gpu.states,
                                                               pid_to_pod=ProcfsPods(config.path_procfs),
-                                                              request_counter_read=self.read_counters_now))
+                                                              request_counter_read=self.read_counters_now)
+            collectors.append(self.kubernetes)
         self.slurm: SlurmCollector | None = None
         self.slurm_watch: DirectoryWatch | None = None
         if config.enabled("slurm"):
@@ -235,11 +238,19 @@ class Exporter:
             CachedSource(self._http_families, version=self._http_version),
         ])
         tokens = load_bearer_tokens(config.otlp_bearer_token_file) if config.otlp_bearer_token_file else None
+        pods = None
+        if self.kubernetes is not None:  # urllib and ssl (a few MB) only then
+            from gpu_energy_exporter.kubernetes.podips import directory_from_config
+
+            pods = directory_from_config(config, os.environ)
         # One handler for every OTLP transport: the store, the limits, the tokens and who a peer is
         # (the kernel's view through --path.procfs: docs/security.md)
         handler = ExportHandler(self.store, max_body_bytes=config.otlp_max_body_bytes, tokens=tokens,
                                 resolver=PeerResolver(config.path_procfs), forwarders=config.otlp_trusted_forwarders,
-                                request_limits=RequestLimits(config.otlp_max_points_per_request))
+                                request_limits=RequestLimits(config.otlp_max_points_per_request),
+                                # a pod's address is that pod, its points only for its GPUs (--kubernetes.pod-identity)
+                                pods=pods.pod_of if pods is not None else None,
+                                pod_devices=self.kubernetes.devices_of if self.kubernetes is not None else None)
         self.otlp = OTLPReceiver(
             config.otlp_listen_address, self.store, handler=handler,
             max_connections=config.web_max_connections, request_timeout=config.web_request_timeout,

@@ -241,7 +241,12 @@ class GRPCReceiver:
         try:
             # grpcio serves the front's private socket (grpcfront): the client's own TCP connection is the front's
             seen = self._front.peer_of(context.peer()) if self._front is not None else context.peer()
-            peer = self.handler.identify(await self._peer(seen), authorization)
+            peer = await self._peer(seen)
+            if self.handler.identities.needs_lookup(peer):  # a pod's address: the look-up may wait for the list
+                loop = asyncio.get_running_loop()
+                peer = await loop.run_in_executor(self._pool, self.handler.identify, peer, authorization)
+            else:
+                peer = self.handler.identify(peer, authorization)
             data = await self._receive(context, call, deadline)
             if len(data) <= INLINE_MAX_BODY:
                 return self.handler.store_body(data, PROTOBUF, peer)

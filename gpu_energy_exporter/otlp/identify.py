@@ -10,10 +10,10 @@ much of a token was right. This module never reads a request body and never touc
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
-from gpu_energy_exporter.core.clientid import UNRESOLVED_LOCAL, Peer, address_peer, forwarder_matches
+from gpu_energy_exporter.core.clientid import ADDRESS, UNRESOLVED_LOCAL, Peer, address_peer, forwarder_matches
 from gpu_energy_exporter.core.errors import ConfigError
 from gpu_energy_exporter.http.messages import Request
 from gpu_energy_exporter.http.peers import PeerResolver
@@ -66,12 +66,18 @@ def load_bearer_tokens(path: str) -> dict[str, str]:
     return out
 
 
+#: An address -> the Kubernetes pod that holds it (``kubernetes.podips.PodDirectory.pod_of``), or None.
+PodOf = Callable[[str], "Peer | None"]
+
+
 class Identities:
     """Tokens (token -> tenant, "" for one every pusher shares), the kernel's view of a connection
-    (``resolver``; None: peers are known by address only) and the trusted forwarders. Thread-safe."""
+    (``resolver``; None: peers are known by address only), the pods by address (``pods``; None: off) and the
+    trusted forwarders. Thread-safe."""
 
     def __init__(self, *, tokens: Mapping[str, str] | None = None, bearer_token: str | None = None,
-                 resolver: PeerResolver | None = None, forwarders: tuple[str, ...] = ()) -> None:
+                 resolver: PeerResolver | None = None, forwarders: tuple[str, ...] = (),
+                 pods: PodOf | None = None) -> None:
         table = dict(tokens or {})
         if bearer_token:
             table.setdefault(bearer_token, "")
@@ -83,6 +89,7 @@ class Identities:
         self.tenants = sorted({t for t in table.values() if t})
         self.resolver = resolver
         self.forwarders = forwarders
+        self.pods = pods
 
     @property
     def bearer_required(self) -> bool:
@@ -103,13 +110,23 @@ class Identities:
     def identify(self, peer: Peer, authorization: str) -> Peer:
         """The identity of a push from ``peer`` (what the transport established) carrying ``authorization``:
         its tenant when it carries a per-tenant token, trusted to vouch for its clients when it is a listed
-        forwarder (``core.clientid``)."""
+        forwarder (``core.clientid``). A peer known only by its address is the pod that holds the address, when
+        ``pods`` knows one (this may wait for the pod list: never call it on an event loop, ``needs_lookup``)."""
+        if self.needs_lookup(peer):
+            assert self.pods is not None
+            pod = self.pods(peer.key[3:])
+            if pod is not None:
+                peer = pod
         tenant = self.authenticate(authorization)
         if tenant:
             peer = peer.with_tenant(tenant)
         if self.forwarders and forwarder_matches(peer, self.forwarders):
             peer = peer.trusted()
         return peer
+
+    def needs_lookup(self, peer: Peer) -> bool:
+        """Whether ``identify`` looks ``peer``'s address up among the pods (and may wait for the pod list)."""
+        return self.pods is not None and peer.kind == ADDRESS and peer.key.startswith("ip=")
 
     def unix_peer(self, info: Any) -> Peer:
         """The peer of a Unix-socket connection (its ``http.connection.ConnectionInfo``): ``SO_PEERCRED``."""

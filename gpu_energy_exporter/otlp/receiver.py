@@ -49,9 +49,10 @@ from gpu_energy_exporter.otlp import census
 from gpu_energy_exporter.otlp.census import DEFAULT_REQUEST_LIMITS, RequestLimits
 from gpu_energy_exporter.otlp.decoding import DecodeFailure, decode, decode_wire, decompress
 from gpu_energy_exporter.otlp.decoding import _parse_json as _parse_json  # its former home (tests call it)
-from gpu_energy_exporter.otlp.identify import Identities
+from gpu_energy_exporter.otlp.identify import Identities, PodOf
 from gpu_energy_exporter.otlp.identify import load_bearer_token as load_bearer_token
 from gpu_energy_exporter.otlp.identify import load_bearer_tokens as load_bearer_tokens
+from gpu_energy_exporter.otlp.podgpus import PodDevices, restrict_to_pod
 from gpu_energy_exporter.otlp.status import JSON, PROTOBUF, status_body
 from gpu_energy_exporter.otlp.store import TrainingStore
 from gpu_energy_exporter.otlp.translate import translate_request
@@ -114,6 +115,8 @@ class ExportHandler:
         resolver: PeerResolver | None = None,
         forwarders: tuple[str, ...] = (),
         request_limits: RequestLimits = DEFAULT_REQUEST_LIMITS,
+        pods: PodOf | None = None,
+        pod_devices: PodDevices | None = None,
     ) -> None:
         if max_body_bytes <= 0:
             raise ValueError("max_body_bytes must be positive")
@@ -125,7 +128,9 @@ class ExportHandler:
         self._decoding = threading.BoundedSemaphore(DECODING_AT_ONCE)
         #: who a push is: tokens and tenants, the kernel's view of a connection, trusted forwarders
         self.identities = Identities(tokens=tokens, bearer_token=bearer_token, resolver=resolver,
-                                     forwarders=forwarders)
+                                     forwarders=forwarders, pods=pods)
+        #: the GPUs each pod holds (kubelet pod-resources): a pod's points may name only those (otlp.podgpus)
+        self.pod_devices = pod_devices
 
     @property
     def bearer_required(self) -> bool:
@@ -258,6 +263,8 @@ class ExportHandler:
             raise
         except census.TooMuch as exc:
             raise _Failure(413, str(exc)) from None
+        if isinstance(peer, Peer):
+            restrict_to_pod(batch, peer, self.pod_devices)
         del request  # what the parse made is not needed while the store applies the batch
         result = self.store.apply(batch)
         rejected = sum(result.rejected.values())

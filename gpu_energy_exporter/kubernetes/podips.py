@@ -1,0 +1,197 @@
+"""Which pod an address on the pod network is: the identity of an OTLP push from a pod (docs/security.md).
+
+A pod on its own network namespace reaches the exporter (a hostNetwork DaemonSet) from its pod IP; the kernel's
+socket table of the node's namespace does not show the process, but the address cannot be forged (a TCP
+handshake does not complete from an address the sender does not own), and the Kubernetes API says which pod
+holds it. ``PodDirectory`` keeps this node's pods by address, from the API server's pod list for the node
+(``GET /api/v1/pods?fieldSelector=spec.nodeName=<node>``: RBAC ``pods`` get/list; not the kubelet's ``/pods``,
+which needs ``nodes/proxy``, a right that also opens exec into every pod of the node).
+
+Rules:
+
+- Only pods that hold their own address: hostNetwork pods share the node's (their processes are on the node's
+  network, so the socket table finds them), and pods that ended (``Succeeded``, ``Failed``) gave theirs back.
+- A pod is known by its uid: a new pod that gets a deleted pod's address is another identity.
+- The list is fetched when it is older than ``refresh_s`` and, for an address it does not hold, again at most
+  once a second (a pod that just started); a fetch that fails keeps the last list. An address no pod holds is
+  left to the caller (a host off the node is known by its address).
+
+Never on the sampler thread; a look-up blocks at most ``timeout_s`` for a fetch, and only the thread that asks
+(the OTLP receivers call it from request threads, never from the gRPC event loop).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import ssl
+import threading
+import time
+import urllib.parse
+import urllib.request
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from gpu_energy_exporter.core.clientid import Peer, pod_peer
+from gpu_energy_exporter.core.config import Config
+from gpu_energy_exporter.core.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+SERVICE_ACCOUNT = "/var/run/secrets/kubernetes.io/serviceaccount"
+#: The most a pod list may hold (one node's pods: a few hundred KiB at 110 pods); a bigger answer is refused.
+MAX_LIST_BYTES = 32 << 20
+MISS_REFRESH_S = 1.0
+_ENDED = ("Succeeded", "Failed")
+
+Fetch = Callable[[], bytes]
+
+
+def pods_by_address(doc: Mapping[str, Any]) -> dict[str, Peer]:
+    """A ``PodList`` (JSON, decoded) as address -> pod identity (``core.clientid.pod_peer``), by the rules of
+    the module docstring. Entries it cannot read are skipped."""
+    out: dict[str, Peer] = {}
+    items = doc.get("items") if isinstance(doc, Mapping) else None
+    for item in items if isinstance(items, list) else ():
+        if not isinstance(item, Mapping):
+            continue
+        meta, spec, status = (_mapping(item.get(k)) for k in ("metadata", "spec", "status"))
+        if spec.get("hostNetwork") is True or status.get("phase") in _ENDED:
+            continue
+        ns, name, uid = meta.get("namespace"), meta.get("name"), meta.get("uid")
+        if not (isinstance(ns, str) and isinstance(name, str) and isinstance(uid, str) and ns and name and uid):
+            continue
+        addresses = [status.get("podIP")]
+        ips = status.get("podIPs")
+        addresses += [e.get("ip") for e in ips if isinstance(e, Mapping)] if isinstance(ips, list) else []
+        peer = pod_peer(ns, name, uid)
+        for ip in addresses:
+            if isinstance(ip, str) and ip:
+                out[ip] = peer
+    return out
+
+
+def _mapping(value: object) -> Mapping[str, Any]:
+    return value if isinstance(value, Mapping) else {}
+
+
+class PodDirectory:
+    """This node's pods by address (see the module docstring). ``fetch`` returns the pod list's JSON bytes
+    (``api_fetch``), raising ``OSError`` or ``ValueError`` when it cannot. Thread-safe."""
+
+    def __init__(self, fetch: Fetch, *, refresh_s: float = 10.0, miss_refresh_s: float = MISS_REFRESH_S,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self._fetch = fetch
+        self.refresh_s = refresh_s
+        self.miss_refresh_s = miss_refresh_s
+        self._clock = clock
+        self._pods: dict[str, Peer] = {}
+        self._fetched_at: float | None = None  # the last fetch tried (whatever it gave)
+        self._lock = threading.Lock()  # one fetch at a time; the others wait for it
+        self.fetches = 0
+        self.failures = 0
+        self.available = False  # the last fetch succeeded
+        self.error = "not fetched yet"
+
+    def pod_of(self, address: str) -> Peer | None:
+        """The pod that holds ``address`` now, or None (no pod of this node holds it, or no list could be had)."""
+        address = address.split("%", 1)[0]
+        if address.startswith("::ffff:"):
+            address = address[7:]
+        found = self._pods.get(address)
+        age = self._age()
+        if found is not None and age < self.refresh_s:
+            return found
+        if found is None and age < self.miss_refresh_s:
+            return None
+        self._refresh(self.refresh_s if found is not None else self.miss_refresh_s)
+        return self._pods.get(address)
+
+    def _age(self) -> float:
+        at = self._fetched_at
+        return float("inf") if at is None else self._clock() - at
+
+    def _refresh(self, older_than: float) -> None:
+        with self._lock:
+            if self._age() < older_than:
+                return  # another thread fetched while this one waited
+            self._fetched_at = self._clock()
+            self.fetches += 1
+            try:
+                doc = json.loads(self._fetch())
+                pods = pods_by_address(doc)
+            except (OSError, ValueError) as exc:
+                self.failures += 1
+                if self.available or self.failures == 1:
+                    log.warning("cannot list this node's pods from the Kubernetes API (%s): pushes from pods are "
+                                "known by their address until it answers; the last list (%d pods) stays in use",
+                                exc, len(set(self._pods.values())))
+                self.available = False
+                self.error = str(exc)[:300]
+                return
+            if not self.available:
+                log.info("pod identity: %d pod address(es) on this node", len(pods))
+            self._pods = pods
+            self.available = True
+            self.error = ""
+
+
+def api_fetch(api_url: str, node_name: str, *, token_file: str = SERVICE_ACCOUNT + "/token",
+              ca_file: str = SERVICE_ACCOUNT + "/ca.crt", timeout_s: float = 2.0) -> Fetch:
+    """A ``fetch`` of ``node_name``'s pods from the API server at ``api_url`` with the service account's token
+    (read at each fetch: the kubelet rotates it) and CA. ``ConfigError`` for a URL that cannot be used."""
+    parsed = urllib.parse.urlsplit(api_url)
+    if parsed.scheme not in ("https", "http") or not parsed.netloc:
+        raise ConfigError(f"--kubernetes.api-url {api_url!r} is not an http(s) URL")
+    if not node_name:
+        raise ConfigError("pod identity needs the node's name: set NODE_NAME from the downward API "
+                          "(fieldRef spec.nodeName) or --kubernetes.node-name, or --no-kubernetes.pod-identity")
+    query = urllib.parse.urlencode({"fieldSelector": f"spec.nodeName={node_name}"})
+    url = f"{api_url.rstrip('/')}/api/v1/pods?{query}"
+    context = None
+    if parsed.scheme == "https":
+        context = ssl.create_default_context(cafile=ca_file if os.path.exists(ca_file) else None)
+
+    def fetch() -> bytes:
+        headers = {"Accept": "application/json"}
+        try:
+            with open(token_file, encoding="utf-8") as f:
+                headers["Authorization"] = "Bearer " + f.read().strip()
+        except OSError:
+            pass  # no service account token: an API that allows the request anyway (or a 401/403, said)
+        req = urllib.request.Request(url, headers=headers)
+        with urllib.request.urlopen(req, timeout=timeout_s, context=context) as r:  # noqa: S310 (http(s) only)
+            body: bytes = r.read(MAX_LIST_BYTES + 1)
+        if len(body) > MAX_LIST_BYTES:
+            raise ValueError(f"the pod list is over {MAX_LIST_BYTES >> 20} MiB")
+        return body
+
+    return fetch
+
+
+def in_cluster_api_url(environ: Mapping[str, str]) -> str:
+    """The API server's URL inside a pod (``KUBERNETES_SERVICE_HOST``/``_PORT``), "" outside one."""
+    host, port = environ.get("KUBERNETES_SERVICE_HOST", ""), environ.get("KUBERNETES_SERVICE_PORT", "443")
+    if not host:
+        return ""
+    return f"https://[{host}]:{port}" if ":" in host else f"https://{host}:{port}"
+
+
+def directory_from_config(config: Config, environ: Mapping[str, str]) -> PodDirectory | None:
+    """The exporter's ``PodDirectory`` (``--kubernetes.pod-identity`` with ``--collector.kubernetes``), or None
+    when it is off, or outside a cluster with no ``--kubernetes.api-url`` (said once in the log)."""
+    if not (config.enabled("kubernetes") and config.kubernetes_pod_identity):
+        return None
+    url = config.kubernetes_api_url or in_cluster_api_url(environ)
+    if not url:
+        log.warning("--kubernetes.pod-identity: not in a pod (no KUBERNETES_SERVICE_HOST) and no "
+                    "--kubernetes.api-url; pushes from pods are known by their address only")
+        return None
+    if not config.kubernetes_api_url and not os.path.exists(SERVICE_ACCOUNT + "/token"):
+        log.warning("--kubernetes.pod-identity: no service account token in this pod (%s/token): pushes from pods "
+                    "are known by their address only; deploy/kubernetes/components/pod-identity mounts it and grants "
+                    "it read access to pods", SERVICE_ACCOUNT)
+        return None
+    node = config.kubernetes_node_name or environ.get("NODE_NAME", "")
+    return PodDirectory(api_fetch(url, node), refresh_s=config.kubernetes_refresh_interval)
