@@ -1,39 +1,51 @@
-"""What lets the run ledger's runs outlive the exporter and its clocks: the journal checkpoints and their
-restore, the file writer's bookkeeping, and the mapping of every time the ledger sees onto one steady axis.
+"""What lets the run ledger's runs outlive the exporter and its clocks: the store's checkpoints and their
+restore, the rows' way to the database and the exports, and the mapping of every time the ledger sees onto one
+steady axis.
 
-- **Restart.** ``Durable`` checkpoints the open runs, the rows not yet written and the latest snapshot frame
-  into the journal (``ledger.journal``, on its own thread, every ``journal_interval_s`` and whenever a run
-  closes) and restores them when the ledger starts: a restored run goes on as the same run. The frame is
+- **Restart.** ``Durable`` writes the open runs' state (``ledger.codec``), the latest snapshot frame and every
+  closed run's row into the database (``ledger.store``, on the store's own thread: every
+  ``journal_interval_s`` and whenever a run starts; a closing run's row at once, in the transaction that drops
+  its open state) and restores them when the ledger starts (``ledger.recovery`` opens the store, migrates a
+  previous release's journal, and says what was lost): a restored run goes on as the same run. The frame is
   put back at the head of the snapshot history, so the first snapshot after the restart closes the gap as
   one ordinary interval: the GPU's energy counter (cumulative in the driver) across the downtime, shared
   with the shares known before it, and the run notes ``gap_s``. Tokens are cumulative in the trainer: a
   restored series takes the trainer's next value as it comes (nothing counts twice, nothing is lost);
   should that value be lower (the exporter's folding of an earlier trainer restart was lost with the
   process) the series continues from its restored count (``reconcile``).
+- **Exports.** A row in the database is then written to ``--runs.csv`` and its JSON summary by the file
+  writer's thread (``ledger.filewriter``), and marked exported; a row not exported yet when the process
+  stops is exported after the restart, once.
 - **Time.** The ledger runs on the steady clock (``journal.SteadyClock``): a snapshot is dated when the
   ledger receives it (``on_clock``), and a point's trainer timestamp is placed relative to when it arrived
   (``steady_point_time``): it keeps its order and spacing within its stream, but a sender's clock that is
   off or steps moves no energy between runs.
 
-This module never reads hardware and never writes files itself (``journal`` and ``filewriter`` do); it
-holds the ledger's lock only to copy state.
+This module never reads hardware and never writes files itself (``store`` and ``filewriter`` do); it
+holds the ledger's lock only to copy state, one run at a time.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import math
-import pickle
+import os
+import sqlite3
 import time
 from collections import deque
 from collections.abc import Mapping
 from dataclasses import replace
 from typing import Any
 
+from gpu_energy_exporter.core.runs_db import DB_NAME
+from gpu_energy_exporter.core.runs_schema import COLUMN_NAMES
+from gpu_energy_exporter.ledger import codec, recovery
 from gpu_energy_exporter.ledger.filewriter import FileWriter, Row
 from gpu_energy_exporter.ledger.frames import Frame
-from gpu_energy_exporter.ledger.journal import FORMAT, Journal, JournalWriter, SteadyClock
+from gpu_energy_exporter.ledger.journal import SteadyClock
 from gpu_energy_exporter.ledger.runs import LabelKey, Run
+from gpu_energy_exporter.ledger.store import Batch, Saved, Store, StoredRow, StoreWriter, crc
 
 log = logging.getLogger(__name__)
 
@@ -44,9 +56,10 @@ FIRST_TOLERANCE_S = 5.0
 #: again (the driver's counter is confirmed by two readings) before the gap is closed without it.
 GAP_WAIT_S = 30.0
 #: Shutdown: the most the ledger waits for its last checkpoint and for the rows still to write.
-SHUTDOWN_JOURNAL_S = 2.0
+SHUTDOWN_STORE_S = 2.0
 SHUTDOWN_FILES_S = 1.5
-#: Rows waiting to be written, at most (each holds its run's summary and timeline, in memory and journal).
+#: Rows waiting to be written, at most, in memory (each holds its run's summary and timeline); beyond, a row
+#: already in the database waits there and is exported at the next start.
 MAX_PENDING = 1000
 
 
@@ -104,77 +117,149 @@ def reconcile(run: Run, name: str, labels: Mapping[str, str], value: float, key:
 
 
 class Durable:
-    """The ledger's journal and file writer (either may be absent). ``ledger``: the ``RunLedger``."""
+    """The ledger's store and exports (either may be absent). ``ledger``: the ``RunLedger``; ``db_path``:
+    ``--runs.db`` (default: ``runs.db`` in ``state_dir``)."""
 
-    def __init__(self, ledger: Any, state_dir: str | None, threaded: bool, interval_s: float) -> None:
+    def __init__(self, ledger: Any, state_dir: str | None, threaded: bool, interval_s: float,
+                 db_path: str | None = None) -> None:
         self._ledger = ledger
         self._interval = interval_s
         self._last_kick = -math.inf
-        self.journal: Journal | None = None
-        self._jw: JournalWriter | None = None
+        self.store: Store | None = None
+        self._sw: StoreWriter | None = None
         self.writer: FileWriter | None = None
         self.gap_pending = False
         self._gap_since: float | None = None
-        if state_dir is not None:
-            try:
-                self.journal = Journal(state_dir)
-            except OSError as exc:
-                log.error("run ledger: cannot use the state directory %s (%s): open runs will not survive a "
-                          "restart", state_dir, exc)
+        self.losses = recovery.Losses(ledger.stale_after_s)
+        self._unsaved: list[Row] = []  # closed runs' rows not in the database yet (ledger lock)
+        self._exported: list[tuple[int, str | None]] = []  # rows exported since the last batch
+        self._building: tuple[list[Row], int, int] = ([], 0, 0)
+        self._failing = False
+        path = db_path or (os.path.join(state_dir, DB_NAME) if state_dir is not None else None)
+        if path is not None:
+            self.store = recovery.open_store(path, state_dir, self.losses, ledger._clock())
         if ledger.csv_path is not None:
             self.writer = FileWriter(ledger.csv_path, on_written=self._written, on_failed=self._failed,
-                                     journaled=self._journaled if self.journal is not None else None,
+                                     journaled=self._stored if self.store is not None else None,
                                      clock=ledger._clock, threaded=threaded)
-        if self.journal is not None:
-            state = self.journal.load()
-            if state is not None:
-                self._restore(state)
-            self._jw = JournalWriter(self.journal, self._build, self._journal_failed)
+        if self.store is not None:
+            try:
+                saved = self.store.load()
+            except (sqlite3.Error, OSError) as exc:
+                self.store.close(checkpoint=False)
+                self.store = recovery.replace_damaged(self.store.path, exc, self.losses, ledger._clock())
+                saved = self.store.load() if self.store is not None else None
+            if saved is not None:
+                self._restore(saved)
+        if self.store is not None:
+            self._sw = StoreWriter(self.store, self._build, self._batch_done, self._store_failed)
             self._last_kick = ledger._clock()
-            self._jw.kick()  # a new generation at once: the journal read is compacted
+            self._sw.kick(full=True)  # the state as restored, and what was lost, at once
 
-    # -- checkpoints -------------------------------------------------------------------------------
+    @property
+    def keeps_rows(self) -> bool:
+        """Whether a closed run becomes a row (written to the database, the CSV or both)."""
+        return self.store is not None or self.writer is not None
 
-    def _build(self) -> bytes:
+    # -- batches (the store's thread) -----------------------------------------------------------------
+
+    def _build(self, full: bool) -> Batch:
         led = self._ledger
+        encoded: dict[str, tuple[Run, float, Any]] = {}
+        extra: dict[str, Any] = {}
+        if full:
+            with led._lock:
+                if led._history:
+                    extra["frame"] = codec.encode(led._history[-1])
+                if isinstance(led._clock, SteadyClock):
+                    extra["clock"] = codec.encode(led._clock)
+                runs = [r for r in led._active.values() if not r.tentative]
+            for run in runs:
+                with led._lock:  # one run at a time: points and snapshots wait for one run's copy, never all
+                    if led._active.get(run.run_id) is run:
+                        self.losses.note(run)
+                        encoded[run.run_id] = (run, run.s, codec.encode(run))
         with led._lock:
-            state = {
-                "format": FORMAT,
-                "clock": led._clock if isinstance(led._clock, SteadyClock) else None,
-                "saved_wall": time.time(),
-                "active": [r for r in led._active.values() if not r.tentative],
-                "pending": [row.journaled() for row in led._pending.values()],
-                "frame": led._history[-1] if led._history else None,
-                "seq": led._seq,
-                "finished_counts": dict(led._finished_counts),
-            }
-            for run in state["active"]:
-                run.live_memo = run.settled_memo = None  # caches: not worth the bytes
-            return pickle.dumps(state, protocol=pickle.HIGHEST_PROTOCOL)
+            saved = led._clock()
+            rows = list(self._unsaved)
+            exported = list(self._exported)
+            losses = list(self.losses.unsaved)
+            encoded = {k: v for k, v in encoded.items() if led._active.get(k) is v[0]}
+            # a closed run's saved state leaves with its row, unless a new instance of it is going already
+            closed = [r.run_id for r in rows if r.run_id not in led._active or led._active[r.run_id].tentative]
+            meta = {"seq": str(led._seq), "finished_counts": json.dumps(led._finished_counts),
+                    "saved_unix": repr(saved)}
+        self._building = (rows, len(exported), len(losses))
+        batch = Batch(full=full, closed=closed, exported=exported, meta=meta, losses=losses,
+                      rows=[StoredRow(r.seq, r.run_id, r.start, r.summary, r.doc, exported=self.writer is None,
+                                      summary_name=r.json_name) for r in rows])
+        for run_id, (_, start, data) in encoded.items():
+            batch.open_runs[run_id] = (start, saved, codec.dumps(data))
+        for key, data in extra.items():
+            batch.meta[key] = codec.dumps(data)
+        return batch
 
-    def _journaled(self, ticket: int, timeout: float) -> bool:
-        return self._jw is None or self._jw.wait(ticket, timeout)
+    def _batch_done(self, batch: Batch) -> None:
+        led = self._ledger
+        rows, n_exported, n_losses = self._building
+        done = {id(r) for r in rows}
+        with led._lock:
+            self._unsaved = [r for r in self._unsaved if id(r) not in done]
+            del self._exported[:n_exported]
+            del self.losses.unsaved[:n_losses]
+            for row in rows:
+                row.extra["stored"] = True
+                if self.writer is None:
+                    led._pending.pop(row.seq, None)  # nothing else to write
+            led._version += 1
+        if self._failing:
+            self._failing = False
+            log.warning("run ledger: writing %s works again", self.store.path if self.store else "the database")
 
-    def _journal_failed(self, exc: OSError) -> None:
+    def _stored(self, ticket: int, timeout: float) -> bool:
+        return self._sw is None or self._sw.wait(ticket, timeout)
+
+    def _store_failed(self, exc: OSError) -> None:
         led = self._ledger
         with led._lock:
             led._write_errors += 1
             led._version += 1
-        log.error("run ledger: cannot write the journal in %s (%s); open runs may not survive a restart",
-                  self.journal.directory if self.journal else "?", exc)
+        if not self._failing:
+            self._failing = True
+            log.error("run ledger: cannot write the database (%s); retrying. Finished runs are kept in memory until "
+                      "it works; open runs may not survive a restart meanwhile", exc)
 
-    def _restore(self, state: dict[str, Any]) -> None:
+    # -- restore ---------------------------------------------------------------------------------------
+
+    def _meta(self, saved: Saved, key: str, report: codec.Decoded) -> Any:
+        text = saved.meta.get(key)
+        if text is None:
+            return None
+        try:
+            return codec.loads(text, report)
+        except codec.DecodeError as exc:
+            log.error("run ledger: the saved %s is damaged (%s): not restored", key, exc)
+            self.losses.counts[recovery.DAMAGED_RECORD] += 1
+            return None
+
+    def _restore(self, saved: Saved) -> None:
         led = self._ledger
-        journaled_clock = state.get("clock")
-        same_axis = (isinstance(led._clock, SteadyClock) and isinstance(journaled_clock, SteadyClock)
-                     and led._clock.adopt(journaled_clock))
+        report = codec.Decoded()
+        clock = self._meta(saved, "clock", report)
+        same_axis = (isinstance(led._clock, SteadyClock) and isinstance(clock, SteadyClock)
+                     and led._clock.adopt(clock))
         now = led._clock()
-        frame: Frame | None = state.get("frame")
-        if frame is not None and frame.t >= now:
-            log.warning("run ledger: the journal's last snapshot is dated after now (the machine rebooted with "
-                        "its clock behind?): the downtime's energy is not counted")
+        frame = self._meta(saved, "frame", report)
+        if not isinstance(frame, Frame):
             frame = None
-        for run in state.get("active", ()):
+        elif frame.t >= now:
+            log.warning("run ledger: the last saved snapshot is dated after now (the machine rebooted with its "
+                        "clock behind?): the downtime's energy is not counted")
+            frame = None
+        for record in saved.open_runs:
+            run = self._decode_run(*record)
+            if run is None:
+                continue
             run.restored = {}
             run.last_point_received = now  # it gets --runs.stale-after from now to push again
             run.checkpoints = deque()
@@ -184,25 +269,75 @@ class Durable:
         if frame is not None and led._active:
             led._history.append(frame)
             self.gap_pending = True
-        for row in state.get("pending", ()):
+        for values in saved.rows:
+            row = self._row(values)
             row.extra["queued"] = now
+            row.extra["stored"] = True
             led._pending[row.seq] = row
             if self.writer is not None:
                 self.writer.submit(row)
-        led._seq = max(led._seq, int(state.get("seq", 0)))
-        for status, count in state.get("finished_counts", {}).items():
-            led._finished_counts[status] = max(led._finished_counts.get(status, 0.0), count)
+        try:
+            seq = int(saved.meta.get("seq", "0"))
+        except ValueError:
+            seq = 0
+        led._seq = max(led._seq, seq, saved.max_seq)
+        counts = self._meta(saved, "finished_counts", report)
+        for status, count in (counts.items() if isinstance(counts, dict) else ()):
+            if isinstance(count, (int, float)):
+                led._finished_counts[status] = max(led._finished_counts.get(status, 0.0), float(count))
         led._holders_gen += 1
         led._version += 1
-        log.info("run ledger: restored %d open run(s) and %d row(s) still to write from the journal in %s%s",
-                 len(led._active), len(led._pending), self.journal.directory if self.journal else "?",
+        log.info("run ledger: restored %d open run(s) and %d row(s) still to write from %s%s",
+                 len(led._active), len(led._pending), self.store.path if self.store else "?",
                  "" if same_axis else " (another boot: the downtime is measured by the wall clock)")
+
+    def _decode_run(self, run_id: Any, start: Any, saved: Any, checksum: Any, state: Any) -> Run | None:
+        name = str(run_id)
+        start_t = float(start) if isinstance(start, (int, float)) else None
+        saved_t = float(saved) if isinstance(saved, (int, float)) else None
+        report = codec.Decoded()
+        try:
+            if not isinstance(state, str):
+                raise codec.DecodeError("no state")
+            if crc(state) != checksum:
+                raise codec.DecodeError("its record fails its checksum")
+            run = codec.loads(state, report)
+            if not isinstance(run, Run) or run.run_id != name:
+                raise codec.DecodeError("it is not this run's state")
+        except codec.DecodeError as exc:
+            self.losses.run(recovery.DAMAGED_RECORD, name, start_t, saved_t, f"its saved record is damaged: {exc}")
+            return None
+        if report.problems:
+            log.warning("run ledger: run %r restored; these fields of its record did not decode and took their "
+                        "defaults: %s", name, ", ".join(report.problems))
+        return run
+
+    def _row(self, values: dict[str, Any]) -> Row:
+        """A finished run's row from the database, to export (a damaged document: made from its columns)."""
+        summary = doc = None
+        try:
+            summary = json.loads(values.get("summary") or "")
+            doc = json.loads(values.get("document") or "")
+        except ValueError:
+            pass
+        if not isinstance(summary, dict) or not isinstance(doc, dict):
+            note = "the ledger's record of this run was damaged: its row is made from the database's columns"
+            log.error("run ledger: the saved row of run %r is damaged: exported from its columns (its JSON summary "
+                      "lacks the timeline)", values.get("run_id"))
+            self.losses.counts[recovery.DAMAGED_RECORD] += 1
+            summary = {c: values.get(c) for c in COLUMN_NAMES}
+            summary["ledger_notes"] = "; ".join(x for x in (summary.get("ledger_notes"), note) if x)
+            doc = {"run_id": values.get("run_id"), "start_unix": values.get("start_unix"),
+                   "end_unix": values.get("end_unix"), **summary}
+        start = values.get("start_unix")
+        return Row(int(values["seq"]), str(values.get("run_id")), float(start) if isinstance(start, (int, float))
+                   else 0.0, summary, doc, values.get("summary_name"), True)
 
     # -- the gap -------------------------------------------------------------------------------------
 
     def gap_ready(self, prev: Frame, frame: Frame) -> bool:
         """Whether the first snapshot after a restart can close the gap: every GPU whose counter the
-        journaled snapshot had is readable again (or ``GAP_WAIT_S`` passed)."""
+        saved snapshot had is readable again (or ``GAP_WAIT_S`` passed)."""
         if self._gap_since is None:
             self._gap_since = frame.t
         if frame.t - self._gap_since > GAP_WAIT_S:
@@ -212,7 +347,7 @@ class Durable:
             all(k in frame.gpus for k, g in prev.gpus.items() if g.energy_j is not None)
 
     def note_gap(self, prev: Frame, frame: Frame) -> None:
-        """The restart's gap (``prev``: the journaled snapshot, ``frame``: the first one since) is about to be
+        """The restart's gap (``prev``: the saved snapshot, ``frame``: the first one since) is about to be
         counted as one interval: each restored run says so."""
         self.gap_pending = False
         gap = frame.t - prev.t
@@ -232,26 +367,37 @@ class Durable:
     # -- rows ----------------------------------------------------------------------------------------
 
     def started(self) -> None:
-        """A run started (ledger lock held): journal it now, not at the next periodic checkpoint."""
-        if self._jw is not None:
-            self._jw.kick()
+        """A run started (ledger lock held): save it now, not at the next periodic checkpoint."""
+        if self._sw is not None:
+            self._sw.kick(full=True)
 
     def closed(self, row: Row) -> None:
-        """A run closed (ledger lock held): journal it, then hand it to the writer."""
-        row.extra["queued"] = self._ledger._clock()
-        if self._jw is not None:
-            row.ticket = self._jw.kick()
-            self._last_kick = self._ledger._clock()
+        """A run closed (ledger lock held): its row to the database (its open state leaving in the same
+        transaction), then to the exports."""
+        led = self._ledger
+        row.extra["queued"] = led._clock()
+        run = row.extra.get("run")
+        note = self.losses.note(run) if run is not None else None
+        if note:
+            for doc in (row.summary, row.doc, run.summary if run.summary is not None else {}):
+                doc["ledger_notes"] = "; ".join(x for x in (doc.get("ledger_notes"), note) if x)
+        if self._sw is not None:
+            self._unsaved.append(row)
+            row.ticket = self._sw.kick()
         if self.writer is not None:
             self.writer.submit(row)
-        led = self._ledger
-        if len(led._pending) > MAX_PENDING:  # a file system down for days: memory and journal stay bounded
+        if len(led._pending) > MAX_PENDING:  # a file system down for days: memory stays bounded
             oldest = min(led._pending)
             dropped = led._pending.pop(oldest)
             if self.writer is not None:
                 self.writer.discard(oldest)
-            log.error("run ledger: more than %d runs waiting to be written; giving up on run %s", MAX_PENDING,
-                      dropped.run_id)
+            if dropped.extra.get("stored"):
+                log.error("run ledger: more than %d runs waiting to be written; run %s waits in the database and is "
+                          "written to --runs.csv at the next start", MAX_PENDING, dropped.run_id)
+            else:
+                self._unsaved = [r for r in self._unsaved if r is not dropped]
+                log.error("run ledger: more than %d runs waiting to be written; giving up on run %s", MAX_PENDING,
+                          dropped.run_id)
 
     def _written(self, row: Row) -> None:
         led = self._ledger
@@ -261,10 +407,12 @@ class Durable:
             run = row.extra.get("run")
             if run is not None and run.summary is not None:
                 run.summary["summary_file"] = row.summary.get("summary_file")
+            if self._sw is not None:
+                self._exported.append((row.seq, row.json_name))
         if row.failures:
             log.warning("run %s: written to the run ledger after %d failed attempt(s)", row.run_id, row.failures)
-        if self._jw is not None:
-            self._jw.kick()  # the row leaves the journal
+        if self._sw is not None:
+            self._sw.kick()  # the row is marked exported
 
     def _failed(self, row: Row, exc: OSError, first: bool) -> None:
         led = self._ledger
@@ -275,7 +423,7 @@ class Durable:
             log.error("run %s: cannot write the run ledger (%s: %s); the run is kept%s and retried until it is "
                       "written. Check that the directory of --runs.csv exists and is writable.",
                       row.run_id, getattr(exc, "filename", None) or led.csv_path, exc.strerror or exc,
-                      " in the journal" if self.journal is not None else "")
+                      " in the database" if self.store is not None else "")
 
     def backlog_s(self) -> float:
         """How long the oldest unwritten row has waited (ledger lock held)."""
@@ -292,18 +440,22 @@ class Durable:
         checkpoint."""
         if self.writer is not None:
             self.writer.poll(now)
-        if self._jw is not None and now - self._last_kick >= self._interval:
+        if self._sw is not None and now - self._last_kick >= self._interval:
             self._last_kick = now
-            self._jw.kick()
+            self._sw.kick(full=True)
 
     def shutdown(self) -> None:
         """The last checkpoint and the rows still to write, each within its time; what is not written stays
-        in the journal."""
-        if self._jw is not None:
-            self._jw.wait(self._jw.kick(), SHUTDOWN_JOURNAL_S)
+        in the database (or, when the database cannot be written either, is logged by the ledger as lost)."""
+        if self._sw is not None:
+            self._sw.wait(self._sw.kick(full=True), SHUTDOWN_STORE_S)
         if self.writer is not None:
             self.writer.drain(SHUTDOWN_FILES_S)
             self.writer.close()
-        if self._jw is not None:
-            self._jw.wait(self._jw.kick(), SHUTDOWN_JOURNAL_S / 2)
-            self._jw.close()
+        if self._sw is not None:
+            self._sw.wait(self._sw.kick(), SHUTDOWN_STORE_S / 2)
+            self._sw.close()
+
+    def unstored(self) -> list[str]:
+        """Run ids of closed runs not in the database (lost if the process stops now; ledger lock held)."""
+        return [r.run_id for r in self._unsaved]
