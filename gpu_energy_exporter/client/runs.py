@@ -1,7 +1,8 @@
 """``gpu-energy-exporter runs``: list and compare training runs from the run ledger.
 
 Reads the CSV the exporter appends to with ``--runs.csv`` (``--csv FILE`` or the same environment variable
-as the exporter flag, ``GPU_ENERGY_EXPORTER_RUNS_CSV``), or the active and recent runs of a running
+as the exporter flag, ``GPU_ENERGY_EXPORTER_RUNS_CSV``; a line that is not a row is reported and skipped), or
+its database (``--db FILE``, read-only: ``core.runs_db``), or the active and recent runs of a running
 exporter (``--url http://host:9863``, its ``/api/v1/runs``; without a CSV the default:
 ``$GPU_ENERGY_EXPORTER_URL``, else ``http://localhost:9863``; the same client options as ``top`` and
 ``report``), or whole runs from a Prometheus server that scraped the exporters (``--prometheus URL``: a
@@ -12,16 +13,17 @@ table, JSON or CSV; with
 baseline group), e.g. ``--group-by backend`` for bitsandbytes against Unsloth.
 
 This module only reads: it never writes the ledger and never contacts anything but the given URL (or the
-given Prometheus).
+given Prometheus). Whatever it prints goes through ``client.safeout``: no control character reaches the
+terminal.
 """
 
 from __future__ import annotations
 
 import argparse
 import csv
-import io
 import math
 import os
+import sqlite3
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -47,13 +49,17 @@ from gpu_energy_exporter.client.fmt import (
 )
 from gpu_energy_exporter.client.report.prometheus import PrometheusSource, whole_runs
 from gpu_energy_exporter.client.report.run import ReportError
+from gpu_energy_exporter.client.safeout import printable_stream
+from gpu_energy_exporter.core import runs_db
 from gpu_energy_exporter.core.config import FLAGS, parse_duration
 from gpu_energy_exporter.core.errors import ExporterError
 from gpu_energy_exporter.core.runs_schema import COLUMN_NAMES, NUMERIC_COLUMNS
-from gpu_energy_exporter.core.textfmt import csv_cell, fmt_num, printable, strict_json
+from gpu_energy_exporter.core.textfmt import csv_cell, csv_record, fmt_num, strict_json
 
 #: The exporter's --runs.csv environment variable: the same file for the exporter and this command.
 CSV_ENV = next(f.env for f in FLAGS if f.name == "runs.csv")
+#: The exporter's --runs.db environment variable.
+DB_ENV = next(f.env for f in FLAGS if f.name == "runs.db")
 
 #: Columns whose presence marks a CSV as the ledger's (older ledger versions may lack newer columns).
 _REQUIRED = ("run_id", "start_time", "duration_s", "tokens", "energy_j", "j_per_token")
@@ -67,29 +73,89 @@ class RunsError(ExporterError):
 # loading
 
 
-def load_csv(path: str) -> list[dict[str, Any]]:
-    """The rows of a ledger CSV, numbers parsed (empty cells are None)."""
+#: A CSV record spans at most this many lines (a cell may hold line breaks, quoted); a quote left open longer
+#: is a torn or foreign line, reported, and reading goes on at the next line.
+MAX_RECORD_LINES = 64
+#: Bad rows named one by one on stderr; the rest are counted.
+MAX_REPORTED = 10
+
+
+def load_csv(path: str, bad: list[str] | None = None) -> list[dict[str, Any]]:
+    """The rows of a ledger CSV, numbers parsed (empty cells are None). A line that is not a row (torn by a
+    crash, another tool's, not UTF-8, a quote left open) is skipped and described in ``bad``; the rows around
+    it are read: one bad line never costs the file."""
     try:
-        with open(path, encoding="utf-8", newline="") as f:
-            text = f.read()
+        with open(path, "rb") as f:
+            data = f.read()
     except FileNotFoundError:
         raise RunsError(
             f"runs CSV {path!r} does not exist: the exporter writes it when started with --runs.csv={path} "
             "and a run finishes") from None
     except IsADirectoryError:
         raise RunsError(f"{path!r} is a directory, not a runs CSV") from None
-    except UnicodeDecodeError:
-        raise RunsError(f"{path!r} is not a runs CSV written by gpu-energy-exporter (not UTF-8 text)") from None
     except OSError as exc:
         raise RunsError(f"cannot read runs CSV {path!r}: {exc.strerror or exc}") from None
-    reader = csv.DictReader(io.StringIO(text))
-    header = reader.fieldnames or []
-    lacking = [c for c in _REQUIRED if c not in header]
+    lines = _lines(data.decode("utf-8", errors="replace"))
+    header, used, _ = _record(lines, 0)
+    lacking = [c for c in _REQUIRED if c not in (header or [])]
     if lacking:
+        if data[:4096].count(b"\0") or "\ufffd" in "".join(lines[:1]):
+            raise RunsError(f"{path!r} is not a runs CSV written by gpu-energy-exporter (not UTF-8 text)")
         raise RunsError(
             f"{path!r} is not a runs CSV written by gpu-energy-exporter: its header lacks "
             f"{', '.join(lacking)} (expected the columns listed in docs/ledger.md)")
-    return [_typed(row) for row in reader]
+    assert header is not None
+    out: list[dict[str, Any]] = []
+    i = used
+    while i < len(lines):
+        cells, used, why = _record(lines, i)
+        skip = 1  # a line that is no record: the next one may be
+        if cells == []:
+            i += used  # an empty line
+            continue
+        if cells is not None and len(cells) != len(header):
+            why = f"{len(cells)} cells where the header has {len(header)}"
+        elif cells is not None and any("\ufffd" in c for c in cells):
+            why, skip = "not UTF-8 text", used  # a whole record, unreadable
+        if why is not None or cells is None:
+            if bad is not None:
+                bad.append(f"line {i + 1}: {why}")
+            i += skip
+            continue
+        out.append(_typed(dict(zip(header, cells, strict=True))))
+        i += used
+    return out
+
+
+def _lines(text: str) -> list[str]:
+    """``text``'s lines, each with its ``\n`` (only LF ends a line: a bare CR is data, quoted by the ledger)."""
+    parts = text.split("\n")
+    lines = [p + "\n" for p in parts[:-1]]
+    if parts[-1]:
+        lines.append(parts[-1])
+    return lines
+
+
+def _record(lines: list[str], i: int) -> tuple[list[str] | None, int, str | None]:
+    """The CSV record starting at ``lines[i]``: (cells, lines it took, why it is no record or None)."""
+    taken = 0
+
+    def feed() -> Any:
+        nonlocal taken
+        for line in lines[i:i + MAX_RECORD_LINES]:
+            taken += 1
+            yield line
+
+    reader = csv.reader(feed())
+    try:
+        cells = next(reader)
+    except StopIteration:
+        return None, max(1, taken), "a quote left open" if taken else "nothing"
+    except csv.Error as exc:
+        return None, 1, f"not a CSV row ({exc})"
+    if taken > 1 and taken >= MAX_RECORD_LINES:
+        return None, 1, "a quote left open"
+    return cells, taken, None
 
 
 def _typed(row: dict[str, Any]) -> dict[str, Any]:
@@ -107,6 +173,33 @@ def _typed(row: dict[str, Any]) -> dict[str, Any]:
         else:
             out[key] = raw
     return out
+
+
+def load_db(path: str) -> list[dict[str, Any]]:
+    """The runs in the ledger's database (``--runs.db``), read-only: every finished run's row, then the open
+    ones (run id, start and status only)."""
+    if not os.path.exists(path):
+        raise RunsError(f"run ledger database {path!r} does not exist: the exporter makes it (runs.db in its "
+                        "--runs.state-dir, or --runs.db) when started with --runs.csv, --runs.state-dir or --runs.db")
+    if os.path.isdir(path):
+        raise RunsError(f"{path!r} is a directory: give the database file (runs.db in the exporter's state directory)")
+    try:
+        conn = runs_db.connect_readonly(path)
+        try:
+            rows = runs_db.read_runs(conn)
+        finally:
+            conn.close()
+    except runs_db.DatabaseUnreadable as exc:
+        raise RunsError(f"{path!r}: {exc}") from None
+    except sqlite3.Error as exc:
+        raise RunsError(f"{path!r} is not a run ledger database this release can read ({exc})") from None
+    return [{k: (_number(k, v)) for k, v in r.items()} for r in rows]
+
+
+def _number(key: str, value: Any) -> Any:
+    if key in NUMERIC_COLUMNS and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    return value
 
 
 def load_url(client: ExporterClient) -> list[dict[str, Any]]:
@@ -330,13 +423,17 @@ def new_parser() -> argparse.ArgumentParser:
   gpu-energy-exporter runs --csv runs.csv
   gpu-energy-exporter runs --csv runs.csv --group-by backend          compare backends (J/token, tok/s, VRAM)
   gpu-energy-exporter runs --csv runs.csv --group-by backend --baseline bnb
+  gpu-energy-exporter runs --db .runs-state/runs.db --group-by backend   the database, read directly
   gpu-energy-exporter runs --url http://localhost:9863                active and recent runs, live
   gpu-energy-exporter runs --prometheus http://prometheus:9090        whole runs, every node summed
   {CSV_ENV}=runs.csv gpu-energy-exporter runs --format json
-columns of the CSV and how each figure is computed: docs/ledger.md
+columns of the CSV and how each figure is computed, the database's schema and queries: docs/ledger.md
 """)
     parser.add_argument("--csv", metavar="FILE", default=None,
                         help=f"the exporter's --runs.csv file [env {CSV_ENV}]")
+    parser.add_argument("--db", metavar="FILE", default=None,
+                        help=f"the exporter's database (runs.db in its --runs.state-dir, or --runs.db), read-only: "
+                             f"every finished run and the open ones [env {DB_ENV}]")
     add_client_flags(parser, url_help=(
         f"read the active and recent runs of a running exporter (its /api/v1/runs). This is the default when "
         f"neither --csv nor {CSV_ENV} is given: then ${URL_ENV}, else {DEFAULT_URL}"))
@@ -357,22 +454,30 @@ columns of the CSV and how each figure is computed: docs/ledger.md
 
 def main(argv: list[str], *, stdout: IO[str] | None = None, stderr: IO[str] | None = None,
          environ: dict[str, str] | None = None) -> int:
-    out = stdout if stdout is not None else sys.stdout
-    err = stderr if stderr is not None else sys.stderr
+    # Run ids, labels, notes and error messages come from clients and servers: no control character of
+    # theirs reaches the terminal, whatever the format (client.safeout).
+    out = printable_stream(stdout if stdout is not None else sys.stdout)
+    err = printable_stream(stderr if stderr is not None else sys.stderr)
     env = os.environ if environ is None else environ
     parser = new_parser()
     try:
         args = parser.parse_args(argv)
     except SystemExit as exc:  # --help (0) or a usage error (2, already printed)
         return int(exc.code or 0)
+    bad: list[str] = []
     try:
-        if sum(bool(x) for x in (args.url, args.csv, args.prometheus)) > 1:
-            raise RunsError("give one of --csv, --url and --prometheus")
-        path = None if args.url or args.prometheus else (args.csv or env.get(CSV_ENV))
+        if sum(bool(x) for x in (args.url, args.csv, args.prometheus, args.db)) > 1:
+            raise RunsError("give one of --csv, --db, --url and --prometheus")
+        chosen = args.url or args.prometheus or args.csv or args.db
+        path = None if chosen else env.get(CSV_ENV)
+        db = args.db or (None if chosen or path else env.get(DB_ENV))
         if args.prometheus:
             runs, source = load_prometheus(args, env), args.prometheus
-        elif path:
-            runs, source = load_csv(path), path
+        elif args.csv or path:
+            path = args.csv or path
+            runs, source = load_csv(path, bad), path
+        elif db:
+            runs, source = load_db(db), db
         else:
             try:
                 client = client_from_args(args, env)
@@ -382,7 +487,7 @@ def main(argv: list[str], *, stdout: IO[str] | None = None, stderr: IO[str] | No
                     raise RunsError(str(exc)) from None
                 # Neither a CSV nor a URL was asked for: say both ways.
                 raise RunsError(f"no CSV given and {exc}; or read a runs CSV: pass --csv FILE (the exporter's "
-                                f"--runs.csv) or set {CSV_ENV}") from None
+                                f"--runs.csv) or set {CSV_ENV}; or its database: --db FILE") from None
         total = len(runs)
         if args.status:
             wanted = {s.strip() for s in args.status.split(",") if s.strip()}
@@ -394,6 +499,10 @@ def main(argv: list[str], *, stdout: IO[str] | None = None, stderr: IO[str] | No
     except RunsError as exc:
         print(f"gpu-energy-exporter runs: error: {exc}", file=err)
         return 2
+    for line in bad[:MAX_REPORTED]:
+        print(f"gpu-energy-exporter runs: {source}: {line}: skipped (not a row of the run ledger)", file=err)
+    if len(bad) > MAX_REPORTED:
+        print(f"gpu-energy-exporter runs: {source}: {len(bad) - MAX_REPORTED} more line(s) skipped", file=err)
     if args.format == "json":
         doc: Any = {"runs": runs, **({"comparison": result} if result else {})}
         out.write(strict_json(doc, indent=2) + "\n")
@@ -404,26 +513,25 @@ def main(argv: list[str], *, stdout: IO[str] | None = None, stderr: IO[str] | No
     elif not runs:
         out.write(f"no runs in {source} yet\n")
     else:
-        # run ids, labels and notes came over OTLP: no control character reaches the terminal
-        out.write(printable(runs_table(runs)))
+        out.write(runs_table(runs))
         if result is not None:
-            out.write(printable(f"\nby {result['group_by']} (mean over runs):\n"))
-            out.write(printable(comparison_text(result)))
+            out.write(f"\nby {result['group_by']} (mean over runs):\n")
+            out.write(comparison_text(result))
     return 0
 
 
 def _write_csv(out: IO[str], runs: Sequence[dict[str, Any]], result: dict[str, Any] | None) -> None:
-    writer = csv.writer(out, lineterminator="\n")
+    """CSV on ``out``, quoted as RFC 4180 requires (``csv_record``), text cells neutralised for spreadsheets."""
     if result is not None:
         keys = ["group", "runs", "mean_j_per_token", "mean_tokens_per_s", "mean_vram_peak_bytes",
                 "mean_energy_kwh", "mean_co2_g"]
-        writer.writerow([result["group_by"] if k == "group" else k for k in keys])
+        out.write(csv_record([result["group_by"] if k == "group" else k for k in keys]))
         for s in result["groups"]:
-            writer.writerow([_cell(s[k]) for k in keys])
+            out.write(csv_record([_cell(s[k]) for k in keys]))
         return
-    writer.writerow(COLUMN_NAMES)
+    out.write(csv_record(COLUMN_NAMES))
     for r in runs:
-        writer.writerow([_cell(r.get(k)) for k in COLUMN_NAMES])
+        out.write(csv_record([_cell(r.get(k)) for k in COLUMN_NAMES]))
 
 
 def _cell(value: Any) -> Any:

@@ -165,7 +165,7 @@ class FileWriter:
         if removed:
             log.warning("run ledger: removed %d temporary file(s) left by an interrupted write", removed)
         if os.path.isfile(self.csv_path):  # never opens a FIFO or a device (that could block)
-            fd = os.open(self.csv_path, os.O_WRONLY)
+            fd = os.open(self.csv_path, os.O_WRONLY | os.O_APPEND)
             try:
                 size = os.fstat(fd).st_size
                 if size:

@@ -24,6 +24,7 @@ from gpu_energy_exporter.client.report.prometheus import PrometheusSource
 from gpu_energy_exporter.client.report.render import build_blocks, fmt_energy, render_html, render_markdown
 from gpu_energy_exporter.client.report.run import ReportError, RunData, num
 from gpu_energy_exporter.client.report.sources import load_file, load_from_exporter
+from gpu_energy_exporter.client.safeout import printable_stream
 from gpu_energy_exporter.core.config import parse_duration
 from gpu_energy_exporter.core.textfmt import fmt_num, json_safe
 
@@ -103,8 +104,10 @@ examples:
 
 
 def main(argv: list[str], *, stderr: IO[str] | None = None, stdout: IO[str] | None = None) -> int:
-    err = stderr if stderr is not None else sys.stderr
-    out = stdout if stdout is not None else sys.stdout
+    # progress lines, errors and the summary carry run ids, file names and server messages: no control
+    # character of theirs reaches the terminal (client.safeout)
+    err = printable_stream(stderr if stderr is not None else sys.stderr)
+    out = printable_stream(stdout if stdout is not None else sys.stdout)
     try:
         args = new_parser().parse_args(argv)
     except SystemExit as exc:
