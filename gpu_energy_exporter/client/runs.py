@@ -474,8 +474,8 @@ def main(argv: list[str], *, stdout: IO[str] | None = None, stderr: IO[str] | No
         if args.prometheus:
             runs, source = load_prometheus(args, env), args.prometheus
         elif args.csv or path:
-            path = args.csv or path
-            runs, source = load_csv(path, bad), path
+            csv_path = str(args.csv or path)
+            runs, source = load_csv(csv_path, bad), csv_path
         elif db:
             runs, source = load_db(db), db
         else:

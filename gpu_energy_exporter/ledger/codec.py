@@ -208,7 +208,7 @@ def _hashable(value: Any) -> Any:
 def _row(value: Any, report: Decoded) -> Any:
     """A row of a ``__rows`` list: arrays were tuples, objects are tagged."""
     t = type(value)
-    if t is list:
+    if t is list or t is tuple:  # an array in JSON; a tuple when decoding what ``encode`` made directly
         return tuple([_row(v, report) for v in value])
     if t is dict:
         return decode(value, report)

@@ -200,8 +200,8 @@ def _isolate(path: str, fd: int, size: int) -> int:
 
 
 def row_written(path: str, row: Mapping[str, Any]) -> bool:
-    """Whether this exact row is among the CSV's last lines (a row journaled as pending whose append had
-    completed when the process died): appending it again would count the run twice."""
+    """Whether this exact row is among the CSV's last lines (a row the database still had as unexported, whose
+    append had completed when the process died): appending it again would count the run twice."""
     try:
         size = os.stat(path).st_size
         if not size:

@@ -71,6 +71,8 @@ class _Standin:
 
     __slots__ = ("args", "state")
     key: tuple[str, str] = ("", "")
+    args: tuple[Any, ...]
+    state: Any
 
     def __new__(cls, *args: Any, **_kw: Any) -> _Standin:
         obj = object.__new__(cls)

@@ -96,9 +96,10 @@ def open_store(path: str, state_dir: str | None, losses: Losses, now: float) -> 
         _refused(str(exc), losses, now)
         return None
     except sqlite3.DatabaseError as exc:
-        store = replace_damaged(path, exc, losses, now)
-        if store is None:
+        replaced = replace_damaged(path, exc, losses, now)
+        if replaced is None:
             return None
+        store = replaced
     except OSError as exc:
         _refused(f"cannot open {path} ({exc.strerror or exc})", losses, now)
         return None

@@ -32,7 +32,6 @@ import logging
 import math
 import os
 import sqlite3
-import time
 from collections import deque
 from collections.abc import Mapping
 from dataclasses import replace
@@ -143,12 +142,17 @@ class Durable:
                                      journaled=self._stored if self.store is not None else None,
                                      clock=ledger._clock, threaded=threaded)
         if self.store is not None:
+            saved: Saved | None = None
             try:
                 saved = self.store.load()
-            except (sqlite3.Error, OSError) as exc:
+            except (sqlite3.Error, OSError) as exc:  # a database that opens but does not read
                 self.store.close(checkpoint=False)
                 self.store = recovery.replace_damaged(self.store.path, exc, self.losses, ledger._clock())
-                saved = self.store.load() if self.store is not None else None
+                try:
+                    saved = self.store.load() if self.store is not None else None
+                except (sqlite3.Error, OSError) as again:
+                    log.error("run ledger: cannot read the new database either (%s): runs kept in memory", again)
+                    self.store = None
             if saved is not None:
                 self._restore(saved)
         if self.store is not None:
@@ -378,7 +382,7 @@ class Durable:
         row.extra["queued"] = led._clock()
         run = row.extra.get("run")
         note = self.losses.note(run) if run is not None else None
-        if note:
+        if note and run is not None:
             for doc in (row.summary, row.doc, run.summary if run.summary is not None else {}):
                 doc["ledger_notes"] = "; ".join(x for x in (doc.get("ledger_notes"), note) if x)
         if self._sw is not None:

@@ -64,8 +64,8 @@ LEDGER_WRITE_ERRORS = metrics.define(
     collector=COLLECTOR)
 LEDGER_WRITES_PENDING = metrics.define(
     "ledger", "writes_pending", "gauge",
-    "Finished runs not yet written to the runs CSV (the write backlog): journaled, written by the ledger's "
-    "file thread; grows while the file system is slow, stalled or failing (failed writes are retried with "
+    "Finished runs not yet written to the runs CSV or the database (the write backlog): kept, written by the "
+    "ledger's threads; grows while the file system is slow, stalled or failing (failed writes are retried with "
     "back-off).", collector=COLLECTOR)
 LEDGER_WRITE_BACKLOG = metrics.define(
     "ledger", "write_backlog_seconds", "gauge",

@@ -116,6 +116,7 @@ class Store:
         self.path = os.path.abspath(path)
         self.directory = os.path.dirname(self.path)
         self._conn: sqlite3.Connection | None = None
+        self._warned = False
 
     @classmethod
     def open(cls, path: str) -> Store:
@@ -144,6 +145,10 @@ class Store:
             except OSError as exc:
                 raise StoreRefused(f"cannot create {self.directory} ({exc.strerror or exc})") from None
         self.check()
+        above = trust.ancestor_warning(self.directory)
+        if above and not self._warned:
+            self._warned = True
+            log.warning("run ledger: %s", above)
         try:
             fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
             os.close(fd)
@@ -260,7 +265,8 @@ class Store:
     @staticmethod
     def _values(row: StoredRow, now: float) -> list[Any]:
         s = row.summary
-        meta = row.doc.get("metadata") if isinstance(row.doc.get("metadata"), dict) else {}
+        found = row.doc.get("metadata")
+        meta: dict[str, Any] = found if isinstance(found, dict) else {}
         extra: dict[str, Any] = {
             "start_unix": row.doc.get("start_unix", row.start), "end_unix": row.doc.get("end_unix"),
             **{c: meta.get(c) or None for c in runs_db.SLURM_COLUMNS},

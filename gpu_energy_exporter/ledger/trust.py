@@ -1,11 +1,14 @@
 """Whether the run ledger may read state from a directory or file: only what the exporter's user wrote.
 
 The rule is ssh's for its keys (``StrictModes``): the state directory, the database and every file read
-from it must be owned by the exporter's (effective) user and writable by nobody else, and each directory
-above them must be owned by that user or root and not writable by others (unless sticky, like ``/tmp``:
-others cannot rename what is in it). Otherwise another user could have planted the state, or could swap it
-while the exporter runs. ``problem`` says what is wrong and how to fix it, in one line; the ledger then
-refuses the directory and keeps its runs in memory (``ledger.restart``).
+from it must be owned by the exporter's (effective) user and writable by nobody else; otherwise another user
+could have planted the state. ``directory_problem`` and ``file_problem`` say what is wrong and how to fix it,
+in one line; the ledger then refuses the state and keeps its runs in memory (``ledger.recovery``).
+
+The directories above are only warned about (``ancestor_warning``): one writable by other users (and not
+sticky, like ``/tmp``) or owned by another user than root or the exporter's lets them move or delete the
+state, but not plant any (they cannot make a directory or file the exporter's user owns), and a Kubernetes
+``emptyDir`` mount point is world-writable inside its own pod.
 
 Reads metadata only (``lstat``); never opens, creates or changes a file.
 """
@@ -68,10 +71,10 @@ def _check_ancestor(path: str) -> str | None:
         return f"cannot check {path} ({exc.strerror or exc})"
     if st.st_uid not in (0, os.geteuid()):
         return (f"{path}, above the state, is owned by {_user(st.st_uid)} (not root, not the exporter's user): "
-                "that user could replace the state; keep the state under a directory of root's or the exporter's")
+                "that user can move or delete the state; keep it under a directory of root's or the exporter's")
     if st.st_mode & _OTHERS_WRITE and not st.st_mode & stat.S_ISVTX:
         return (f"{path}, above the state, is writable by other users (mode {stat.S_IMODE(st.st_mode):04o}) and "
-                "not sticky: they could replace the state; `chmod go-w` it or keep the state elsewhere")
+                "not sticky: they can move or delete the state; `chmod go-w` it or keep the state elsewhere")
     return None
 
 
@@ -83,9 +86,13 @@ def directory_problem(path: str) -> str | None:
         st = os.lstat(path)
     except OSError as exc:
         return f"cannot check {path} ({exc.strerror or exc})"
-    found = _check(path, st, is_dir=True)
-    if found:
-        return found
+    return _check(path, st, is_dir=True)
+
+
+def ancestor_warning(path: str) -> str | None:
+    """What is wrong with the directories above the state directory ``path`` (see the module docstring), or
+    None."""
+    path = os.path.abspath(path)
     for above in dict.fromkeys([*_ancestors(path), *_ancestors(os.path.realpath(path))]):
         found = _check_ancestor(above)
         if found:
