@@ -156,7 +156,7 @@ class Run:
         self.changes = 0  # bumped by every point applied to the run (a part of its live summary's stamp)
         self.live_memo: tuple[tuple[int, ...], dict[str, Any]] | None = None  # (stamp, live summary)
         self.settled_memo: tuple[tuple[int, ...], dict[str, Any]] | None = None  # (stamp, settled summary)
-        # Restored from the database after a restart: series key -> whether its first point since was seen
+        # Restored from the journal after a restart: series key -> whether its first point since was seen
         # (``ledger.restart.reconcile``); None for a run this process started.
         self.restored: dict[tuple[str, LabelKey], bool] | None = None
         # The processes that pushed for the run (``ProcessKey``) -> (rank, first seen, last seen), and the job
