@@ -23,11 +23,11 @@ from gpu_energy_exporter.ledger.store import WAL_LIMIT_BYTES, Batch, Store
 
 
 def _state(n: int) -> Batch:
-    return Batch(full=True, open_runs={"r": (T0, T0 + n, f'{{"n": {n}, "pad": "{"x" * 100_000}"}}')})
+    return Batch(full=True, open_runs={"r": (T0, T0 + n, f'{{"n": {n}, "pad": "{"x" * 100_000}"}}', None)})
 
 
 def _saved_n(store: Store) -> int:
-    [(run_id, _, _, _, state)] = store.load().open_runs
+    [(run_id, _, _, _, state, *_timeline)] = store.load().open_runs
     return int(state.split(",")[0].split(":")[1])
 
 

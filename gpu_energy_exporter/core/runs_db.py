@@ -9,7 +9,7 @@ Tables (schema version in ``PRAGMA user_version``):
   Slurm job, user, account and partition (when it was a Slurm job), its metadata, summary and JSON summary
   document as JSON, and whether the CSV row and JSON summary were written (``exported``).
 - ``open_runs``: the accumulated state of each run still going (the exporter's own JSON, with a CRC), what a
-  restart continues from.
+  restart continues from; its timeline (the bulk of it) apart, written less often.
 - ``ledger_state``: key/value: the steady clock, the last snapshot, counters.
 - ``losses``: what the ledger could not restore, and why (damaged records, a refused directory, a failed
   migration), one row per loss.
@@ -72,7 +72,7 @@ MIGRATIONS: dict[int, tuple[str, ...]] = {
         "CREATE INDEX runs_start_time ON runs (start_time)",
         "CREATE INDEX runs_unexported ON runs (exported) WHERE exported = 0",
         "CREATE TABLE open_runs (run_id TEXT PRIMARY KEY, start_unix REAL, saved_unix REAL, crc INTEGER, "
-        "state TEXT)",
+        "state TEXT, timeline_saved_unix REAL, timeline_crc INTEGER, timeline TEXT)",
         "CREATE TABLE ledger_state (key TEXT PRIMARY KEY, value TEXT)",
         "CREATE TABLE losses (id INTEGER PRIMARY KEY, at_unix REAL, reason TEXT, run_id TEXT, "
         "lost_from_unix REAL, lost_to_unix REAL, detail TEXT)",

@@ -29,9 +29,21 @@ from typing import Any
 from gpu_energy_exporter.ledger import codec, migrate, trust
 from gpu_energy_exporter.ledger.files import iso_utc
 from gpu_energy_exporter.ledger.journal import legacy_journal
-from gpu_energy_exporter.ledger.store import Batch, Loss, Store, StoredRow, StoreRefused, move_aside, salvage
+from gpu_energy_exporter.ledger.store import (
+    Batch,
+    Loss,
+    Store,
+    StoredRow,
+    StoreRefused,
+    damaged,
+    move_aside,
+    salvage,
+)
 
 log = logging.getLogger(__name__)
+
+#: A run's timeline is saved apart from the rest of its state (``open_runs.timeline``).
+TIMELINE = frozenset({"timeline"})
 
 DAMAGED_RECORD = "damaged_record"
 DAMAGED_DATABASE = "damaged_database"
@@ -95,7 +107,10 @@ def open_store(path: str, state_dir: str | None, losses: Losses, now: float) -> 
     except StoreRefused as exc:
         _refused(str(exc), losses, now)
         return None
-    except sqlite3.DatabaseError as exc:
+    except sqlite3.Error as exc:
+        if not damaged(exc):  # unavailable (an I/O error, locked...), not damaged: left as it is
+            _refused(f"cannot open {path} ({exc})", losses, now)
+            return None
         replaced = replace_damaged(path, exc, losses, now)
         if replaced is None:
             return None
@@ -167,7 +182,8 @@ def _migrate_journal(store: Store, state_dir: str, losses: Losses, now: float) -
     saved = legacy.saved_wall if legacy.saved_wall is not None else now
     for run in legacy.active:
         if isinstance(getattr(run, "run_id", None), str):
-            batch.open_runs[run.run_id] = (float(run.s), saved, codec.dumps(codec.encode(run)))
+            batch.open_runs[run.run_id] = (float(run.s), saved, codec.dumps(codec.encode(run, TIMELINE)),
+                                           codec.dumps(codec.encode(run.timeline)))
     base = store.max_seq()  # the rows follow those already in the database, in their order
     for i, row in enumerate(sorted(legacy.pending, key=lambda r: r["seq"]), base + 1):
         batch.rows.append(StoredRow(i, row["run_id"], row["start"], row["summary"], row["doc"],

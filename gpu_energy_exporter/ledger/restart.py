@@ -27,6 +27,7 @@ holds the ledger's lock only to copy state, one run at a time.
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import math
@@ -40,11 +41,12 @@ from typing import Any
 from gpu_energy_exporter.core.runs_db import DB_NAME
 from gpu_energy_exporter.core.runs_schema import COLUMN_NAMES
 from gpu_energy_exporter.ledger import codec, recovery
+from gpu_energy_exporter.ledger.accounting import Timeline
 from gpu_energy_exporter.ledger.filewriter import FileWriter, Row
 from gpu_energy_exporter.ledger.frames import Frame
 from gpu_energy_exporter.ledger.journal import SteadyClock
 from gpu_energy_exporter.ledger.runs import LabelKey, Run
-from gpu_energy_exporter.ledger.store import Batch, Saved, Store, StoredRow, StoreWriter, crc
+from gpu_energy_exporter.ledger.store import Batch, Saved, Store, StoredRow, StoreWriter, crc, damaged
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +59,9 @@ GAP_WAIT_S = 30.0
 #: Shutdown: the most the ledger waits for its last checkpoint and for the rows still to write.
 SHUTDOWN_STORE_S = 2.0
 SHUTDOWN_FILES_S = 1.5
+#: A run's timeline (most of its saved bytes) is saved with its state at most this often (and at the last
+#: checkpoint before a stop): a SIGKILL loses at most this much of a timeline, never energy or tokens.
+TIMELINE_EVERY_S = 60.0
 #: Rows waiting to be written, at most, in memory (each holds its run's summary and timeline); beyond, a row
 #: already in the database waits there and is exported at the next start.
 MAX_PENDING = 1000
@@ -134,6 +139,11 @@ class Durable:
         self._exported: list[tuple[int, str | None]] = []  # rows exported since the last batch
         self._building: tuple[list[Row], int, int] = ([], 0, 0)
         self._failing = False
+        # Timelines (the bulk of a run's state) are saved every TIMELINE_EVERY_S and at the last checkpoint:
+        # run id -> (the run, when its timeline was last saved); and those in the batch being written.
+        self._timeline_saved: dict[str, tuple[Run, float]] = {}
+        self._timeline_due: list[tuple[str, Run, float]] = []
+        self._final = False
         path = db_path or (os.path.join(state_dir, DB_NAME) if state_dir is not None else None)
         if path is not None:
             self.store = recovery.open_store(path, state_dir, self.losses, ledger._clock())
@@ -142,12 +152,37 @@ class Durable:
                                      journaled=self._stored if self.store is not None else None,
                                      clock=ledger._clock, threaded=threaded)
         if self.store is not None:
+            # Hundreds of thousands of tuples are made at once (timelines): the cyclic collector would rescan
+            # them at every allocation threshold, 40% of the restore's time, for no cycle among them.
+            collecting = gc.isenabled()
+            gc.disable()
+            try:
+                self._load()
+            finally:
+                if collecting:
+                    gc.enable()
+        if self.store is not None:
+            self._sw = StoreWriter(self.store, self._build, self._batch_done, self._store_failed)
+            self._last_kick = ledger._clock()
+            self._sw.kick(full=True)  # the state as restored, and what was lost, at once
+
+    def _load(self) -> None:
+        """Read the store and restore what it holds (a database that opens but does not read: left as it is,
+        or, damaged, replaced)."""
+        ledger = self._ledger
+        if self.store is not None:
             saved: Saved | None = None
             try:
                 saved = self.store.load()
             except (sqlite3.Error, OSError) as exc:  # a database that opens but does not read
                 self.store.close(checkpoint=False)
-                self.store = recovery.replace_damaged(self.store.path, exc, self.losses, ledger._clock())
+                if not damaged(exc):
+                    unavailable = f"cannot read {self.store.path} ({exc})"
+                    log.error("run ledger: %s: runs kept in memory; the file is left as it is", unavailable)
+                    self.losses.unknown(recovery.REFUSED, unavailable, ledger._clock(), store=False)
+                    self.store = None
+                else:
+                    self.store = recovery.replace_damaged(self.store.path, exc, self.losses, ledger._clock())
                 try:
                     saved = self.store.load() if self.store is not None else None
                 except (sqlite3.Error, OSError) as again:
@@ -155,10 +190,6 @@ class Durable:
                     self.store = None
             if saved is not None:
                 self._restore(saved)
-        if self.store is not None:
-            self._sw = StoreWriter(self.store, self._build, self._batch_done, self._store_failed)
-            self._last_kick = ledger._clock()
-            self._sw.kick(full=True)  # the state as restored, and what was lost, at once
 
     @property
     def keeps_rows(self) -> bool:
@@ -169,20 +200,27 @@ class Durable:
 
     def _build(self, full: bool) -> Batch:
         led = self._ledger
-        encoded: dict[str, tuple[Run, float, Any]] = {}
+        encoded: dict[str, tuple[Run, float, Any, Any]] = {}
         extra: dict[str, Any] = {}
         if full:
             with led._lock:
+                now = led._clock()
                 if led._history:
                     extra["frame"] = codec.encode(led._history[-1])
                 if isinstance(led._clock, SteadyClock):
                     extra["clock"] = codec.encode(led._clock)
                 runs = [r for r in led._active.values() if not r.tentative]
+            saved_tl = self._timeline_saved
+            self._timeline_saved = {k: v for k, v in saved_tl.items() if k in led._active}
             for run in runs:
                 with led._lock:  # one run at a time: points and snapshots wait for one run's copy, never all
-                    if led._active.get(run.run_id) is run:
-                        self.losses.note(run)
-                        encoded[run.run_id] = (run, run.s, codec.encode(run))
+                    if led._active.get(run.run_id) is not run:
+                        continue
+                    self.losses.note(run)
+                    last = saved_tl.get(run.run_id)
+                    due = self._final or last is None or last[0] is not run or now - last[1] >= TIMELINE_EVERY_S
+                    timeline = codec.encode(run.timeline) if due else None
+                    encoded[run.run_id] = (run, run.s, codec.encode(run, recovery.TIMELINE), timeline)
         with led._lock:
             saved = led._clock()
             rows = list(self._unsaved)
@@ -197,8 +235,11 @@ class Durable:
         batch = Batch(full=full, closed=closed, exported=exported, meta=meta, losses=losses,
                       rows=[StoredRow(r.seq, r.run_id, r.start, r.summary, r.doc, exported=self.writer is None,
                                       summary_name=r.json_name) for r in rows])
-        for run_id, (_, start, data) in encoded.items():
-            batch.open_runs[run_id] = (start, saved, codec.dumps(data))
+        for run_id, (run, start, data, timeline) in encoded.items():
+            batch.open_runs[run_id] = (start, saved, codec.dumps(data),
+                                       codec.dumps(timeline) if timeline is not None else None)
+            if timeline is not None:
+                self._timeline_due.append((run_id, run, saved))
         for key, data in extra.items():
             batch.meta[key] = codec.dumps(data)
         return batch
@@ -207,6 +248,9 @@ class Durable:
         led = self._ledger
         rows, n_exported, n_losses = self._building
         done = {id(r) for r in rows}
+        for run_id, run, saved in self._timeline_due:
+            self._timeline_saved[run_id] = (run, saved)
+        self._timeline_due = []
         with led._lock:
             self._unsaved = [r for r in self._unsaved if id(r) not in done]
             del self._exported[:n_exported]
@@ -261,9 +305,10 @@ class Durable:
                         "clock behind?): the downtime's energy is not counted")
             frame = None
         for record in saved.open_runs:
-            run = self._decode_run(*record)
+            run = self._decode_run(*record[:5])
             if run is None:
                 continue
+            run.timeline = self._decode_timeline(run, *record[5:])
             run.restored = {}
             run.last_point_received = now  # it gets --runs.stale-after from now to push again
             run.checkpoints = deque()
@@ -315,6 +360,28 @@ class Durable:
             log.warning("run ledger: run %r restored; these fields of its record did not decode and took their "
                         "defaults: %s", name, ", ".join(report.problems))
         return run
+
+    def _decode_timeline(self, run: Run, saved: Any, checksum: Any, text: Any) -> Timeline:
+        """A restored run's timeline (a fresh one, noted, when it was not saved or does not decode: the run's
+        figures are in its state, only the plot's points are lost)."""
+        fresh = Timeline(self._ledger._timeline_points)
+        if text is None:
+            return fresh
+        try:
+            if not isinstance(text, str) or crc(text) != checksum:
+                raise codec.DecodeError("its record fails its checksum")
+            timeline = codec.loads(text)
+            if not isinstance(timeline, Timeline):
+                raise codec.DecodeError("it is not a timeline")
+        except codec.DecodeError as exc:
+            log.error("run ledger: run %r restored without its timeline (%s): its plots start at the restart",
+                      run.run_id, exc)
+            self.losses.counts[recovery.DAMAGED_RECORD] += 1
+            run.notes.append("its timeline was lost at a restart (a damaged record): plots start there")
+            return fresh
+        if isinstance(saved, (int, float)):
+            self._timeline_saved[run.run_id] = (run, float(saved))
+        return timeline
 
     def _row(self, values: dict[str, Any]) -> Row:
         """A finished run's row from the database, to export (a damaged document: made from its columns)."""
@@ -452,6 +519,7 @@ class Durable:
         """The last checkpoint and the rows still to write, each within its time; what is not written stays
         in the database (or, when the database cannot be written either, is logged by the ledger as lost)."""
         if self._sw is not None:
+            self._final = True  # every timeline too
             self._sw.wait(self._sw.kick(full=True), SHUTDOWN_STORE_S)
         if self.writer is not None:
             self.writer.drain(SHUTDOWN_FILES_S)

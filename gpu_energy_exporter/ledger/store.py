@@ -15,6 +15,7 @@ documents (``ledger.restart`` makes both). Never unpickles, never runs on the sa
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -25,6 +26,7 @@ import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
+from urllib.parse import quote
 
 from gpu_energy_exporter.core import runs_db
 from gpu_energy_exporter.core.runs_schema import COLUMN_NAMES
@@ -70,13 +72,13 @@ class Loss:
 
 @dataclass
 class Batch:
-    """One transaction: ``rows`` to add, the open runs' states (``open_runs``: run id -> (start, saved, JSON),
-    written over those stored; with ``full`` they are every open run and the others leave), the ``closed``
-    runs' states to remove, export marks (seq, JSON summary's file name), ``meta`` (key -> text) and
-    ``losses``."""
+    """One transaction: ``rows`` to add, the open runs' states (``open_runs``: run id -> (start, saved, state
+    JSON, timeline JSON or None to keep the one stored), written over those stored; with ``full`` they are every
+    open run and the others leave), the ``closed`` runs' states to remove, export marks (seq, JSON summary's
+    file name), ``meta`` (key -> text) and ``losses``."""
 
     full: bool = False
-    open_runs: dict[str, tuple[float, float, str]] = field(default_factory=dict)
+    open_runs: dict[str, tuple[float, float, str, str | None]] = field(default_factory=dict)
     closed: list[str] = field(default_factory=list)
     rows: list[StoredRow] = field(default_factory=list)
     exported: list[tuple[int, str | None]] = field(default_factory=list)
@@ -90,8 +92,8 @@ class Batch:
 
 @dataclass
 class Saved:
-    """What the database holds at start: ``meta``, the open runs (run id, start, saved, crc, state) and the
-    rows not exported yet (their columns by name)."""
+    """What the database holds at start: ``meta``, the open runs (run id, start, saved, crc, state, timeline's
+    saved, crc and JSON) and the rows not exported yet (their columns by name)."""
 
     meta: dict[str, str]
     open_runs: list[tuple[Any, ...]]
@@ -117,6 +119,7 @@ class Store:
         self.directory = os.path.dirname(self.path)
         self._conn: sqlite3.Connection | None = None
         self._warned = False
+        self.readonly = False  # opened read-only: its file system is (``_connect_readonly``)
 
     @classmethod
     def open(cls, path: str) -> Store:
@@ -136,9 +139,10 @@ class Store:
         if problem:
             raise StoreRefused(problem)
 
-    def _connect(self, create: bool = False) -> sqlite3.Connection:
-        if self._conn is not None:
+    def _connect(self, create: bool = False, writable: bool = False) -> sqlite3.Connection:
+        if self._conn is not None and not (writable and self.readonly):
             return self._conn
+        self.close(checkpoint=False)
         if create and not os.path.isdir(self.directory):
             try:
                 os.makedirs(self.directory, mode=0o700)
@@ -154,6 +158,10 @@ class Store:
             os.close(fd)
         except FileExistsError:
             pass
+        if _read_only_fs(self.directory):
+            if writable:
+                raise OSError(errno.EROFS, f"{self.directory} is on a read-only file system")
+            return self._connect_readonly()
         before = os.lstat(self.path)
         conn = sqlite3.connect(self.path, timeout=BUSY_TIMEOUT_MS / 1000, isolation_level=None,
                                check_same_thread=False)
@@ -169,6 +177,26 @@ class Store:
         except BaseException:
             conn.close()
             raise
+        self._conn = conn
+        self.readonly = False
+        return conn
+
+    def _connect_readonly(self) -> sqlite3.Connection:
+        """The database on a read-only file system (a disk remounted read-only after errors): read as it is
+        (immutable: nobody can change it), so that the runs are restored; written once it is writable."""
+        conn = sqlite3.connect(f"file:{quote(self.path)}?mode=ro&immutable=1", uri=True, check_same_thread=False)
+        try:
+            version = conn.execute("PRAGMA user_version").fetchone()[0]
+            if version != runs_db.SCHEMA_VERSION:
+                raise StoreRefused(f"{self.path} is on a read-only file system and has schema version {version}, "
+                                   f"not {runs_db.SCHEMA_VERSION}: it cannot be migrated now")
+        except BaseException:
+            conn.close()
+            raise
+        if not self.readonly:
+            log.warning("run ledger: %s is on a read-only file system: its runs are read and go on in memory; "
+                        "new state is written once it is writable again", self.path)
+        self.readonly = True
         self._conn = conn
         return conn
 
@@ -210,7 +238,8 @@ class Store:
         conn = self._connect()
         meta = self.meta()
         open_runs = [tuple(r) for r in conn.execute(
-            "SELECT run_id, start_unix, saved_unix, crc, state FROM open_runs ORDER BY start_unix")]
+            "SELECT run_id, start_unix, saved_unix, crc, state, timeline_saved_unix, timeline_crc, timeline "
+            "FROM open_runs ORDER BY start_unix")]
         names = runs_db.insert_columns()
         cols = ", ".join(f'"{c}"' for c in names)
         rows = [dict(zip(names, r, strict=True))
@@ -223,7 +252,7 @@ class Store:
         """Write ``batch`` in one transaction (OSError or sqlite3.Error: nothing of it is written, and the
         connection is opened again at the next commit)."""
         try:
-            conn = self._connect()
+            conn = self._connect(writable=True)
             conn.execute("BEGIN IMMEDIATE")
             try:
                 self._write(conn, batch)
@@ -236,7 +265,7 @@ class Store:
                 raise
         except (sqlite3.Error, StoreRefused) as exc:
             self.close(checkpoint=False)
-            raise OSError(getattr(exc, "sqlite_errorcode", 0) or 5, f"{self.path}: {exc}") from exc
+            raise OSError(errno.EIO, f"{self.path}: {exc}") from exc
 
     def _write(self, conn: sqlite3.Connection, batch: Batch) -> None:
         now = time.time()
@@ -251,9 +280,15 @@ class Store:
             for run_id in stored - set(batch.open_runs):
                 conn.execute("DELETE FROM open_runs WHERE run_id = ?", (run_id,))
         if batch.open_runs:
-            conn.executemany("INSERT OR REPLACE INTO open_runs (run_id, start_unix, saved_unix, crc, state) "
-                             "VALUES (?, ?, ?, ?, ?)",
-                             [(k, s, saved, crc(text), text) for k, (s, saved, text) in batch.open_runs.items()])
+            conn.executemany(
+                "INSERT INTO open_runs (run_id, start_unix, saved_unix, crc, state, timeline_saved_unix, timeline_crc, "
+                "timeline) VALUES (?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT (run_id) DO UPDATE SET "
+                "start_unix = excluded.start_unix, saved_unix = excluded.saved_unix, crc = excluded.crc, "
+                "state = excluded.state, timeline_saved_unix = coalesce(excluded.timeline_saved_unix, "
+                "timeline_saved_unix), timeline_crc = coalesce(excluded.timeline_crc, timeline_crc), "
+                "timeline = coalesce(excluded.timeline, timeline)",
+                [(k, s, saved, crc(text), text, saved if tl is not None else None,
+                  crc(tl) if tl is not None else None, tl) for k, (s, saved, text, tl) in batch.open_runs.items()])
         for seq, name in batch.exported:
             conn.execute("UPDATE runs SET exported = 1, summary_name = coalesce(?, summary_name) WHERE seq = ?",
                          (name, seq))
@@ -289,6 +324,23 @@ class Store:
             log.debug("run ledger: WAL checkpoint at close failed (%s)", exc)
         finally:
             conn.close()
+
+
+def _read_only_fs(directory: str) -> bool:
+    try:
+        return bool(os.statvfs(directory).f_flag & os.ST_RDONLY)
+    except OSError:
+        return False
+
+
+def damaged(exc: BaseException) -> bool:
+    """Whether a SQLite error says the file is damaged (corrupt, or not a database), not merely unavailable
+    (locked, read-only, an I/O error, a full disk)."""
+    code = getattr(exc, "sqlite_errorcode", None)  # Python 3.11+
+    if code is not None:
+        return code & 0xFF in (11, 26)  # SQLITE_CORRUPT, SQLITE_NOTADB
+    text = str(exc)
+    return "malformed" in text or "not a database" in text
 
 
 def salvage(path: str) -> tuple[list[tuple[str, Any, Any]], list[str]]:
