@@ -12,7 +12,8 @@ Modules, top to bottom:
 - ``frames``: what a snapshot says about the GPUs, as plain values;
 - ``store``: the SQLite database of open runs' state and finished runs' rows, and its thread; ``codec``: the
   runs' state as JSON (never pickle); ``trust``: whose directory and files may be read; ``recovery``: opening
-  the store, what was lost; ``migrate``: the previous releases' journal, moved into the database once;
+  the store, what was lost; ``restore``: the saved records decoded one by one; ``migrate``: the previous
+  releases' journal, moved into the database once;
 - ``files``: the runs CSV (rows appended) and JSON summaries (written atomically), exports of the database's
   rows; ``filewriter``: the thread that writes them; ``journal``: the steady clock and the old journal's
   layout; ``restart``: checkpoints, restore after a restart, and every time placed on the steady clock;

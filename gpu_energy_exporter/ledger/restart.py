@@ -6,7 +6,8 @@ steady axis.
   closed run's row into the database (``ledger.store``, on the store's own thread: every
   ``journal_interval_s`` and whenever a run starts; a closing run's row at once, in the transaction that drops
   its open state) and restores them when the ledger starts (``ledger.recovery`` opens the store, migrates a
-  previous release's journal, and says what was lost): a restored run goes on as the same run. The frame is
+  previous release's journal, and says what was lost; ``ledger.restore`` decodes each record): a restored run
+  goes on as the same run. The frame is
   put back at the head of the snapshot history, so the first snapshot after the restart closes the gap as
   one ordinary interval: the GPU's energy counter (cumulative in the driver) across the downtime, shared
   with the shares known before it, and the run notes ``gap_s``. Tokens are cumulative in the trainer: a
@@ -39,14 +40,12 @@ from dataclasses import replace
 from typing import Any
 
 from gpu_energy_exporter.core.runs_db import DB_NAME
-from gpu_energy_exporter.core.runs_schema import COLUMN_NAMES
-from gpu_energy_exporter.ledger import codec, recovery
-from gpu_energy_exporter.ledger.accounting import Timeline
+from gpu_energy_exporter.ledger import codec, recovery, restore
 from gpu_energy_exporter.ledger.filewriter import FileWriter, Row
 from gpu_energy_exporter.ledger.frames import Frame
 from gpu_energy_exporter.ledger.journal import SteadyClock
 from gpu_energy_exporter.ledger.runs import LabelKey, Run
-from gpu_energy_exporter.ledger.store import Batch, Saved, Store, StoredRow, StoreWriter, crc, damaged
+from gpu_energy_exporter.ledger.store import Batch, Saved, Store, StoredRow, StoreWriter, damaged
 
 log = logging.getLogger(__name__)
 
@@ -279,25 +278,14 @@ class Durable:
 
     # -- restore ---------------------------------------------------------------------------------------
 
-    def _meta(self, saved: Saved, key: str, report: codec.Decoded) -> Any:
-        text = saved.meta.get(key)
-        if text is None:
-            return None
-        try:
-            return codec.loads(text, report)
-        except codec.DecodeError as exc:
-            log.error("run ledger: the saved %s is damaged (%s): not restored", key, exc)
-            self.losses.counts[recovery.DAMAGED_RECORD] += 1
-            return None
-
     def _restore(self, saved: Saved) -> None:
         led = self._ledger
         report = codec.Decoded()
-        clock = self._meta(saved, "clock", report)
+        clock = restore.meta(saved, "clock", report, self.losses)
         same_axis = (isinstance(led._clock, SteadyClock) and isinstance(clock, SteadyClock)
                      and led._clock.adopt(clock))
         now = led._clock()
-        frame = self._meta(saved, "frame", report)
+        frame = restore.meta(saved, "frame", report, self.losses)
         if not isinstance(frame, Frame):
             frame = None
         elif frame.t >= now:
@@ -305,10 +293,13 @@ class Durable:
                         "clock behind?): the downtime's energy is not counted")
             frame = None
         for record in saved.open_runs:
-            run = self._decode_run(*record[:5])
+            run = restore.run(*record[:5], losses=self.losses)
             if run is None:
                 continue
-            run.timeline = self._decode_timeline(run, *record[5:])
+            run.timeline, tl_saved = restore.timeline(run, *record[5:], losses=self.losses,
+                                                      points=led._timeline_points)
+            if tl_saved is not None:
+                self._timeline_saved[run.run_id] = (run, tl_saved)
             run.restored = {}
             run.last_point_received = now  # it gets --runs.stale-after from now to push again
             run.checkpoints = deque()
@@ -319,7 +310,7 @@ class Durable:
             led._history.append(frame)
             self.gap_pending = True
         for values in saved.rows:
-            row = self._row(values)
+            row = restore.row(values, self.losses)
             row.extra["queued"] = now
             row.extra["stored"] = True
             led._pending[row.seq] = row
@@ -330,7 +321,7 @@ class Durable:
         except ValueError:
             seq = 0
         led._seq = max(led._seq, seq, saved.max_seq)
-        counts = self._meta(saved, "finished_counts", report)
+        counts = restore.meta(saved, "finished_counts", report, self.losses)
         for status, count in (counts.items() if isinstance(counts, dict) else ()):
             if isinstance(count, (int, float)):
                 led._finished_counts[status] = max(led._finished_counts.get(status, 0.0), float(count))
@@ -339,70 +330,6 @@ class Durable:
         log.info("run ledger: restored %d open run(s) and %d row(s) still to write from %s%s",
                  len(led._active), len(led._pending), self.store.path if self.store else "?",
                  "" if same_axis else " (another boot: the downtime is measured by the wall clock)")
-
-    def _decode_run(self, run_id: Any, start: Any, saved: Any, checksum: Any, state: Any) -> Run | None:
-        name = str(run_id)
-        start_t = float(start) if isinstance(start, (int, float)) else None
-        saved_t = float(saved) if isinstance(saved, (int, float)) else None
-        report = codec.Decoded()
-        try:
-            if not isinstance(state, str):
-                raise codec.DecodeError("no state")
-            if crc(state) != checksum:
-                raise codec.DecodeError("its record fails its checksum")
-            run = codec.loads(state, report)
-            if not isinstance(run, Run) or run.run_id != name:
-                raise codec.DecodeError("it is not this run's state")
-        except codec.DecodeError as exc:
-            self.losses.run(recovery.DAMAGED_RECORD, name, start_t, saved_t, f"its saved record is damaged: {exc}")
-            return None
-        if report.problems:
-            log.warning("run ledger: run %r restored; these fields of its record did not decode and took their "
-                        "defaults: %s", name, ", ".join(report.problems))
-        return run
-
-    def _decode_timeline(self, run: Run, saved: Any, checksum: Any, text: Any) -> Timeline:
-        """A restored run's timeline (a fresh one, noted, when it was not saved or does not decode: the run's
-        figures are in its state, only the plot's points are lost)."""
-        fresh = Timeline(self._ledger._timeline_points)
-        if text is None:
-            return fresh
-        try:
-            if not isinstance(text, str) or crc(text) != checksum:
-                raise codec.DecodeError("its record fails its checksum")
-            timeline = codec.loads(text)
-            if not isinstance(timeline, Timeline):
-                raise codec.DecodeError("it is not a timeline")
-        except codec.DecodeError as exc:
-            log.error("run ledger: run %r restored without its timeline (%s): its plots start at the restart",
-                      run.run_id, exc)
-            self.losses.counts[recovery.DAMAGED_RECORD] += 1
-            run.notes.append("its timeline was lost at a restart (a damaged record): plots start there")
-            return fresh
-        if isinstance(saved, (int, float)):
-            self._timeline_saved[run.run_id] = (run, float(saved))
-        return timeline
-
-    def _row(self, values: dict[str, Any]) -> Row:
-        """A finished run's row from the database, to export (a damaged document: made from its columns)."""
-        summary = doc = None
-        try:
-            summary = json.loads(values.get("summary") or "")
-            doc = json.loads(values.get("document") or "")
-        except ValueError:
-            pass
-        if not isinstance(summary, dict) or not isinstance(doc, dict):
-            note = "the ledger's record of this run was damaged: its row is made from the database's columns"
-            log.error("run ledger: the saved row of run %r is damaged: exported from its columns (its JSON summary "
-                      "lacks the timeline)", values.get("run_id"))
-            self.losses.counts[recovery.DAMAGED_RECORD] += 1
-            summary = {c: values.get(c) for c in COLUMN_NAMES}
-            summary["ledger_notes"] = "; ".join(x for x in (summary.get("ledger_notes"), note) if x)
-            doc = {"run_id": values.get("run_id"), "start_unix": values.get("start_unix"),
-                   "end_unix": values.get("end_unix"), **summary}
-        start = values.get("start_unix")
-        return Row(int(values["seq"]), str(values.get("run_id")), float(start) if isinstance(start, (int, float))
-                   else 0.0, summary, doc, values.get("summary_name"), True)
 
     # -- the gap -------------------------------------------------------------------------------------
 
