@@ -3,10 +3,9 @@
 Fed from two sides: ``on_point`` receives every point the OTLP store accepted (request threads) and
 ``on_snapshot`` every sampler snapshot (sampler thread). A run lives from its first point until every
 rank that pushed has sent ``training_run_finished 1`` (or until nothing was pushed for ``stale_after``,
-in which case it ends at its last point). Then its row goes into the ledger's database (``ledger.store``),
-and the file writer's thread appends it to the CSV and writes a JSON summary beside it (``<csv dir>/runs/<run
-id>.json``, atomically). With a database (``state_dir``/``db_path``) open runs outlive the process
-(``restart``); all times are on ``clock`` (in the
+in which case it ends at its last point). Then its row goes into the database (``ledger.store``), then to the
+CSV and a JSON summary (``<csv dir>/runs/<run id>.json``) by the file writer's thread. With a database
+(``state_dir``, ``db_path``) open runs outlive the process (``restart``); all times are on ``clock`` (in the
 daemon the steady clock, with ``wall`` the clock snapshots are stamped with).
 ``collect()`` serves per-run series on /metrics; ``runs()`` / ``run(run_id)`` feed the JSON API
 (``daemon/api.py``: ``/api/v1/runs``, ``/api/v1/run?id=``) that ``top``, ``report`` and ``runs --url`` read.
@@ -65,10 +64,9 @@ class RunLedger(LedgerViews):
     once per snapshot on the sampler thread; None means no CO2 figures. ``clock``: the ledger's time
     (intervals, staleness, how long finished runs are kept); ``wall``: the clock snapshots are stamped
     with when ``clock`` is another one (the daemon's steady clock): snapshots are then dated by ``clock``
-    and senders' timestamps placed against their arrival. ``state_dir``: ``--runs.state-dir`` (None: no
-    database, runs in memory only, unless ``db_path``); ``db_path``: ``--runs.db`` (default ``runs.db`` in
-    ``state_dir``); ``background_writes``: files written by their own thread (the daemon) rather than on the
-    thread that closes a run; ``journal_interval_s``: ``--runs.journal-interval``.
+    and senders' timestamps placed against their arrival. ``state_dir``/``db_path``: ``--runs.state-dir``/``--runs.db``
+    (neither: runs in memory only); ``background_writes``: files written by their own thread (the daemon)
+    rather than on the thread that closes a run; ``journal_interval_s``: ``--runs.journal-interval``.
     """
 
     def __init__(
@@ -501,16 +499,7 @@ class RunLedger(LedgerViews):
                     run.e = max(min(run.last_point_t, run.acc.t), run.s)
                     run.notes.append("the exporter stopped while the run was going")
                     self._close(run, "exporter_stopped")
-        self._durable.shutdown()
-        with self._lock:
-            kept = [r.run_id for r in self._pending.values() if r.extra.get("stored")]
-            lost = [r.run_id for r in self._pending.values() if not r.extra.get("stored")]
-        if kept:
-            log.warning("run ledger: %d finished run(s) not written to %s yet: %s (kept in the database, written at "
-                        "the next start)", len(kept), self.csv_path, ", ".join(kept))
-        if lost:
-            log.error("run ledger: %d finished run(s) could not be written in time and are lost at shutdown: %s",
-                      len(lost), ", ".join(lost))
+        self._durable.shutdown()  # and says what could not be written in time
 
     # ------------------------------------------------------------------------------------------------
     # files

@@ -454,7 +454,13 @@ class Durable:
         if self._sw is not None:
             self._sw.wait(self._sw.kick(), SHUTDOWN_STORE_S / 2)
             self._sw.close()
-
-    def unstored(self) -> list[str]:
-        """Run ids of closed runs not in the database (lost if the process stops now; ledger lock held)."""
-        return [r.run_id for r in self._unsaved]
+        led = self._ledger
+        with led._lock:
+            kept = [r.run_id for r in led._pending.values() if r.extra.get("stored")]
+            lost = [r.run_id for r in led._pending.values() if not r.extra.get("stored")]
+        if kept:
+            log.warning("run ledger: %d finished run(s) not written to %s yet: %s (kept in the database, written at "
+                        "the next start)", len(kept), led.csv_path, ", ".join(kept))
+        if lost:
+            log.error("run ledger: %d finished run(s) could not be written in time and are lost at shutdown: %s",
+                      len(lost), ", ".join(lost))
