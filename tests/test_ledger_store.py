@@ -401,3 +401,35 @@ def test_a_frame_round_trips_with_its_gpus_and_processes() -> None:
     g = _filled(GPUFrame)
     frame = Frame(T0, {"a": g}, {"m": "a"}, 400.0, 1.2, 5e9, (), {"m": (3, 0.5)}, 0.1, (2.0, 300.0))
     assert codec.loads(codec.dumps(codec.encode(frame))) == frame
+
+
+def test_a_journal_record_that_does_not_migrate_names_its_run_and_the_rest_migrates(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A journal of the pickle releases whose open runs are one good run and one record that is no run (a row
+    where a run belongs): the good run is restored, the other is named as lost and its row says so."""
+    from gpu_energy_exporter.ledger.filewriter import Row
+
+    clock = Clock()
+    old = RunLedger(None, warmup_s=0.0, stale_after_s=300.0, clock=clock)
+    h = Harness(old, clock, {UUID_A: constant(100.0)})
+    h.run_until(T0 + 10, trainer(h, "good", T0, T0 + 100, rate=10.0, every=1.0))
+    good = old._active["good"]
+    good.live_memo = good.settled_memo = None
+    misplaced = Row(1, "misplaced", T0, {}, {})
+    state = {"format": FORMAT, "active": [good, misplaced], "pending": [], "frame": old._history[-1],
+             "seq": 0, "finished_counts": {}, "saved_wall": T0 + 10}
+    (tmp_path / "state").mkdir(mode=0o700)
+    (tmp_path / "state" / "journal-00000001.log").write_bytes(record(pickle.dumps(state)))
+    caplog.set_level(logging.ERROR)
+    clock.t = T0 + 15
+    ledger = _ledger(tmp_path, clock)
+    assert set(ledger._active) == {"good"} and ledger._active["good"].acc.energy_j == pytest.approx(1000.0)
+    assert _lost(ledger)["migration_failed"] == 1
+    assert any("'misplaced'" in r.getMessage() and "did not migrate" in r.getMessage() for r in caplog.records)
+    assert (tmp_path / "state" / "journal-00000001.log.migrated").exists()
+    h2 = Harness(ledger, clock, {UUID_A: constant(100.0)})
+    h2.t = T0 + 15
+    h2.run_until(T0 + 25, trainer(h2, "misplaced", T0 + 16, T0 + 20, rate=10.0, every=1.0))
+    ledger.close()
+    [row] = runs_cli.load_csv(str(tmp_path / "runs.csv"))
+    assert row["run_id"] == "misplaced" and "lost this run's state" in row["ledger_notes"]

@@ -126,7 +126,7 @@ class Legacy:
     finished_counts: dict[str, float] = field(default_factory=dict)
     saved_wall: float | None = None
     problems: list[str] = field(default_factory=list)  # fields that took their defaults
-    lost: list[str] = field(default_factory=list)  # runs or rows that did not decode
+    lost: list[tuple[str | None, str]] = field(default_factory=list)  # (run id if known, what) did not decode
 
 
 def read(path: str) -> Legacy:
@@ -150,14 +150,14 @@ def read(path: str) -> Legacy:
         try:
             run = codec.decode(to_tree(item), report)
         except codec.DecodeError as exc:
-            out.lost.append(f"an open run ({_run_id(item)}): {exc}")
+            out.lost.append((_run_id(item), f"its open state did not migrate ({exc})"))
             continue
         out.active.append(run)
     for item in _items(state.get("pending")):
         try:
             out.pending.append(_row(item, report))
         except codec.DecodeError as exc:
-            out.lost.append(f"a finished run's row ({_run_id(item)}): {exc}")
+            out.lost.append((_run_id(item), f"its finished row did not migrate ({exc})"))
     for name in ("frame", "clock"):
         if state.get(name) is not None:
             try:
@@ -201,15 +201,16 @@ def _fields(item: _Standin) -> dict[str, Any]:
     raise codec.DecodeError(f"{item.key[1]}: unexpected state")
 
 
-def _run_id(item: Any) -> str:
+def _run_id(item: Any) -> str | None:
+    """The run id a stand-in names, when it can be read."""
     if isinstance(item, _Standin):
         try:
             run_id = _fields(item).get("run_id")
         except codec.DecodeError:
-            run_id = None
+            return None
         if isinstance(run_id, str):
-            return f"run {run_id!r}"
-    return "unknown run id"
+            return run_id
+    return None
 
 
 def to_tree(value: Any) -> Any:

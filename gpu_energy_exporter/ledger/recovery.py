@@ -195,10 +195,13 @@ def _migrate_journal(store: Store, state_dir: str, losses: Losses, now: float) -
     batch.meta["seq"] = str(max(legacy.seq, base + len(batch.rows), int(done.get("seq", "0") or 0)))
     if legacy.finished_counts:
         batch.meta["finished_counts"] = codec.dumps(legacy.finished_counts)
-    for lost in legacy.lost:
-        losses.counts[MIGRATION_FAILED] += 1
-        losses.unsaved.append(Loss(MIGRATION_FAILED, None, None, saved, lost))
-        log.error("run ledger: the previous release's journal %s: %s did not migrate and is lost", newest, lost)
+    for run_id, what in legacy.lost:
+        if run_id is not None:
+            losses.run(MIGRATION_FAILED, run_id, None, saved, f"the previous release's journal: {what}")
+        else:
+            losses.counts[MIGRATION_FAILED] += 1
+            losses.unsaved.append(Loss(MIGRATION_FAILED, None, None, saved, what))
+            log.error("run ledger: the previous release's journal %s: a record of an unknown run: %s", newest, what)
     try:
         store.commit(batch)
     except OSError as exc:
