@@ -172,7 +172,7 @@ class Durable:
         if self.store is not None:
             saved: Saved | None = None
             try:
-                saved = self.store.load()
+                saved = self.store.load(MAX_PENDING)
             except (sqlite3.Error, OSError) as exc:  # a database that opens but does not read
                 self.store.close(checkpoint=False)
                 if not damaged(exc):
@@ -183,7 +183,7 @@ class Durable:
                 else:
                     self.store = recovery.replace_damaged(self.store.path, exc, self.losses, ledger._clock())
                 try:
-                    saved = self.store.load() if self.store is not None else None
+                    saved = self.store.load(MAX_PENDING) if self.store is not None else None
                 except (sqlite3.Error, OSError) as again:
                     log.error("run ledger: cannot read the new database either (%s): runs kept in memory", again)
                     self.store = None
@@ -309,13 +309,16 @@ class Durable:
         if frame is not None and led._active:
             led._history.append(frame)
             self.gap_pending = True
-        for values in saved.rows:
-            row = restore.row(values, self.losses)
-            row.extra["queued"] = now
-            row.extra["stored"] = True
-            led._pending[row.seq] = row
-            if self.writer is not None:
+        if self.writer is not None:  # without a CSV they wait in the database
+            for values in saved.rows:
+                row = restore.row(values, self.losses)
+                row.extra["queued"] = now
+                row.extra["stored"] = True
+                led._pending[row.seq] = row
                 self.writer.submit(row)
+        if saved.more_rows:
+            log.warning("run ledger: %d more finished run(s) wait in %s to be written to --runs.csv; they are written "
+                        "after a later start", saved.more_rows, self.store.path if self.store else "the database")
         try:
             seq = int(saved.meta.get("seq", "0"))
         except ValueError:

@@ -99,6 +99,7 @@ class Saved:
     open_runs: list[tuple[Any, ...]]
     rows: list[dict[str, Any]]
     max_seq: int
+    more_rows: int = 0
 
 
 def crc(text: str) -> int:
@@ -234,7 +235,9 @@ class Store:
     def max_seq(self) -> int:
         return int(self._connect().execute("SELECT coalesce(max(seq), 0) FROM runs").fetchone()[0])
 
-    def load(self) -> Saved:
+    def load(self, max_rows: int = 1000) -> Saved:
+        """The saved state: meta, every open run, and the oldest ``max_rows`` rows not exported (``more_rows``:
+        how many others wait)."""
         conn = self._connect()
         meta = self.meta()
         open_runs = [tuple(r) for r in conn.execute(
@@ -243,8 +246,9 @@ class Store:
         names = runs_db.insert_columns()
         cols = ", ".join(f'"{c}"' for c in names)
         rows = [dict(zip(names, r, strict=True))
-                for r in conn.execute(f"SELECT {cols} FROM runs WHERE exported = 0 ORDER BY seq")]
-        return Saved(meta, open_runs, rows, self.max_seq())
+                for r in conn.execute(f"SELECT {cols} FROM runs WHERE exported = 0 ORDER BY seq LIMIT ?", (max_rows,))]
+        waiting = conn.execute("SELECT count(*) FROM runs WHERE exported = 0").fetchone()[0]
+        return Saved(meta, open_runs, rows, self.max_seq(), max(0, int(waiting) - len(rows)))
 
     # -- writing ---------------------------------------------------------------------------------------
 
