@@ -201,6 +201,7 @@ class Durable:
         led = self._ledger
         encoded: dict[str, tuple[Run, float, Any, Any]] = {}
         extra: dict[str, Any] = {}
+        self._timeline_due = []
         if full:
             with led._lock:
                 now = led._clock()
@@ -209,8 +210,7 @@ class Durable:
                 if isinstance(led._clock, SteadyClock):
                     extra["clock"] = codec.encode(led._clock)
                 runs = [r for r in led._active.values() if not r.tentative]
-            saved_tl = self._timeline_saved
-            self._timeline_saved = {k: v for k, v in saved_tl.items() if k in led._active}
+                saved_tl = self._timeline_saved = {k: v for k, v in self._timeline_saved.items() if k in led._active}
             for run in runs:
                 with led._lock:  # one run at a time: points and snapshots wait for one run's copy, never all
                     if led._active.get(run.run_id) is not run:
