@@ -3,7 +3,8 @@ that it cannot drift from what ``top`` shows.
 
     python tests/screenshots.py capture   # (make screenshots) run the demo until one run is under way and two
                                           # have finished, save what top reads (/api/v1/status, /api/v1/runs)
-                                          # as docs/img/top-input.json, then render
+                                          # as docs/img/top-input.json, then render; and draw
+                                          # docs/img/report-comparison.png with `report` on the two finished runs
     python tests/screenshots.py render    # top.txt and top.png from docs/img/top-input.json, current code
 
 The frame is ``top``'s own renderer (``client.top.render_frame``, what the terminal and ``top --once`` draw)
@@ -32,6 +33,8 @@ INPUT = IMG / "top-input.json"
 WIDTH = 120
 #: What the user types (the commands' default), not the capture's private port.
 URL = "http://localhost:9863"
+#: Runs of 40 s with 5 s pauses, not the demo's default 3 min and 20 s: two runs finish and a third is
+#: under way in about two minutes (README and docs/workstation.md say so under the pictures).
 DEMO_FLAGS = ["--demo.pause=5s", "--demo.run-duration=40s", "--demo.export-interval=1s"]
 
 
@@ -111,6 +114,18 @@ def _get(url: str) -> Any:
         return json.loads(resp.read())
 
 
+def comparison(url: str, run_ids: list[str]) -> None:
+    """docs/img/report-comparison.png: `report`'s comparison of the demo's first two finished runs."""
+    import shutil
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as out:
+        subprocess.run([sys.executable, "-m", "gpu_energy_exporter", "report", *run_ids, "--url", url, "--out", out],
+                       check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
+        shutil.copyfile(Path(out) / "comparison.png", IMG / "report-comparison.png")
+    print(f"wrote {IMG / 'report-comparison.png'} ({' against '.join(run_ids)})", flush=True)
+
+
 def capture(timeout: float = 600.0) -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -136,6 +151,7 @@ def capture(timeout: float = 600.0) -> None:
                 doc = {"captured_from": "gpu-energy-exporter demo " + " ".join(DEMO_FLAGS), "now": time.time(),
                        "status": status, "runs": runs}
                 INPUT.write_text(json.dumps(doc, indent=1, sort_keys=True) + "\n", encoding="utf-8")
+                comparison(url, [r["run_id"] for r in done[:2]])
                 break
         else:
             raise SystemExit(f"the demo had not reached two finished runs and a third under way in {timeout:.0f}s")

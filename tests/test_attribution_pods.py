@@ -56,8 +56,11 @@ def test_pods_time_slicing_a_gpu_at_80_20_sm_are_charged_80_20(
         from gpu_energy_exporter.core.config import FLAGS
 
         new = "--collector.gpu.process-interval=200ms"  # (absent before the change: measure it all the same)
+        # The pods' counters are settled at each energy-counter read (issue 28): read it every second so the
+        # window below spans several settled spans.
         exp = start_exporter([
-            f"--nvml.library={fake_nvml_lib}", "--collector.interval=200ms", "--collector.kubernetes",
+            f"--nvml.library={fake_nvml_lib}", "--collector.interval=200ms", "--collector.energy-interval=1s",
+            "--collector.kubernetes",
             f"--kubernetes.pod-resources-socket={sock}", "--kubernetes.refresh-interval=1s",
             f"--path.procfs={procfs}", *([new] if any(f.name == "collector.gpu.process-interval" for f in FLAGS)
                                          else []),
@@ -78,8 +81,11 @@ def test_pods_time_slicing_a_gpu_at_80_20_sm_are_charged_80_20(
     db = pod_j(after, "pod-b") - pod_j(before, "pod-b")
     gpu_j = (sample_value(after, "gpuenergy_gpu_energy_joules_total", gpu="0") or 0.0) - \
         (sample_value(before, "gpuenergy_gpu_energy_joules_total", gpu="0") or 0.0)
-    print(f"\n[issue 19] pods 80/20 SM: pod-a {da:.1f} J ({da / gpu_j:.1%}), pod-b {db:.1f} J ({db / gpu_j:.1%}) "
-          f"of the GPU's {gpu_j:.1f} J")
-    assert gpu_j > 1000
-    assert da == pytest.approx(0.8 * gpu_j, rel=0.01)
-    assert db == pytest.approx(0.2 * gpu_j, rel=0.01)
+    # The pods' counters move at each counter read (settled spans), the GPU's at each sample: over the
+    # window the two pods share the spans settled in it, 80/20, and those are about the window's energy.
+    both = da + db
+    print(f"\n[issue 19] pods 80/20 SM: pod-a {da:.1f} J ({da / both:.1%}), pod-b {db:.1f} J ({db / both:.1%}) "
+          f"of the {both:.1f} J settled in the window (the GPU's counter: {gpu_j:.1f} J)")
+    assert gpu_j > 1000 and both == pytest.approx(gpu_j, rel=0.5)
+    assert da == pytest.approx(0.8 * both, rel=0.01)
+    assert db == pytest.approx(0.2 * both, rel=0.01)

@@ -171,3 +171,24 @@ def test_co2_is_a_lower_bound_when_the_intensity_was_missing_for_part_of_the_run
     # priced only for the intervals whose end had an intensity (the snapshot at 10 s prices 9-10 s): 11 of the
     # run's 19 s at 300 W, 400 g/kWh
     assert s["co2_g"] == pytest.approx(300.0 * 11.0 / 3.6e6 * 400.0)
+
+
+def test_an_ask_the_driver_answers_with_no_sample_keeps_the_last_weights() -> None:
+    """NVML answers NOT_FOUND when asked again within its sampling period (1/6 s to 1 s): nothing was measured,
+    so the weights last measured hold. Before, that ask read as 'no weight' and split the GPU evenly for the
+    sample: a trainer at 10% of the SMs was charged +7% (tests/test_attribution_e2e.py under load)."""
+    from gpu_energy_exporter.collectors.gpu_processes import ProcessTable, UtilizationCadence
+    from gpu_energy_exporter.core.state import GPUProcess, GPUReading
+
+    cadence = UtilizationCadence(0.2, lambda: 0.0)
+    table = ProcessTable(None)
+
+    def reading(a: float | None, b: float | None) -> GPUReading:
+        return GPUReading(timestamp=0.0, processes=(GPUProcess(1, None, a), GPUProcess(2, None, b)))
+
+    first = cadence.apply(0, reading(90.0, 10.0), table, asked=True)
+    assert [p.sm_util_pct for p in first.processes or ()] == [90.0, 10.0]
+    again = cadence.apply(0, reading(None, None), table, asked=True)  # NOT_FOUND: no sample since
+    assert [p.sm_util_pct for p in again.processes or ()] == [90.0, 10.0]
+    later = cadence.apply(0, reading(30.0, 0.0), table, asked=True)
+    assert [p.sm_util_pct for p in later.processes or ()] == [30.0, 0.0]

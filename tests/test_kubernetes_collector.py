@@ -29,6 +29,7 @@ from gpu_energy_exporter.collectors.kubernetes import (
     CONTAINER_ENERGY,
     GPU_POD_INFO,
     POD_ENERGY,
+    POD_PROVISIONAL,
     POD_RESOURCES_AVAILABLE,
     UNATTRIBUTED_ENERGY,
     KubernetesCollector,
@@ -71,7 +72,9 @@ def test_metric_names_and_labels_are_declared_once() -> None:
     assert UNATTRIBUTED_ENERGY.labels == ("gpu", "gpu_uuid")
     spec_names = {s.name for s in KubernetesCollector(tuple, _NullSource()).specs()}
     assert spec_names == {GPU_POD_INFO.name, POD_ENERGY.name, CONTAINER_ENERGY.name, UNATTRIBUTED_ENERGY.name,
-                          POD_RESOURCES_AVAILABLE.name}
+                          POD_RESOURCES_AVAILABLE.name, POD_PROVISIONAL.name}
+    assert POD_PROVISIONAL.name == "gpuenergy_k8s_pod_energy_provisional_joules"
+    assert POD_PROVISIONAL.labels == ("k8s_namespace", "k8s_pod")
 
 
 class _NullSource:

@@ -15,6 +15,7 @@ from test_ledger import T0, UUID_A, UUID_B, Clock, Harness, bursty, constant, po
 from gpu_energy_exporter.ledger import RunLedger
 from gpu_energy_exporter.ledger.accounting import Acc
 from gpu_energy_exporter.ledger.runs import Run
+from gpu_energy_exporter.ledger.summary import with_provisional
 
 
 class CountingLedger(RunLedger):
@@ -33,7 +34,9 @@ class FreshLedger(RunLedger):
     """Counts every live summary afresh at every call (the slow way, kept nothing between scrapes)."""
 
     def _live_summary(self, run: Run) -> dict[str, Any]:
-        return self._live_summary_now(run)
+        live = self._live_summary_now(run)
+        run.settled_memo = None  # nothing kept: the settled figures afresh too
+        return with_provisional(live, self._settled_summary(run, live))
 
 
 def _export(h: Harness, run_id: str, t: float, rank: str = "0", gpu: str = UUID_A) -> None:

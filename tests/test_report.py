@@ -167,6 +167,25 @@ def test_comparison_report_of_two_backends(runs: Runs, tmp_path: Path) -> None:
         assert (out / report.safe_name(run_id) / "memory.png").is_file()
 
 
+def test_comparison_bars_carry_their_values(tmp_path: Path) -> None:
+    # Issue 31 item 9: the comparison bars had no value labels (two backends 3% apart looked equal).
+    from test_first_hour_clients import _document, _Keep
+
+    docs = [_document(), {**_document(), "run_id": "other", "j_per_token": 5.82, "tokens_per_s": 1234.5,
+                          "energy_kwh": 0.0312, "avg_power_w": None}]
+    docs[0].update(energy_kwh=0.02, avg_power_w=612.4)
+    runs = [report.from_ledger_document(d, "test") for d in docs]
+    plt = _Keep(report.load_pyplot())
+    report.plot_comparison(runs, str(tmp_path), plt)
+    bars = next(f for f in plt.figures if f.get_suptitle().startswith("Runs compared"))
+    labels = {ax.get_title(): [t.get_text() for t in ax.texts] for ax in bars.axes}
+    assert labels == {"J/token": ["6.00", "5.82"], "tokens/s": ["100", "1,234"],
+                      "energy (kWh)": ["0.0200", "0.0312"], "average power (W)": ["612", "-"]}, labels
+    for ax in bars.axes:  # every label sits inside the axes, above its bar
+        top = ax.get_ylim()[1]
+        assert all(p.get_height() < top for p in ax.patches)
+
+
 def test_report_from_the_ledgers_json_summary(runs: Runs, tmp_path: Path) -> None:
     run_id = runs.run_ids[1]
     summary_file = runs.csv.parent / "runs" / f"{run_id}.json"

@@ -201,6 +201,9 @@ def test_metrics_serve_every_counter_as_of_the_settled_time_and_the_rest_as_prov
         assert abs(rel_error(energy, node.true_energy_j(0, start, settled_at))) <= 0.01
         since = node.true_energy_j(0, settled_at, p.pushed[-1])
         assert abs(rel_error(provisional, since)) <= 0.10  # an estimate: the power readings over ~20 s
+        live = node.ledger.run("r1")
+        assert live is not None and live["energy_provisional_j"] == pytest.approx(provisional)
+        assert live["energy_j"] == pytest.approx(energy + provisional)
     finally:
         node.close()
 

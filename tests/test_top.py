@@ -24,6 +24,7 @@ from helpers import ROOT, ExporterProcess, free_port, wait_until
 from test_web import issue
 
 from gpu_energy_exporter.client import fmt, top
+from gpu_energy_exporter.client.api import ExporterClient
 from gpu_energy_exporter.core.config import load_config
 from gpu_energy_exporter.daemon.exporter import Exporter
 from gpu_energy_exporter.devices.simulated import SimulatedBackend
@@ -280,6 +281,43 @@ def test_host_ram_below_the_critical_threshold_is_a_warning() -> None:
         assert "WARNING: host RAM available" in text and "below the critical threshold" in text
     finally:
         exporter.stop()
+
+
+def test_when_the_exporter_goes_away_the_last_figures_are_greyed_out_and_dated() -> None:
+    # Issue 31 item 5: the last frame's "now 1,017 W" stayed under the "nothing listens" banner, undated.
+    exporter = _sim_exporter([])
+    assert exporter.web is not None
+    url = exporter.web.url
+    poller = top.Poller(ExporterClient(url), interval=1.0)
+    try:
+        poller.fetch_once()
+        live = poller.view()
+        assert live.status is not None and live.error is None
+    finally:
+        exporter.stop()
+    poller.fetch_once()  # the exporter is gone: connection refused
+    view = poller.view()
+    assert view.error is not None and "nothing listens" in view.error and view.status is not None
+    assert view.fetched_at is not None
+    fresh = top.render_frame(live, url=url, interval=1.0, width=120, clock=lambda: live.fetched_at or 0.0)
+    stale = top.render_frame(view, url=url, interval=1.0, width=120, clock=lambda: view.fetched_at + 12.4)
+    fresh_text, stale_text = top.frame_text(fresh), top.frame_text(stale)
+    assert "GPUs (2)   now " in fresh_text and "STALE" not in fresh_text
+    assert "now " not in stale_text.split("GPUs (2)", 1)[1].splitlines()[0]
+    assert "GPUs (2)   12s ago " in stale_text, stale_text
+    assert "STALE: the figures below are the last answer, 12s old (greyed out)" in stale_text
+    assert "TRAINING RUNS (0 active)   as of 12s ago" in stale_text
+    # every figure under the banner is drawn dim (grey); the banner and the SIMULATED mark are not
+    banner = next(i for i, line in enumerate(stale) if any(text.startswith("  STALE") for text, _ in line))
+    assert stale[banner - 1][0] == (f"! {view.error}", "bad")
+    body = [style for line in stale[banner + 1:] for text, style in line if text and "SIMULATED" not in text]
+    assert body and set(body) == {"dim"}, set(body)
+    assert any(style == "sim" for line in stale for _, style in line)
+    assert {style for line in fresh for text, style in line if text} - {"dim"}, "a live frame is not all grey"
+
+
+def test_the_age_of_stale_figures() -> None:
+    assert [top.fmt_age(s) for s in (0.2, 12.4, 59.6, 185, 7620)] == ["0s", "12s", "1m00s", "3m05s", "2h07m"]
 
 
 # ----------------------------------------------------------------------------------------------------

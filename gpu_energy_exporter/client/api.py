@@ -5,8 +5,11 @@ JSON API (``api.py``) or a Prometheus server's HTTP API.
 same ``--url``, ``--user``, ``--password-file``, ``--ca-file`` and ``--insecure`` (``--url`` defaults to
 ``$GPU_ENERGY_EXPORTER_URL``, then ``http://localhost:9863``). Every failure is one ``ExporterUnreachable``
 whose message names one cause and the flag to change, and whose ``cause`` says which:
-``not_running`` (connection refused), ``credentials`` (401), ``tls`` (certificate or protocol),
-``unreachable`` (timeout, name that does not resolve), ``answer`` (an unexpected HTTP answer).
+``not_running`` (connection refused), ``credentials`` (401), ``tls`` (certificate or protocol, or the
+wrong scheme: https against plain HTTP and the reverse), ``wrong_port`` (one of the exporter's OTLP ports,
+where trainers push), ``unreachable`` (timeout, name that does not resolve), ``answer`` (an unexpected HTTP
+answer). A failure that points at the wrong port or scheme is checked by one short probe of the same host
+and port (``probe.py``), so the message names the port or scheme to use instead of the symptom.
 
 This module only reads: it never writes to the exporter and never contacts anything but the given URL.
 """
@@ -16,6 +19,7 @@ from __future__ import annotations
 import argparse
 import base64
 import errno
+import http.client
 import json
 import os
 import socket
@@ -27,8 +31,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from gpu_energy_exporter.client import probe
 from gpu_energy_exporter.core.config import DEFAULT_METRICS_PORT
 from gpu_energy_exporter.core.errors import ExporterError
+from gpu_energy_exporter.core.ports import METRICS_PORT, OTLP_GRPC_PORT, OTLP_HTTP_PORT, is_http2_frame
 
 DEFAULT_URL = f"http://localhost:{DEFAULT_METRICS_PORT}"
 #: Where ``--url`` comes from when not given (``top``, ``runs`` and ``report`` alike).
@@ -43,7 +49,13 @@ NOT_RUNNING = "not_running"
 CREDENTIALS = "credentials"
 TLS = "tls"
 UNREACHABLE = "unreachable"
+WRONG_PORT = "wrong_port"
 ANSWER = "answer"
+
+#: Bound on each of the (at most two) connections of a probe after a failure (``probe.py``).
+PROBE_TIMEOUT_S = 2.0
+#: Where an OTLP/HTTP receiver takes pushes: it answers a GET there with 405 and ``Allow: POST``.
+OTLP_METRICS_PATH = "/v1/metrics"
 
 
 class ExporterUnreachable(ExporterError):
@@ -67,6 +79,9 @@ class ExporterClient:
     insecure: bool = False
     timeout: float = 5.0
     _base: str = field(init=False, default="")
+    _host: str = field(init=False, default="")
+    _port: int = field(init=False, default=0)
+    _path: str = field(init=False, default="")
     _auth: str | None = field(init=False, default=None)
     _ssl: ssl.SSLContext | None = field(init=False, default=None)
 
@@ -83,7 +98,9 @@ class ExporterClient:
         except ValueError:
             raise ExporterUnreachable(f"--url {self.url!r} has an invalid port") from None
         netloc = host + (f":{port}" if port else "")
-        self._base = urllib.parse.urlunsplit((parts.scheme, netloc, parts.path.rstrip("/"), "", ""))
+        self._host, self._path = parts.hostname, parts.path.rstrip("/")
+        self._port = port or (443 if parts.scheme == "https" else 80)
+        self._base = urllib.parse.urlunsplit((parts.scheme, netloc, self._path, "", ""))
         user, password = self.user, self.password
         if user is None and parts.username is not None:
             user = urllib.parse.unquote(parts.username)
@@ -120,6 +137,9 @@ class ExporterClient:
             raise self._http_error(target, exc) from None
         except (urllib.error.URLError, OSError) as exc:
             raise self._connection_error(exc) from None
+        except http.client.HTTPException as exc:
+            # Not HTTP/1.1 on the other end (BadStatusLine, a truncated answer): an HTTP/2 frame is a gRPC port
+            raise self._not_http_error(exc) from None
         try:
             return json.loads(body)
         except ValueError:
@@ -138,11 +158,69 @@ class ExporterClient:
                 "(a user of the exporter's --web.config.file basic_auth_users)", CREDENTIALS)
         if exc.code == 404 and detail:
             return ExporterUnreachable(detail)
+        if exc.code == 404 and self._is_otlp_http_receiver():
+            return self._wrong_port(f"takes OTLP pushes (POST {OTLP_METRICS_PATH})", OTLP_HTTP_PORT, self._scheme)
         if exc.code == 404:
             return ExporterUnreachable(f"{target} answered 404: is {self._base} a gpu-energy-exporter "
                                        "(the JSON API needs version 0.1 or newer; check --url)?")
         return ExporterUnreachable(f"{target} answered HTTP {exc.code} {exc.reason}"
                                    + (f": {detail}" if detail else ""))
+
+    @property
+    def _scheme(self) -> str:
+        return "https" if self._base.startswith("https://") else "http"
+
+    def _url(self, scheme: str, port: int | None = None) -> str:
+        """This URL with another scheme or port (what the messages suggest for --url)."""
+        host = f"[{self._host}]" if ":" in self._host else self._host
+        return f"{scheme}://{host}:{port or self._port}{self._path}"
+
+    def _wrong_port(self, seen: str, which: str, scheme: str) -> ExporterUnreachable:
+        return ExporterUnreachable(
+            f"{self._base} {seen}: it is {which}, where trainers push. top, runs and report read {METRICS_PORT}: "
+            f"try --url {self._url(scheme, DEFAULT_METRICS_PORT)}", WRONG_PORT)
+
+    def _wrong_scheme(self, kind: str) -> ExporterUnreachable | None:
+        """The message for what a probe found at this host and port, when it is not what the URL says."""
+        if kind == probe.PLAIN_H2:
+            return self._wrong_port("answered in HTTP/2 (gRPC)", OTLP_GRPC_PORT, "http")
+        if kind == probe.TLS_H2:
+            return self._wrong_port("answered in HTTP/2 over TLS (gRPC)", OTLP_GRPC_PORT, "https")
+        if kind == probe.PLAIN_HTTP and self._scheme == "https":
+            if self._is_otlp_http_receiver(self._url("http")):
+                return self._wrong_port(f"takes OTLP pushes (POST {OTLP_METRICS_PATH}) in plain HTTP",
+                                        OTLP_HTTP_PORT, "http")
+            return ExporterUnreachable(
+                f"{self._base} speaks plain HTTP, not TLS: the exporter serves http there (no "
+                f"tls_server_config in its --web.config.file); use --url {self._url('http')}", TLS)
+        if kind == probe.TLS_HTTP and self._scheme == "http":
+            return ExporterUnreachable(
+                f"{self._base} expects TLS: the exporter serves https there (tls_server_config in its "
+                f"--web.config.file); use --url {self._url('https')} (with --ca-file, or --insecure)", TLS)
+        return None
+
+    def _probe(self) -> ExporterUnreachable | None:
+        # its own bound, not the request's: a short --interval must not make a slow probe say nothing
+        return self._wrong_scheme(probe.listener_kind(self._host, self._port, PROBE_TIMEOUT_S))
+
+    def _is_otlp_http_receiver(self, base: str | None = None) -> bool:
+        """An OTLP/HTTP receiver answers a GET of /v1/metrics with 405 Method Not Allowed, Allow: POST."""
+        base = base or self._base
+        request = urllib.request.Request(base + OTLP_METRICS_PATH)
+        context = self._ssl if base.startswith("https://") else None
+        try:
+            with urllib.request.urlopen(request, timeout=self.timeout, context=context):  # noqa: S310
+                return False
+        except urllib.error.HTTPError as exc:
+            return exc.code == 405 and "POST" in (exc.headers.get("Allow") or "")
+        except (OSError, http.client.HTTPException):
+            return False
+
+    def _not_http_error(self, exc: http.client.HTTPException) -> ExporterUnreachable:
+        if is_http2_frame(getattr(exc, "line", "")):
+            return self._wrong_port("answered in HTTP/2 (gRPC)", OTLP_GRPC_PORT, "http")
+        return self._probe() or ExporterUnreachable(
+            f"{self._base} did not answer in HTTP/1.1 ({type(exc).__name__}): --url must be {METRICS_PORT}")
 
     def _connection_error(self, exc: OSError) -> ExporterUnreachable:
         reason: Any = getattr(exc, "reason", exc)
@@ -150,6 +228,12 @@ class ExporterClient:
             return ExporterUnreachable(
                 f"cannot verify the TLS certificate of {self._base} ({reason.verify_message}): pass --ca-file "
                 "with the CA that signed it, or --insecure", TLS)
+        # RemoteDisconnected is a ConnectionResetError
+        if isinstance(reason, (ssl.SSLError, TimeoutError, socket.timeout, ConnectionResetError)):
+            # the wrong scheme or an OTLP port, answered by a handshake error, silence or a closed connection
+            found = self._probe()
+            if found is not None:
+                return found
         if isinstance(reason, ssl.SSLError):
             if self._base.startswith("http://"):
                 return ExporterUnreachable(f"{self._base}: TLS error ({reason}); does the exporter use https? "
@@ -222,6 +306,6 @@ def client_from_args(args: argparse.Namespace, environ: Mapping[str, str] | None
 
 __all__ = [
     "ANSWER", "CREDENTIALS", "DEFAULT_URL", "NOT_RUNNING", "RUNS_PATH", "RUN_PATH", "STATUS_PATH", "TLS", "UNREACHABLE",
-    "URL_ENV", "ExporterClient", "ExporterUnreachable", "add_client_flags", "client_from_args", "client_url",
-    "read_password_file",
+    "URL_ENV", "WRONG_PORT", "ExporterClient", "ExporterUnreachable", "add_client_flags", "client_from_args",
+    "client_url", "read_password_file",
 ]

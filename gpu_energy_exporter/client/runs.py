@@ -50,6 +50,7 @@ from gpu_energy_exporter.client.report.prometheus import PrometheusSource, whole
 from gpu_energy_exporter.client.report.run import ReportError
 from gpu_energy_exporter.client.safeout import printable_stream
 from gpu_energy_exporter.core.config import FLAGS, parse_duration
+from gpu_energy_exporter.core.flagparser import FlagParser
 from gpu_energy_exporter.core.runs_schema import COLUMN_NAMES
 from gpu_energy_exporter.core.textfmt import csv_cell, csv_record, fmt_num, strict_json
 
@@ -274,8 +275,7 @@ def comparison_text(result: dict[str, Any]) -> str:
 
 
 def new_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        allow_abbrev=False,
+    parser = FlagParser(
         prog="gpu-energy-exporter runs",
         description="List and compare training runs recorded by the exporter's run ledger.",
         formatter_class=argparse.RawDescriptionHelpFormatter,

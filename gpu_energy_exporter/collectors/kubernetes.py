@@ -48,7 +48,9 @@ GPU_POD_INFO = define(
 )
 POD_ENERGY = define(
     "k8s", "pod_energy_joules_total", "counter",
-    "GPU energy attributed to the pod while it held GPUs, since the exporter saw it. method: exclusive "
+    "GPU energy attributed to the pod while it held GPUs, since the exporter saw it, settled at each read of "
+    "the GPU's energy counter (it lags by at most --collector.energy-interval; the part since is "
+    "..._pod_energy_provisional_joules). method: exclusive "
     "(whole GPU), mig_slices (parent GPU split by the compute slices of the held MIG instances), "
     "sm_utilization or shared_even (GPU shared by several pods). Sum over method for the pod's total.",
     (*_POD, "method"), collector="kubernetes", unit="joules",
@@ -59,9 +61,18 @@ CONTAINER_ENERGY = define(
     "method).",
     (*_POD, "k8s_container", "method"), collector="kubernetes", unit="joules",
 )
+POD_PROVISIONAL = define(
+    "k8s", "pod_energy_provisional_joules", "gauge",
+    "GPU energy charged to the pod since its GPUs' energy counters were last read: the power readings' "
+    "estimate, not settled yet. The next counter read (every --collector.energy-interval, and at every pod "
+    "start and stop) settles it into ..._pod_energy_joules_total and this gauge drops back. "
+    "..._pod_energy_joules_total + this gauge is the pod's energy so far.",
+    _POD, collector="kubernetes", unit="joules",
+)
 UNATTRIBUTED_ENERGY = define(
     "k8s", "unattributed_energy_joules_total", "counter",
-    "GPU energy consumed while no pod held the GPU, since the kubernetes collector started.",
+    "GPU energy consumed while no pod held the GPU, since the kubernetes collector started (settled at each "
+    "read of the GPU's energy counter, as the pods' counters).",
     GPU_LABELS, collector="kubernetes", unit="joules",
 )
 POD_RESOURCES_AVAILABLE = define(
@@ -100,12 +111,16 @@ class KubernetesCollector(Collector):
         pid_to_pod: PidToPod | None = None,
         series_grace_s: float = 300.0,
         clock: Callable[[], float] = time.monotonic,
+        request_counter_read: Callable[[], None] | None = None,
     ) -> None:
         """``gpu_states``: the GPU collector's latest states (``GPUCollector.states``); run this
         collector after the GPU collector so each update sees the same sample. ``source``: a started or
         unstarted ``PodResourcesWatcher`` (started on the first update, closed by ``close``).
         ``pid_to_pod``: resolves GPU processes to containers so a shared GPU is split by SM utilisation;
-        without it shared GPUs are split evenly."""
+        without it shared GPUs are split evenly. ``request_counter_read``: ``Exporter.read_counters_now``,
+        called when the holders of a GPU changed and this sample did not read its energy counter (a pod's
+        start or stop is then a counter read; the watcher calls it itself as soon as a refresh sees the
+        change, ``PodResourcesWatcher.on_change``)."""
         self._gpu_states = gpu_states
         self._source = source
         self._pid_to_pod = pid_to_pod
@@ -114,6 +129,8 @@ class KubernetesCollector(Collector):
         self._started = False
         self._gpu_index: dict[str, str] = {}
         self._unresolved_logged: frozenset[str] = frozenset()
+        self._request_counter_read = request_counter_read
+        self._holdings: dict[str, tuple[Slot, ...]] | None = None  # the last update's
 
     @classmethod
     def from_config(
@@ -129,7 +146,10 @@ class KubernetesCollector(Collector):
                 "--collector.kubernetes needs grpcio and a recent protobuf: pip install "
                 f"'gpu-energy-exporter[kubernetes]' ({type(exc).__name__}: {exc})"
             ) from None
-        watcher = PodResourcesWatcher(cfg.kubernetes_pod_resources_socket, cfg.kubernetes_refresh_interval)
+        # A refresh that changes who holds a GPU has the energy counters read at once (a pod's edge).
+        on_change = kwargs.get("request_counter_read")
+        watcher = PodResourcesWatcher(cfg.kubernetes_pod_resources_socket, cfg.kubernetes_refresh_interval,
+                                      on_change=on_change if callable(on_change) else None)
         return cls(gpu_states, watcher, **kwargs)  # type: ignore[arg-type]
 
     @property
@@ -149,8 +169,13 @@ class KubernetesCollector(Collector):
         holdings, unresolved = resolve(view.assignments or (), identities)
         self._log_unresolved(unresolved)
         energy = {s.identity.uuid: s.energy_j for s in states if s.energy_j is not None}
-        weights = self._weights(states, holdings) if self._pid_to_pod is not None else None
-        self._attributor.update(self._clock(), energy, holdings, weights)
+        weights, owners = self._weights(states, holdings) if self._pid_to_pod is not None else (None, None)
+        changed = self._holdings is not None and holdings != self._holdings
+        self._attributor.update(self._clock(), energy, holdings, weights, states={s.identity.uuid: s for s in states},
+                                owners=owners, changed_at=view.refreshed_at if changed else None)
+        if changed and self._request_counter_read is not None and self._unread(states, holdings):
+            self._request_counter_read()  # the edge falls on the next counter read, taken at once
+        self._holdings = holdings
 
         families = self._families(holdings, view.state)
         if view.state == STATE_RPC_ERROR:
@@ -162,28 +187,44 @@ class KubernetesCollector(Collector):
             raise NoData(view.message or view.state, families)
         return families
 
+    def _unread(self, states: Sequence[GPUState], holdings: dict[str, tuple[Slot, ...]]) -> bool:
+        """Whether a GPU whose holders changed was not read by its energy counter in this sample."""
+        assert self._holdings is not None
+        for s in states:
+            u = s.identity.uuid
+            if holdings.get(u, ()) != self._holdings.get(u, ()) and (
+                    s.span is None or s.read_at is None or s.span.anchor_at != s.read_at):
+                return True
+        return False
+
     def _weights(
         self, states: Sequence[GPUState], holdings: dict[str, tuple[Slot, ...]]
-    ) -> dict[str, dict[PodRef, float]]:
+    ) -> tuple[dict[str, dict[PodRef, float]], dict[str, dict[int, PodRef]]]:
+        """Per GPU shared by several containers: the last SM weights per container (the reading's), and each
+        listed process's container (what maps the per-process samples of this piece when it settles)."""
         assert self._pid_to_pod is not None
         out: dict[str, dict[PodRef, float]] = {}
+        owners: dict[str, dict[int, PodRef]] = {}
+        before = self._holdings or {}
         for s in states:
-            slots = holdings.get(s.identity.uuid, ())
+            # (the holders before this sample's change too: the piece before the edge is theirs)
+            slots = (*holdings.get(s.identity.uuid, ()), *before.get(s.identity.uuid, ()))
             candidates = sorted({slot.pod for slot in slots if not slot.mig_uuid})
             if len(candidates) < 2 or s.reading is None or not s.reading.processes:
                 continue
-            if all(p.sm_util_pct is None for p in s.reading.processes):
-                continue  # not measured (yet): even
+            placed: dict[int, PodRef] = {}
             w: dict[PodRef, float] = defaultdict(float)
             for p in s.reading.processes:
-                # No sample for a listed process: it used no SMs in the period NVML reported on.
-                sm = p.sm_util_pct or 0.0
                 pod = self._pid_to_pod(p.pid, candidates)
                 # A process in no pod holding the GPU (or not placed) keeps its share, as unattributed.
-                w[pod if pod is not None and pod in candidates else UNOWNED] += sm
-            if any(v > 0 for pod, v in w.items() if pod != UNOWNED):
+                placed[p.pid] = pod if pod is not None and pod in candidates else UNOWNED
+                # No sample for a listed process: it used no SMs in the period NVML reported on.
+                w[placed[p.pid]] += p.sm_util_pct or 0.0
+            owners[s.identity.uuid] = placed
+            if any(p.sm_util_pct is not None for p in s.reading.processes) and any(
+                    v > 0 for pod, v in w.items() if pod != UNOWNED):
                 out[s.identity.uuid] = dict(w)
-        return out
+        return out, owners
 
     def _families(self, holdings: dict[str, tuple[Slot, ...]], state: str) -> list[Metric]:
         info = GPU_POD_INFO.family()
@@ -201,12 +242,15 @@ class KubernetesCollector(Collector):
         pod_family = POD_ENERGY.family()
         for (namespace, name, method), joules in sorted(self._attributor.pod_energy().items()):
             add(pod_family, [namespace, name, method], joules)
+        provisional = POD_PROVISIONAL.family()
+        for (namespace, name), joules in sorted(self._attributor.pod_provisional().items()):
+            add(provisional, [namespace, name], joules)
         unattributed = UNATTRIBUTED_ENERGY.family()
         for gpu_uuid, joules in sorted(self._attributor.unattributed_energy().items()):
             add(unattributed, [self._gpu_index.get(gpu_uuid, ""), gpu_uuid], joules)
         available = POD_RESOURCES_AVAILABLE.family()
         add(available, ["" if state == STATE_OK else state], 1.0 if state == STATE_OK else 0.0)
-        return [info, container, pod_family, unattributed, available]
+        return [info, container, pod_family, provisional, unattributed, available]
 
     def _log_unresolved(self, unresolved: list[str]) -> None:
         current = frozenset(unresolved)

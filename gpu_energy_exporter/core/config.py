@@ -16,7 +16,9 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from gpu_energy_exporter.core.clientid import parse_forwarders
 from gpu_energy_exporter.core.errors import ConfigError
+from gpu_energy_exporter.core.flagparser import FlagParser, did_you_mean
 from gpu_energy_exporter.core.flagtypes import (  # noqa: F401 - parse_* are part of config's API
     _choice,
     _existing_dir,
@@ -31,15 +33,13 @@ from gpu_energy_exporter.core.flagtypes import (  # noqa: F401 - parse_* are par
     parse_listen_address,
     parse_optional_listen_address,
 )
+from gpu_energy_exporter.core.ports import (  # noqa: F401 - the default ports are part of config's API
+    DEFAULT_METRICS_PORT,
+    DEFAULT_OTLP_GRPC_PORT,
+    DEFAULT_OTLP_PORT,
+)
 
 ENV_PREFIX = "GPU_ENERGY_EXPORTER_"
-
-#: Default /metrics port. 9100 (node_exporter), 9400 (DCGM exporter), 9835 (nvidia_gpu_exporter) and
-#: 9445 (nvidia-gpu-exporter forks) are taken; 9863 is unused in the Prometheus default port allocations.
-DEFAULT_METRICS_PORT = 9863
-DEFAULT_OTLP_PORT = 4318
-#: OTLP/gRPC's registered port (the OpenTelemetry specification's default for gRPC exporters).
-DEFAULT_OTLP_GRPC_PORT = 4317
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -55,6 +55,10 @@ class Flag:
     metavar: str = "VALUE"
     #: A switch: ``--name`` / ``--no-name`` on the command line, true/false in the environment.
     boolean: bool = False
+    #: The collector this flag configures (``COLLECTORS``), or "": while that collector is disabled the flag
+    #: has no effect, and ``inert_flags`` says so at start. A flag another part also reads (the ledger
+    #: prices CO2 with ``--carbon.*`` whatever the carbon collector) names none.
+    collector: str = ""
 
     @property
     def dest(self) -> str:
@@ -99,6 +103,10 @@ FLAGS: tuple[Flag, ...] = (
     Flag("otlp.max-body-bytes", _positive_int, str(8 * 1024 * 1024),
          "Largest accepted OTLP request body, checked before and after gzip decompression (OTLP/gRPC: the "
          "largest message, also after decompression).", "BYTES"),
+    Flag("otlp.max-points-per-request", _positive_int, "16384",
+         "Most data points in one OTLP request (HTTP or gRPC); a request with more is refused whole (413, gRPC "
+         "INVALID_ARGUMENT) before it is decoded. Resources, scopes, metrics and what the decoding allocates are "
+         "bounded in proportion (docs/security.md).", "N"),
     Flag("otlp.series-ttl", parse_duration, "10m",
          "Training series not updated for this long are dropped from /metrics.", "DURATION"),
     Flag("otlp.max-series", _positive_int, "20000",
@@ -134,8 +142,26 @@ FLAGS: tuple[Flag, ...] = (
          "When the series or byte limit is reached, series not updated for this long are dropped to make "
          "room (before --otlp.series-ttl).", "DURATION"),
     Flag("otlp.bearer-token-file", _existing_file, None,
-         "If set, OTLP pushes must carry 'Authorization: Bearer <token>' with the token in this file.",
+         "If set, OTLP pushes must carry 'Authorization: Bearer <token>' with a token from this file: the "
+         "whole file is one token, or each line is '<tenant> <token>' (per-tenant tokens: a push's identity is "
+         "then its token's tenant, whatever the network path; docs/security.md).",
          "FILE"),
+    Flag("otlp.unix-socket", _text, None,
+         "Also receive OTLP on this Unix-domain socket (OTLP/HTTP, and OTLP/gRPC when "
+         "--otlp.grpc.listen-address is on), e.g. /run/gpu-energy-exporter/otlp.sock, the path the training "
+         "helper uses when it exists. Mode 0666: any local user may connect; each connection is identified by "
+         "the kernel (SO_PEERCRED), not by what it sends.", "PATH"),
+    Flag("otlp.trusted-forwarders", parse_forwarders, "",
+         "Comma-separated pushers trusted to vouch for their clients' host.name and process.pid (an "
+         "OpenTelemetry Collector): uid=N (a local Collector's user), an address or network (10.0.0.7, "
+         "10.1.0.0/16) or tenant=NAME (a per-tenant token). Other pushers' attributes are claims checked "
+         "against their own identity (docs/security.md).", "LIST"),
+    Flag("otlp.max-series-per-client", _positive_int, "5000",
+         "Most training series one identity (a process as the kernel sees it, a tenant, an address) may hold; "
+         "its points for new series beyond it are rejected, other identities' are not (the global "
+         "--otlp.max-series stays the last bound).", "N"),
+    Flag("otlp.max-bytes-per-client", _positive_int, str(16 * 1024 * 1024),
+         "Most estimated memory one identity's training series may hold (within --otlp.max-bytes).", "BYTES"),
     Flag("otlp.grpc.listen-address", parse_optional_listen_address, f"localhost:{DEFAULT_OTLP_GRPC_PORT}",
          "Address of the OTLP/gRPC receiver (MetricsService/Export), sharing the OTLP/HTTP receiver's store, "
          "limits and bearer token; TLS from --web.config.file's tls_server_config. Empty turns it off. The port "
@@ -159,29 +185,30 @@ FLAGS: tuple[Flag, ...] = (
          "How often GPUs and the host are sampled (the snapshot /metrics serves).", "DURATION"),
     Flag("collector.power-interval", parse_duration, "100ms",
          "Fast power sampling period used to integrate energy on GPUs without an energy counter "
-         "(pre-Volta); 20ms at the lowest.", "DURATION"),
+         "(pre-Volta); 20ms at the lowest.", "DURATION", collector="gpu"),
     Flag("collector.energy-interval", parse_duration, "30s",
          "How often each GPU's energy counter is read (about 3.5 ms of CPU a read on an H100, driver 580; the "
          "other readings cost microseconds). Between two reads each sample's energy is apportioned by the "
          "GPU's ~1 s average power, and at each read the exposed energy meets the counter exactly; runs and "
          "pods keep --collector.interval's grid (docs/measurement.md). At most --collector.interval reads "
-         "it every sample.", "DURATION"),
+         "it every sample.", "DURATION", collector="gpu"),
     Flag("collector.gpm-interval", parse_duration, "30s",
          "How often GPM (SM, tensor, DRAM activity) is sampled: about 2 ms of CPU a sample on an H100 (1.8-2.0 "
          "ms of it computing the metrics). Each figure is the average over the span between two GPM samples, "
-         "served until the next: a longer interval loses no activity, only time resolution.", "DURATION"),
+         "served until the next: a longer interval loses no activity, only time resolution.", "DURATION",
+         collector="gpm"),
     Flag("collector.gpu.energy-timestamps", parse_bool, "false",
          "Expose the GPU energy counter with the time it was read as an explicit sample timestamp. Off by "
          "default, as Prometheus' guidelines for exporters ask; see docs/measurement.md for what it costs "
          "(staleness markers, clock steps) and Prometheus' track_timestamps_staleness.",
-         boolean=True),
+         boolean=True, collector="gpu"),
     Flag("collector.health.interval", parse_duration, "30s",
          "How often the health collector reads ECC, row remapping, retired pages, PCIe and NVLink (they change "
          "slowly; each read costs NVML calls per GPU, see docs/health.md). Xid and ECC events are counted as "
-         "they happen, whatever this is.", "DURATION"),
+         "they happen, whatever this is.", "DURATION", collector="health"),
     Flag("nvml.library", _existing_file, None,
-         "Path of libnvidia-ml.so.1 to load instead of the one the dynamic linker finds.", "PATH"),
-    Flag("path.sysfs", _existing_dir, "/sys", "sysfs mount point (RAPL powercap tree).", "PATH"),
+         "Path of libnvidia-ml.so.1 to load instead of the one the dynamic linker finds.", "PATH", collector="gpu"),
+    Flag("path.sysfs", _existing_dir, "/sys", "sysfs mount point (RAPL powercap tree).", "PATH", collector="rapl"),
     Flag("path.procfs", _existing_dir, "/proc",
          "procfs mount point: host CPU and memory are read there (the exporter's own process_* series keep "
          "/proc/self).", "PATH"),
@@ -197,10 +224,11 @@ FLAGS: tuple[Flag, ...] = (
     Flag("carbon.pue", _positive_float, "1.0",
          "Power usage effectiveness of the data centre (facility energy / IT energy), >= 1.", "RATIO"),
     Flag("host.memory-critical", _positive_int, str(1 << 30),
-         "Host available memory under which the exporter warns (log, alert, terminal view).", "BYTES"),
+         "Host available memory under which the exporter warns (log, alert, terminal view).", "BYTES",
+         collector="host"),
     Flag("gpu.idle-power", _non_negative_float, None,
          "Idle power of each GPU in watts, used for dynamic energy. Default: learned from samples "
-         "with no compute process.", "WATTS"),
+         "with no compute process.", "WATTS", collector="gpu"),
     Flag("runs.csv", _text, None,
          "Append one row per finished training run to this CSV file (a JSON summary per run is "
          "written beside it).", "FILE"),
@@ -226,31 +254,32 @@ FLAGS: tuple[Flag, ...] = (
          "arrival (noted on the run): the history a new run replays, and every run sharing its GPUs "
          "recounts, stays bounded whatever a point's timestamp.", "DURATION"),
     Flag("runs.max-active-per-client", _positive_int, "64",
-         "Most runs with training progress one client (peer address) may have going at once in the "
+         "Most runs with training progress one identity (a process as the kernel sees it, a tenant, an "
+         "address: docs/security.md) may have going at once in the "
          "ledger; its further new runs are refused (counted) until one ends.", "RUNS"),
     Flag("runs.max-new-per-client", _positive_int, "60",
-         "Most runs one client (peer address) may start per minute in the ledger (a token bucket holding "
+         "Most runs one identity may start per minute in the ledger (a token bucket holding "
          "a minute's worth); its further new runs stay tentative, charged nothing and never written.",
          "RUNS_PER_MINUTE"),
     Flag("runs.max-finished-per-client", _positive_int, "60",
-         "Most runs one client (peer address) may finish per minute (each finished run writes a CSV row and "
+         "Most runs one identity may finish per minute (each finished run writes a CSV row and "
          "a JSON summary); a refused finish leaves the run going until a later push or --runs.stale-after.",
          "RUNS_PER_MINUTE"),
     Flag("kubernetes.pod-resources-socket", _text, "/var/lib/kubelet/pod-resources/kubelet.sock",
-         "Kubelet pod-resources socket used to attribute GPUs to pods.", "PATH"),
+         "Kubelet pod-resources socket used to attribute GPUs to pods.", "PATH", collector="kubernetes"),
     Flag("kubernetes.refresh-interval", parse_duration, "10s",
-         "How often the GPU to pod mapping is refreshed from the kubelet.", "DURATION"),
+         "How often the GPU to pod mapping is refreshed from the kubelet.", "DURATION", collector="kubernetes"),
     Flag("collector.slurm.job-mapping-dir", _text, "/run/gpu-energy-exporter/slurm-jobs",
          "Directory the Slurm prolog/epilog keep (dcgm-exporter's DCGM_HPC_JOB_MAPPING_DIR format: one file "
          "per GPU index, or '<index>.<gpu instance>' for MIG, listing job ids) for --collector.slurm.",
-         "DIR"),
+         "DIR", collector="slurm"),
     Flag("collector.gpu.process-interval", parse_duration, "10s",
          "A GPU shared by several processes is asked for its per-process SM utilisation "
          "(nvmlDeviceGetProcessUtilization: 1.6-2.6 ms of CPU per call on an H100) with every read of its "
          "energy counter and this often between reads. The driver answers one mean per process since the "
          "last ask: the asks since a counter read split the span that read settles, piece by piece; between "
          "asks the last weights hold (provisional). A GPU with one process is never asked. 0 never asks "
-         "(shared GPUs are split evenly).", "DURATION"),
+         "(shared GPUs are split evenly).", "DURATION", collector="gpu"),
     Flag("runs.claim-grace", parse_duration, "30s",
          "How long after a run's start a GPU it names may go without NVML listing one of its processes "
          "(CUDA start-up); meanwhile it shares only energy no other run's process uses. After it, an "
@@ -282,6 +311,7 @@ class Config:
     web_request_timeout: float = 30.0
     otlp_listen_address: tuple[str, int] = ("localhost", DEFAULT_OTLP_PORT)
     otlp_max_body_bytes: int = 8 * 1024 * 1024
+    otlp_max_points_per_request: int = 16384
     otlp_series_ttl: float = 600.0
     otlp_max_series: int = 20000
     otlp_max_series_per_run: int = 2000
@@ -296,6 +326,10 @@ class Config:
     otlp_max_new_series_per_request: int = 2000
     otlp_evict_idle_after: float = 120.0
     otlp_bearer_token_file: str | None = None
+    otlp_unix_socket: str | None = None
+    otlp_trusted_forwarders: tuple[str, ...] = ()
+    otlp_max_series_per_client: int = 5000
+    otlp_max_bytes_per_client: int = 16 * 1024 * 1024
     otlp_grpc_listen_address: tuple[str, int] | None = ("localhost", DEFAULT_OTLP_GRPC_PORT)
     otlp_push_endpoint: str | None = None
     otlp_push_interval: float = 10.0
@@ -344,16 +378,11 @@ class Config:
         return collector in self.collectors
 
 
-class _Parser(argparse.ArgumentParser):
-    """argparse that raises ConfigError instead of printing usage and exiting, and takes no abbreviated
-    flags (``--web.listen`` is not ``--web.listen-address``: a typo must fail, not pick a flag)."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        kwargs.setdefault("allow_abbrev", False)
-        super().__init__(*args, **kwargs)
+class _Parser(FlagParser):
+    """The exporter's parser: raises ConfigError instead of printing usage and exiting."""
 
     def error(self, message: str) -> None:  # type: ignore[override]
-        raise ConfigError(f"{message} (see --help)")
+        raise ConfigError(f"{did_you_mean(message, self.known_flags())} (see --help)")
 
 
 def add_exporter_flags(parser: argparse.ArgumentParser) -> None:
@@ -445,6 +474,8 @@ def _check(cfg: Config) -> None:
         raise ConfigError(f"--otlp.push-interval must be at least 1s, got {cfg.otlp_push_interval:g}s")
     if (cfg.otlp_push_cert_file is None) != (cfg.otlp_push_key_file is None):
         raise ConfigError("--otlp.push-cert-file and --otlp.push-key-file go together: set both or neither")
+    if cfg.otlp_unix_socket is not None and not os.path.isabs(cfg.otlp_unix_socket):
+        raise ConfigError(f"--otlp.unix-socket must be an absolute path, got {cfg.otlp_unix_socket!r}")
     if cfg.web_listen_address[1] != 0 and cfg.web_listen_address == cfg.otlp_listen_address:
         raise ConfigError("--web.listen-address and --otlp.listen-address must differ")
     grpc_address = cfg.otlp_grpc_listen_address

@@ -201,6 +201,12 @@ class SlurmJob:
     user: str = ""
     account: str = ""
     partition: str = ""
+    #: when its hold began: the wall-clock mtime of the job-mapping file the prolog wrote (None: not known,
+    #: e.g. held when the exporter started)
+    since: float | None = None
+    #: on an entry with no ``gpus``: the job ended, at this wall-clock time (the epilog's write), carried
+    #: for a while after it so that the ledger ends its run there
+    until: float | None = None
 
 
 @dataclass(frozen=True)

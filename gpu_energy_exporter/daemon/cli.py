@@ -20,6 +20,7 @@ from gpu_energy_exporter import __version__
 from gpu_energy_exporter.core.config import config_from_namespace
 from gpu_energy_exporter.core.config import new_parser as config_parser
 from gpu_energy_exporter.core.errors import ExporterError
+from gpu_energy_exporter.core.inertflags import inert_flags
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +42,14 @@ examples:
   gpu-energy-exporter demo                         try it without a GPU
 docs: https://github.com/gpu-energy-exporter/gpu-energy-exporter/tree/main/docs
 """
+
+
+#: NVML's reasons (``gpuenergy_nvml_available{reason}``) that mean "no NVIDIA driver on this machine", as
+#: opposed to a permission or version problem: most likely a laptop or CI box without a GPU.
+NO_DRIVER_REASONS = ("library_not_found", "driver_not_loaded")
+#: Said after NVML's own warning when there is no driver: the way to try the exporter anyway.
+NO_GPU_HINT = ("no NVIDIA driver here: to try gpu-energy-exporter without a GPU, run `gpu-energy-exporter demo` "
+               "(simulated GPUs and a simulated training run; from a checkout: make run ARGS=demo)")
 
 
 def new_parser() -> argparse.ArgumentParser:
@@ -67,6 +76,8 @@ def serve(argv: Sequence[str], *, backend_factory: object = None) -> int:
         ns = new_parser().parse_args(list(argv))
         config = config_from_namespace(ns, os.environ)
         setup_logging(config.log_level, config.log_format)
+        for warning in inert_flags(ns, os.environ, config):
+            log.warning("%s", warning)
         exporter = Exporter(config, backend_factory=backend_factory)  # type: ignore[arg-type]
     except ExporterError as exc:
         print(f"gpu-energy-exporter: error: {exc}", file=sys.stderr)
@@ -87,6 +98,8 @@ def serve(argv: Sequence[str], *, backend_factory: object = None) -> int:
         log.error("%s", exc)
         exporter.stop()
         return 1
+    if exporter.gpu is not None and exporter.gpu.unavailable_reason in NO_DRIVER_REASONS:
+        log.warning("%s", NO_GPU_HINT)  # the first sample is taken: NVML has said why it is unavailable
     _freeze_startup_heap()
     try:
         while not stop.wait(1.0):

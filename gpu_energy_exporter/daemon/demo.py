@@ -39,6 +39,7 @@ from gpu_energy_exporter.core.config import (
     parse_duration,
 )
 from gpu_energy_exporter.core.errors import ConfigError, ExporterError
+from gpu_energy_exporter.core.flagparser import FlagParser
 from gpu_energy_exporter.core.runs_schema import KEEP_FINISHED_S
 from gpu_energy_exporter.http.listen import client_url
 
@@ -204,8 +205,7 @@ def _lr(step: int, total: int, peak: float = 2e-4, warmup: int = 10) -> float:
 
 
 def new_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        allow_abbrev=False,
+    parser = FlagParser(
         prog="gpu-energy-exporter demo",
         description="Start the exporter with SIMULATED GPUs (no driver needed) and a simulated training run "
                     "pushing through OTLP, to see every metric, the run ledger, `top` and `report` on any "
@@ -335,7 +335,7 @@ def main(argv: list[str], *, stdout: IO[str] | None = None, environ: Mapping[str
     from gpu_energy_exporter.daemon.exporter import Exporter  # noqa: PLC0415
     from gpu_energy_exporter.daemon.logsetup import setup_logging  # noqa: PLC0415
     from gpu_energy_exporter.devices.simulated import SimulatedBackend  # noqa: PLC0415
-    from gpu_energy_exporter.otlp.receiver import load_bearer_token  # noqa: PLC0415
+    from gpu_energy_exporter.otlp.receiver import load_bearer_tokens  # noqa: PLC0415
 
     out = stdout if stdout is not None else sys.stdout
     env = os.environ if environ is None else environ
@@ -357,7 +357,8 @@ def main(argv: list[str], *, stdout: IO[str] | None = None, environ: Mapping[str
         exporter = Exporter(config, backend_factory=lambda: backend)
         headers = None
         if config.otlp_bearer_token_file:
-            headers = {"Authorization": "Bearer " + load_bearer_token(config.otlp_bearer_token_file)}
+            # the first token in the file (per-tenant files: the first tenant's)
+            headers = {"Authorization": "Bearer " + next(iter(load_bearer_tokens(config.otlp_bearer_token_file)))}
     except ConfigError as exc:
         print(f"gpu-energy-exporter demo: error: {exc}", file=sys.stderr)
         return 2

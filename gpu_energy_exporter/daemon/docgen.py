@@ -214,6 +214,7 @@ def _http_limits() -> list[str]:
 
 
 def _grpc_limits() -> list[str]:
+    from gpu_energy_exporter.otlp import grpcfront as front
     from gpu_energy_exporter.otlp import grpcreceiver as g
     from gpu_energy_exporter.otlp.receiver import INLINE_MAX_BODY
 
@@ -230,12 +231,11 @@ def _grpc_limits() -> list[str]:
         "  node that never receives a gRPC push never pays for it (9.6 MB of RSS and 7 threads on a 2-core",
         "  machine; the receiver loaded cost 14 MB and 20 threads on an H100 node). That first connection is",
         "  answered as an HTTP/2 server would and, once the client has opened its call on it, with HTTP/2's",
-        "  `GOAWAY` saying that no call on it was processed, while grpcio listens on the same port: a gRPC",
-        "  client sends the call again on a new connection, by itself (the OpenTelemetry SDK's exporter and a bare",
-        "  grpcio call with no retry policy succeed at once, with no error and no retry of their own). A",
-        "  connection that arrives in the millisecond between the placeholder closing and grpcio listening is",
-        "  refused (its call fails `UNAVAILABLE`, which the SDK's exporter retries), and so is the first call of",
-        "  a client that turned grpcio's retries off (`grpc.enable_retries=0`: \"Stream removed (GOAWAY",
+        "  `GOAWAY` saying that no call on it was processed, while the port's listening sockets go to the front",
+        "  (below), which relays to grpcio: a gRPC client sends the call again on a new connection, by itself",
+        "  (the OpenTelemetry SDK's exporter and a bare grpcio call with no retry policy succeed at once, with no",
+        "  error and no retry of their own). The port is never closed on the way. The first call of a client",
+        "  that turned grpcio's retries off (`grpc.enable_retries=0`) fails (\"Stream removed (GOAWAY",
         "  received)\"). With TLS configured, `grpc` is loaded at start. With `--collector.kubernetes` the grpc",
         "  module is loaded anyway (the kubelet client); the server's threads and buffers still wait.",
         "- **Codes**: a message that does not decode is `INVALID_ARGUMENT` with the HTTP receiver's 400 message;",
@@ -259,19 +259,22 @@ def _grpc_limits() -> list[str]:
         "- **Slow clients**: a call must deliver its message within `--web.request-timeout` of its start",
         "  (`DEADLINE_EXCEEDED`); while calls wait for a slot, the call that has been receiving longest, for over",
         f"  {g.EVICT_AFTER:g}s, is cut (`UNAVAILABLE`, which clients retry), so slow senders cannot hold the port.",
-        f"- **Connections**: at most `--web.max-connections`, {g.STREAMS_PER_CONNECTION} calls on each and",
-        "  `--web.max-connections` calls in all (`RESOURCE_EXHAUSTED` beyond); a connection must send its HTTP/2",
-        f"  preface within {g.HANDSHAKE_TIMEOUT:g}s (a client sends it with its first packet), or finish its TLS",
-        f"  handshake and preface within {g.HANDSHAKE_TIMEOUT_TLS:g}s with TLS (or `--web.request-timeout` if",
-        f"  shorter), and one with no call for {g.IDLE_TIMEOUT:g}s is closed (GOAWAY; a client reconnects for its",
-        "  next export). At the cap grpcio closes a new connection at once (`UNAVAILABLE`, which clients retry",
-        "  with backoff): unlike the HTTP ports it cannot close the oldest idle connection instead, so sockets",
-        "  that never say a word hold clients off until the handshake timeout closes them: the SDK's exporter",
-        "  behind 4 such sockets at `--web.max-connections=4` delivered in 6.4 to 7.4 s, after two retries",
-        f"  (14.7 s with {g.HANDSHAKE_TIMEOUT_TLS:g} s for plain text too; 2.9 s with 2 s, which leaves a client",
-        "  starved of CPU on a busy node too little time). A client that keeps opening silent sockets holds",
-        "  the port for as long as it does: keep the port on localhost or behind a network policy, or raise",
-        "  `--web.max-connections`.",
+        "- **Connections** (`otlp/grpcfront.py`): the port is held by a front that relays each connection to",
+        "  grpcio, which listens on a Unix socket in a private (0700) temporary directory, once the connection",
+        "  has sent its first bytes (a gRPC client sends its preface, a TLS client its ClientHello, with its first",
+        f"  packet). A connection silent for {g.HANDSHAKE_TIMEOUT:g}s (or `--web.request-timeout` if shorter) is",
+        "  closed without grpcio ever seeing it. At most `--web.max-connections` connections, silent or relayed:",
+        "  at the cap a new one closes the one silent the longest, failing that the relayed one idle the longest",
+        f"  (no byte either way for {front.IDLE_EVICT_S:g}s; a gRPC client opens a new connection for its next call),",
+        "  as the HTTP ports do; failing both the new one is closed. So sockets that never say a word, however",
+        "  many and however fast they are reopened, never keep out a client that talks: 300 of them reopened as",
+        "  closed failed 8 of 8 legitimate exports before, none now (`tests/test_otlp_grpc_front.py`). Behind",
+        f"  the front grpcio allows {g.STREAMS_PER_CONNECTION} calls on each connection and",
+        "  `--web.max-connections` calls in all (`RESOURCE_EXHAUSTED` beyond), a TLS handshake and preface within",
+        f"  {g.HANDSHAKE_TIMEOUT_TLS:g}s, and closes a connection with no call for {g.IDLE_TIMEOUT:g}s (GOAWAY; a",
+        "  client reconnects for its next export). What remains: connections that keep sending bytes are relayed",
+        "  and held, up to the cap (docs/security.md). The receiver maps each relayed connection back to its TCP",
+        "  peer, so per-client bounds count what they counted before.",
         "  `SO_REUSEPORT` is off: a second exporter on the same port fails to start instead of sharing it.",
         "- **TLS**: from `--web.config.file`'s `tls_server_config` (certificate and key, `client_auth_type` with",
         "  `client_ca_file`), re-read on the next connection after the files change. `RequireAnyClientCert` and",
@@ -312,10 +315,17 @@ def configuration_markdown() -> str:
         "",
         "## OTLP receiver limits",
         "",
-        "Every `--otlp.max-*` limit refuses the data points that break it, not the request: the rest of the",
-        "request is stored, and the response's `partial_success` gives `rejected_data_points` and, per reason,",
-        "a message naming the limit and its flag. `gpuenergy_otlp_points_rejected_total{reason}` counts them.",
+        "Every `--otlp.max-*` limit but one refuses the data points that break it, not the request: the rest",
+        "of the request is stored, and the response's `partial_success` gives `rejected_data_points` and, per",
+        "reason, a message naming the limit and its flag. `gpuenergy_otlp_points_rejected_total{reason}` counts",
+        "them.",
         "",
+        "- What decoding makes: a request of more than `--otlp.max-points-per-request` data points, or one",
+        "  whose decoding would allocate more than that flag allows (resources, scopes and metrics, every",
+        "  message and attribute at any depth, labels, buckets and quantiles once translated: counted from the",
+        "  wire format before the body is parsed), is refused whole before it is decoded: HTTP 413, gRPC",
+        "  `INVALID_ARGUMENT`, with a message naming the bound and the flag. The defaults keep any one request",
+        "  under +64 MB of the exporter's memory; docs/security.md gives the bounds and the figures.",
         "- Size: metric, attribute names and values (`--otlp.max-label-length`), attributes per point, buckets",
         "  and quantiles per point, and the estimated size of one series (`--otlp.max-series-bytes`) are checked",
         "  before anything is stored; the store as a whole holds at most `--otlp.max-bytes` (estimated; see",
@@ -328,9 +338,18 @@ def configuration_markdown() -> str:
         "  `--otlp.max-new-series-per-request` new series and add a quarter of `--otlp.max-bytes`; series that",
         "  already exist always update. When the store is full, series idle for `--otlp.evict-idle-after` are",
         "  evicted to make room (`gpuenergy_otlp_series_evicted_total`). A client that keeps refreshing a flood",
-        "  keeps what it got: require `--otlp.bearer-token-file` where trainers are not trusted. Points refused",
-        "  by a per-request allowance are admitted from the next export; with cumulative temporality (the",
-        "  SDK's default) their value is then complete, with delta temporality the refused deltas are lost.",
+        "  keeps what it got, within its identity's quota (below). Points refused by a per-request allowance",
+        "  are admitted from the next export; with cumulative temporality (the SDK's default) their value is",
+        "  then complete, with delta temporality the refused deltas are lost.",
+        "- Identity (docs/security.md): each pusher is an identity the exporter establishes (the process the",
+        "  kernel names for a loopback or Unix-socket connection, a per-tenant token's tenant, else the peer's",
+        "  address), never what its attributes say. Each identity holds at most `--otlp.max-series-per-client`",
+        "  series and `--otlp.max-bytes-per-client` bytes (`client_series_limit`, `client_bytes_limit`), so one",
+        "  identity's flood never keeps another out; a `process.pid` that is not the pushing process is refused",
+        "  (`identity_mismatch`); a series belongs to the principal that created it (`not_series_owner`); the",
+        "  run ledger decides who may change which run before a point is stored (`not_run_owner`, `foreign_rank`,",
+        "  `client_new_runs`, ... as in docs/ledger.md), and a point pushed under a run id another identity holds",
+        "  is stored under the pusher's own `<run id>~<tag>` (`gpuenergy_otlp_run_id_collisions_total`).",
         "- Names: a pushed metric whose exposition would reuse a name of another pushed metric (`s` summary",
         "  and `s_count` gauge, `x_total` counter and `x` gauge, `h` histogram and `h_bucket`) or a reserved",
         "  one (`target_info`, `target`, `up`, `scrape_*`, `gpuenergy_*`) is refused (`name_collision`,",
@@ -356,6 +375,11 @@ def configuration_markdown() -> str:
     ]
     for c in COLLECTORS:
         out.append(f"| `{c.name}` | {'enabled' if c.default else 'disabled'} | `{c.env}` | {_escape(c.help)} |")
+    out += ["", "A flag that configures one collector has no effect while that collector is disabled: the exporter "
+            "then warns at start, naming the flag to add (`--collector.slurm.job-mapping-dir` alone does not "
+            "enable the slurm collector; add `--collector.slurm`). Those flags, by collector: "
+            + "; ".join(f"{c.name}: " + ", ".join(f"`--{f.name}`" for f in FLAGS if f.collector == c.name)
+                        for c in COLLECTORS if any(f.collector == c.name for f in FLAGS)) + "."]
     out += ["", *_http_limits(), "", *_grpc_limits()]
     out += [
         "",

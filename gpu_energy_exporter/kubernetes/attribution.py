@@ -26,22 +26,33 @@ How one GPU's energy delta between two updates is split (the ``method`` label; t
 Energy of a GPU that nobody holds is counted separately as unattributed, so that
 ``sum(pods) + unattributed == GPU energy`` over any window in which the map did not change.
 
-The map is refreshed less often than energy is sampled (``--kubernetes.refresh-interval``); a delta is
-attributed to the holders known at the end of the interval, so attribution is exact to within one refresh
-interval when a pod starts or stops. A pod (namespace and name) that has held no GPU for ``grace_s``
-seconds loses its series; if it comes back later its counters restart from zero (a counter reset, which
-``rate()`` and ``increase()`` handle).
+Settled, not guessed (``core.settle.SpanBook``): between two reads of a GPU's energy counter each sample's
+interval is a piece of the open span, split between the holders then; the counters grow only when the read
+that closes the span settles its pieces (the counter's exact delta spread by the power readings' shape, each
+piece split by the per-process SM samples NVML gave over it, mapped to containers through that piece's
+pid -> container map). The counters therefore lag by at most one counter interval; the part not settled yet
+is ``provisional`` (a gauge), replaced at the read, never added. A GPU state without a span (no counter, or
+a test's) is charged each delta at once.
+
+The map is refreshed less often than energy is sampled (``--kubernetes.refresh-interval``): a pod holds a
+GPU from the refresh whose answer first lists it to the one that no longer does (``changed_at``, on the
+GPU readings' clock; the collector has the energy counters read at that moment, so both edges are counter
+reads). Without that time a delta is attributed to the holders known at the end of the interval. A pod
+(namespace and name) that has held no GPU for ``grace_s`` seconds loses its series; if it comes back later
+its counters restart from zero (a counter reset, which ``rate()`` and ``increase()`` handle).
 """
 
 from __future__ import annotations
 
+import math
 import re
 from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from gpu_energy_exporter.core import sharing
-from gpu_energy_exporter.core.state import GPUIdentity
+from gpu_energy_exporter.core.settle import SpanBook, Split
+from gpu_energy_exporter.core.state import GPUIdentity, GPUState
 from gpu_energy_exporter.kubernetes.assignments import DeviceAssignment, PodRef
 
 METHOD_EXCLUSIVE = "exclusive"
@@ -158,6 +169,51 @@ def split(
     return [(pod, _METHOD[rule], part) for pod, rule, part in sharing.split(delta_j, members)]
 
 
+#: A part's owner key in the book: (container, method); ``UNOWNED`` is the GPU's unattributed energy.
+Key = tuple[PodRef, str]
+
+
+def pod_weights(pid_weights: Mapping[int, float], owners: Mapping[int, PodRef]) -> dict[PodRef, float] | None:
+    """Per-process SM use (pid -> SM %) as per-container weights through ``owners`` (each process NVML listed
+    on the GPU -> the container running it, ``UNOWNED`` for one in no holder): a listed process without a
+    figure used no SMs; a process not listed is not counted (as the run ledger does). None when no holder's
+    process used the SMs (the GPU is then split evenly)."""
+    w: dict[PodRef, float] = defaultdict(float)
+    for pid, owner in owners.items():
+        sm = pid_weights.get(pid, 0.0)
+        if math.isfinite(sm) and sm > 0:
+            w[owner] += sm
+    return dict(w) if any(v > 0 for pod, v in w.items() if pod != UNOWNED) else None
+
+
+def splitter(slots: Sequence[Slot], weights: Mapping[PodRef, float] | None = None,
+             owners: Mapping[int, PodRef] | None = None) -> Split[Key]:
+    """``split`` of one piece of a GPU held by ``slots`` as the settlement book calls it: the per-process
+    weights NVML's samples give over the piece, through ``owners`` (pid -> container); else ``weights`` (the
+    last per-container weights known)."""
+    held = tuple(slots)
+    pods = {s.pod for s in held if not s.mig_uuid}
+    if len(pods) < 2:  # one holder gets the whole GPU, whatever else runs there (exclusive)
+        weights, owners = None, None
+    # A process of a container that holds no slot of this piece keeps its share, as unattributed.
+    mine = {pid: pod if pod in pods else UNOWNED for pid, pod in (owners or {}).items()}
+    last: dict[PodRef, float] | None = None
+    if weights is not None:
+        last = defaultdict(float)
+        for pod, v in weights.items():
+            last[pod if pod in pods else UNOWNED] += v
+
+    def parts(joules: float, pid_weights: Mapping[int, float] | None) -> list[tuple[Key, float]]:
+        if not held:
+            return [((UNOWNED, ""), joules)]
+        w = last
+        if pid_weights is not None and mine:
+            w = pod_weights(pid_weights, mine)
+        return [((pod, method), j) for pod, method, j in split(joules, held, w)]
+
+    return parts
+
+
 class PodEnergyAttributor:
     """Accumulates per-container energy counters from successive GPU energy readings.
 
@@ -169,7 +225,8 @@ class PodEnergyAttributor:
         if grace_s < 0:
             raise ValueError("grace_s must be >= 0")
         self._grace_s = grace_s
-        self._last_energy: dict[str, float] = {}
+        self._book: SpanBook[Key] = SpanBook()
+        self._held: dict[str, tuple[Slot, ...]] = {}  # the last update's holders of each GPU
         self._container: dict[tuple[PodRef, str], float] = {}
         self._pod_last_held: dict[tuple[str, str], float] = {}
         self._unattributed: dict[str, float] = {}
@@ -180,34 +237,56 @@ class PodEnergyAttributor:
         gpu_energy_j: Mapping[str, float],
         holdings: Mapping[str, Sequence[Slot]],
         weights: Mapping[str, Mapping[PodRef, float]] | None = None,
+        *,
+        states: Mapping[str, GPUState] | None = None,
+        owners: Mapping[str, Mapping[int, PodRef]] | None = None,
+        changed_at: float | None = None,
     ) -> None:
-        """Attribute every GPU's energy since the previous update to its current holders.
+        """Attribute every GPU's energy since the previous update to its holders, settled at each counter
+        read (module docstring).
 
         ``gpu_energy_j``: GPU UUID -> monotonic energy counter. A GPU missing from it (lost, not sampled)
         is skipped and its next delta covers the gap. The first reading of a GPU only sets its baseline.
         A counter that goes backwards is rebased without attributing anything.
         ``holdings``: physical GPU UUID -> slots (from ``resolve``). ``weights``: GPU UUID -> container
-        -> SM utilisation, for shared GPUs.
+        -> SM utilisation, the last known, for shared GPUs. ``states``: GPU UUID -> its state (the reading's
+        time and the span since its last counter read: what settles); without one a GPU's delta is charged
+        at once. ``owners``: GPU UUID -> pid -> container (``UNOWNED`` for a process in no holder) of the
+        processes listed now, which maps the per-process samples of this piece. ``changed_at``: when the
+        holdings last changed (the readings' clock): the interval is cut there, the holders before it
+        charged up to it.
         """
         for slots in holdings.values():
             for s in slots:
                 self._pod_last_held[(s.pod.namespace, s.pod.pod)] = now
         for gpu_uuid, energy in gpu_energy_j.items():
-            last = self._last_energy.get(gpu_uuid)
-            self._last_energy[gpu_uuid] = energy
-            delta = 0.0 if last is None or energy < last else energy - last
-            slots = holdings.get(gpu_uuid, ())
-            unattributed = self._unattributed.setdefault(gpu_uuid, 0.0)  # series exist from the start
-            if not slots:
-                self._unattributed[gpu_uuid] = unattributed + delta
-                continue
-            for pod, method, joules in split(delta, slots, (weights or {}).get(gpu_uuid)):
-                if pod == UNOWNED:
-                    self._unattributed[gpu_uuid] += joules
-                    continue
+            slots = tuple(holdings.get(gpu_uuid, ()))
+            before = self._held.get(gpu_uuid, slots)
+            self._held[gpu_uuid] = slots
+            state = (states or {}).get(gpu_uuid)
+            t = state.read_at if state is not None else None
+            span = state.span if state is not None else None
+            w, o = (weights or {}).get(gpu_uuid), (owners or {}).get(gpu_uuid)
+            segments: list[tuple[float, Split[Key]]] = [(math.inf, splitter(slots, w, o))]
+            if changed_at is not None and t is not None and changed_at < t and before != slots:
+                segments.insert(0, (changed_at, splitter(before, w, o)))
+            self._unattributed.setdefault(gpu_uuid, 0.0)  # series exist from the start
+            if slots and (before != slots or gpu_uuid not in self._book.gpus()):
+                for pod, method, _ in split(0.0, slots, w):  # a new holder's series exist from its first sample
+                    if pod != UNOWNED:
+                        self._container.setdefault((pod, method), 0.0)
+            settled = self._book.update(gpu_uuid, t=t, energy_j=energy, span=span, segments=segments)
+            self._charge(gpu_uuid, settled)
+        self._expire(now)
+
+    def _charge(self, gpu_uuid: str, settled: Mapping[Key, float]) -> None:
+        for (pod, method), joules in settled.items():
+            if pod == UNOWNED:
+                self._unattributed[gpu_uuid] += joules
+            elif (pod.namespace, pod.pod) in self._pod_last_held:
+                # (a pod expired before its last span settled: grace shorter than the counter interval)
                 key = (pod, method)
                 self._container[key] = self._container.get(key, 0.0) + joules
-        self._expire(now)
 
     def _expire(self, now: float) -> None:
         gone = {k for k, t in self._pod_last_held.items() if now - t > self._grace_s}
@@ -219,18 +298,29 @@ class PodEnergyAttributor:
             del self._container[key]
 
     def container_energy(self) -> dict[tuple[PodRef, str], float]:
-        """(container, method) -> joules, for every container whose pod has not expired."""
+        """(container, method) -> joules settled, for every container whose pod has not expired."""
         return dict(self._container)
 
     def pod_energy(self) -> dict[tuple[str, str, str], float]:
-        """(namespace, pod, method) -> joules: the sum over the pod's containers."""
+        """(namespace, pod, method) -> joules settled: the sum over the pod's containers."""
         out: dict[tuple[str, str, str], float] = defaultdict(float)
         for (pod, method), joules in self._container.items():
             out[(pod.namespace, pod.pod, method)] += joules
         return dict(out)
 
+    def pod_provisional(self) -> dict[tuple[str, str], float]:
+        """(namespace, pod) -> joules charged to it since its GPUs' last counter reads, not settled yet (the
+        power readings' estimate, split by the last weights): replaced when the next read settles them."""
+        out = dict.fromkeys(self._pod_last_held, 0.0)
+        for gpu in self._book.gpus():
+            for (pod, _), joules in self._book.provisional(gpu).items():
+                k = (pod.namespace, pod.pod)
+                if pod != UNOWNED and k in self._pod_last_held:
+                    out[k] = out.get(k, 0.0) + joules
+        return out
+
     def unattributed_energy(self) -> dict[str, float]:
-        """GPU UUID -> joules consumed while no container held the GPU (since the first update)."""
+        """GPU UUID -> joules settled while no container held the GPU (since the first update)."""
         return dict(self._unattributed)
 
     def pods(self) -> set[tuple[str, str]]:

@@ -99,7 +99,12 @@ class PodResourcesWatcher:
         timeout_s: float = 5.0,
         resource_prefixes: Sequence[str] = DEFAULT_RESOURCE_PREFIXES,
         clock: Callable[[], float] = time.monotonic,
+        on_change: Callable[[], None] | None = None,
     ) -> None:
+        """``on_change``: called (on the refreshing thread) after a refresh whose assignments differ from the
+        last ones: the exporter reads the energy counters at once, so a pod's start and stop are counter
+        reads (``Exporter.read_counters_now``). ``clock``: the clock of ``AssignmentView.refreshed_at``, the
+        GPU readings' (monotonic) clock, where a pod's edge is placed."""
         if refresh_interval_s <= 0:
             raise ValueError("refresh_interval_s must be positive")
         self.socket_path = socket_path
@@ -107,6 +112,7 @@ class PodResourcesWatcher:
         self._timeout_s = timeout_s
         self._prefixes = tuple(resource_prefixes)
         self._clock = clock
+        self.on_change = on_change
         self._client: PodResourcesClient | None = None
         self._view = AssignmentView(STATE_PENDING, None)
         self._logged_state = STATE_PENDING
@@ -123,10 +129,17 @@ class PodResourcesWatcher:
     def refresh(self) -> AssignmentView:
         """Call List once now (the background thread does this every interval) and publish the result."""
         with self._refresh_lock:
+            before = self._view.assignments
             view = self._refresh_locked()
             self._view = view
             self._log_transition(view)
-            return view
+        if self.on_change is not None and view.state == STATE_OK and before is not None and (
+                view.assignments != before):
+            try:
+                self.on_change()
+            except Exception:  # noqa: BLE001 - an edge read missed costs accuracy, never the refresh
+                log.debug("pod-resources change listener failed", exc_info=True)
+        return view
 
     def _refresh_locked(self) -> AssignmentView:
         last = self._view

@@ -48,11 +48,6 @@ class Acc:
     # seconds per GPU its claim went unconfirmed (charged nothing) / was charged on the claim alone
     unconfirmed_s: dict[str, float] = field(default_factory=dict)
     unverified_s: dict[str, float] = field(default_factory=dict)
-    #: the parts of ``energy_j``, ``win_energy_j`` and ``co2_g`` from frames no counter read has settled yet
-    #: (``ledger.settlement``): provisional, replaced by the settled figures when the next read recounts them
-    provisional_j: float = 0.0
-    provisional_win_j: float = 0.0
-    provisional_co2_g: float = 0.0
 
     def copy(self) -> Acc:
         return replace(self, idle_unknown_s=dict(self.idle_unknown_s),
@@ -118,7 +113,6 @@ def integrate(acc: Acc, f0: Frame, f1: Frame, lo: float, hi: float, *, run_id: s
     vram_max: float | None = None
     vram_n = 0
     segment_j = 0.0
-    provisional_j = 0.0  # the part of segment_j that is not settled yet
     measured_all = True
     for key in keys:
         g0, g1 = f0.gpus.get(key), f1.gpus.get(key)
@@ -144,10 +138,6 @@ def integrate(acc: Acc, f0: Frame, f1: Frame, lo: float, hi: float, *, run_id: s
             acc.energy_j += joules
             acc.win_energy_j += delta * win_share_s / span
             acc.per_gpu_j[key] = acc.per_gpu_j.get(key, 0.0) + joules
-            if not g1.settled:
-                acc.provisional_j += joules
-                acc.provisional_win_j += delta * win_share_s / span
-                provisional_j += joules
             acc.measured_gpu_s += overlap
             segment_j += joules
         else:
@@ -187,7 +177,6 @@ def integrate(acc: Acc, f0: Frame, f1: Frame, lo: float, hi: float, *, run_id: s
             acc.carbon_missing_kwh += kwh
             continue
         acc.co2_g += kwh * pue * intensity
-        acc.provisional_co2_g += provisional_j * fraction / 3.6e6 * pue * intensity
         acc.carbon_kwh += kwh
         acc.carbon_weighted_intensity += kwh * intensity
         acc.carbon_weighted_pue += kwh * pue

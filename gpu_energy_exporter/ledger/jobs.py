@@ -2,17 +2,19 @@
 
 Each snapshot carries the jobs the slurm collector read in the job-mapping directory (``Snapshot.slurm_jobs``,
 written by the prolog and epilog in ``deploy/slurm/``). A job seen for the first time opens a run whose id is
-the job id, counted from the snapshot that first lists it (the slurm collector charges each interval to
-the jobs listed at its start, and the exporter reads the energy counters at the snapshots where the map
-changed, so the job's edges are counter reads). The mapping is the authority for the job's GPUs:
-they are the run's, and its claim on them is confirmed by the allocation (``Holding.allocated``: never
+the job id, counted from the prolog's write of its mapping file (``SlurmJob.since``, the file's mtime, placed
+on the ledger's clock through the snapshot's wall-clock stamp; the snapshot that first lists it where that is
+not known), as the slurm collector charges it; the exporter reads the energy counters as soon as the
+directory changes, so the job's edges fall milliseconds before counter reads. The mapping is the authority for
+the job's GPUs: they are the run's, and its claim on them is confirmed by the allocation (``Holding.allocated``: never
 refused by the NVML-process rule, and the processes on them that are no run's are the job's). When the job's
 ranks push through the training helper under the job id (the helper's default, ``SLURM_JOB_ID``) it is the
 same run: one row with tokens, J/token and MFU; ranks pushing under another run id whose job identity names
 the job (the resource's ``slurm.job.id``) are taken into the job's run too (``alias``). A job run ends at
-the first snapshot that no longer lists the job (its ranks' ``training_run_finished`` do not end it: the
-epilog does),
-and is closed as ``finished`` with its row.
+the epilog's write (``SlurmJob.until``; else the first snapshot that no longer lists the job): its ranks'
+``training_run_finished`` do not end it, the epilog does; it is closed as ``finished`` with its row. An edge
+dated before the previous snapshot, or more than ``max_backdate_s`` before this one, is taken there (a
+clock that disagrees costs a bounded recount, never a run reaching back into the history).
 
 The driver (``ledger.RunLedger``) calls ``track`` under its lock on the sampler thread, ``alias`` for each
 point. Pure bookkeeping on the ledger's runs: no I/O, no NVML, no clock of its own.
@@ -20,6 +22,7 @@ point. Pure bookkeeping on the ledger's runs: no I/O, no NVML, no clock of its o
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping, MutableMapping, Sequence
 
 from gpu_energy_exporter.core import contract
@@ -39,17 +42,31 @@ def track(
     active: MutableMapping[str, Run],
     new_run: Callable[[str, float], Run | None],
     changed: Callable[[Run, float], None],
+    *,
+    wall: float | None = None,
+    max_backdate_s: float = math.inf,
 ) -> list[str]:
     """Open, update and end the job runs for one snapshot (``frame``; ``prev``: the one before it), before the
     ledger advances its runs over it. ``new_run(job id, start)``: a new run, or None when the ledger cannot
     take one; ``changed(run, t)``: who holds the run's GPUs changed at ``t``. ``jobs`` None (no slurm
-    collector, or its directory unreadable now) changes nothing. Returns the job ids opened."""
+    collector, or its directory unreadable now) changes nothing. ``wall``: the wall-clock time ``frame.t``
+    stands for (the snapshot's stamp less its readings' age), which places the jobs' edges on the ledger's
+    clock. Returns the job ids opened."""
     if jobs is None:
         return []
     opened: list[str] = []
     listed: Mapping[str, SlurmJob] = {j.job_id: j for j in jobs if j.job_id and j.gpus}
-    start = frame.t  # the map changed in (prev.t, frame.t]: this snapshot read the counters (module docstring)
+    ended = {j.job_id: j.until for j in jobs if not j.gpus and j.until is not None}
+    lo = max(prev.t if prev is not None else -math.inf, frame.t - max_backdate_s)
+
+    def edge(at: float | None) -> float:
+        """A job's edge (wall clock) on the frame clock, within (lo, frame.t]; frame.t when not known."""
+        if at is None or wall is None or not math.isfinite(at):
+            return frame.t  # the map changed in (prev.t, frame.t]: this snapshot read the counters
+        return min(frame.t, max(lo, frame.t - (wall - at)))
+
     for job_id, job in listed.items():
+        start = edge(job.since)
         run = active.get(job_id)
         fresh = run is None or run.tentative
         if run is None:
@@ -71,11 +88,12 @@ def track(
         run.last_point_received = max(run.last_point_received, frame.t)
         _describe(run, job)
         if fresh or new:
-            changed(run, run.s if fresh else start)
+            changed(run, run.s if fresh else frame.t)
     for run in list(active.values()):
         if run.allocated and run.run_id not in listed and run.e is None:
-            run.e = max(run.s, start)  # the epilog removed it after the last snapshot that listed it: the
-            # interval up to this snapshot was still the job's (charged to the jobs listed at its start)
+            # the epilog removed it after the last snapshot that listed it, at its write (else: the interval
+            # up to this snapshot was still the job's, charged to the jobs listed at its start)
+            run.e = max(run.s, edge(ended.get(run.run_id)))
             run.status = "finishing"
             changed(run, run.e)
     return opened

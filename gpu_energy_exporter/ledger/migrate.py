@@ -33,7 +33,7 @@ _P = "gpu_energy_exporter."
 KNOWN: dict[tuple[str, str], str] = {
     (_P + "ledger.journal", "SteadyClock"): _P + "ledger.journal:SteadyClock",
     (_P + "ledger.runs", "Run"): _P + "ledger.runs:Run",
-    (_P + "ledger.runs", "SeriesState"): _P + "ledger.runs:SeriesState",
+    (_P + "ledger.runs", "SeriesState"): _P + "ledger.series_state:SeriesState",  # moved there since
     (_P + "ledger.accounting", "Acc"): _P + "ledger.accounting:Acc",
     (_P + "ledger.accounting", "Timeline"): _P + "ledger.accounting:Timeline",
     (_P + "ledger.frames", "Frame"): _P + "ledger.frames:Frame",

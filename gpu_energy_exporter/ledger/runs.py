@@ -13,13 +13,13 @@ from __future__ import annotations
 import math
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from gpu_energy_exporter.core import contract
 from gpu_energy_exporter.ledger.accounting import Acc, Timeline, integrate
 from gpu_energy_exporter.ledger.claims import ProcessKey, own_pids
 from gpu_energy_exporter.ledger.frames import Frame, GPUFrame, uuid_key
+from gpu_energy_exporter.ledger.series_state import SeriesState
 from gpu_energy_exporter.ledger.split import Holding
 
 #: Training progress: the counters whose first point makes a tentative run id a run (with ``HISTOGRAM``).
@@ -58,45 +58,11 @@ class PointLike(Protocol):
     client: str
 
 
-#: Points kept per counter series for ``SeriesState.value_at`` (a minute of exports every second).
-SERIES_HISTORY = 64
-
 #: A point's labels as their sorted items: a counter series' identity within its run (with its name).
 LabelKey = tuple[tuple[str, str], ...]
 
 #: Physical GPU key -> the runs using it, at a frame's time (``RunLedger._holders``).
 Holders = Callable[[Frame], Mapping[str, Sequence[Holding]]]
-
-
-@dataclass(slots=True)
-class SeriesState:
-    """One counter series (a metric + label set) of a run."""
-
-    name: str
-    rank: str
-    baseline: float
-    last_t: float
-    last_v: float
-    at_w: float | None = None  # value at the warm-up boundary, once a point at or after it arrived
-    count: float = 0.0  # histograms: cumulative count (value is the cumulative sum)
-    gpus: tuple[str, ...] = ()  # uuid keys of the series' gpu_uuid label (local or remote rank)
-    #: the recent points (t, value), oldest first: the value at an earlier time (``value_at``), for the
-    #: counters /metrics serves as of the run's settled time (``views``)
-    hist: deque[tuple[float, float]] = field(default_factory=lambda: deque(maxlen=SERIES_HISTORY))
-
-    def value_at(self, t: float) -> float:
-        """The series' value at ``t`` (less its baseline): interpolated between the points around ``t``, the
-        last one from ``t`` on, the oldest one kept before it."""
-        if t >= self.last_t or not self.hist:
-            return self.last_v - self.baseline
-        after = None
-        for pt, pv in reversed(self.hist):
-            if pt <= t:
-                if after is None or after[0] <= pt:
-                    return pv - self.baseline
-                return pv + (after[1] - pv) * (t - pt) / (after[0] - pt) - self.baseline
-            after = (pt, pv)
-        return self.hist[0][1] - self.baseline
 
 
 def rank_order(rank: str) -> tuple[int, str]:

@@ -15,12 +15,14 @@ lock and recounts).
 
 from __future__ import annotations
 
-from collections.abc import MutableSequence
+import math
+from collections.abc import Iterable, Iterator, Mapping, MutableSequence
 from dataclasses import replace
 
 from gpu_energy_exporter.core.settle import sample_weights
 from gpu_energy_exporter.core.state import ProcessSample
 from gpu_energy_exporter.ledger.frames import Frame, GPUFrame
+from gpu_energy_exporter.ledger.runs import Run
 
 #: Two instants on the frame clock closer than this are one (float noise of offsets and adds).
 EPS_S = 1e-6
@@ -97,3 +99,29 @@ def _weighed(g: GPUFrame, t0: float | None, t1: float, samples: tuple[ProcessSam
     if weights is None:
         return g
     return replace(g, procs=tuple(replace(p, sm=weights.get(p.pid, 0.0)) for p in g.procs))
+
+
+def holding_since(active: Iterable[Run], key: str, start: float, frame: Frame) -> Iterator[str]:
+    """The runs that hold GPU ``key`` and counted frames after ``start``: they are recounted from there."""
+    for run in active:
+        if not run.tentative and run.acc.t > start and key in run.parents(frame):
+            yield run.run_id
+
+
+def closable(run: Run, frame: Frame, anchors: Mapping[str, float], wait_s: float) -> bool:
+    """Whether every GPU of ``run`` had its counter read at or after the run's end (``anchors``: GPU key -> its
+    last read, frame clock), so its energy is settled; or ``wait_s`` passed since the end: the run then closes
+    with what is known, the part after the GPU's last read the power readings' estimate, and a note says so."""
+    e = run.e if run.e is not None else frame.t
+    waiting = [k for k in run.parents(frame)
+               if k in frame.gpus and frame.gpus[k].span is not None and anchors.get(k, -math.inf) < e - 1e-6]
+    if not waiting:
+        return True
+    if frame.t - e < wait_s:
+        return False
+    note = (f"the energy counter of GPU(s) {', '.join(frame.gpus[k].uuid for k in waiting)} was not read "
+            f"within {wait_s:g}s after the run's end: the energy after its last read is the power readings' "
+            "estimate (provisional)")
+    if note not in run.notes:
+        run.notes.append(note)
+    return True

@@ -152,9 +152,6 @@ class ClaimTally:
                 listed[(str(g.index), g.uuid, "no_run")] = float(len(g.procs) - runs_n - pods_n)
         return unconfirmed, dict(self.refused), listed
 
-#: The served summary's key for the energy charged since the run's settled time (the provisional gauge).
-PROVISIONAL = "served_provisional_j"
-
 #: The per-run counters on /metrics and the summary figure each one serves (``counter_values``).
 COUNTER_COLUMNS = (
     (RUN_ENERGY, "energy_j"), (RUN_TOKENS, "tokens_local"), (RUN_REMOTE_TOKENS, "tokens_remote"),
@@ -170,7 +167,7 @@ GAUGE_COLUMNS = (
     (RUN_DURATION, "duration_s"), (RUN_DYNAMIC_ENERGY, "dynamic_energy_j"), (RUN_TOKENS_PER_SECOND, "tokens_per_s"),
     (RUN_JOULES_PER_TOKEN, "j_per_token"), (RUN_AVERAGE_POWER, "avg_power_w"), (RUN_PEAK_POWER, "peak_power_w"),
     (RUN_MEMORY_PEAK, "vram_peak_bytes"), (RUN_TOKEN_COVERAGE, "token_coverage"),
-    (RUN_PEAK_FLOPS, "peak_flops_per_s"), (RUN_MFU, "mfu"), (RUN_PROVISIONAL_ENERGY, PROVISIONAL),
+    (RUN_PEAK_FLOPS, "peak_flops_per_s"), (RUN_MFU, "mfu"), (RUN_PROVISIONAL_ENERGY, "energy_provisional_j"),
 )
 
 #: The per-run families, in the order /metrics serves them.
@@ -211,14 +208,6 @@ def counter_values(exposed: dict[str, float], summary: Mapping[str, Any], warmup
         served = max(float(value), exposed.get(spec.name, 0.0))
         exposed[spec.name] = served
         out[spec.name] = served
-    return out
-
-
-def with_provisional(live: Mapping[str, Any], settled: Mapping[str, Any]) -> dict[str, Any]:
-    """``live`` with ``PROVISIONAL``: the energy the live figures count beyond the settled ones (0 when none)."""
-    out = dict(live)
-    a, b = live.get("energy_j"), settled.get("energy_j")
-    out[PROVISIONAL] = max(0.0, a - b) if a is not None and b is not None else None
     return out
 
 

@@ -110,18 +110,18 @@ def summarize(run: Run, acc: Acc, *, warmup_s: float, local: Local, carbon_confi
     end = acc.t if run.e is None else run.e
     duration = max(0.0, end - run.s)
     notes = list(run.notes)
-    warmup_applied = duration > warmup_s
+    # No warm-up (--runs.warmup=0s): the window is the whole run, whatever a rank's first point interpolates
+    # to at the start (a rank joining late, a start backdated by another rank's process start).
+    warmup_applied = warmup_s > 0 and duration > warmup_s
     if warmup_applied:
         warmup = warmup_s
         win_energy: float | None = acc.win_energy_j
-        win_provisional = acc.provisional_win_j
         win_idle_j, win_unknown = acc.win_idle_j, acc.win_idle_unknown_s
         tokens_w = run.counter_at_w(TOKENS, local)
         samples_w = run.counter_at_w(SAMPLES, local)
     else:
         warmup = 0.0
         win_energy = acc.energy_j
-        win_provisional = acc.provisional_j
         win_idle_j, win_unknown = acc.idle_j, acc.idle_unknown_s
         tokens_w = samples_w = 0.0
         if warmup_s > 0:
@@ -278,11 +278,6 @@ def summarize(run: Run, acc: Acc, *, warmup_s: float, local: Local, carbon_confi
                                if steps_remaining is not None and j_per_step is not None else None),
         "mean_step_s": mean_step_s,
         "energy_coverage": coverage,
-        # the parts of energy_j, window_energy_j and co2_g no counter read has settled yet (ledger.settlement):
-        # 0 once settled; /metrics serves the settled counters and the provisional part as a gauge
-        "energy_provisional_j": acc.provisional_j if energy is not None else None,
-        "window_energy_provisional_j": win_provisional if win_energy is not None else None,
-        "co2_provisional_g": acc.provisional_co2_g if co2 is not None else None,
         "energy_split": ",".join(sorted(run.splits)),
         "summary_file": summary_file,
         "ledger_notes": "; ".join(notes),
@@ -348,3 +343,21 @@ def claim_notes(run: Run, acc: Acc) -> list[str]:
         notes.append(f"processes that are no run's (pid {pids}) shared its GPUs and kept their share "
                      "(the GPU's unattributed energy)")
     return notes
+
+
+#: The summary keys of what no counter read has settled yet, and the figure each is a part of.
+PROVISIONAL = (("energy_provisional_j", "energy_j"), ("window_energy_provisional_j", "window_energy_j"),
+               ("co2_provisional_g", "co2_g"))
+
+
+def with_provisional(live: Mapping[str, Any], settled: Mapping[str, Any] | None) -> dict[str, Any]:
+    """``live`` with the parts of its energy, window energy and CO2 that no counter read has settled yet:
+    what it counts beyond ``settled`` (the run's figures as of its settled time; None: all settled), at least
+    0 (the settled figures can run past the live ones by the rounding of the counters' interpolation)."""
+    out = dict(live)
+    for key, of in PROVISIONAL:
+        a = live.get(of)
+        b = a if settled is None else settled.get(of)
+        out[key] = max(0.0, a - b) if a is not None and b is not None else (0.0 if a is not None else None)
+    return out
+

@@ -20,7 +20,15 @@ from gpu_energy_exporter.ledger import accounting, clients, restart, runs, specs
 from gpu_energy_exporter.ledger.frames import Frame
 from gpu_energy_exporter.ledger.runs import Run
 from gpu_energy_exporter.ledger.split import Holding
-from gpu_energy_exporter.ledger.summary import details, local_check, peak_flops, peak_row, summarize, summary_path
+from gpu_energy_exporter.ledger.summary import (
+    details,
+    local_check,
+    peak_flops,
+    peak_row,
+    summarize,
+    summary_path,
+    with_provisional,
+)
 
 
 class LedgerViews:
@@ -64,7 +72,9 @@ class LedgerViews:
     def _live_summary(self, run: Run) -> dict[str, Any]:
         """An active run's figures cut at its last point: counters are only known as of the last export,
         so counting energy up to the latest snapshot would charge the tokens of the last export interval
-        for energy they have not been reported against yet (J/token too high by up to one interval).
+        for energy they have not been reported against yet (J/token too high by up to one interval). With
+        the parts of its energy, window energy and CO2 that no counter read has settled yet
+        (``with_provisional``).
 
         Kept until the run's stamp changes: a point of the run, a snapshot, or a change of who holds which
         GPU (which recounts runs sharing them); so a scrape recounts only the runs that changed. Returns a
@@ -72,7 +82,8 @@ class LedgerViews:
         stamp = (run.changes, self._snapshots, self._holders_gen, self._expirations)
         memo = run.live_memo
         if memo is None or memo[0] != stamp:
-            memo = run.live_memo = (stamp, self._live_summary_now(run))
+            live = self._live_summary_now(run)
+            memo = run.live_memo = (stamp, with_provisional(live, self._settled_summary(run, live)))
         return dict(memo[1])
 
     def _live_summary_now(self, run: Run) -> dict[str, Any]:
@@ -95,24 +106,26 @@ class LedgerViews:
                          summary_file=summary_path(self.csv_path, run.run_id), xids=latest.xid_events if latest else (),
                          as_of=as_of)
 
-    def _settled_time(self, run: Run) -> float:
+    def _settled_time(self, run: Run, cap: float | None = None) -> float:
         """Up to when the run's figures are settled: the earliest last counter read of its GPUs (frame clock),
-        no later than its last point (counters are known up to then) nor the latest snapshot."""
+        no later than ``cap`` (default: its last point, counters being known up to then) nor the latest
+        snapshot."""
         latest = self._history[-1] if self._history else None
         if latest is None:
             return run.s
-        t = min(run.last_point_t, latest.t)
+        t = min(run.last_point_t if cap is None else cap, latest.t)
         for key in run.parents(latest):
             g = latest.gpus.get(key)
             if g is not None and g.span is not None:
                 t = min(t, self._anchors.get(key, run.s))
         return max(t, run.s)
 
-    def _settled_summary(self, run: Run) -> dict[str, Any]:
+    def _settled_summary(self, run: Run, live: dict[str, Any] | None = None) -> dict[str, Any]:
         """An active run's figures as of its settled time (``_settled_time``): energy, CO2 and every counter
         (tokens, steps, samples, FLOPs, active seconds) cut at that one instant, so the counters /metrics
         serves describe the same interval and any ratio of their increases (J/token, tokens/s) is right; they
-        lag by at most one --collector.energy-interval. Kept with the live summary's stamp."""
+        lag by at most one --collector.energy-interval. Kept with the live summary's stamp. ``live``: the
+        run's live figures (without their provisional parts), when the caller has them."""
         stamp = (run.changes, self._snapshots, self._holders_gen, self._expirations)
         memo = getattr(run, "settled_memo", None)
         if memo is not None and memo[0] == stamp:
@@ -120,9 +133,15 @@ class LedgerViews:
         t = self._settled_time(run)
         live_t = run.last_point_t if run.s < run.last_point_t < run.acc.t else run.acc.t  # _live_summary_now's cut
         if t >= live_t:
-            summary = self._live_summary(run)  # settled as far as the live figures go: the same figures
-            run.settled_memo = (stamp, summary)
-            return summary
+            summary = live if live is not None else self._live_summary_now(run)  # settled as far as it goes
+        else:
+            summary = self._summary_as_of(run, t)
+        run.settled_memo = (stamp, summary)
+        return summary
+
+    def _summary_as_of(self, run: Run, t: float) -> dict[str, Any]:
+        """The run's figures as they stood at ``t`` (energy replayed from the last checkpoint before it, each
+        counter interpolated there)."""
         base = run.checkpoint_before(t)
         acc = base.copy() if base is not None else accounting.Acc(t=run.s)
         if acc.t < t:
@@ -135,7 +154,6 @@ class LedgerViews:
             # Nothing settled yet on GPUs of this node: the counters start at zero, all together, so that no
             # rate() loses a first interval (a series that first appears at a value counts none of it).
             summary.update(energy_j=0.0, window_energy_j=0.0, co2_g=0.0 if self._carbon is not None else None)
-        run.settled_memo = (stamp, summary)
         return summary
 
     def _document(self, run: Run, summary: dict[str, Any]) -> dict[str, Any]:
@@ -183,10 +201,9 @@ class LedgerViews:
                 if not r.tentative:
                     by_id[r.run_id] = (r, self._live_summary(r))
                     settled[r.run_id] = self._settled_summary(r)
-            # Counters as of the run's settled time (a closed run's are all settled), gauges live; the
-            # provisional energy is what the live figures add to the settled ones.
-            served = [(run_id, r.status, specs.with_provisional(s, settled.get(run_id, s)),
-                       specs.counter_values(r.exposed, settled.get(run_id, s), self.warmup_s))
+            # Counters as of the run's settled time (a closed run's are all settled), gauges live (with the
+            # provisional energy: what the live figures add to the settled ones).
+            served = [(run_id, r.status, s, specs.counter_values(r.exposed, settled.get(run_id, s), self.warmup_s))
                       for run_id, (r, s) in by_id.items()]
             finished = dict(self._finished_counts)
             rejected, errors, evicted = self._rejected, self._write_errors, self._evicted

@@ -59,6 +59,8 @@ from opentelemetry.sdk.metrics.export import (
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 
+from gpu_energy_exporter.core.ports import OTLP_GRPC_PORT, OTLP_HTTP_PORT, is_http2_frame
+
 log = logging.getLogger("gpu_energy_exporter.training")
 
 CUMULATIVE: dict[type, AggregationTemporality] = {
@@ -210,10 +212,10 @@ def describe_failure(endpoint: str, response: requests.Response | None, error: B
                     "OTEL_EXPORTER_OTLP_ENDPOINT or endpoint=... at it.)")
     for e in chain:
         # an HTTP/2 frame where an HTTP/1.1 status line belongs: the OTLP/gRPC port (4317), not OTLP/HTTP
-        if type(e).__name__ == "BadStatusLine" and str(e).lstrip("'\"").startswith("\x00\x00"):
-            return (f"{hostport} speaks HTTP/2 (gRPC), not OTLP/HTTP: it is the exporter's OTLP/gRPC port "
-                    "(--otlp.grpc.listen-address, 4317). Point OTEL_EXPORTER_OTLP_ENDPOINT or endpoint=... at "
-                    "its OTLP/HTTP port (4318), or set OTEL_EXPORTER_OTLP_PROTOCOL=grpc.")
+        if type(e).__name__ == "BadStatusLine" and is_http2_frame(str(e)):
+            return (f"{hostport} speaks HTTP/2 (gRPC), not OTLP/HTTP: it is {OTLP_GRPC_PORT}. Point "
+                    f"OTEL_EXPORTER_OTLP_ENDPOINT or endpoint=... at {OTLP_HTTP_PORT}, or set "
+                    "OTEL_EXPORTER_OTLP_PROTOCOL=grpc.")
     for e in chain:
         if isinstance(e, (requests.exceptions.Timeout, TimeoutError)):
             within = f" within {timeout:g} s" if timeout else ""

@@ -26,6 +26,7 @@ from gpu_energy_exporter.client.report.run import ReportError, RunData, num
 from gpu_energy_exporter.client.report.sources import load_file, load_from_exporter
 from gpu_energy_exporter.client.safeout import printable_stream
 from gpu_energy_exporter.core.config import parse_duration
+from gpu_energy_exporter.core.flagparser import FlagParser
 from gpu_energy_exporter.core.textfmt import fmt_num, json_safe, printable
 
 
@@ -41,6 +42,16 @@ def _plain_text(run: RunData) -> RunData:
     run.gpus = [{k: clean(v) for k, v in g.items()} for g in run.gpus]
     run.notes = [clean(n) for n in run.notes]
     return run
+
+
+def looks_like_path(item: str) -> bool:
+    """A RUN that names a file rather than a run id: ``*.json``, an absolute, ``./``, ``../`` or ``~`` path,
+    or a path whose directory exists (``runs/x`` beside a ``runs/``). Run ids may hold any character (they
+    come over OTLP), so a bare word or a slash into nothing stays a run id."""
+    if item.lower().endswith(".json") or item.startswith(("/", "./", "../", "~")):
+        return True
+    head = os.path.dirname(item)
+    return bool(head) and os.path.isdir(head)
 
 
 def safe_name(run_id: str) -> str:
@@ -89,8 +100,7 @@ def write_report(runs: Sequence[RunData], out_dir: str, progress: Callable[[str]
 
 
 def new_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        allow_abbrev=False,
+    parser = FlagParser(
         prog="gpu-energy-exporter report",
         description="Per-run report (Markdown + self-contained HTML) with PNG plots of power, energy per step, "
                     "loss against energy, memory and throughput, and the final energy summary. Several runs "
@@ -142,9 +152,11 @@ def main(argv: list[str], *, stderr: IO[str] | None = None, stdout: IO[str] | No
         runs: list[RunData] = []
         client: ExporterClient | None = None
         for i, item in enumerate(args.runs, 1):
-            if item.endswith(".json") and os.path.exists(item):
-                progress(f"reading {item} ({i}/{len(args.runs)})")
-                runs.append(load_file(item))
+            if looks_like_path(item):
+                # a path that does not exist is a missing file, not an unknown run id
+                path = os.path.expanduser(item)
+                progress(f"reading {path} ({i}/{len(args.runs)})")
+                runs.append(load_file(path))
                 continue
             if client is None:
                 if args.prometheus:

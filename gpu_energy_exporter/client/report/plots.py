@@ -23,6 +23,7 @@ from gpu_energy_exporter.client.report.series import (
     tokens_per_second,
     vram_per_gpu,
 )
+from gpu_energy_exporter.core.textfmt import fmt_num
 
 #: Size of every plot, in pixels (inches x DPI): tests check it.
 PLOT_SIZE_IN = (10.0, 4.0)
@@ -240,8 +241,13 @@ def plot_comparison(runs: Sequence[RunData], out_dir: str, plt: Any) -> dict[str
     for ax, (key, title, scale) in zip(axes, (
             ("j_per_token", "J/token", 1.0), ("tokens_per_s", "tokens/s", 1.0),
             ("energy_kwh", "energy (kWh)", 1.0), ("avg_power_w", "average power (W)", 1.0)), strict=True):
-        values = [(num(r.summary.get(key)) or 0.0) * scale for r in runs]
-        ax.bar(range(len(runs)), values, color=[colours[i % len(colours)] for i in range(len(runs))])
+        figures = [num(r.summary.get(key)) for r in runs]
+        values = [(v or 0.0) * scale for v in figures]
+        bars = ax.bar(range(len(runs)), values, color=[colours[i % len(colours)] for i in range(len(runs))])
+        # the figure on each bar, as report.md prints it: bars of near-equal height read the same otherwise
+        ax.bar_label(bars, labels=[fmt_num(None if v is None else v * scale) for v in figures], fontsize=7,
+                     padding=2)
+        ax.margins(y=0.15)  # room above the tallest bar for its label
         ax.set_title(title, fontsize=9)
         ax.set_xticks(range(len(runs)))
         ax.set_xticklabels(labels, fontsize=8, rotation=15 if len(runs) > 2 else 0)

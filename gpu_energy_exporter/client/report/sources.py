@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from gpu_energy_exporter.client.api import RUN_PATH, STATUS_PATH, ExporterClient, ExporterUnreachable
+from gpu_energy_exporter.client.api import DEFAULT_URL, RUN_PATH, STATUS_PATH, ExporterClient, ExporterUnreachable
 from gpu_energy_exporter.client.report.run import ReportError, RunData, num
 from gpu_energy_exporter.core.runs_schema import SUMMARY_SCHEMA
 
@@ -52,7 +52,9 @@ def load_file(path: str) -> RunData:
         with open(path, encoding="utf-8") as f:
             doc = json.load(f)
     except FileNotFoundError:
-        raise ReportError(f"{path!r} does not exist") from None
+        raise ReportError(f"no such file {path!r}: RUN is a run id (the first column of `gpu-energy-exporter "
+                          "runs`) or a JSON summary the run ledger wrote (runs/<run id>.json beside its "
+                          "--runs.csv)") from None
     except (OSError, ValueError) as exc:
         raise ReportError(f"cannot read the run summary {path!r}: {exc}") from None
     return from_ledger_document(doc, path)
@@ -64,8 +66,11 @@ def load_from_exporter(client: ExporterClient, run_id: str) -> RunData:
     except ExporterUnreachable as exc:
         text = str(exc)
         if "unknown run" in text:
-            text += (". The exporter keeps finished runs for 15 minutes: for older runs pass the JSON summary "
-                     "file (runs/<run id>.json beside its --runs.csv) or --prometheus URL")
+            url = "" if client.base_url == DEFAULT_URL else f" --url {client.base_url}"
+            text = (f"unknown run {run_id!r} at {client.base_url}: `gpu-energy-exporter runs{url}` lists the runs "
+                    "it knows (RUN is the first column). The exporter keeps finished runs for 15 minutes: for "
+                    "older runs pass the JSON summary file (runs/<run id>.json beside its --runs.csv) or "
+                    "--prometheus URL")
         raise ReportError(text) from None
     run = from_ledger_document(doc, f"exporter {client.base_url}")
     try:

@@ -19,7 +19,17 @@ names the public API.
 from __future__ import annotations
 
 from gpu_energy_exporter.client.top.cli import main, new_parser
-from gpu_energy_exporter.client.top.frame import View, bar, eta_seconds, fmt_energy, frame_text, render_frame
+from gpu_energy_exporter.client.top.frame import (
+    View,
+    bar,
+    eta_seconds,
+    fmt_age,
+    fmt_energy,
+    frame_text,
+    render_frame,
+)
 from gpu_energy_exporter.client.top.poller import Poller
 
-__all__ = ["Poller", "View", "bar", "eta_seconds", "fmt_energy", "frame_text", "main", "new_parser", "render_frame"]
+__all__ = [
+    "Poller", "View", "bar", "eta_seconds", "fmt_age", "fmt_energy", "frame_text", "main", "new_parser", "render_frame",
+]

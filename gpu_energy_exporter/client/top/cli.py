@@ -20,6 +20,7 @@ from gpu_energy_exporter.client.safeout import printable_stream
 from gpu_energy_exporter.client.top.poller import Poller
 from gpu_energy_exporter.client.top.screen import run_curses, run_plain
 from gpu_energy_exporter.core.config import parse_duration
+from gpu_energy_exporter.core.flagparser import FlagParser
 
 
 def _unicode_ok(stream: IO[str]) -> bool:
@@ -28,8 +29,7 @@ def _unicode_ok(stream: IO[str]) -> bool:
 
 
 def new_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        allow_abbrev=False,
+    parser = FlagParser(
         prog="gpu-energy-exporter top",
         description="Live terminal view of a running exporter: GPU power, energy, utilisation, temperature "
                     "and VRAM; active training runs (J/token, tokens/s, loss, ETA, CO2); host RAM.",

@@ -150,22 +150,40 @@ def _frame(view: View, *, url: str, interval: float, width: int, unicode: bool, 
         else:
             lines.append([("connecting…" if unicode else "connecting...", "dim")])
         return lines
+    stale: str | None = None
     if view.error:
-        age = clock() - view.fetched_at if view.fetched_at is not None else 0.0
-        lines.append([(f"! {view.error} (showing data from {age:.0f}s ago; retrying)", "bad")])
+        # The exporter stopped answering: what follows is the last answer, greyed out and dated, so a
+        # figure such as "now 1,017 W" is never taken for a live one.
+        stale = fmt_age(clock() - view.fetched_at if view.fetched_at is not None else 0.0)
+        lines.append([(f"! {view.error}", "bad")])
+        lines.append([(f"  STALE: the figures below are the last answer, {stale} old (greyed out); "
+                       f"retrying every {interval:g}s (attempt {view.failures})", "warn")])
+    body: list[Line] = []
     if status.get("simulated"):
-        lines.append([(" SIMULATED DATA: these GPUs are simulated by `gpu-energy-exporter demo`, not measured ",
-                       "sim")])
-    lines.append([("", "")])
-    lines += _gpu_lines(status, width, unicode)
-    lines.append([("", "")])
-    lines += _run_lines(view.runs, width)
-    lines.append([("", "")])
-    lines += _host_lines(status, width, unicode)
-    return lines
+        body.append([(" SIMULATED DATA: these GPUs are simulated by `gpu-energy-exporter demo`, not measured ",
+                      "sim")])
+    body.append([("", "")])
+    body += _gpu_lines(status, width, unicode, stale)
+    body.append([("", "")])
+    body += _run_lines(view.runs, width, stale=stale)
+    body.append([("", "")])
+    body += _host_lines(status, width, unicode)
+    if stale is not None:  # the SIMULATED mark stays as loud as ever
+        body = [[(text, style if style == "sim" else "dim") for text, style in line] for line in body]
+    return lines + body
 
 
-def _gpu_lines(status: dict[str, Any], width: int, unicode: bool) -> list[Line]:
+def fmt_age(seconds: float) -> str:
+    """How old the last answer is: ``12s``, ``3m05s``, ``2h07m``."""
+    total = max(0, int(round(seconds)))
+    if total < 60:
+        return f"{total}s"
+    if total < 3600:
+        return f"{total // 60}m{total % 60:02d}s"
+    return f"{total // 3600}h{total % 3600 // 60:02d}m"
+
+
+def _gpu_lines(status: dict[str, Any], width: int, unicode: bool, stale: str | None = None) -> list[Line]:
     gpus = status.get("gpus") or []
     nvml = status.get("nvml") or {}
     out: list[Line] = []
@@ -173,7 +191,8 @@ def _gpu_lines(status: dict[str, Any], width: int, unicode: bool) -> list[Line]:
     total_j = sum(g["energy_j"] for g in gpus if isinstance(g.get("energy_j"), (int, float)))
     title = f"GPUs ({len(gpus)})"
     if gpus:
-        title += f"   now {total_w:,.0f} W   energy counters {fmt_energy(total_j)}"
+        when = f"{stale} ago" if stale is not None else "now"
+        title += f"   {when} {total_w:,.0f} W   energy counters {fmt_energy(total_j)}"
     out.append([(title, "head")])
     if not gpus:
         reason = nvml.get("reason") or "no GPU found"
@@ -226,7 +245,7 @@ def _gpu_lines(status: dict[str, Any], width: int, unicode: bool) -> list[Line]:
 #: Run table columns after the run id: (header, width, right-aligned).
 _RUN_COLS: tuple[tuple[str, int, bool], ...] = (
     ("steps", 13, True), ("loss", 7, True), ("tok/s", 8, True), ("J/token", 8, True), ("elapsed", 8, True),
-    ("ETA", 8, True), ("energy", 10, True), ("CO2", 8, True),
+    ("ETA", 8, True), ("energy", 11, True), ("CO2", 8, True),
 )
 
 
@@ -264,11 +283,12 @@ def _row(run_id: str, run_w: int, cells: Sequence[str], keep: Sequence[int], wid
     return " ".join(parts)[:width]
 
 
-def _run_lines(runs: list[dict[str, Any]], width: int, max_finished: int = 3) -> list[Line]:
+def _run_lines(runs: list[dict[str, Any]], width: int, max_finished: int = 3, stale: str | None = None
+               ) -> list[Line]:
     active = [r for r in runs if r.get("status") in ("running", "finishing")]
     done = [r for r in runs if r.get("status") not in ("running", "finishing")][-max_finished:]
-    out: list[Line] = [[(f"TRAINING RUNS ({len(active)} active" + (f", {len(done)} recent)" if done else ")"),
-                         "head")]]
+    title = f"TRAINING RUNS ({len(active)} active" + (f", {len(done)} recent)" if done else ")")
+    out: list[Line] = [[(title + (f"   as of {stale} ago" if stale is not None else ""), "head")]]
     if not runs:
         out.append([("  no training run has pushed to this exporter yet (gpu_energy_exporter.training, "
                      "or the Hugging Face / Lightning callbacks)", "dim")])
