@@ -165,3 +165,28 @@ def test_a_planted_record_in_a_foreign_world_writable_state_dir_is_never_execute
     exp.stop()
     assert not marker.exists()
     assert sorted(p.name for p in state.iterdir()) == ["journal-00000001.log"], "nothing read or written there"
+
+
+def test_owners_of_the_release_before_identity_become_this_releases_clients() -> None:
+    """450c1b4's clients were (peer address, host, pid, instance); this release's are (principal, identity, host,
+    pid, instance), a loopback pusher's identity the kernel's view of its process. A migrated run's remote
+    owner becomes the ``ip=`` identity that address still gets; a loopback owner, which the journal cannot
+    name now, is dropped so that the owning process's next push owns the rank again: before, its identity
+    never matched the old string and every push after the upgrade went to a scoped run id (the run in two)."""
+    from gpu_energy_exporter.core.clientid import client_id, identity_of
+    from gpu_energy_exporter.ledger.migrate import legacy_owners
+    from gpu_energy_exporter.ledger.runs import Run
+
+    sep = "\x1f"
+    run = Run("r", 0.0, 0.0, False, 4, 0.0)
+    run.client = sep.join(("127.0.0.1", "node-a", "41", "uuid-1"))
+    run.owners = {"0": run.client, "1": sep.join(("10.0.0.7", "node-b", "42", "uuid-2"))}
+    legacy_owners(run)
+    remote = client_id("10.0.0.7", (("host_name", "node-b"), ("process_pid", "42"), ("service_instance_id", "uuid-2")))
+    assert run.owners == {"1": remote} and identity_of(run.owners["1"]) == "ip=10.0.0.7"
+    assert run.client == ""
+    # a client of this release is kept as it is
+    mine = client_id("10.0.0.9", ())
+    run.owners, run.client = {"0": mine}, mine
+    legacy_owners(run)
+    assert run.owners == {"0": mine} and run.client == mine

@@ -18,13 +18,16 @@ from __future__ import annotations
 
 import dataclasses
 import io
+import ipaddress
 import pickle
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
+from gpu_energy_exporter.core.clientid import client_id
 from gpu_energy_exporter.ledger import codec
 from gpu_energy_exporter.ledger.journal import FORMAT, last_record
+from gpu_energy_exporter.ledger.runs import Run
 
 _P = "gpu_energy_exporter."
 
@@ -33,7 +36,8 @@ _P = "gpu_energy_exporter."
 KNOWN: dict[tuple[str, str], str] = {
     (_P + "ledger.journal", "SteadyClock"): _P + "ledger.journal:SteadyClock",
     (_P + "ledger.runs", "Run"): _P + "ledger.runs:Run",
-    (_P + "ledger.runs", "SeriesState"): _P + "ledger.series_state:SeriesState",  # moved there since
+    (_P + "ledger.runs", "SeriesState"): _P + "ledger.series_state:SeriesState",  # 450c1b4's place
+    (_P + "ledger.series_state", "SeriesState"): _P + "ledger.series_state:SeriesState",  # main's journal after it
     (_P + "ledger.accounting", "Acc"): _P + "ledger.accounting:Acc",
     (_P + "ledger.accounting", "Timeline"): _P + "ledger.accounting:Timeline",
     (_P + "ledger.frames", "Frame"): _P + "ledger.frames:Frame",
@@ -152,6 +156,8 @@ def read(path: str) -> Legacy:
         except codec.DecodeError as exc:
             out.lost.append((_run_id(item), f"its open state did not migrate ({exc})"))
             continue
+        if isinstance(run, Run):
+            legacy_owners(run)
         out.active.append(run)
     for item in _items(state.get("pending")):
         try:
@@ -173,6 +179,48 @@ def read(path: str) -> Legacy:
     out.saved_wall = float(saved) if isinstance(saved, (int, float)) else None
     out.problems += report.problems
     return out
+
+
+#: ``core.clientid``'s separator; a client string of the releases before identity (450c1b4) had four parts
+#: (peer address, host name, pid, instance), one of this release five (principal, identity, and the three).
+_SEP = "\x1f"
+_LEGACY_PARTS = 4
+
+
+def legacy_client(client: str) -> str | None:
+    """A client string of the releases before identity (issue 29) as this release would make it for the same
+    pusher, or None when this release makes it from what the journal does not hold: a loopback (or unknown)
+    address is now the kernel's view of the process (its uid, pid and start time), never the address. A
+    remote address is the identity it still is (``ip=ADDRESS``). A client of this release is kept as it is."""
+    parts = client.split(_SEP)
+    if not client or len(parts) != _LEGACY_PARTS:
+        return client
+    address, host, pid, instance = parts
+    try:
+        ip = ipaddress.ip_address(address.split("%", 1)[0])
+    except ValueError:
+        return None
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped
+    if ip.is_loopback:
+        return None
+    return client_id(address, (("host_name", host), ("process_pid", pid), ("service_instance_id", instance)))
+
+
+def legacy_owners(run: Run) -> None:
+    """A migrated run's owners (``Run.owners``, ``Run.client``) as this release's clients. A rank whose
+    owner this release cannot name (a loopback pusher: ``legacy_client``) is left unowned: the first push
+    after the upgrade owns it again, as a new run's first push does, rather than every push of the process
+    that owned it colliding with its own run (``ledger.clients``: a run id scoped to it, the run split in
+    two rows)."""
+    owners = {}
+    for rank, client in run.owners.items():
+        now = legacy_client(client) if isinstance(client, str) else None
+        if now is not None:
+            owners[rank] = now
+    run.owners = owners
+    client = legacy_client(run.client) if isinstance(run.client, str) else None
+    run.client = client if client is not None else ""
 
 
 def _items(value: Any) -> list[Any]:
