@@ -213,14 +213,14 @@ def legacy_owners(run: Run) -> None:
     after the upgrade owns it again, as a new run's first push does, rather than every push of the process
     that owned it colliding with its own run (``ledger.clients``: a run id scoped to it, the run split in
     two rows)."""
-    owners = {}
+    owners: dict[str, str] = {}
     for rank, client in run.owners.items():
         now = legacy_client(client) if isinstance(client, str) else None
         if now is not None:
             owners[rank] = now
     run.owners = owners
-    client = legacy_client(run.client) if isinstance(run.client, str) else None
-    run.client = client if client is not None else ""
+    starter = legacy_client(run.client) if isinstance(run.client, str) else None
+    run.client = starter if starter is not None else ""
 
 
 def _items(value: Any) -> list[Any]:
