@@ -51,6 +51,7 @@ class Pusher:
     rate: float = 1000.0
     every: float = 5.0
     rank: str = "0"
+    client: str = "node-1"  # core.clientid's client string the receiver would give its points
     pushed: list[float] = field(default_factory=list)
     finished: bool = False
 
@@ -63,7 +64,7 @@ class Pusher:
         labels = {"run_id": self.run_id, "rank": self.rank, "gpu_uuid": self.gpu}
         kind = "counter" if name.endswith("_total") else "gauge"
         return AcceptedPoint(self.run_id, name, labels, value, t, kind, resource=self.resource(),  # type: ignore[arg-type]
-                             client="node-1")
+                             client=self.client)
 
 
 class Node:
@@ -71,8 +72,10 @@ class Node:
 
     def __init__(self, lib: Path, tmp: Path, gpus: Sequence[Any], *, warmup_s: float = 0.0,
                  claim_grace_s: float = 30.0, carbon: Callable[[], tuple[float, float]] | None = None,
-                 settle: bool = True, early: bool = True, jitter: float = 0.0, seed: int = 1) -> None:
-        """``settle`` False: the ledger gets the GPU states without their spans (charged from the apportioned
+                 settle: bool = True, early: bool = True, jitter: float = 0.0, seed: int = 1,
+                 state_dir: str | None = None) -> None:
+        """``state_dir``: the ledger's database directory (``restart`` reopens it). ``settle`` False: the ledger
+        gets the GPU states without their spans (charged from the apportioned
         energy at each sample, as before issue 28); ``early`` False: an edge reads the counters at the next
         tick instead of a sample taken at once (the benchmark's "before"). ``jitter``: each sample taken up to
         that many seconds late, as on a loaded machine (a deterministic sequence from ``seed``)."""
@@ -93,9 +96,11 @@ class Node:
                                 procfs=str(procfs), idle_power_w=50.0)
         self.sampler = Sampler([self.gpu], INTERVAL, gpu_states=self.gpu.states, clock=clock, monotonic=clock,
                                wait_budget=30.0)
-        self.ledger = RunLedger(str(tmp / "runs.csv"), warmup_s=warmup_s, stale_after_s=300.0, clock=clock,
-                                claim_grace_s=claim_grace_s, carbon=carbon)
-        self.sampler.add_listener(self.ledger.on_snapshot if settle else self._unsettled)
+        self._new_ledger = lambda: RunLedger(str(tmp / "runs.csv"), warmup_s=warmup_s, stale_after_s=300.0,
+                                             clock=clock, claim_grace_s=claim_grace_s, carbon=carbon,
+                                             state_dir=state_dir)
+        self.ledger = self._new_ledger()
+        self.sampler.add_listener((lambda s: self.ledger.on_snapshot(s)) if settle else self._unsettled)
         # the daemon's wiring (daemon/exporter.py): a run's edge reads every counter in a sample taken at once
         self.edges = counter_reads_at_run_edges(
             lambda: (self.gpu.request_counter_read(), self.sampler.sample_soon() if early else None))
@@ -104,6 +109,11 @@ class Node:
 
     def clock(self) -> float:
         return self.now
+
+    def restart(self) -> None:
+        """The exporter restarted at this instant: the ledger closed and a new one opened on its database."""
+        self.ledger.close()
+        self.ledger = self._new_ledger()
 
     def _unsettled(self, snapshot: Snapshot) -> None:
         self.ledger.on_snapshot(replace(snapshot, gpus=tuple(replace(g, span=None) for g in snapshot.gpus)))

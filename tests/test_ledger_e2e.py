@@ -88,12 +88,17 @@ def test_ledger_j_per_token_equals_the_hand_computed_value(
     # 150/690 W at 70% duty = 528 W, plus 333 W: the average power of the run's two GPUs
     assert s["avg_power_w"] == pytest.approx(861.0, rel=0.01)
     assert s["model"] == "tiny-lm" and s["backend"] == "eager"
-    # one CSV row and a JSON summary, written atomically beside it (by the file writer's own thread: the row
-    # lands a moment after the run shows as finished)
+    # one CSV row and a JSON summary, written atomically beside it (by the file thread: after the API shows the
+    # run finished, once its row is in the database)
     summary_json = runs_csv.parent / "runs" / "ledger-e2e.json"
-    wait_until(lambda: runs_csv.exists() and summary_json.exists(), timeout=10, what="the runs CSV and summary")
-    with runs_csv.open() as f:
-        rows = list(csv.DictReader(f))
+
+    def written() -> list[dict[str, str]] | None:
+        if not runs_csv.exists() or not summary_json.exists():
+            return None
+        with runs_csv.open() as f:
+            return list(csv.DictReader(f)) or None
+
+    rows = wait_until(written, timeout=15, what="the run's CSV row and summary")
     assert [r["run_id"] for r in rows] == ["ledger-e2e"]
     assert float(rows[0]["j_per_token"]) == pytest.approx(s["j_per_token"], rel=1e-6)
     assert (runs_csv.parent / "runs" / "ledger-e2e.json").exists()

@@ -235,3 +235,46 @@ def test_a_nearly_full_file_system_takes_a_row_and_a_full_one_keeps_it_until_the
     _stop_within(exp, 5.0)
     lines = runs_csv.read_bytes().splitlines()
     assert sum(1 for x in lines if x.startswith(b"second,")) == 1
+
+
+def test_a_read_only_disk_loses_nothing_accepted_and_writes_once_it_is_writable(
+    start_exporter: type[ExporterProcess], fake_nvml_lib: Path, tmp_path: Path, small_tmpfs: Path
+) -> None:
+    """The node's disk remounted read-only (as after file system errors) with a run open in the database and
+    the exporter restarted: the run is restored from the read-only database, goes on, finishes; its row
+    waits (counted) and is written, once, to the database and the CSV when the disk is writable again."""
+    runs_csv = small_tmpfs / "runs.csv"  # the database in .runs-state/ beside it, on the same disk
+    exp, gpu = _exporter(start_exporter, fake_nvml_lib, tmp_path, runs_csv)
+    _push(exp, ["open-across"], gpu, 100.0)
+    time.sleep(1.5)
+    _stop_within(exp, 5.0)
+    done = subprocess.run(["mount", "-o", "remount,ro", str(small_tmpfs)], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    try:
+        exp, _ = _exporter(start_exporter, fake_nvml_lib, tmp_path, runs_csv)
+        assert "read-only file system" in exp.log()
+        text = exp.metrics()
+        assert sample_value(text, "gpuenergy_run_active", run_id="open-across") == 1.0, "restored, read-only"
+        time.sleep(1.0)
+        _push(exp, ["open-across"], gpu, 300.0, finished=1.0)
+        text = wait_until(lambda: _metrics_when(exp, lambda t: sample_value(t, "gpuenergy_ledger_writes_pending") == 1
+                                                and (sample_value(t, "gpuenergy_ledger_write_errors_total") or 0) >= 1),
+                          timeout=20, what="the finished run kept, its writes failing")
+        e0 = _gpu_energy(exp)
+        time.sleep(1.0)
+        assert _gpu_energy(exp) > e0, "sampling goes on"
+    finally:
+        subprocess.run(["mount", "-o", "remount,rw", str(small_tmpfs)], check=False)
+    rows = wait_until(lambda: [r for r in _rows(runs_csv) if r["run_id"] == "open-across"] if runs_csv.exists()
+                      else None, timeout=30, what="the row written once the disk is writable (back-off 5 s)")
+    wait_until(lambda: _metrics_when(exp, lambda t: sample_value(t, "gpuenergy_ledger_writes_pending") == 0.0),
+               timeout=10, what="the backlog back to 0")
+    _stop_within(exp, 5.0)
+    [row] = rows
+    assert float(row["tokens"]) == 300.0 and "gap_s=" in row["ledger_notes"]
+    assert float(row["energy_j"]) == pytest.approx(WATTS * float(row["duration_s"]), rel=0.05)
+    assert [r["run_id"] for r in _rows(runs_csv)] == ["open-across"]
+    import sqlite3
+
+    with sqlite3.connect(small_tmpfs / ".runs-state" / "runs.db") as db:
+        assert db.execute("SELECT run_id, tokens, exported FROM runs").fetchall() == [("open-across", 300.0, 1)]

@@ -1,15 +1,17 @@
-"""The run ledger's journal and file writer on plain values and real files (``ledger.journal``,
-``ledger.filewriter``, ``ledger.restart``): torn records, compaction without rewriting a file in place, a
-ledger restored from its journal after a stop, a row already appended before a crash, a torn CSV line and
-temporary files a crash left. Same snapshots, points and injected clock as tests/test_ledger.py; the
-exporter process is killed for real in tests/test_ledger_restart.py.
+"""The run ledger's store and file writer on plain values and real files (``ledger.store``,
+``ledger.filewriter``, ``ledger.restart``): a torn write-ahead log, a database that does not grow with its
+checkpoints, a ledger restored from its database after a stop, a row already appended before a crash, a torn
+CSV line and temporary files a crash left. Same snapshots, points and injected clock as tests/test_ledger.py;
+the exporter process is killed for real in tests/test_ledger_restart.py. (Issue 20's journal tests, against
+the database that replaced the journal in issue 30.)
 """
 
 from __future__ import annotations
 
 import csv
 import os
-import pickle
+import shutil
+import sqlite3
 from pathlib import Path
 
 import pytest
@@ -17,44 +19,51 @@ from test_ledger import T0, UUID_A, Clock, Harness, constant, point, trainer
 
 from gpu_energy_exporter.ledger import RunLedger
 from gpu_energy_exporter.ledger.files import HEADER_LINE, csv_line
-from gpu_energy_exporter.ledger.journal import FORMAT, Journal
+from gpu_energy_exporter.ledger.store import WAL_LIMIT_BYTES, Batch, Store
 
 
-def _state(n: int) -> bytes:
-    return pickle.dumps({"format": FORMAT, "n": n, "pad": "x" * 100_000})
+def _state(n: int) -> Batch:
+    return Batch(full=True, open_runs={"r": (T0, T0 + n, f'{{"n": {n}, "pad": "{"x" * 100_000}"}}', None)})
 
 
-def test_a_torn_last_record_is_ignored_and_the_one_before_it_loads(tmp_path: Path) -> None:
-    journal = Journal(str(tmp_path))
-    journal.append(_state(1))
-    journal.append(_state(2))
-    journal.close()
-    [path] = list(tmp_path.glob("journal-*.log"))
-    with path.open("ab") as f:
-        f.write(_state(3)[:7])  # killed in the middle of an append
-    state = Journal(str(tmp_path)).load()
-    assert state is not None and state["n"] == 2
+def _saved_n(store: Store) -> int:
+    [(run_id, _, _, _, state, *_timeline)] = store.load().open_runs
+    return int(state.split(",")[0].split(":")[1])
 
 
-def test_compaction_starts_a_new_file_and_never_rewrites_one_in_place(tmp_path: Path) -> None:
-    journal = Journal(str(tmp_path))
-    journal.append(_state(0))
-    [first] = list(tmp_path.glob("journal-*.log"))
-    inode, before = first.stat().st_ino, first.read_bytes()
-    journal.append(_state(1))
-    assert first.stat().st_ino == inode and first.read_bytes().startswith(before), "appended, not rewritten"
-    for n in range(2, 200):
-        journal.append(_state(n))
-        if not first.exists():
-            break
-    else:
-        pytest.fail("the journal never compacted")
-    [second] = list(tmp_path.glob("journal-*.log"))
-    assert second != first
-    journal.close()
-    state = Journal(str(tmp_path)).load()
-    assert state is not None and state["n"] == n
-    assert [p.name for p in tmp_path.iterdir() if p.name.endswith(".tmp")] == []
+def test_a_torn_write_ahead_log_loses_only_the_torn_transaction(tmp_path: Path) -> None:
+    """Killed in the middle of a commit: the transaction before it is whole, the torn one is not there."""
+    store = Store.open(str(tmp_path / "state" / "runs.db"))
+    store.commit(_state(1))
+    store._connect().execute("PRAGMA wal_checkpoint(TRUNCATE)")
+    store.commit(_state(2))  # in the write-ahead log only
+    copy = tmp_path / "copy"
+    copy.mkdir(mode=0o700)
+    for suffix in ("", "-wal"):
+        shutil.copy(str(tmp_path / "state" / "runs.db") + suffix, str(copy / "runs.db") + suffix)
+    wal = copy / "runs.db-wal"
+    size = wal.stat().st_size
+    assert size > 100_000
+    os.truncate(wal, size - 5000)  # the last frames never reached the disk
+    store.close()
+    assert _saved_n(Store.open(str(copy / "runs.db"))) == 1
+    assert _saved_n(Store.open(str(tmp_path / "state" / "runs.db"))) == 2
+
+
+def test_checkpoints_do_not_grow_the_database(tmp_path: Path) -> None:
+    """200 checkpoints of a 100 KB state: the database and its write-ahead log stay a few times one state, never
+    rewritten by hand (SQLite's own checkpoints and ``journal_size_limit``)."""
+    path = tmp_path / "state" / "runs.db"
+    store = Store.open(str(path))
+    for n in range(200):
+        store.commit(_state(n))
+    db, wal = path.stat().st_size, Path(str(path) + "-wal").stat().st_size
+    print(f"store figures: database {db >> 10} KB, WAL {wal >> 10} KB after 200 checkpoints of 100 KB")
+    assert db < 2_000_000 and wal <= max(WAL_LIMIT_BYTES, 5_000_000)
+    store.close()
+    assert _saved_n(Store.open(str(path))) == 199
+    assert not Path(str(path) + "-wal").exists() or Path(str(path) + "-wal").stat().st_size == 0, \
+        "a clean close leaves the database whole in one file"
 
 
 def _rows(path: Path) -> list[dict[str, str]]:
@@ -72,7 +81,7 @@ def test_a_ledger_stopped_mid_run_comes_back_and_charges_the_gap(tmp_path: Path)
     pushes = trainer(h, "long", T0, T0 + 30, rate=10.0, every=1.0)
     h.run_until(T0 + 10, pushes)
     first.close()
-    assert not csv_path.exists(), "an open run is kept in the journal, not closed as exporter_stopped"
+    assert not csv_path.exists(), "an open run is kept in the database, not closed as exporter_stopped"
     clock.t = T0 + 20  # the downtime: the trainer went on, its counter too
     second = RunLedger(str(csv_path), warmup_s=0.0, stale_after_s=300.0, clock=clock, state_dir=state)
     h2 = Harness(second, clock, {UUID_A: constant(100.0)})  # its first snapshot, at +20, closes the gap
@@ -104,27 +113,22 @@ def going_on(h: Harness, run_id: str, origin: float, start: float, end: float, r
     return pushes
 
 
-def test_a_journaled_row_already_appended_is_not_appended_again_and_leftovers_go(tmp_path: Path) -> None:
-    """Killed after the row's append but before the journal noted it: the restart finds the row among the
-    CSV's last lines. A torn last line and temporary files from another crash are cleaned up."""
+def test_a_stored_row_already_appended_is_not_appended_again_and_leftovers_go(tmp_path: Path) -> None:
+    """Killed after the row's append but before the database marked it exported: the restart finds the row
+    among the CSV's last lines. A torn last line and temporary files from another crash are cleaned up."""
     csv_path, state = tmp_path / "runs.csv", str(tmp_path / "state")
     clock = Clock()
     first = RunLedger(str(csv_path), warmup_s=0.0, stale_after_s=300.0, clock=clock, state_dir=state)
     h = Harness(first, clock, {UUID_A: constant(100.0)})
     h.run_until(T0 + 10, trainer(h, "done", T0, T0 + 5, rate=10.0, every=1.0))
     [written] = first.runs()
-    # What the journal would hold had the process died right after the append: the row, still pending.
     first.close()
     line = csv_path.read_bytes().splitlines(keepends=True)[1]
     assert line == csv_line(written)
-    journal = Journal(state)
-    saved = journal.load()
-    assert saved is not None and saved["pending"] == []
-    from gpu_energy_exporter.ledger.filewriter import Row
-
-    saved["pending"] = [Row(1, "done", T0, dict(written), {"run_id": "done", "start_unix": T0}, "done.json", True)]
-    journal.append(pickle.dumps(saved))
-    journal.close()
+    with sqlite3.connect(os.path.join(state, "runs.db")) as db:
+        assert db.execute("SELECT run_id, exported FROM runs").fetchall() == [("done", 1)]
+        # What the database would hold had the process died right after the append: the row, unexported.
+        db.execute("UPDATE runs SET exported = 0")
     with csv_path.open("ab") as f:
         f.write(b"half,a,ro")  # and a torn line from an interrupted append after it
     (tmp_path / ".runs.csv.abc123.tmp").write_bytes(b"x" * 1000)
@@ -136,6 +140,8 @@ def test_a_journaled_row_already_appended_is_not_appended_again_and_leftovers_go
     leftovers = [p for p in (*tmp_path.iterdir(), *(tmp_path / "runs").iterdir()) if p.name.endswith(".tmp")]
     assert leftovers == []
     assert os.path.exists(tmp_path / "runs" / "done.json")
+    with sqlite3.connect(os.path.join(state, "runs.db")) as db:
+        assert db.execute("SELECT run_id, exported FROM runs").fetchall() == [("done", 1)]
 
 
 def test_a_senders_clock_is_placed_against_arrival_and_keeps_its_spacing() -> None:

@@ -1,7 +1,8 @@
 """``gpu-energy-exporter runs``: list and compare training runs from the run ledger.
 
 Reads the CSV the exporter appends to with ``--runs.csv`` (``--csv FILE`` or the same environment variable
-as the exporter flag, ``GPU_ENERGY_EXPORTER_RUNS_CSV``), or the active and recent runs of a running
+as the exporter flag, ``GPU_ENERGY_EXPORTER_RUNS_CSV``; a line that is not a row is reported and skipped), or
+its database (``--db FILE``, read-only: ``core.runs_db``), or the active and recent runs of a running
 exporter (``--url http://host:9863``, its ``/api/v1/runs``; without a CSV the default:
 ``$GPU_ENERGY_EXPORTER_URL``, else ``http://localhost:9863``; the same client options as ``top`` and
 ``report``), or whole runs from a Prometheus server that scraped the exporters (``--prometheus URL``: a
@@ -12,14 +13,13 @@ table, JSON or CSV; with
 baseline group), e.g. ``--group-by backend`` for bitsandbytes against Unsloth.
 
 This module only reads: it never writes the ledger and never contacts anything but the given URL (or the
-given Prometheus).
+given Prometheus). Whatever it prints goes through ``client.safeout``: no control character reaches the
+terminal.
 """
 
 from __future__ import annotations
 
 import argparse
-import csv
-import io
 import math
 import os
 import sys
@@ -45,69 +45,22 @@ from gpu_energy_exporter.client.fmt import (
     provisional,
     rank_coverage,
 )
+from gpu_energy_exporter.client.ledgerfiles import MAX_REPORTED, RunsError, load_csv, load_db
 from gpu_energy_exporter.client.report.prometheus import PrometheusSource, whole_runs
 from gpu_energy_exporter.client.report.run import ReportError
+from gpu_energy_exporter.client.safeout import printable_stream
 from gpu_energy_exporter.core.config import FLAGS, parse_duration
-from gpu_energy_exporter.core.errors import ExporterError
 from gpu_energy_exporter.core.flagparser import FlagParser
-from gpu_energy_exporter.core.runs_schema import COLUMN_NAMES, NUMERIC_COLUMNS
-from gpu_energy_exporter.core.textfmt import csv_cell, fmt_num, printable, strict_json
+from gpu_energy_exporter.core.runs_schema import COLUMN_NAMES
+from gpu_energy_exporter.core.textfmt import csv_cell, csv_record, fmt_num, strict_json
 
 #: The exporter's --runs.csv environment variable: the same file for the exporter and this command.
 CSV_ENV = next(f.env for f in FLAGS if f.name == "runs.csv")
-
-#: Columns whose presence marks a CSV as the ledger's (older ledger versions may lack newer columns).
-_REQUIRED = ("run_id", "start_time", "duration_s", "tokens", "energy_j", "j_per_token")
-
-
-class RunsError(ExporterError):
-    """The ledger cannot be read: the message says which file or URL and what to do."""
-
+#: The exporter's --runs.db environment variable.
+DB_ENV = next(f.env for f in FLAGS if f.name == "runs.db")
 
 # ----------------------------------------------------------------------------------------------------
 # loading
-
-
-def load_csv(path: str) -> list[dict[str, Any]]:
-    """The rows of a ledger CSV, numbers parsed (empty cells are None)."""
-    try:
-        with open(path, encoding="utf-8", newline="") as f:
-            text = f.read()
-    except FileNotFoundError:
-        raise RunsError(
-            f"runs CSV {path!r} does not exist: the exporter writes it when started with --runs.csv={path} "
-            "and a run finishes") from None
-    except IsADirectoryError:
-        raise RunsError(f"{path!r} is a directory, not a runs CSV") from None
-    except UnicodeDecodeError:
-        raise RunsError(f"{path!r} is not a runs CSV written by gpu-energy-exporter (not UTF-8 text)") from None
-    except OSError as exc:
-        raise RunsError(f"cannot read runs CSV {path!r}: {exc.strerror or exc}") from None
-    reader = csv.DictReader(io.StringIO(text))
-    header = reader.fieldnames or []
-    lacking = [c for c in _REQUIRED if c not in header]
-    if lacking:
-        raise RunsError(
-            f"{path!r} is not a runs CSV written by gpu-energy-exporter: its header lacks "
-            f"{', '.join(lacking)} (expected the columns listed in docs/ledger.md)")
-    return [_typed(row) for row in reader]
-
-
-def _typed(row: dict[str, Any]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for key, raw in row.items():
-        if key is None:  # a row with more cells than the header
-            continue
-        if raw is None or raw == "":
-            out[key] = None
-        elif key in NUMERIC_COLUMNS:
-            try:
-                out[key] = float(raw)
-            except ValueError:
-                out[key] = None
-        else:
-            out[key] = raw
-    return out
 
 
 def load_url(client: ExporterClient) -> list[dict[str, Any]]:
@@ -330,13 +283,17 @@ def new_parser() -> argparse.ArgumentParser:
   gpu-energy-exporter runs --csv runs.csv
   gpu-energy-exporter runs --csv runs.csv --group-by backend          compare backends (J/token, tok/s, VRAM)
   gpu-energy-exporter runs --csv runs.csv --group-by backend --baseline bnb
+  gpu-energy-exporter runs --db .runs-state/runs.db --group-by backend   the database, read directly
   gpu-energy-exporter runs --url http://localhost:9863                active and recent runs, live
   gpu-energy-exporter runs --prometheus http://prometheus:9090        whole runs, every node summed
   {CSV_ENV}=runs.csv gpu-energy-exporter runs --format json
-columns of the CSV and how each figure is computed: docs/ledger.md
+columns of the CSV and how each figure is computed, the database's schema and queries: docs/ledger.md
 """)
     parser.add_argument("--csv", metavar="FILE", default=None,
                         help=f"the exporter's --runs.csv file [env {CSV_ENV}]")
+    parser.add_argument("--db", metavar="FILE", default=None,
+                        help=f"the exporter's database (runs.db in its --runs.state-dir, or --runs.db), read-only: "
+                             f"every finished run and the open ones [env {DB_ENV}]")
     add_client_flags(parser, url_help=(
         f"read the active and recent runs of a running exporter (its /api/v1/runs). This is the default when "
         f"neither --csv nor {CSV_ENV} is given: then ${URL_ENV}, else {DEFAULT_URL}"))
@@ -357,22 +314,30 @@ columns of the CSV and how each figure is computed: docs/ledger.md
 
 def main(argv: list[str], *, stdout: IO[str] | None = None, stderr: IO[str] | None = None,
          environ: dict[str, str] | None = None) -> int:
-    out = stdout if stdout is not None else sys.stdout
-    err = stderr if stderr is not None else sys.stderr
+    # Run ids, labels, notes and error messages come from clients and servers: no control character of
+    # theirs reaches the terminal, whatever the format (client.safeout).
+    out = printable_stream(stdout if stdout is not None else sys.stdout)
+    err = printable_stream(stderr if stderr is not None else sys.stderr)
     env = os.environ if environ is None else environ
     parser = new_parser()
     try:
         args = parser.parse_args(argv)
     except SystemExit as exc:  # --help (0) or a usage error (2, already printed)
         return int(exc.code or 0)
+    bad: list[str] = []
     try:
-        if sum(bool(x) for x in (args.url, args.csv, args.prometheus)) > 1:
-            raise RunsError("give one of --csv, --url and --prometheus")
-        path = None if args.url or args.prometheus else (args.csv or env.get(CSV_ENV))
+        if sum(bool(x) for x in (args.url, args.csv, args.prometheus, args.db)) > 1:
+            raise RunsError("give one of --csv, --db, --url and --prometheus")
+        chosen = args.url or args.prometheus or args.csv or args.db
+        path = None if chosen else env.get(CSV_ENV)
+        db = args.db or (None if chosen or path else env.get(DB_ENV))
         if args.prometheus:
             runs, source = load_prometheus(args, env), args.prometheus
-        elif path:
-            runs, source = load_csv(path), path
+        elif args.csv or path:
+            csv_path = str(args.csv or path)
+            runs, source = load_csv(csv_path, bad), csv_path
+        elif db:
+            runs, source = load_db(db), db
         else:
             try:
                 client = client_from_args(args, env)
@@ -382,7 +347,7 @@ def main(argv: list[str], *, stdout: IO[str] | None = None, stderr: IO[str] | No
                     raise RunsError(str(exc)) from None
                 # Neither a CSV nor a URL was asked for: say both ways.
                 raise RunsError(f"no CSV given and {exc}; or read a runs CSV: pass --csv FILE (the exporter's "
-                                f"--runs.csv) or set {CSV_ENV}") from None
+                                f"--runs.csv) or set {CSV_ENV}; or its database: --db FILE") from None
         total = len(runs)
         if args.status:
             wanted = {s.strip() for s in args.status.split(",") if s.strip()}
@@ -394,6 +359,10 @@ def main(argv: list[str], *, stdout: IO[str] | None = None, stderr: IO[str] | No
     except RunsError as exc:
         print(f"gpu-energy-exporter runs: error: {exc}", file=err)
         return 2
+    for line in bad[:MAX_REPORTED]:
+        print(f"gpu-energy-exporter runs: {source}: {line}: skipped (not a row of the run ledger)", file=err)
+    if len(bad) > MAX_REPORTED:
+        print(f"gpu-energy-exporter runs: {source}: {len(bad) - MAX_REPORTED} more line(s) skipped", file=err)
     if args.format == "json":
         doc: Any = {"runs": runs, **({"comparison": result} if result else {})}
         out.write(strict_json(doc, indent=2) + "\n")
@@ -404,26 +373,25 @@ def main(argv: list[str], *, stdout: IO[str] | None = None, stderr: IO[str] | No
     elif not runs:
         out.write(f"no runs in {source} yet\n")
     else:
-        # run ids, labels and notes came over OTLP: no control character reaches the terminal
-        out.write(printable(runs_table(runs)))
+        out.write(runs_table(runs))
         if result is not None:
-            out.write(printable(f"\nby {result['group_by']} (mean over runs):\n"))
-            out.write(printable(comparison_text(result)))
+            out.write(f"\nby {result['group_by']} (mean over runs):\n")
+            out.write(comparison_text(result))
     return 0
 
 
 def _write_csv(out: IO[str], runs: Sequence[dict[str, Any]], result: dict[str, Any] | None) -> None:
-    writer = csv.writer(out, lineterminator="\n")
+    """CSV on ``out``, quoted as RFC 4180 requires (``csv_record``), text cells neutralised for spreadsheets."""
     if result is not None:
         keys = ["group", "runs", "mean_j_per_token", "mean_tokens_per_s", "mean_vram_peak_bytes",
                 "mean_energy_kwh", "mean_co2_g"]
-        writer.writerow([result["group_by"] if k == "group" else k for k in keys])
+        out.write(csv_record([result["group_by"] if k == "group" else k for k in keys]))
         for s in result["groups"]:
-            writer.writerow([_cell(s[k]) for k in keys])
+            out.write(csv_record([_cell(s[k]) for k in keys]))
         return
-    writer.writerow(COLUMN_NAMES)
+    out.write(csv_record(COLUMN_NAMES))
     for r in runs:
-        writer.writerow([_cell(r.get(k)) for k in COLUMN_NAMES])
+        out.write(csv_record([_cell(r.get(k)) for k in COLUMN_NAMES]))
 
 
 def _cell(value: Any) -> Any:

@@ -237,11 +237,17 @@ FLAGS: tuple[Flag, ...] = (
     Flag("runs.stale-after", parse_duration, "5m",
          "A run that pushed nothing for this long is finished as stale.", "DURATION"),
     Flag("runs.state-dir", _text, None,
-         "Directory of the run ledger's journal: open runs and rows not yet written survive a restart "
-         "(SIGTERM or SIGKILL) and continue as the same runs. Default: .runs-state beside --runs.csv; "
-         "without either, runs are kept in memory only. Put it on a local disk.", "DIR"),
+         "Directory of the run ledger's database (runs.db): open runs and rows not yet written survive a "
+         "restart or an upgrade (SIGTERM or SIGKILL) and continue as the same runs. Default: .runs-state "
+         "beside --runs.csv; without either (or --runs.db), runs are kept in memory only. It must be owned "
+         "by the exporter's user and writable by no one else, or it is refused (docs/ledger.md). Put it on a "
+         "local disk.", "DIR"),
+    Flag("runs.db", _text, None,
+         "The run ledger's SQLite database: every finished run's row and the open runs' state, to query "
+         "with sqlite3, pandas or `gpu-energy-exporter runs --db` (schema in docs/ledger.md); --runs.csv and "
+         "the JSON summaries are exports of it. Default: runs.db in --runs.state-dir.", "FILE"),
     Flag("runs.journal-interval", parse_duration, "5s",
-         "How often the open runs are checkpointed into the journal (a run closing is journaled at "
+         "How often the open runs are checkpointed into the database (a run closing is written at "
          "once); what a SIGKILL can lose of a run's timeline, never of its energy or tokens.", "DURATION"),
     Flag("runs.max-backdate", parse_duration, "10s",
          "A run's first point dated longer than this before it arrived starts the run this long before its "
@@ -360,6 +366,7 @@ class Config:
     runs_warmup: float = 30.0
     runs_stale_after: float = 300.0
     runs_state_dir: str | None = None
+    runs_db: str | None = None
     runs_journal_interval: float = 5.0
     collector_gpu_process_interval: float = 10.0
     runs_claim_grace: float = 30.0

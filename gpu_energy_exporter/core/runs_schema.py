@@ -173,12 +173,12 @@ COLUMNS: tuple[Column, ...] = (
     Column(ATTR_RUN_ID, "", "The `run_id` label of the run's points."),
     Column("status", "", "`finished` (every rank that pushed sent `training_run_finished 1`), `stale` (nothing "
            "pushed for `--runs.stale-after`; the run ends at its last point) or `exporter_stopped` (the "
-           "exporter shut down during the run and had no journal; with one the run goes on after the "
+           "exporter shut down during the run and had no database; with one the run goes on after the "
            "restart)."),
     Column("start_time", "ISO 8601, UTC", "Time of the run's first point, on the ledger's steady clock "
            "(the trainer's timestamp placed against its arrival: docs/ledger.md, Time)."),
     Column("end_time", "ISO 8601, UTC", "Time of the last rank's `training_run_finished 1` point, or of the "
-           "last point of a stale run, or of its last point when the exporter stopped without a journal."),
+           "last point of a stale run, or of its last point when the exporter stopped without a database."),
     Column("duration_s", "s", "`end_time - start_time`."),
     Column("warmup_s", "s", "Start of the run excluded from the efficiency figures: `--runs.warmup`, or 0 "
            "when the run was shorter than that (the efficiency figures then cover the whole run; "

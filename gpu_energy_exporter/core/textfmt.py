@@ -6,10 +6,13 @@ Pure functions of their arguments: this module never writes anything itself.
 
 from __future__ import annotations
 
+import csv
 import html
+import io
 import json
 import math
 import re
+from collections.abc import Iterable
 from typing import Any
 
 
@@ -60,6 +63,17 @@ def csv_cell(value: str) -> str:
     if value.startswith(_FORMULA_START) and not _PLAIN_NUMBER.fullmatch(value):
         return "'" + value
     return value
+
+
+def csv_record(cells: Iterable[Any]) -> str:
+    """One CSV record, quoted as RFC 4180 requires: a cell holding a separator, a quote, a carriage return or
+    a line feed is quoted (quotes doubled), so every CSV reader reads the cell back whole; the record ends with
+    ``\n``. (Python's ``csv`` module quotes only the characters of its line terminator: with ``\n`` a cell with
+    a bare ``\r`` was written unquoted, and readers split the row there.) Text cells should have been through
+    ``csv_cell`` first."""
+    buf = io.StringIO()
+    csv.writer(buf, lineterminator="\r\n").writerow(list(cells))
+    return buf.getvalue()[:-2] + "\n"
 
 
 # C0 controls but tab and newline, DEL, and the C1 controls (CSI, OSC... in 8-bit form): what makes a

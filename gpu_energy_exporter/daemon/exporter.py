@@ -207,7 +207,7 @@ class Exporter:
         self.ledger = RunLedger(
             config.runs_csv, warmup_s=config.runs_warmup, stale_after_s=config.runs_stale_after,
             carbon=self.carbon_for_ledger, clock=steady, wall=self._clock if steady is not self._clock else None,
-            state_dir=runs_state_dir(config), background_writes=True,
+            state_dir=runs_state_dir(config), db_path=config.runs_db, background_writes=True,
             journal_interval_s=config.runs_journal_interval, claim_grace_s=config.runs_claim_grace,
             max_active_per_client=config.runs_max_active_per_client, max_backdate_s=config.runs_max_backdate,
             new_runs_per_client_per_minute=config.runs_max_new_per_client,
@@ -436,8 +436,8 @@ class Exporter:
 
 
 def runs_state_dir(config: Config) -> str | None:
-    """Where the ledger's journal lives: ``--runs.state-dir``, else ``.runs-state`` beside ``--runs.csv``;
-    None (runs in memory only) without either."""
+    """Where the ledger's state (its database) lives: ``--runs.state-dir``, else ``.runs-state`` beside
+    ``--runs.csv``; None without either (runs in memory only, unless ``--runs.db`` names the database)."""
     if config.runs_state_dir:
         return config.runs_state_dir
     if config.runs_csv:

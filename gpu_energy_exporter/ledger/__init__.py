@@ -10,9 +10,13 @@ Modules, top to bottom:
 - ``runs``: a run's state, the points that change it, its accumulator moved over the snapshot history;
 - ``accounting``: pure energy accounting of one snapshot interval; ``split``: pure sharing of a GPU;
 - ``frames``: what a snapshot says about the GPUs, as plain values;
-- ``files``: the runs CSV (rows appended) and JSON summaries (written atomically); ``filewriter``: the
-  thread that writes them; ``journal``: the journal of open runs and unwritten rows, and the steady clock;
-  ``restart``: checkpoints, restore after a restart, and every time placed on the steady clock;
+- ``store``: the SQLite database of open runs' state and finished runs' rows, and its thread; ``codec``: the
+  runs' state as JSON (never pickle); ``trust``: whose directory and files may be read; ``recovery``: opening
+  the store, what was lost; ``restore``: the saved records decoded one by one; ``migrate``: the previous
+  releases' journal, moved into the database once;
+- ``files``: the runs CSV (rows appended) and JSON summaries (written atomically), exports of the database's
+  rows; ``filewriter``: the thread that writes them; ``journal``: the steady clock and the old journal's
+  layout; ``restart``: checkpoints, restore after a restart, and every time placed on the steady clock;
   ``specs``: the ledger's series.
 
 The names of the figures (CSV columns, the JSON summary's schema, the per-run series) are

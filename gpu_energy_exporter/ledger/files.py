@@ -10,8 +10,6 @@ failure means (keep the run, retry later). Nothing here knows about runs, snapsh
 
 from __future__ import annotations
 
-import csv
-import io
 import json
 import logging
 import math
@@ -24,7 +22,7 @@ from datetime import datetime, timezone
 from typing import IO, Any
 
 from gpu_energy_exporter.core.runs_schema import COLUMN_NAMES
-from gpu_energy_exporter.core.textfmt import csv_cell, json_safe
+from gpu_energy_exporter.core.textfmt import csv_cell, csv_record, json_safe
 
 log = logging.getLogger(__name__)
 
@@ -81,9 +79,7 @@ def fsync_dir(directory: str) -> None:
 
 
 def _csv_line(values: Iterable[str]) -> bytes:
-    buf = io.StringIO()
-    csv.writer(buf, lineterminator="\n").writerow(list(values))
-    return buf.getvalue().encode("utf-8")
+    return csv_record(values).encode("utf-8")
 
 
 HEADER_LINE: bytes = _csv_line(COLUMN_NAMES)
@@ -159,14 +155,16 @@ def _tail(path: str, size: int) -> tuple[int, bytes]:
 
 
 def repair_tail(path: str, fd: int, size: int) -> int:
-    """Cut a torn last line (no newline at the end: a write interrupted by a crash) off the CSV; the new
-    size. Reads at most ``TAIL_BYTES``."""
+    """Make the CSV end at a line break before a row is appended; the new size. A torn last line within the
+    last ``TAIL_BYTES`` (a write interrupted by a crash: the row is still pending and written again) is cut
+    off. A longer one is no row of the ledger's: it is kept and closed with a line break (and a quote, when
+    it left one open), so that the rows after it start a line of their own for every CSV reader."""
     start, tail = _tail(path, size)
     if tail.endswith(b"\n"):
         return size
     cut = tail.rfind(b"\n")
     if cut < 0 and start > 0:
-        return size  # one line longer than the tail: not ours to cut
+        return _isolate(path, fd, size)
     new_size = start + cut + 1
     log.warning("runs CSV %s: removed a half-written last line (%d bytes) left by an interrupted write",
                 path, size - new_size)
@@ -174,9 +172,36 @@ def repair_tail(path: str, fd: int, size: int) -> int:
     return new_size
 
 
+def _isolate(path: str, fd: int, size: int) -> int:
+    """Close the CSV's last line (longer than ``TAIL_BYTES``) with a line break, after a quote when it has an
+    odd number of them; read backwards a chunk at a time (memory stays bounded, whatever its length)."""
+    quotes = 0
+    pos = size
+    length = 0
+    with open(path, "rb") as f:
+        while pos > 0:
+            step = min(TAIL_BYTES, pos)
+            pos -= step
+            f.seek(pos)
+            chunk = f.read(step)
+            nl = chunk.rfind(b"\n")
+            part = chunk[nl + 1:] if nl >= 0 else chunk
+            quotes += part.count(b'"')
+            length += len(part)
+            if nl >= 0:
+                break
+    closing = b'"\n' if quotes % 2 else b"\n"
+    written = 0
+    while written < len(closing):
+        written += os.write(fd, closing[written:])
+    log.warning("runs CSV %s: its last line (%d bytes, no row of the ledger's) was left unfinished; closed it with "
+                "a line break so that the next rows stay readable", path, length)
+    return size + len(closing)
+
+
 def row_written(path: str, row: Mapping[str, Any]) -> bool:
-    """Whether this exact row is among the CSV's last lines (a row journaled as pending whose append had
-    completed when the process died): appending it again would count the run twice."""
+    """Whether this exact row is among the CSV's last lines (a row the database still had as unexported, whose
+    append had completed when the process died): appending it again would count the run twice."""
     try:
         size = os.stat(path).st_size
         if not size:

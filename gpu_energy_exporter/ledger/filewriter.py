@@ -1,12 +1,14 @@
-"""The run ledger's file writer: closed runs' JSON summaries and CSV rows, written off the hot path.
+"""The run ledger's exports: closed runs' JSON summaries and CSV rows, written from the database off the hot
+path.
 
-A closed run becomes a ``Row`` (its summary and document, made under the ledger's lock); the ledger journals
-it (``ledger.journal``) and hands it here. In production the rows are written by this module's own thread,
-in order, each only once the journal holds it (``journaled``): a crash before the write leaves the row in
-the journal and it is written after the restart; a crash after the write but before the journal noted it
-is recognised by ``files.row_written`` (the CSV's tail is read), so no run is written twice and neither a
-summary nor a row exists without the other. A failed write is retried with back-off, the rows behind it
-wait (their order is the CSV's); the backlog is the ledger's ``writes_pending`` gauge.
+A closed run becomes a ``Row`` (its summary and document, made under the ledger's lock); the ledger stores it
+in its database (``ledger.store``) and hands it here. In production the rows are written by this module's own
+thread, in order, each only once the database holds it (``journaled``): a crash before the write leaves the
+row in the database, unexported, and it is written after the restart; a crash after the write but before the
+database marked it exported is recognised by ``files.row_written`` (the CSV's tail is read), so no run is
+written twice and neither a summary nor a row exists without the other. A failed write is retried with
+back-off, the rows behind it wait (their order is the CSV's); the backlog is the ledger's ``writes_pending``
+gauge.
 
 Sampling, scrapes and shutdown never wait on this thread: a stalled file system (hung NFS) blocks only it.
 Without a thread (``threaded=False``, the unit tests) ``poll`` writes the due rows on the caller's thread,
@@ -31,8 +33,8 @@ log = logging.getLogger(__name__)
 
 @dataclass(slots=True)
 class Row:
-    """A closed run waiting to be written: ``seq`` orders rows (unique within a journal), ``ticket`` the
-    journal checkpoint that holds it (0: none needed)."""
+    """A closed run waiting to be written: ``seq`` orders rows (the database's key), ``ticket`` the store's
+    batch that holds it (0: none needed)."""
 
     seq: int
     run_id: str
@@ -40,22 +42,18 @@ class Row:
     summary: dict[str, Any]
     doc: dict[str, Any]
     json_name: str | None = None
-    restored: bool = False  # came back from the journal: its append may have completed before the crash
+    restored: bool = False  # came back from the database: its append may have completed before the crash
     ticket: int = 0
     failures: int = 0
     next_try: float = 0.0
     extra: dict[str, Any] = field(default_factory=dict)
-
-    def journaled(self) -> Row:
-        """What the journal keeps of the row (no ticket, no back-off)."""
-        return Row(self.seq, self.run_id, self.start, self.summary, self.doc, self.json_name, True)
 
 
 class FileWriter:
     """Writes ``Row``s to ``csv_path`` and the summaries directory beside it.
 
     ``on_written(row)`` / ``on_failed(row, exc, first)`` are called after each attempt (from the writing
-    thread); ``journaled(ticket, timeout)`` says whether the journal holds a checkpoint (None: no journal).
+    thread); ``journaled(ticket, timeout)`` says whether the database holds a batch (None: no database).
     ``clock``: for the back-off."""
 
     def __init__(self, csv_path: str, *, on_written: Callable[[Row], None],
@@ -148,7 +146,7 @@ class FileWriter:
                 self._idle = False
             try:
                 if self._journaled is not None and row.ticket and not self._journaled(row.ticket, 1.0):
-                    continue  # never write what the journal does not hold yet
+                    continue  # never export what the database does not hold yet
                 self._write(row)
             finally:
                 with self._cond:
@@ -167,7 +165,7 @@ class FileWriter:
         if removed:
             log.warning("run ledger: removed %d temporary file(s) left by an interrupted write", removed)
         if os.path.isfile(self.csv_path):  # never opens a FIFO or a device (that could block)
-            fd = os.open(self.csv_path, os.O_WRONLY)
+            fd = os.open(self.csv_path, os.O_WRONLY | os.O_APPEND)
             try:
                 size = os.fstat(fd).st_size
                 if size:

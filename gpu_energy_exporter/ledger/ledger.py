@@ -3,9 +3,9 @@
 Fed from two sides: ``on_point`` receives every point the OTLP store accepted (request threads) and
 ``on_snapshot`` every sampler snapshot (sampler thread). A run lives from its first point until every
 rank that pushed has sent ``training_run_finished 1`` (or until nothing was pushed for ``stale_after``,
-in which case it ends at its last point). Then it is journaled, and the file writer's thread appends one
-row to the CSV and writes a JSON summary beside it (``<csv dir>/runs/<run id>.json``, atomically). With a
-journal (``state_dir``) open runs outlive the process (``restart``); all times are on ``clock`` (in the
+in which case it ends at its last point). Then its row goes into the database (``ledger.store``), then to the
+CSV and a JSON summary (``<csv dir>/runs/<run id>.json``) by the file writer's thread. With a database
+(``state_dir``, ``db_path``) open runs outlive the process (``restart``); all times are on ``clock`` (in the
 daemon the steady clock, with ``wall`` the clock snapshots are stamped with).
 ``collect()`` serves per-run series on /metrics; ``runs()`` / ``run(run_id)`` feed the JSON API
 (``daemon/api.py``: ``/api/v1/runs``, ``/api/v1/run?id=``) that ``top``, ``report`` and ``runs --url`` read.
@@ -13,7 +13,7 @@ How the figures are made: the package's docstring (``gpu_energy_exporter.ledger`
 
 This module never calls NVML or reads hardware, never integrates power into energy, and never raises
 into the sampler or request threads, and never touches a file on them: a failing write is logged and
-counted, the row is kept (journaled) and retried with back-off by the file writer's thread.
+counted, the row is kept (in the database) and retried with back-off by the file writer's thread.
 
 This module is the ledger's driver: the lock, the snapshot history, who holds which GPU, when runs open
 and close, and the write-retry queue; what /metrics and the JSON API get is read in ``views`` (inherited).
@@ -66,8 +66,8 @@ class RunLedger(LedgerAdmission, LedgerViews):
     once per snapshot on the sampler thread; None means no CO2 figures. ``clock``: the ledger's time
     (intervals, staleness, how long finished runs are kept); ``wall``: the clock snapshots are stamped
     with when ``clock`` is another one (the daemon's steady clock): snapshots are then dated by ``clock``
-    and senders' timestamps placed against their arrival. ``state_dir``: ``--runs.state-dir`` (None: no
-    journal, runs in memory only); ``background_writes``: files written by their own thread (the daemon)
+    and senders' timestamps placed against their arrival. ``state_dir``/``db_path``: ``--runs.state-dir``/``--runs.db``
+    (neither: runs in memory only); ``background_writes``: files written by their own thread (the daemon)
     rather than on the thread that closes a run; ``journal_interval_s``: ``--runs.journal-interval``.
     """
 
@@ -94,6 +94,7 @@ class RunLedger(LedgerAdmission, LedgerViews):
         finished_runs_per_client_per_minute: float = 60.0,
         max_backdate_s: float = 10.0,
         settle_wait_s: float = 75.0,
+        db_path: str | None = None,
     ) -> None:
         if warmup_s < 0 or stale_after_s <= 0:
             raise ValueError("warmup_s must be >= 0 and stale_after_s > 0")
@@ -125,7 +126,7 @@ class RunLedger(LedgerAdmission, LedgerViews):
         self._claims = specs.ClaimTally()  # refused processes, closed runs' unconfirmed GPU claims
         self._evicted = 0.0
         self._write_errors = 0.0
-        # Closed runs not written yet (journaled until they are): seq -> row. The file writer retries
+        # Closed runs not written yet (kept in the database until they are): seq -> row. The file writer retries
         # failed ones with back-off.
         self._pending: dict[int, Row] = {}
         self._seq = 0
@@ -160,8 +161,8 @@ class RunLedger(LedgerAdmission, LedgerViews):
         # snapshot counted and every expiry of finished runs.
         self._snapshots = 0
         self._expirations = 0
-        # The journal (open runs outlive the exporter) and the file writer: ``restart``.
-        self._durable = restart.Durable(self, state_dir, background_writes, journal_interval_s)
+        # The store (open runs outlive the exporter, every finished run's row) and the exports: ``restart``.
+        self._durable = restart.Durable(self, state_dir, background_writes, journal_interval_s, db_path)
 
     # ------------------------------------------------------------------------------------------------
     # points (request threads)
@@ -438,7 +439,7 @@ class RunLedger(LedgerAdmission, LedgerViews):
         s = run.summary
         self._runs_log.info("finished", "run %s %s: %.0fs, %s tokens, %s J, %s J/token", run.run_id, status,
                             s["duration_s"], fmt(s["tokens"]), fmt(s["energy_j"]), fmt(s["j_per_token"]))
-        if self.csv_path is not None:
+        if self._durable.keeps_rows:  # the database, the CSV or both
             self._seq += 1
             row = Row(self._seq, run.run_id, run.s, dict(s), self._document(run, dict(s)))
             row.extra["run"] = run
@@ -460,13 +461,13 @@ class RunLedger(LedgerAdmission, LedgerViews):
             return self._version
 
     def close(self) -> None:
-        """Shutdown, after the sampler stopped. With a journal (``state_dir``) open runs stay open: the last
+        """Shutdown, after the sampler stopped. With a database (``state_dir``) open runs stay open: the last
         checkpoint keeps them and the next start restores them (a run spanning a restart is one run);
         without one they are closed as ``exporter_stopped`` at their last point. A finishing run is closed
         as ``finished``; runs that never pushed training progress are dropped. Rows not written yet are
-        tried once more; what cannot be written in time stays journaled. Returns within a few seconds
+        tried once more; what cannot be written in time stays in the database. Returns within a few seconds
         whatever the file system does."""
-        keep_open = self._durable.journal is not None
+        keep_open = self._durable.store is not None
         with self._lock:
             self._version += 1
             for run in list(self._active.values()):
@@ -480,14 +481,7 @@ class RunLedger(LedgerAdmission, LedgerViews):
                     run.e = max(min(run.last_point_t, run.acc.t), run.s)
                     run.notes.append("the exporter stopped while the run was going")
                     self._close(run, "exporter_stopped")
-        self._durable.shutdown()
-        with self._lock:
-            lost = [r.run_id for r in self._pending.values()]
-        if lost:
-            where = ("kept in the journal and written at the next start" if keep_open
-                     else "lost at shutdown")
-            log.error("run ledger: %d finished run(s) could not be written to %s in time: %s (%s)",
-                      len(lost), self.csv_path, ", ".join(lost), where)
+        self._durable.shutdown()  # and says what could not be written in time
 
     # ------------------------------------------------------------------------------------------------
     # files

@@ -1,40 +1,51 @@
-"""What lets the run ledger's runs outlive the exporter and its clocks: the journal checkpoints and their
-restore, the file writer's bookkeeping, and the mapping of every time the ledger sees onto one steady axis.
+"""What lets the run ledger's runs outlive the exporter and its clocks: the store's checkpoints and their
+restore, the rows' way to the database and the exports, and the mapping of every time the ledger sees onto one
+steady axis.
 
-- **Restart.** ``Durable`` checkpoints the open runs, the rows not yet written and the latest snapshot frame
-  into the journal (``ledger.journal``, on its own thread, every ``journal_interval_s`` and whenever a run
-  closes) and restores them when the ledger starts: a restored run goes on as the same run. The frame is
+- **Restart.** ``Durable`` writes the open runs' state (``ledger.codec``), the latest snapshot frame and every
+  closed run's row into the database (``ledger.store``, on the store's own thread: every
+  ``journal_interval_s`` and whenever a run starts; a closing run's row at once, in the transaction that drops
+  its open state) and restores them when the ledger starts (``ledger.recovery`` opens the store, migrates a
+  previous release's journal, and says what was lost; ``ledger.restore`` decodes each record): a restored run
+  goes on as the same run. The frame is
   put back at the head of the snapshot history, so the first snapshot after the restart closes the gap as
   one ordinary interval: the GPU's energy counter (cumulative in the driver) across the downtime, shared
   with the shares known before it, and the run notes ``gap_s``. Tokens are cumulative in the trainer: a
   restored series takes the trainer's next value as it comes (nothing counts twice, nothing is lost);
   should that value be lower (the exporter's folding of an earlier trainer restart was lost with the
   process) the series continues from its restored count (``reconcile``).
+- **Exports.** A row in the database is then written to ``--runs.csv`` and its JSON summary by the file
+  writer's thread (``ledger.filewriter``), and marked exported; a row not exported yet when the process
+  stops is exported after the restart, once.
 - **Time.** The ledger runs on the steady clock (``journal.SteadyClock``): a snapshot is dated when the
   ledger receives it (``on_clock``), and a point's trainer timestamp is placed relative to when it arrived
   (``steady_point_time``): it keeps its order and spacing within its stream, but a sender's clock that is
   off or steps moves no energy between runs.
 
-This module never reads hardware and never writes files itself (``journal`` and ``filewriter`` do); it
-holds the ledger's lock only to copy state.
+This module never reads hardware and never writes files itself (``store`` and ``filewriter`` do); it
+holds the ledger's lock only to copy state, one run at a time.
 """
 
 from __future__ import annotations
 
+import gc
+import json
 import logging
 import math
-import pickle
-import time
+import os
+import sqlite3
 from collections import deque
 from collections.abc import Mapping
 from dataclasses import replace
 from typing import Any
 
-from gpu_energy_exporter.core.ratelog import RateLimitedLog
+from gpu_energy_exporter.core.runs_db import DB_NAME
+from gpu_energy_exporter.ledger import codec, recovery, restore
 from gpu_energy_exporter.ledger.filewriter import FileWriter, Row
 from gpu_energy_exporter.ledger.frames import Frame
-from gpu_energy_exporter.ledger.journal import FORMAT, Journal, JournalWriter, SteadyClock
+from gpu_energy_exporter.ledger.journal import SteadyClock
 from gpu_energy_exporter.ledger.runs import LabelKey, Run
+from gpu_energy_exporter.ledger.store import Batch, Saved, Store, StoredRow, StoreWriter, damaged
 
 log = logging.getLogger(__name__)
 
@@ -45,9 +56,13 @@ FIRST_TOLERANCE_S = 5.0
 #: again (the driver's counter is confirmed by two readings) before the gap is closed without it.
 GAP_WAIT_S = 30.0
 #: Shutdown: the most the ledger waits for its last checkpoint and for the rows still to write.
-SHUTDOWN_JOURNAL_S = 2.0
+SHUTDOWN_STORE_S = 2.0
 SHUTDOWN_FILES_S = 1.5
-#: Rows waiting to be written, at most (each holds its run's summary and timeline, in memory and journal).
+#: A run's timeline (most of its saved bytes) is saved with its state at most this often (and at the last
+#: checkpoint before a stop): a SIGKILL loses at most this much of a timeline, never energy or tokens.
+TIMELINE_EVERY_S = 60.0
+#: Rows waiting to be written, at most, in memory (each holds its run's summary and timeline); beyond, a row
+#: already in the database waits there and is exported at the next start.
 MAX_PENDING = 1000
 
 
@@ -105,78 +120,186 @@ def reconcile(run: Run, name: str, labels: Mapping[str, str], value: float, key:
 
 
 class Durable:
-    """The ledger's journal and file writer (either may be absent). ``ledger``: the ``RunLedger``."""
+    """The ledger's store and exports (either may be absent). ``ledger``: the ``RunLedger``; ``db_path``:
+    ``--runs.db`` (default: ``runs.db`` in ``state_dir``)."""
 
-    def __init__(self, ledger: Any, state_dir: str | None, threaded: bool, interval_s: float) -> None:
+    def __init__(self, ledger: Any, state_dir: str | None, threaded: bool, interval_s: float,
+                 db_path: str | None = None) -> None:
         self._ledger = ledger
         self._interval = interval_s
         self._last_kick = -math.inf
-        self.journal: Journal | None = None
-        self._jw: JournalWriter | None = None
+        self.store: Store | None = None
+        self._sw: StoreWriter | None = None
         self.writer: FileWriter | None = None
         self.gap_pending = False
         self._gap_since: float | None = None
-        self._errors_log = RateLimitedLog(log, period_s=300.0)  # a failing disk fails every checkpoint
-        if state_dir is not None:
-            try:
-                self.journal = Journal(state_dir)
-            except OSError as exc:
-                log.error("run ledger: cannot use the state directory %s (%s): open runs will not survive a "
-                          "restart", state_dir, exc)
+        self.losses = recovery.Losses(ledger.stale_after_s)
+        self._unsaved: list[Row] = []  # closed runs' rows not in the database yet (ledger lock)
+        self._exported: list[tuple[int, str | None]] = []  # rows exported since the last batch
+        self._building: tuple[list[Row], int, int] = ([], 0, 0)
+        self._failing = False
+        # Timelines (the bulk of a run's state) are saved every TIMELINE_EVERY_S and at the last checkpoint:
+        # run id -> (the run, when its timeline was last saved); and those in the batch being written.
+        self._timeline_saved: dict[str, tuple[Run, float]] = {}
+        self._timeline_due: list[tuple[str, Run, float]] = []
+        self._final = False
+        path = db_path or (os.path.join(state_dir, DB_NAME) if state_dir is not None else None)
+        if path is not None:
+            self.store = recovery.open_store(path, state_dir, self.losses, ledger._clock())
         if ledger.csv_path is not None:
             self.writer = FileWriter(ledger.csv_path, on_written=self._written, on_failed=self._failed,
-                                     journaled=self._journaled if self.journal is not None else None,
+                                     journaled=self._stored if self.store is not None else None,
                                      clock=ledger._clock, threaded=threaded)
-        if self.journal is not None:
-            state = self.journal.load()
-            if state is not None:
-                self._restore(state)
-            self._jw = JournalWriter(self.journal, self._build, self._journal_failed)
+        if self.store is not None:
+            # Hundreds of thousands of tuples are made at once (timelines): the cyclic collector would rescan
+            # them at every allocation threshold, 40% of the restore's time, for no cycle among them.
+            collecting = gc.isenabled()
+            gc.disable()
+            try:
+                self._load()
+            finally:
+                if collecting:
+                    gc.enable()
+        if self.store is not None:
+            self._sw = StoreWriter(self.store, self._build, self._batch_done, self._store_failed)
             self._last_kick = ledger._clock()
-            self._jw.kick()  # a new generation at once: the journal read is compacted
+            self._sw.kick(full=True)  # the state as restored, and what was lost, at once
 
-    # -- checkpoints -------------------------------------------------------------------------------
+    def _load(self) -> None:
+        """Read the store and restore what it holds (a database that opens but does not read: left as it is,
+        or, damaged, replaced)."""
+        ledger = self._ledger
+        if self.store is not None:
+            saved: Saved | None = None
+            try:
+                saved = self.store.load(MAX_PENDING)
+            except (sqlite3.Error, OSError) as exc:  # a database that opens but does not read
+                self.store.close(checkpoint=False)
+                if not damaged(exc):
+                    unavailable = f"cannot read {self.store.path} ({exc})"
+                    log.error("run ledger: %s: runs kept in memory; the file is left as it is", unavailable)
+                    self.losses.unknown(recovery.REFUSED, unavailable, ledger._clock(), store=False)
+                    self.store = None
+                else:
+                    self.store = recovery.replace_damaged(self.store.path, exc, self.losses, ledger._clock())
+                try:
+                    saved = self.store.load(MAX_PENDING) if self.store is not None else None
+                except (sqlite3.Error, OSError) as again:
+                    log.error("run ledger: cannot read the new database either (%s): runs kept in memory", again)
+                    self.store = None
+            if saved is not None:
+                self._restore(saved)
 
-    def _build(self) -> bytes:
+    @property
+    def keeps_rows(self) -> bool:
+        """Whether a closed run becomes a row (written to the database, the CSV or both)."""
+        return self.store is not None or self.writer is not None
+
+    # -- batches (the store's thread) -----------------------------------------------------------------
+
+    def _build(self, full: bool) -> Batch:
         led = self._ledger
+        encoded: dict[str, tuple[Run, float, Any, Any]] = {}
+        extra: dict[str, Any] = {}
+        self._timeline_due = []
+        if full:
+            with led._lock:
+                now = led._clock()
+                if led._history:
+                    extra["frame"] = codec.encode(led._history[-1])
+                if isinstance(led._clock, SteadyClock):
+                    extra["clock"] = codec.encode(led._clock)
+                runs = [r for r in led._active.values() if not r.tentative]
+                saved_tl = self._timeline_saved = {k: v for k, v in self._timeline_saved.items() if k in led._active}
+            for run in runs:
+                with led._lock:  # one run at a time: points and snapshots wait for one run's copy, never all
+                    if led._active.get(run.run_id) is not run:
+                        continue
+                    self.losses.note(run)
+                    last = saved_tl.get(run.run_id)
+                    due = self._final or last is None or last[0] is not run or now - last[1] >= TIMELINE_EVERY_S
+                    timeline = codec.encode(run.timeline) if due else None
+                    encoded[run.run_id] = (run, run.s, codec.encode(run, recovery.TIMELINE), timeline)
         with led._lock:
-            state = {
-                "format": FORMAT,
-                "clock": led._clock if isinstance(led._clock, SteadyClock) else None,
-                "saved_wall": time.time(),
-                "active": [r for r in led._active.values() if not r.tentative],
-                "pending": [row.journaled() for row in led._pending.values()],
-                "frame": led._history[-1] if led._history else None,
-                "seq": led._seq,
-                "finished_counts": dict(led._finished_counts),
-            }
-            for run in state["active"]:
-                run.live_memo = run.settled_memo = None  # caches: not worth the bytes
-            return pickle.dumps(state, protocol=pickle.HIGHEST_PROTOCOL)
+            saved = led._clock()
+            rows = list(self._unsaved)
+            exported = list(self._exported)
+            losses = list(self.losses.unsaved)
+            encoded = {k: v for k, v in encoded.items() if led._active.get(k) is v[0]}
+            # a closed run's saved state leaves with its row, unless a new instance of it is going already
+            closed = [r.run_id for r in rows if r.run_id not in led._active or led._active[r.run_id].tentative]
+            meta = {"seq": str(led._seq), "finished_counts": json.dumps(led._finished_counts),
+                    "saved_unix": repr(saved)}
+        self._building = (rows, len(exported), len(losses))
+        batch = Batch(full=full, closed=closed, exported=exported, meta=meta, losses=losses,
+                      rows=[StoredRow(r.seq, r.run_id, r.start, r.summary, r.doc, exported=self.writer is None,
+                                      summary_name=r.json_name) for r in rows])
+        for run_id, (run, start, data, timeline) in encoded.items():
+            batch.open_runs[run_id] = (start, saved, codec.dumps(data),
+                                       codec.dumps(timeline) if timeline is not None else None)
+            if timeline is not None:
+                self._timeline_due.append((run_id, run, saved))
+        for key, data in extra.items():
+            batch.meta[key] = codec.dumps(data)
+        return batch
 
-    def _journaled(self, ticket: int, timeout: float) -> bool:
-        return self._jw is None or self._jw.wait(ticket, timeout)
+    def _batch_done(self, batch: Batch) -> None:
+        led = self._ledger
+        rows, n_exported, n_losses = self._building
+        done = {id(r) for r in rows}
+        for run_id, run, saved in self._timeline_due:
+            self._timeline_saved[run_id] = (run, saved)
+        self._timeline_due = []
+        with led._lock:
+            self._unsaved = [r for r in self._unsaved if id(r) not in done]
+            del self._exported[:n_exported]
+            del self.losses.unsaved[:n_losses]
+            for row in rows:
+                row.extra["stored"] = True
+                if self.writer is None:
+                    led._pending.pop(row.seq, None)  # nothing else to write
+            led._version += 1
+        if self._failing:
+            self._failing = False
+            log.warning("run ledger: writing %s works again", self.store.path if self.store else "the database")
 
-    def _journal_failed(self, exc: OSError) -> None:
+    def _stored(self, ticket: int, timeout: float) -> bool:
+        return self._sw is None or self._sw.wait(ticket, timeout)
+
+    def _store_failed(self, exc: OSError) -> None:
         led = self._ledger
         with led._lock:
             led._write_errors += 1
             led._version += 1
-        self._errors_log.error("journal", "run ledger: cannot write the journal in %s (%s); open runs may not "
-                               "survive a restart", self.journal.directory if self.journal else "?", exc)
+        if not self._failing:
+            self._failing = True
+            log.error("run ledger: cannot write the database (%s); retrying. Finished runs are kept in memory until "
+                      "it works; open runs may not survive a restart meanwhile", exc)
 
-    def _restore(self, state: dict[str, Any]) -> None:
+    # -- restore ---------------------------------------------------------------------------------------
+
+    def _restore(self, saved: Saved) -> None:
         led = self._ledger
-        journaled_clock = state.get("clock")
-        same_axis = (isinstance(led._clock, SteadyClock) and isinstance(journaled_clock, SteadyClock)
-                     and led._clock.adopt(journaled_clock))
+        report = codec.Decoded()
+        clock = restore.meta(saved, "clock", report, self.losses)
+        same_axis = (isinstance(led._clock, SteadyClock) and isinstance(clock, SteadyClock)
+                     and led._clock.adopt(clock))
         now = led._clock()
-        frame: Frame | None = state.get("frame")
-        if frame is not None and frame.t >= now:
-            log.warning("run ledger: the journal's last snapshot is dated after now (the machine rebooted with "
-                        "its clock behind?): the downtime's energy is not counted")
+        frame = restore.meta(saved, "frame", report, self.losses)
+        if not isinstance(frame, Frame):
             frame = None
-        for run in state.get("active", ()):
+        elif frame.t >= now:
+            log.warning("run ledger: the last saved snapshot is dated after now (the machine rebooted with its "
+                        "clock behind?): the downtime's energy is not counted")
+            frame = None
+        for record in saved.open_runs:
+            run = restore.run(*record[:5], losses=self.losses)
+            if run is None:
+                continue
+            run.timeline, tl_saved = restore.timeline(run, *record[5:], losses=self.losses,
+                                                      points=led._timeline_points)
+            if tl_saved is not None:
+                self._timeline_saved[run.run_id] = (run, tl_saved)
             run.restored = {}
             run.last_point_received = now  # it gets --runs.stale-after from now to push again
             run.checkpoints = deque()
@@ -186,25 +309,36 @@ class Durable:
         if frame is not None and led._active:
             led._history.append(frame)
             self.gap_pending = True
-        for row in state.get("pending", ()):
-            row.extra["queued"] = now
-            led._pending[row.seq] = row
-            if self.writer is not None:
+        if self.writer is not None:  # without a CSV they wait in the database
+            for values in saved.rows:
+                row = restore.row(values, self.losses)
+                row.extra["queued"] = now
+                row.extra["stored"] = True
+                led._pending[row.seq] = row
                 self.writer.submit(row)
-        led._seq = max(led._seq, int(state.get("seq", 0)))
-        for status, count in state.get("finished_counts", {}).items():
-            led._finished_counts[status] = max(led._finished_counts.get(status, 0.0), count)
+        if saved.more_rows:
+            log.warning("run ledger: %d more finished run(s) wait in %s to be written to --runs.csv; they are written "
+                        "after a later start", saved.more_rows, self.store.path if self.store else "the database")
+        try:
+            seq = int(saved.meta.get("seq", "0"))
+        except ValueError:
+            seq = 0
+        led._seq = max(led._seq, seq, saved.max_seq)
+        counts = restore.meta(saved, "finished_counts", report, self.losses)
+        for status, count in (counts.items() if isinstance(counts, dict) else ()):
+            if isinstance(count, (int, float)):
+                led._finished_counts[status] = max(led._finished_counts.get(status, 0.0), float(count))
         led._holders_gen += 1
         led._version += 1
-        log.info("run ledger: restored %d open run(s) and %d row(s) still to write from the journal in %s%s",
-                 len(led._active), len(led._pending), self.journal.directory if self.journal else "?",
+        log.info("run ledger: restored %d open run(s) and %d row(s) still to write from %s%s",
+                 len(led._active), len(led._pending), self.store.path if self.store else "?",
                  "" if same_axis else " (another boot: the downtime is measured by the wall clock)")
 
     # -- the gap -------------------------------------------------------------------------------------
 
     def gap_ready(self, prev: Frame, frame: Frame) -> bool:
         """Whether the first snapshot after a restart can close the gap: every GPU whose counter the
-        journaled snapshot had is readable again (or ``GAP_WAIT_S`` passed)."""
+        saved snapshot had is readable again (or ``GAP_WAIT_S`` passed)."""
         if self._gap_since is None:
             self._gap_since = frame.t
         if frame.t - self._gap_since > GAP_WAIT_S:
@@ -214,7 +348,7 @@ class Durable:
             all(k in frame.gpus for k, g in prev.gpus.items() if g.energy_j is not None)
 
     def note_gap(self, prev: Frame, frame: Frame) -> None:
-        """The restart's gap (``prev``: the journaled snapshot, ``frame``: the first one since) is about to be
+        """The restart's gap (``prev``: the saved snapshot, ``frame``: the first one since) is about to be
         counted as one interval: each restored run says so."""
         self.gap_pending = False
         gap = frame.t - prev.t
@@ -234,26 +368,37 @@ class Durable:
     # -- rows ----------------------------------------------------------------------------------------
 
     def started(self) -> None:
-        """A run started (ledger lock held): journal it now, not at the next periodic checkpoint."""
-        if self._jw is not None:
-            self._jw.kick()
+        """A run started (ledger lock held): save it now, not at the next periodic checkpoint."""
+        if self._sw is not None:
+            self._sw.kick(full=True)
 
     def closed(self, row: Row) -> None:
-        """A run closed (ledger lock held): journal it, then hand it to the writer."""
-        row.extra["queued"] = self._ledger._clock()
-        if self._jw is not None:
-            row.ticket = self._jw.kick()
-            self._last_kick = self._ledger._clock()
+        """A run closed (ledger lock held): its row to the database (its open state leaving in the same
+        transaction), then to the exports."""
+        led = self._ledger
+        row.extra["queued"] = led._clock()
+        run = row.extra.get("run")
+        note = self.losses.note(run) if run is not None else None
+        if note and run is not None:
+            for doc in (row.summary, row.doc, run.summary if run.summary is not None else {}):
+                doc["ledger_notes"] = "; ".join(x for x in (doc.get("ledger_notes"), note) if x)
+        if self._sw is not None:
+            self._unsaved.append(row)
+            row.ticket = self._sw.kick()
         if self.writer is not None:
             self.writer.submit(row)
-        led = self._ledger
-        if len(led._pending) > MAX_PENDING:  # a file system down for days: memory and journal stay bounded
+        if len(led._pending) > MAX_PENDING:  # a file system down for days: memory stays bounded
             oldest = min(led._pending)
             dropped = led._pending.pop(oldest)
             if self.writer is not None:
                 self.writer.discard(oldest)
-            log.error("run ledger: more than %d runs waiting to be written; giving up on run %s", MAX_PENDING,
-                      dropped.run_id)
+            if dropped.extra.get("stored"):
+                log.error("run ledger: more than %d runs waiting to be written; run %s waits in the database and is "
+                          "written to --runs.csv at the next start", MAX_PENDING, dropped.run_id)
+            else:
+                self._unsaved = [r for r in self._unsaved if r is not dropped]
+                log.error("run ledger: more than %d runs waiting to be written; giving up on run %s", MAX_PENDING,
+                          dropped.run_id)
 
     def _written(self, row: Row) -> None:
         led = self._ledger
@@ -263,10 +408,12 @@ class Durable:
             run = row.extra.get("run")
             if run is not None and run.summary is not None:
                 run.summary["summary_file"] = row.summary.get("summary_file")
+            if self._sw is not None:
+                self._exported.append((row.seq, row.json_name))
         if row.failures:
             log.warning("run %s: written to the run ledger after %d failed attempt(s)", row.run_id, row.failures)
-        if self._jw is not None:
-            self._jw.kick()  # the row leaves the journal
+        if self._sw is not None:
+            self._sw.kick()  # the row is marked exported
 
     def _failed(self, row: Row, exc: OSError, first: bool) -> None:
         led = self._ledger
@@ -277,7 +424,7 @@ class Durable:
             log.error("run %s: cannot write the run ledger (%s: %s); the run is kept%s and retried until it is "
                       "written. Check that the directory of --runs.csv exists and is writable.",
                       row.run_id, getattr(exc, "filename", None) or led.csv_path, exc.strerror or exc,
-                      " in the journal" if self.journal is not None else "")
+                      " in the database" if self.store is not None else "")
 
     def backlog_s(self) -> float:
         """How long the oldest unwritten row has waited (ledger lock held)."""
@@ -294,18 +441,29 @@ class Durable:
         checkpoint."""
         if self.writer is not None:
             self.writer.poll(now)
-        if self._jw is not None and now - self._last_kick >= self._interval:
+        if self._sw is not None and now - self._last_kick >= self._interval:
             self._last_kick = now
-            self._jw.kick()
+            self._sw.kick(full=True)
 
     def shutdown(self) -> None:
         """The last checkpoint and the rows still to write, each within its time; what is not written stays
-        in the journal."""
-        if self._jw is not None:
-            self._jw.wait(self._jw.kick(), SHUTDOWN_JOURNAL_S)
+        in the database (or, when the database cannot be written either, is logged by the ledger as lost)."""
+        if self._sw is not None:
+            self._final = True  # every timeline too
+            self._sw.wait(self._sw.kick(full=True), SHUTDOWN_STORE_S)
         if self.writer is not None:
             self.writer.drain(SHUTDOWN_FILES_S)
             self.writer.close()
-        if self._jw is not None:
-            self._jw.wait(self._jw.kick(), SHUTDOWN_JOURNAL_S / 2)
-            self._jw.close()
+        if self._sw is not None:
+            self._sw.wait(self._sw.kick(), SHUTDOWN_STORE_S / 2)
+            self._sw.close()
+        led = self._ledger
+        with led._lock:
+            kept = [r.run_id for r in led._pending.values() if r.extra.get("stored")]
+            lost = [r.run_id for r in led._pending.values() if not r.extra.get("stored")]
+        if kept:
+            log.warning("run ledger: %d finished run(s) not written to %s yet: %s (kept in the database, written at "
+                        "the next start)", len(kept), led.csv_path, ", ".join(kept))
+        if lost:
+            log.error("run ledger: %d finished run(s) could not be written in time and are lost at shutdown: %s",
+                      len(lost), ", ".join(lost))

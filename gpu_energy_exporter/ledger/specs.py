@@ -64,13 +64,20 @@ LEDGER_WRITE_ERRORS = metrics.define(
     collector=COLLECTOR)
 LEDGER_WRITES_PENDING = metrics.define(
     "ledger", "writes_pending", "gauge",
-    "Finished runs not yet written to the runs CSV (the write backlog): journaled, written by the ledger's "
-    "file thread; grows while the file system is slow, stalled or failing (failed writes are retried with "
+    "Finished runs not yet written to the runs CSV or the database (the write backlog): kept, written by the "
+    "ledger's threads; grows while the file system is slow, stalled or failing (failed writes are retried with "
     "back-off).", collector=COLLECTOR)
 LEDGER_WRITE_BACKLOG = metrics.define(
     "ledger", "write_backlog_seconds", "gauge",
     "How long the oldest finished run not yet written to the runs CSV has waited (0 when none waits).",
     collector=COLLECTOR, unit="seconds")
+LEDGER_STATE_LOST = metrics.define(
+    "ledger", "state_lost_total", "counter",
+    "Saved ledger state that could not be restored, by reason: damaged_record (a run's or row's record in the "
+    "database did not decode: one per record), damaged_database (the database could not be read: moved aside), "
+    "migration_failed (a previous release's journal, or part of it, could not be migrated), refused (the state "
+    "directory or database is not the exporter's user's own or is writable by others: runs kept in memory). The "
+    "log names the runs lost and for how long; their rows say so.", ("reason",), collector=COLLECTOR)
 LEDGER_UNATTRIBUTED = metrics.define(
     "ledger", "unattributed_energy_joules_total", "counter",
     "Energy of a GPU charged to no run (no run used it then), counted once no late point can change that: "
@@ -213,6 +220,14 @@ def refused_family(refused: Mapping[str, float]) -> Metric:
     fam = LEDGER_POINTS_REFUSED.family()
     for reason in sorted(refused):
         metrics.add(fam, [reason], refused[reason])
+    return fam
+
+
+def state_lost_family(counts: Mapping[str, float]) -> Metric:
+    """``gpuenergy_ledger_state_lost_total`` by reason (every reason, from zero)."""
+    fam = LEDGER_STATE_LOST.family()
+    for reason in sorted(counts):
+        metrics.add(fam, [reason], counts[reason])
     return fam
 
 

@@ -46,7 +46,7 @@ class LedgerViews:
     _rejected: float
     _evicted: float
     _write_errors: float
-    _pending: Mapping[int, Any]  # rows not yet written (ledger.filewriter.Row by journal sequence)
+    _pending: Mapping[int, Any]  # rows not yet written (ledger.filewriter.Row by sequence)
     _unattributed: dict[str, tuple[str, str, float]]
     _claims: specs.ClaimTally
     _durable: restart.Durable
@@ -213,5 +213,6 @@ class LedgerViews:
             tally = self._claims.counts((r.unconfirmed.values() for r in self._active.values()),
                                         self._history[-1] if self._history else None, self._holders)
             refused = dict(self._clients.refused)
+            lost = dict(self._durable.losses.counts)
         return [*specs.families(served, finished, rejected, errors, evicted, pending, unattributed, backlog, tally),
-                specs.refused_family(refused)]
+                specs.refused_family(refused), specs.state_lost_family(lost)]

@@ -24,9 +24,24 @@ from gpu_energy_exporter.client.report.prometheus import PrometheusSource
 from gpu_energy_exporter.client.report.render import build_blocks, fmt_energy, render_html, render_markdown
 from gpu_energy_exporter.client.report.run import ReportError, RunData, num
 from gpu_energy_exporter.client.report.sources import load_file, load_from_exporter
+from gpu_energy_exporter.client.safeout import printable_stream
 from gpu_energy_exporter.core.config import parse_duration
 from gpu_energy_exporter.core.flagparser import FlagParser
-from gpu_energy_exporter.core.textfmt import fmt_num, json_safe
+from gpu_energy_exporter.core.textfmt import fmt_num, json_safe, printable
+
+
+def _plain_text(run: RunData) -> RunData:
+    """``run`` with no control character in its run id, summary text, GPU names and notes: they came over
+    OTLP, and would reach the terminal (the summary line, a plotting library's warning about a glyph) and
+    the report's files."""
+    def clean(value: Any) -> Any:
+        return printable(value, keep_newlines=False) if isinstance(value, str) else value
+
+    run.run_id = clean(run.run_id)
+    run.summary = {k: clean(v) for k, v in run.summary.items()}
+    run.gpus = [{k: clean(v) for k, v in g.items()} for g in run.gpus]
+    run.notes = [clean(n) for n in run.notes]
+    return run
 
 
 def looks_like_path(item: str) -> bool:
@@ -113,8 +128,10 @@ examples:
 
 
 def main(argv: list[str], *, stderr: IO[str] | None = None, stdout: IO[str] | None = None) -> int:
-    err = stderr if stderr is not None else sys.stderr
-    out = stdout if stdout is not None else sys.stdout
+    # progress lines, errors and the summary carry run ids, file names and server messages: no control
+    # character of theirs reaches the terminal (client.safeout)
+    err = printable_stream(stderr if stderr is not None else sys.stderr)
+    out = printable_stream(stdout if stdout is not None else sys.stdout)
     try:
         args = new_parser().parse_args(argv)
     except SystemExit as exc:
@@ -150,6 +167,7 @@ def main(argv: list[str], *, stderr: IO[str] | None = None, stdout: IO[str] | No
             else:
                 progress(f"fetching run {item} from {client.base_url} ({i}/{len(args.runs)})")
                 runs.append(load_from_exporter(client, item))
+        runs = [_plain_text(r) for r in runs]
         out_dir = args.out or ("report-" + safe_name(runs[0].run_id) if len(runs) == 1
                                else time.strftime("report-comparison-%Y%m%d-%H%M%S"))
         # Said before the plots are drawn, as an absolute path: the default is the current directory,

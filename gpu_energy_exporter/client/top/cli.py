@@ -16,6 +16,7 @@ import threading
 from typing import IO, Any
 
 from gpu_energy_exporter.client.api import ExporterUnreachable, add_client_flags, client_from_args
+from gpu_energy_exporter.client.safeout import printable_stream
 from gpu_energy_exporter.client.top.poller import Poller
 from gpu_energy_exporter.client.top.screen import run_curses, run_plain
 from gpu_energy_exporter.core.config import parse_duration
@@ -49,8 +50,9 @@ examples:
 
 
 def main(argv: list[str], *, stdout: IO[str] | None = None, stderr: IO[str] | None = None) -> int:
-    out = stdout if stdout is not None else sys.stdout
-    err = stderr if stderr is not None else sys.stderr
+    # frames and errors carry what clients and the exporter sent: no control character reaches the terminal
+    out = printable_stream(stdout if stdout is not None else sys.stdout)
+    err = printable_stream(stderr if stderr is not None else sys.stderr)
     parser = new_parser()
     try:
         args = parser.parse_args(argv)
