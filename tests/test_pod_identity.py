@@ -85,6 +85,23 @@ def test_a_pod_is_its_uid_under_its_namespace() -> None:
     assert tenant.key == "tenant=team-a" and tenant.pod == ("ml", "train-0")
 
 
+def test_a_collector_pod_listed_by_address_still_vouches_and_tokens_still_name_the_tenant() -> None:
+    from gpu_energy_exporter.core.clientid import address_peer, parse_forwarders
+    from gpu_energy_exporter.otlp.identify import Identities
+
+    pods = pods_by_address({"items": [_pod("obs", "collector", "u-c", "10.1.0.5"),
+                                      _pod("ml", "train-0", "u-t", "10.1.0.6")]})
+    ids = Identities(tokens={"s3cret": "team-a"}, forwarders=parse_forwarders("10.1.0.5"), pods=pods.get)
+    collector = ids.identify(address_peer("10.1.0.5"), "")
+    assert collector.kind == POD and collector.pod == ("obs", "collector") and collector.vouches
+    trainer = ids.identify(address_peer("10.1.0.6"), "")
+    assert trainer.kind == POD and not trainer.vouches
+    tenant = ids.identify(address_peer("10.1.0.6"), "Bearer s3cret")
+    assert tenant.key == "tenant=team-a" and tenant.pod == ("ml", "train-0")
+    off_node = ids.identify(address_peer("10.9.9.9"), "")
+    assert off_node.key == "ip=10.9.9.9" and off_node.pod is None
+
+
 class _Api:
     """A fetch that answers a list (or raises) and counts the calls."""
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from gpu_energy_exporter.core.clientid import ADDRESS, UNRESOLVED_LOCAL, Peer, address_peer, forwarder_matches
+from gpu_energy_exporter.core.clientid import ADDRESS, POD, UNRESOLVED_LOCAL, Peer, address_peer, forwarder_matches
 from gpu_energy_exporter.core.errors import ConfigError
 from gpu_energy_exporter.http.messages import Request
 from gpu_energy_exporter.http.peers import PeerResolver
@@ -112,6 +112,7 @@ class Identities:
         its tenant when it carries a per-tenant token, trusted to vouch for its clients when it is a listed
         forwarder (``core.clientid``). A peer known only by its address is the pod that holds the address, when
         ``pods`` knows one (this may wait for the pod list: never call it on an event loop, ``needs_lookup``)."""
+        by_address = peer
         if self.needs_lookup(peer):
             assert self.pods is not None
             pod = self.pods(peer.key[3:])
@@ -120,7 +121,9 @@ class Identities:
         tenant = self.authenticate(authorization)
         if tenant:
             peer = peer.with_tenant(tenant)
-        if self.forwarders and forwarder_matches(peer, self.forwarders):
+        # a Collector pod listed by its address (or network) stays a trusted forwarder as the pod it is
+        if self.forwarders and (forwarder_matches(peer, self.forwarders) or (
+                peer.kind == POD and forwarder_matches(by_address, self.forwarders))):
             peer = peer.trusted()
         return peer
 
