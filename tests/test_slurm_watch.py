@@ -130,3 +130,23 @@ def test_a_failing_listener_does_not_stop_the_watch(tmp_path: Path) -> None:
         wait_for(lambda: len(calls) >= 2)
     finally:
         watch.stop()
+
+
+def test_a_jobs_info_written_after_its_gpu_file_changes_the_signature_so_it_is_read(tmp_path: Path) -> None:
+    # The prolog used to write .info/<job> after the GPU files; a read in between (the watch reads at the first
+    # write) found no user, and the signature, GPU files only, never changed again: the job's row had no user
+    # (tests/test_slurm_real.py under load). The .info files are part of the signature now.
+    d = tmp_path / "map"
+    (d / ".info").mkdir(parents=True)
+    write(d, "0", ["7"], T0)
+    before = mapping_signature(d)
+    assert not getattr(read_mapping(d).info.get("7"), "user", "")  # read before the info: no user
+    (d / ".info" / ".tmp.7").write_text("user=alice\npartition=gpu\n")  # the prolog's temp file: not yet
+    assert mapping_signature(d) == before
+    (d / ".info" / ".tmp.7").rename(d / ".info" / "7")
+    after = mapping_signature(d)
+    assert after != before
+    assert read_mapping(d).info["7"].user == "alice"
+    edges = MappingEdges()
+    read(edges, d)
+    assert read(edges, d) == {}  # an info file is no GPU's edge

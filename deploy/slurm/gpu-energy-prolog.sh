@@ -55,14 +55,7 @@ lock() {
 }
 lock || say "job $job: could not lock $dir, writing anyway"
 
-for gpu in $(expand "$gpus"); do
-  f="$dir/$gpu"
-  if [ -f "$f" ] && grep -qx "$job" "$f"; then continue; fi
-  tmp="$dir/.tmp.$gpu.$$"
-  { [ -f "$f" ] && cat "$f"; echo "$job"; } > "$tmp" 2>/dev/null && mv -f "$tmp" "$f" \
-    || { rm -f "$tmp"; say "job $job: cannot write $f"; }
-done
-
+# The job's info first, then its GPU files: a reader that sees the job on a GPU finds who ran it.
 clean() { printf '%s' "$1" | tr -cd 'A-Za-z0-9._@+-' | cut -c1-128; }
 tmp="$dir/.info/.tmp.$job.$$"
 {
@@ -71,4 +64,13 @@ tmp="$dir/.info/.tmp.$job.$$"
   echo "partition=$(clean "${SLURM_JOB_PARTITION:-}")"
   echo "sluid=$(clean "${SLURM_JOB_SLUID:-}")"
 } > "$tmp" 2>/dev/null && mv -f "$tmp" "$dir/.info/$job" || rm -f "$tmp"
+
+for gpu in $(expand "$gpus"); do
+  f="$dir/$gpu"
+  if [ -f "$f" ] && grep -qx "$job" "$f"; then continue; fi
+  tmp="$dir/.tmp.$gpu.$$"
+  { [ -f "$f" ] && cat "$f"; echo "$job"; } > "$tmp" 2>/dev/null && mv -f "$tmp" "$f" \
+    || { rm -f "$tmp"; say "job $job: cannot write $f"; }
+done
+
 exit 0

@@ -12,14 +12,17 @@ from __future__ import annotations
 
 import argparse
 import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from gpu_energy_exporter.core.clientid import parse_forwarders
 from gpu_energy_exporter.core.errors import ConfigError
 from gpu_energy_exporter.core.flagparser import FlagParser, did_you_mean
-from gpu_energy_exporter.core.flagtypes import (  # noqa: F401 - parse_* are part of config's API
+from gpu_energy_exporter.core.flagtypes import (  # noqa: F401 - parse_* and Flag are part of config's API
+    ENV_PREFIX,
+    CollectorFlag,
+    Flag,
     _choice,
     _existing_dir,
     _existing_file,
@@ -39,49 +42,8 @@ from gpu_energy_exporter.core.ports import (  # noqa: F401 - the default ports a
     DEFAULT_OTLP_PORT,
 )
 
-ENV_PREFIX = "GPU_ENERGY_EXPORTER_"
-
-
 # ----------------------------------------------------------------------------------------------------
 # the flag table
-
-
-@dataclass(frozen=True)
-class Flag:
-    name: str  # without the leading dashes, e.g. "web.listen-address"
-    parse: Callable[[str], Any]
-    default: str | None  # as the user would type it; None means "unset"
-    help: str
-    metavar: str = "VALUE"
-    #: A switch: ``--name`` / ``--no-name`` on the command line, true/false in the environment.
-    boolean: bool = False
-    #: The collector this flag configures (``COLLECTORS``), or "": while that collector is disabled the flag
-    #: has no effect, and ``inert_flags`` says so at start. A flag another part also reads (the ledger
-    #: prices CO2 with ``--carbon.*`` whatever the carbon collector) names none.
-    collector: str = ""
-
-    @property
-    def dest(self) -> str:
-        return self.name.replace(".", "_").replace("-", "_")
-
-    @property
-    def env(self) -> str:
-        return ENV_PREFIX + self.dest.upper()
-
-
-@dataclass(frozen=True)
-class CollectorFlag:
-    name: str  # collector name, --collector.<name>
-    default: bool
-    help: str
-
-    @property
-    def dest(self) -> str:
-        return "collector_" + self.name.replace("-", "_")
-
-    @property
-    def env(self) -> str:
-        return ENV_PREFIX + self.dest.upper()
 
 
 FLAGS: tuple[Flag, ...] = (

@@ -1,6 +1,7 @@
 """Flag value parsers: each takes the raw string of a flag or environment variable and returns the value,
 or raises ValueError with a reason that ``core.config`` puts in one clear message (flag, variable, what is
-accepted). Pure functions, no I/O but the existence checks of files and directories.
+accepted); and ``Flag`` / ``CollectorFlag``, the declaration of one flag (its environment variable, its
+collector). Pure functions, no I/O but the existence checks of files and directories.
 """
 
 from __future__ import annotations
@@ -9,6 +10,8 @@ import math
 import os
 import re
 from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 _DURATION_RE = re.compile(r"^(\d+(?:\.\d+)?)(ms|s|m|h|d)$")
 _DURATION_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
@@ -122,3 +125,47 @@ def _url(raw: str) -> str:
     if parts.scheme not in ("http", "https") or not parts.hostname:
         raise ValueError("must be an http:// or https:// URL, e.g. http://collector:4318/v1/metrics")
     return raw.strip()
+
+
+# ----------------------------------------------------------------------------------------------------
+# a flag's declaration (the table is core.config's FLAGS and COLLECTORS)
+
+ENV_PREFIX = "GPU_ENERGY_EXPORTER_"
+
+
+@dataclass(frozen=True)
+class Flag:
+    name: str  # without the leading dashes, e.g. "web.listen-address"
+    parse: Callable[[str], Any]
+    default: str | None  # as the user would type it; None means "unset"
+    help: str
+    metavar: str = "VALUE"
+    #: A switch: ``--name`` / ``--no-name`` on the command line, true/false in the environment.
+    boolean: bool = False
+    #: The collector this flag configures (``COLLECTORS``), or "": while that collector is disabled the flag
+    #: has no effect, and ``inert_flags`` says so at start. A flag another part also reads (the ledger
+    #: prices CO2 with ``--carbon.*`` whatever the carbon collector) names none.
+    collector: str = ""
+
+    @property
+    def dest(self) -> str:
+        return self.name.replace(".", "_").replace("-", "_")
+
+    @property
+    def env(self) -> str:
+        return ENV_PREFIX + self.dest.upper()
+
+
+@dataclass(frozen=True)
+class CollectorFlag:
+    name: str  # collector name, --collector.<name>
+    default: bool
+    help: str
+
+    @property
+    def dest(self) -> str:
+        return "collector_" + self.name.replace("-", "_")
+
+    @property
+    def env(self) -> str:
+        return ENV_PREFIX + self.dest.upper()

@@ -160,18 +160,27 @@ def _read_info(directory: Path, jobs: set[str], problems: list[str]) -> dict[str
 
 
 def mapping_signature(directory: str | os.PathLike[str]) -> tuple[tuple[str, int, int], ...]:
-    """What changes when the prolog or epilog rewrites the directory: each GPU file's name, inode and
-    modification time (the scripts replace files by rename). One scandir, no file read: cheap enough to
-    ask at every sample."""
+    """What changes when the prolog or epilog rewrites the directory: each GPU file's and each ``.info`` file's
+    name, inode and modification time (the scripts replace files by rename; a prolog that writes a job's
+    info after its GPU files, as ours did, changes the signature again, so the info is read). Two scandirs, no
+    file read: cheap enough to ask at every sample."""
+    out: list[tuple[str, int, int]] = []
     try:
         with os.scandir(directory) as it:
-            out = []
             for entry in itertools.islice(it, MAX_ENTRIES):
                 if GPU_FILE.match(entry.name):
                     st = entry.stat(follow_symlinks=False)
                     out.append((entry.name, st.st_ino, st.st_mtime_ns))
     except OSError:
         return ()
+    try:
+        with os.scandir(os.path.join(directory, INFO_DIR)) as it:
+            for entry in itertools.islice(it, MAX_ENTRIES):
+                if not entry.name.startswith("."):
+                    st = entry.stat(follow_symlinks=False)
+                    out.append((INFO_DIR + "/" + entry.name, st.st_ino, st.st_mtime_ns))
+    except OSError:
+        pass  # no .info directory: another tool's prolog, or none yet
     return tuple(sorted(out))
 
 
