@@ -275,7 +275,9 @@ class StandInServer:
         """What /metrics answers now."""
         hostile = self.hostile
         if hostile is not None and hostile.kind == "garbage":
-            pattern = b"\x00\xff{{ not exposition }}\n# TYPE\n=\"\n"
+            # (An error page, with bytes no text format allows. Not a NUL first: Prometheus's text parser reads a
+            # NUL as the end of the input, so such a body scrapes as empty, not as an error.)
+            pattern = b"<html><body>502 Bad Gateway \xff\xfe\x00 {{ not exposition }}</body></html>\n"
             return (pattern * (hostile.size // len(pattern) + 1))[: hostile.size]
         model = "m" * hostile.size if hostile is not None and hostile.kind == "huge_label" else self.model
         text = self.exposition(self.totals(), model)
