@@ -11,8 +11,9 @@ answers, one that floods its /metrics, one with a runaway label value, one that 
 
 Two choices keep a one-minute test exact to 1%, both stated here:
 - The pod energy counters are settled at each energy-counter read and move in steps of one read: the
-  exporter reads the counters every 0.5 s (``--collector.energy-interval=0.5s``, as often as it samples), so
-  a step is 1/120 of the window.
+  exporter reads the counters every 0.5 s (``--collector.energy-interval=0.5s``, as often as it samples) and
+  Prometheus scrapes every 1 s, a whole multiple, so every scrape interval holds the same number of reads
+  (docs/inference.md, "Limits": at the defaults a 5-minute figure can read 5.3% off).
 - The rules are loaded with their 5-minute windows narrowed to 60 s (a text substitution of ``[5m]`` in the
   shipped files: the expressions are the shipped ones), so the check can run after 70 s of scraping
   instead of 5 minutes. The promtool cases (dashboards/tests/inference_test.yaml) check the
