@@ -151,10 +151,34 @@ def _static_config(t: Target) -> dict[str, Any]:
     return {"targets": [f"{host}:8000"], "labels": labels}  # the port comes from the annotation
 
 
+def _servers() -> list[Target]:
+    """The stand-in servers, not started: per engine a tensor-parallel, a shared and an idle pod's; then the
+    ones Prometheus must refuse, each alone: no answer, a flood of series, a runaway label, garbage."""
+    targets = []
+    for eng in ENGINES:
+        tgi = {"app_kubernetes_io_name": "text-generation-inference"} if eng == "tgi" else {}
+        for role, trace in (("tp2", Trace.constant(**TP2_LOAD)), ("shared", Trace.constant(**SHARED_LOAD)),
+                            ("idle", Trace([Segment(2.0, 768.0, 256.0, 2.0)]))):
+            model = MODELS[role]
+            server = (TritonServer(model, trace, backend="vllm") if eng == "triton" and role == "idle"
+                      else SERVERS[eng](model, trace))
+            labels = {**tgi, "model": model} if eng == "tgi" and role != "idle" else dict(tgi)
+            if eng == "triton":
+                labels["model"] = "not-the-model"  # a pod label must never replace Triton's own model label
+            targets.append(Target("serve", f"{eng}-{role}", server, labels))
+    bad = {pod: SERVERS[pod.split("-")[0]]("llama-3-8b", Trace.constant(**SHARED_LOAD))
+           for pod in ("vllm-hung", "sglang-flood", "triton-runaway", "tgi-garbage")}
+    bad["vllm-hung"].hang = True
+    bad["sglang-flood"].hostile = Hostile.many_series(30_000)
+    bad["triton-runaway"].hostile = Hostile.huge_label(4096)
+    bad["tgi-garbage"].hostile = Hostile.garbage(4096)
+    return targets + [Target("serve", pod, server, {}) for pod, server in bad.items()]
+
+
 @pytest.fixture(scope="module")
 def session(fake_nvml_lib: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Session]:
     tmp = tmp_path_factory.mktemp("e2e-inference")
-    gpus, pods, targets = [], [], []
+    gpus, pods = [], []
     procfs = tmp / "proc"
     shutil.copytree(ROOT / "tests" / "fixtures" / "procfs-host", procfs)
     for i, eng in enumerate(ENGINES):
@@ -170,43 +194,22 @@ def session(fake_nvml_lib: Path, tmp_path_factory: pytest.TempPathFactory) -> It
                  fake_pod("serve", f"{eng}-shared", {eng: [("nvidia.com/gpu", gpus[base + 2].uuid + "::0")]}),
                  fake_pod("ml", f"train-{eng}", {"trainer": [("nvidia.com/gpu", gpus[base + 2].uuid + "::1")]}),
                  fake_pod("serve", f"{eng}-idle", {eng: [gpus[base + 3].uuid]})]
-        cls = SERVERS[eng]
-        tgi = {"app_kubernetes_io_name": "text-generation-inference"} if eng == "tgi" else {}
-        for role, trace in (("tp2", Trace.constant(**TP2_LOAD)), ("shared", Trace.constant(**SHARED_LOAD)),
-                            ("idle", Trace([Segment(2.0, 768.0, 256.0, 2.0)]))):
-            model = MODELS[role]
-            if eng == "triton" and role == "idle":
-                server: StandInServer = TritonServer(model, trace, backend="vllm")
-            else:
-                server = cls(model, trace)
-            labels = {**tgi, "model": model} if eng == "tgi" and role != "idle" else dict(tgi)
-            if eng == "triton":
-                labels["model"] = "not-the-model"  # a pod label must never replace Triton's own model label
-            targets.append(Target("serve", f"{eng}-{role}", server.start(), labels))
-    # Servers Prometheus must refuse, each alone: no answer, a flood of series, a runaway label, garbage.
-    bad = [("vllm-hung", SERVERS["vllm"]("llama-3-8b", Trace.constant(**SHARED_LOAD))),
-           ("sglang-flood", SERVERS["sglang"]("llama-3-8b", Trace.constant(**SHARED_LOAD))),
-           ("triton-runaway", SERVERS["triton"]("llama-3-8b", Trace.constant(**SHARED_LOAD))),
-           ("tgi-garbage", SERVERS["tgi"]("llama-3-8b", Trace.constant(**SHARED_LOAD)))]
-    bad[0][1].hang = True
-    bad[1][1].hostile = Hostile.many_series(30_000)
-    bad[2][1].hostile = Hostile.huge_label(4096)
-    bad[3][1].hostile = Hostile.garbage(4096)
-    targets += [Target("serve", pod, server.start(), {}) for pod, server in bad]
-
     Scenario(epoch=time.time() - 3600, gpus=gpus).write(tmp / "scenario.ini")
     sock = str(tmp / "kubelet.sock")
-    kubelet = FakeKubelet(sock).start()
-    kubelet.set_pods(pods)
-    exporter = ExporterProcess(
-        [f"--nvml.library={fake_nvml_lib}", "--collector.interval=0.5s", "--collector.energy-interval=0.5s",
-         "--collector.kubernetes", f"--kubernetes.pod-resources-socket={sock}", "--kubernetes.refresh-interval=1s",
-         f"--path.procfs={procfs}", "--collector.gpu.process-interval=1s",
-         f"--carbon.intensity={INTENSITY}", f"--carbon.pue={PUE}"],
-        {"FAKE_NVML_SCENARIO": str(tmp / "scenario.ini")},
-    ).wait_ready()
-    prom = None
+    targets = _servers()
+    kubelet = FakeKubelet(sock)
+    exporter = prom = None
     try:
+        for t in targets:
+            t.server.start()
+        kubelet.start().set_pods(pods)
+        exporter = ExporterProcess(
+            [f"--nvml.library={fake_nvml_lib}", "--collector.interval=0.5s", "--collector.energy-interval=0.5s",
+             "--collector.kubernetes", f"--kubernetes.pod-resources-socket={sock}",
+             "--kubernetes.refresh-interval=1s", f"--path.procfs={procfs}", "--collector.gpu.process-interval=1s",
+             f"--carbon.intensity={INTENSITY}", f"--carbon.pue={PUE}"],
+            {"FAKE_NVML_SCENARIO": str(tmp / "scenario.ini")},
+        ).wait_ready()
         job = _docs_scrape_job()
         del job["kubernetes_sd_configs"]
         job.update(scrape_interval="1s", scrape_timeout="1s",
@@ -216,19 +219,21 @@ def session(fake_nvml_lib: Path, tmp_path_factory: pytest.TempPathFactory) -> It
         prom = Prometheus(tmp / "prom", [urllib.parse.urlparse(exporter.metrics_url).netloc],
                           rule_files=_rules(tmp), scrape_configs=[job],
                           target_labels={"namespace": "gpu-energy-exporter", "pod": "gpu-energy-exporter-5d8kq"})
-        s = Session(prom, exporter, targets)
-        wait_until(lambda: prom.value('count(up{job="inference-servers"} == 1)') == 12.0, timeout=30,
+        running = prom
+        wait_until(lambda: running.value('count(up{job="inference-servers"} == 1)') == 12.0, timeout=30,
                    what="the twelve good servers scraped")
         # The shared GPUs split by SM use (not evenly, as before the first utilisation read) before the window.
-        wait_until(lambda: all(sample_value(_scrape(exporter), "gpuenergy_k8s_pod_energy_joules_total",
+        scraped = exporter
+        wait_until(lambda: all(sample_value(_scrape(scraped), "gpuenergy_k8s_pod_energy_joules_total",
                                             k8s_pod=f"{eng}-shared", method="sm_utilization")
                                for eng in ENGINES), timeout=30, what="the shared GPUs split by SM use")
         time.sleep(WINDOW_S + 8)
-        yield s
+        yield Session(prom, exporter, targets)
     finally:
         if prom is not None:
             prom.stop()
-        exporter.stop()
+        if exporter is not None:
+            exporter.stop()
         kubelet.stop()
         for t in targets:
             t.server.stop()
