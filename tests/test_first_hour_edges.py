@@ -24,11 +24,11 @@ from gpu_energy_exporter.core.config import (
     COLLECTORS,
     FLAGS,
     config_from_namespace,
-    inert_flags,
     load_config,
     new_parser,
 )
 from gpu_energy_exporter.core.errors import ConfigError
+from gpu_energy_exporter.core.inertflags import inert_flags
 from gpu_energy_exporter.daemon.cli import NO_GPU_HINT
 from gpu_energy_exporter.daemon.exporter import Exporter
 from gpu_energy_exporter.devices.simulated import SimulatedBackend

@@ -16,22 +16,42 @@ Two jobs, both on the sampler thread, for the GPU collector:
   between, and only for a GPU that lists two processes or more (a lone process gets the whole GPU whatever it
   uses). Between reads, each process keeps the weight last measured (the provisional split).
 
-Never calls NVML itself and never touches anything under procfs but ``<pid>/status`` and ``<pid>/cgroup``.
+Never calls NVML itself and never touches anything under procfs but ``<pid>/status``, ``<pid>/cgroup`` and
+(``ProcfsPods``) ``<pid>/environ``; each is opened non-blocking and read only if it is a regular file, and
+``environ`` (whose read takes the process's memory lock) off the collector's thread with a timeout.
 """
 
 from __future__ import annotations
 
 import os
+import stat
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 
 from gpu_energy_exporter.core.procinfo import ProcessIdentity, parse_cgroup, parse_nspid
 from gpu_energy_exporter.core.state import GPUReading
+from gpu_energy_exporter.core.tenantfiles import Stuck, TooLarge, Watchdog, read_regular
 from gpu_energy_exporter.kubernetes.assignments import PodRef
 
 #: Pids remembered per table at most (a node lists far fewer compute processes).
 _MAX_PIDS = 4096
+
+
+def _read_proc(path: str) -> str:
+    """A procfs text file, non-blocking and regular (``core.tenantfiles``: --path.procfs may point anywhere)."""
+    return read_regular(path, 16384).decode("utf-8", "replace")
+
+
+def _read_environ(path: str) -> bytes:
+    """The first 64 KiB of a process's environment (its start holds HOSTNAME; more is not needed)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return b""
+        return os.read(fd, 1 << 16)
+    finally:
+        os.close(fd)
 
 
 class ProcessTable:
@@ -56,14 +76,12 @@ class ProcessTable:
         assert self._procfs is not None
         base = os.path.join(self._procfs, str(pid))
         try:
-            with open(os.path.join(base, "status"), encoding="utf-8", errors="replace") as f:
-                status = f.read(16384)
-        except OSError:
-            return None  # not visible here (no host pid namespace) or gone
+            status = _read_proc(os.path.join(base, "status"))
+        except (OSError, TooLarge):
+            return None  # not visible here (no host pid namespace), gone, or not procfs's
         try:
-            with open(os.path.join(base, "cgroup"), encoding="utf-8", errors="replace") as f:
-                cgroup = f.read(16384)
-        except OSError:
+            cgroup = _read_proc(os.path.join(base, "cgroup"))
+        except (OSError, TooLarge):
             cgroup = ""
         pod, container = parse_cgroup(cgroup)
         return ProcessIdentity(pid, parse_nspid(status), container, pod)
@@ -141,6 +159,7 @@ class ProcfsPods:
         self._procfs = procfs
         self._monotonic = monotonic
         self._names: dict[int, tuple[str, float]] = {}
+        self._watchdog = Watchdog("procfs-environ", 0.5)
 
     def hostname(self, pid: int) -> str:
         now = self._monotonic()
@@ -149,13 +168,15 @@ class ProcfsPods:
         if name is None:
             name = ""
             try:
-                with open(os.path.join(self._procfs, str(pid), "environ"), "rb") as f:
-                    for item in f.read(1 << 16).split(b"\0"):
-                        if item.startswith(b"HOSTNAME="):
-                            name = item[9:].decode("utf-8", "replace")
-                            break
-            except OSError:
-                pass  # not visible (no host pid namespace), gone, or not permitted: unresolved
+                # Reading another process's environment takes its memory lock, which that process can hold:
+                # off this thread, waited for a moment at most (a stuck read leaves the pid unresolved)
+                environ = self._watchdog.call(_read_environ, os.path.join(self._procfs, str(pid), "environ"))
+            except (OSError, Stuck):
+                environ = b""  # not visible (no host pid namespace), gone, not permitted or stuck: unresolved
+            for item in environ.split(b"\0"):
+                if item.startswith(b"HOSTNAME="):
+                    name = item[9:].decode("utf-8", "replace")
+                    break
             if len(self._names) >= _MAX_PIDS:
                 self._names.clear()
             self._names[pid] = (name, now)

@@ -13,21 +13,30 @@ counter read (``slurm.jobs``), the part since in ``gpuenergy_slurm_job_energy_pr
 
 A missing directory is "no job has started yet" (``gpuenergy_slurm_job_mapping_available 0``), not an
 error; a malformed file loses only itself and is logged once.
+
+The directory is read off the sampler thread (``core.tenantfiles.Watchdog``): a read stuck in the kernel
+(a hung file system) costs the sample ``READ_TIMEOUT_S`` once, then nothing until it returns; meanwhile the
+last mapping read is kept and ``gpuenergy_slurm_job_mapping_available`` is 0, as it is when the read was cut
+by a bound (``slurm.mapping``: files, jobs, pairs). Jobs that held a GPU within the grace period are bounded
+too (``slurm.jobs.MAX_JOBS``).
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import os
 import time
 from collections import defaultdict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 
 from prometheus_client.core import Metric
 
 from gpu_energy_exporter.collectors.base import Collector
 from gpu_energy_exporter.core.metrics import GPU_LABELS, add, define
+from gpu_energy_exporter.core.ratelog import RateLimitedLog
 from gpu_energy_exporter.core.state import GPUState, SlurmJob
+from gpu_energy_exporter.core.tenantfiles import Stuck, TooLarge, Watchdog, read_regular
 from gpu_energy_exporter.slurm.edges import MappingEdges, monotonic_cuts
 from gpu_energy_exporter.slurm.jobs import JobEnergyAttributor, JobSlot
 from gpu_energy_exporter.slurm.mapping import JobInfo, JobMapping, job_of_cgroup, mapping_signature, read_mapping
@@ -72,9 +81,18 @@ UNATTRIBUTED_ENERGY = define(
 )
 MAPPING_AVAILABLE = define(
     "slurm", "job_mapping_available", "gauge",
-    "1 if the job-mapping directory could be read at the last sample, 0 if it is missing or unreadable.",
+    "1 if the job-mapping directory was read whole at the last sample; 0 if it is missing or unreadable, its "
+    "read did not return in time (the last mapping read is kept), or it holds more files or jobs than the "
+    "collector reads (the jobs read are charged).",
     (), collector="slurm",
 )
+#: How long a sample waits for the directory to be read, and for its signature (asked on the GPU
+#: collector's thread at every sample: it must not wait long).
+READ_TIMEOUT_S = 2.0
+#: The files are read again when the GPU files changed (the prolog and epilog replace them) and at least this
+#: often (a job's .info file written late), not at every sample.
+REREAD_S = 30.0
+SIGNATURE_TIMEOUT_S = 0.25
 
 
 class SlurmCollector(Collector):
@@ -92,9 +110,11 @@ class SlurmCollector(Collector):
         series_grace_s: float = 300.0,
         clock: Callable[[], float] = time.monotonic,
         request_counter_read: Callable[[], None] | None = None,
+        read: Callable[[str, Collection[int]], JobMapping] = read_mapping,
     ) -> None:
         """``request_counter_read``: ``GPUCollector.request_counter_read``, called when the directory
-        changed after the GPU collector's check (``mapping_changed``) of the same sample."""
+        changed after the GPU collector's check (``mapping_changed``) of the same sample. ``read``: how the
+        directory is read (``slurm.mapping.read_mapping``; a test passes one that hangs)."""
         self._gpu_states = gpu_states
         self._dir = mapping_dir
         self._procfs = procfs
@@ -107,9 +127,17 @@ class SlurmCollector(Collector):
         self._read_sig: tuple[tuple[str, int, int], ...] = ()
         self._checked_sig: tuple[tuple[str, int, int], ...] = ()
         self._late_change = request_counter_read
+        self._read = read
         self._held: tuple[SlurmJob, ...] | None = None
         self._edges = MappingEdges()  # when each job's hold began and ended (the files' mtimes)
         self._before: dict[str, tuple[JobSlot, ...]] = {}  # the last update's holders of each GPU
+        self._reads = Watchdog("slurm-mapping-read", READ_TIMEOUT_S)
+        self._signatures = Watchdog("slurm-mapping-check", SIGNATURE_TIMEOUT_S)
+        self._mapping = JobMapping()
+        self._read_at = -math.inf
+        self._stuck_log = RateLimitedLog(log, period_s=300.0)
+        self._problems_log = RateLimitedLog(log)
+        self._cgroup_problem = RateLimitedLog(log, period_s=300.0)
 
     def held(self) -> tuple[SlurmJob, ...] | None:
         """The jobs holding GPUs at the last update (each GPU by its UUID, a MIG instance's UUID where the
@@ -125,25 +153,38 @@ class SlurmCollector(Collector):
         """For ``GPUCollector.add_counter_read_check``: True when the directory changed since this collector
         last read it, so the sample in which a job starts or ends reads the energy counters (the job's
         edges are then exact counter deltas, not energy apportioned between counter reads)."""
-        self._checked_sig = mapping_signature(self._dir)
+        try:
+            self._checked_sig = self._signatures.call(mapping_signature, self._dir)
+        except Stuck:
+            return False  # the directory does not answer: the sample goes on
         return self._checked_sig != self._read_sig
 
     def update(self) -> list[Metric]:
-        sig = mapping_signature(self._dir)
-        if sig != self._checked_sig and self._late_change is not None:
-            # Rewritten between the GPU collector's check and now: this edge falls between counter reads;
-            # read them at the next sample so the apportioned part stays within one interval.
-            self._late_change()
-        self._read_sig = self._checked_sig = sig
-        mapping = read_mapping(self._dir)
-        self._log(mapping)
         states = list(self._gpu_states())
+        available = True
+        try:
+            sig = self._signatures.call(mapping_signature, self._dir)
+            if sig != self._checked_sig and self._late_change is not None:
+                # Rewritten between the GPU collector's check and now: this edge falls between counter reads;
+                # read them at the next sample so the apportioned part stays within one interval.
+                self._late_change()
+            now = self._clock()
+            if sig != self._read_sig or not sig or now - self._read_at >= REREAD_S or not self._mapping.available:
+                self._mapping = self._reads.call(self._read, self._dir, {s.identity.index for s in states})
+                self._read_at = now
+            self._read_sig = self._checked_sig = sig
+            mapping = self._mapping
+        except Stuck as exc:
+            self._stuck_log.warning("stuck", "Slurm job-mapping directory %s: %s; keeping the mapping read before "
+                                    "(gpuenergy_slurm_job_mapping_available 0) until it answers", self._dir, exc)
+            mapping, available, sig = self._mapping, False, self._read_sig
+        self._log(mapping)
         by_index = {s.identity.index: s.identity.uuid for s in states}
         for s in states:
             self._gpu_index[s.identity.uuid] = str(s.identity.index)
         # (an unreadable directory is no edge: the next good read is compared with the last good one)
         changes = self._edges.update(sig, mapping, lambda: dir_mtime(self._dir), self._clock()) if (
-            mapping.available) else {}
+            mapping.available and available) else {}
         holdings: dict[str, list[JobSlot]] = defaultdict(list)
         for (index, gi), jobs in mapping.gpus.items():
             uuid = by_index.get(index)
@@ -162,7 +203,7 @@ class SlurmCollector(Collector):
                                 cuts=monotonic_cuts(changes, offsets), owners=owners)
         live = self._attributor.jobs()
         self._info = {job: info for job, info in self._info.items() if job in live}
-        return self._families(holdings, mapping.available)
+        return self._families(holdings, available and mapping.available and mapping.complete)
 
     def _jobs(self, states: Sequence[GPUState], mapping: JobMapping) -> tuple[SlurmJob, ...]:
         gpus: dict[str, list[str]] = defaultdict(list)
@@ -216,10 +257,14 @@ class SlurmCollector(Collector):
 
     def _job_of_pid(self, pid: int, sluids: dict[str, str]) -> str | None:
         try:
-            with open(os.path.join(self._procfs, str(pid), "cgroup"), encoding="utf-8", errors="replace") as f:
-                return job_of_cgroup(f.read(64 * 1024), sluids)
-        except OSError:
+            text = read_regular(os.path.join(self._procfs, str(pid), "cgroup"), 64 * 1024)
+        except FileNotFoundError:
             return None  # gone, or another pid namespace: the job keeps an even share
+        except (OSError, TooLarge) as exc:
+            self._cgroup_problem.warning("cgroup", "cannot read %s/%d/cgroup (%s); that process's job keeps an even "
+                                         "share", self._procfs, pid, exc)
+            return None
+        return job_of_cgroup(text.decode("utf-8", "replace"), sluids)
 
     def _families(self, holdings: dict[str, list[JobSlot]], available: bool) -> list[Metric]:
         gpu_job = GPU_JOB_INFO.family()
@@ -254,5 +299,7 @@ class SlurmCollector(Collector):
         problems = frozenset(mapping.problems)
         new = problems - self._logged
         if new and mapping.available:
-            log.warning("Slurm job-mapping directory %s: skipped %s", self._dir, "; ".join(sorted(new)))
+            # a writer can make new problems at every sample: a line a minute, the rest counted
+            self._problems_log.warning("skipped", "Slurm job-mapping directory %s: skipped %s", self._dir,
+                                       "; ".join(sorted(new))[:2000])
         self._logged = problems

@@ -16,6 +16,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from gpu_energy_exporter.core.clientid import parse_forwarders
 from gpu_energy_exporter.core.errors import ConfigError
 from gpu_energy_exporter.core.flagparser import FlagParser, did_you_mean
 from gpu_energy_exporter.core.flagtypes import (  # noqa: F401 - parse_* are part of config's API
@@ -102,6 +103,10 @@ FLAGS: tuple[Flag, ...] = (
     Flag("otlp.max-body-bytes", _positive_int, str(8 * 1024 * 1024),
          "Largest accepted OTLP request body, checked before and after gzip decompression (OTLP/gRPC: the "
          "largest message, also after decompression).", "BYTES"),
+    Flag("otlp.max-points-per-request", _positive_int, "16384",
+         "Most data points in one OTLP request (HTTP or gRPC); a request with more is refused whole (413, gRPC "
+         "INVALID_ARGUMENT) before it is decoded. Resources, scopes, metrics and what the decoding allocates are "
+         "bounded in proportion (docs/security.md).", "N"),
     Flag("otlp.series-ttl", parse_duration, "10m",
          "Training series not updated for this long are dropped from /metrics.", "DURATION"),
     Flag("otlp.max-series", _positive_int, "20000",
@@ -137,8 +142,26 @@ FLAGS: tuple[Flag, ...] = (
          "When the series or byte limit is reached, series not updated for this long are dropped to make "
          "room (before --otlp.series-ttl).", "DURATION"),
     Flag("otlp.bearer-token-file", _existing_file, None,
-         "If set, OTLP pushes must carry 'Authorization: Bearer <token>' with the token in this file.",
+         "If set, OTLP pushes must carry 'Authorization: Bearer <token>' with a token from this file: the "
+         "whole file is one token, or each line is '<tenant> <token>' (per-tenant tokens: a push's identity is "
+         "then its token's tenant, whatever the network path; docs/security.md).",
          "FILE"),
+    Flag("otlp.unix-socket", _text, None,
+         "Also receive OTLP on this Unix-domain socket (OTLP/HTTP, and OTLP/gRPC when "
+         "--otlp.grpc.listen-address is on), e.g. /run/gpu-energy-exporter/otlp.sock, the path the training "
+         "helper uses when it exists. Mode 0666: any local user may connect; each connection is identified by "
+         "the kernel (SO_PEERCRED), not by what it sends.", "PATH"),
+    Flag("otlp.trusted-forwarders", parse_forwarders, "",
+         "Comma-separated pushers trusted to vouch for their clients' host.name and process.pid (an "
+         "OpenTelemetry Collector): uid=N (a local Collector's user), an address or network (10.0.0.7, "
+         "10.1.0.0/16) or tenant=NAME (a per-tenant token). Other pushers' attributes are claims checked "
+         "against their own identity (docs/security.md).", "LIST"),
+    Flag("otlp.max-series-per-client", _positive_int, "5000",
+         "Most training series one identity (a process as the kernel sees it, a tenant, an address) may hold; "
+         "its points for new series beyond it are rejected, other identities' are not (the global "
+         "--otlp.max-series stays the last bound).", "N"),
+    Flag("otlp.max-bytes-per-client", _positive_int, str(16 * 1024 * 1024),
+         "Most estimated memory one identity's training series may hold (within --otlp.max-bytes).", "BYTES"),
     Flag("otlp.grpc.listen-address", parse_optional_listen_address, f"localhost:{DEFAULT_OTLP_GRPC_PORT}",
          "Address of the OTLP/gRPC receiver (MetricsService/Export), sharing the OTLP/HTTP receiver's store, "
          "limits and bearer token; TLS from --web.config.file's tls_server_config. Empty turns it off. The port "
@@ -225,14 +248,15 @@ FLAGS: tuple[Flag, ...] = (
          "arrival (noted on the run): the history a new run replays, and every run sharing its GPUs "
          "recounts, stays bounded whatever a point's timestamp.", "DURATION"),
     Flag("runs.max-active-per-client", _positive_int, "64",
-         "Most runs with training progress one client (peer address) may have going at once in the "
+         "Most runs with training progress one identity (a process as the kernel sees it, a tenant, an "
+         "address: docs/security.md) may have going at once in the "
          "ledger; its further new runs are refused (counted) until one ends.", "RUNS"),
     Flag("runs.max-new-per-client", _positive_int, "60",
-         "Most runs one client (peer address) may start per minute in the ledger (a token bucket holding "
+         "Most runs one identity may start per minute in the ledger (a token bucket holding "
          "a minute's worth); its further new runs stay tentative, charged nothing and never written.",
          "RUNS_PER_MINUTE"),
     Flag("runs.max-finished-per-client", _positive_int, "60",
-         "Most runs one client (peer address) may finish per minute (each finished run writes a CSV row and "
+         "Most runs one identity may finish per minute (each finished run writes a CSV row and "
          "a JSON summary); a refused finish leaves the run going until a later push or --runs.stale-after.",
          "RUNS_PER_MINUTE"),
     Flag("kubernetes.pod-resources-socket", _text, "/var/lib/kubelet/pod-resources/kubelet.sock",
@@ -281,6 +305,7 @@ class Config:
     web_request_timeout: float = 30.0
     otlp_listen_address: tuple[str, int] = ("localhost", DEFAULT_OTLP_PORT)
     otlp_max_body_bytes: int = 8 * 1024 * 1024
+    otlp_max_points_per_request: int = 16384
     otlp_series_ttl: float = 600.0
     otlp_max_series: int = 20000
     otlp_max_series_per_run: int = 2000
@@ -295,6 +320,10 @@ class Config:
     otlp_max_new_series_per_request: int = 2000
     otlp_evict_idle_after: float = 120.0
     otlp_bearer_token_file: str | None = None
+    otlp_unix_socket: str | None = None
+    otlp_trusted_forwarders: tuple[str, ...] = ()
+    otlp_max_series_per_client: int = 5000
+    otlp_max_bytes_per_client: int = 16 * 1024 * 1024
     otlp_grpc_listen_address: tuple[str, int] | None = ("localhost", DEFAULT_OTLP_GRPC_PORT)
     otlp_push_endpoint: str | None = None
     otlp_push_interval: float = 10.0
@@ -416,35 +445,6 @@ def config_from_namespace(ns: argparse.Namespace, environ: Mapping[str, str]) ->
     return cfg
 
 
-def inert_flags(ns: argparse.Namespace, environ: Mapping[str, str], cfg: Config) -> list[str]:
-    """One warning per disabled collector whose flags were given (on the command line or in the environment):
-    they have no effect, and the warning names the flag that enables the collector. Pure, over the flag
-    table: a flag belongs to the collector its ``collector`` names."""
-    given: dict[str, list[str]] = {}
-    for flag in FLAGS:
-        if not flag.collector or cfg.enabled(flag.collector):
-            continue
-        if getattr(ns, flag.dest, None) is not None:
-            given.setdefault(flag.collector, []).append("--" + flag.name)
-        elif flag.env in environ:
-            given.setdefault(flag.collector, []).append(flag.env)
-    warnings = []
-    for c in COLLECTORS:
-        if c.name not in given:
-            continue
-        names = given[c.name]
-        verb = "has" if len(names) == 1 else "have"
-        if getattr(ns, c.dest, None) is False:
-            why, fix = f"--no-collector.{c.name}", f"remove --no-collector.{c.name}"
-        elif c.env in environ:
-            why, fix = f"{c.env}={environ[c.env]}", f"set {c.env}=true or pass --collector.{c.name}"
-        else:
-            why, fix = "its default", f"add --collector.{c.name}"
-        warnings.append(f"{', '.join(names)} {verb} no effect: the {c.name} collector is disabled ({why}); "
-                        f"{fix} to use {'it' if len(names) == 1 else 'them'}")
-    return warnings
-
-
 def _check(cfg: Config) -> None:
     if cfg.collector_interval < 0.05:
         raise ConfigError("--collector.interval must be at least 50ms")
@@ -467,6 +467,8 @@ def _check(cfg: Config) -> None:
         raise ConfigError(f"--otlp.push-interval must be at least 1s, got {cfg.otlp_push_interval:g}s")
     if (cfg.otlp_push_cert_file is None) != (cfg.otlp_push_key_file is None):
         raise ConfigError("--otlp.push-cert-file and --otlp.push-key-file go together: set both or neither")
+    if cfg.otlp_unix_socket is not None and not os.path.isabs(cfg.otlp_unix_socket):
+        raise ConfigError(f"--otlp.unix-socket must be an absolute path, got {cfg.otlp_unix_socket!r}")
     if cfg.web_listen_address[1] != 0 and cfg.web_listen_address == cfg.otlp_listen_address:
         raise ConfigError("--web.listen-address and --otlp.listen-address must differ")
     grpc_address = cfg.otlp_grpc_listen_address

@@ -335,7 +335,7 @@ def main(argv: list[str], *, stdout: IO[str] | None = None, environ: Mapping[str
     from gpu_energy_exporter.daemon.exporter import Exporter  # noqa: PLC0415
     from gpu_energy_exporter.daemon.logsetup import setup_logging  # noqa: PLC0415
     from gpu_energy_exporter.devices.simulated import SimulatedBackend  # noqa: PLC0415
-    from gpu_energy_exporter.otlp.receiver import load_bearer_token  # noqa: PLC0415
+    from gpu_energy_exporter.otlp.receiver import load_bearer_tokens  # noqa: PLC0415
 
     out = stdout if stdout is not None else sys.stdout
     env = os.environ if environ is None else environ
@@ -357,7 +357,8 @@ def main(argv: list[str], *, stdout: IO[str] | None = None, environ: Mapping[str
         exporter = Exporter(config, backend_factory=lambda: backend)
         headers = None
         if config.otlp_bearer_token_file:
-            headers = {"Authorization": "Bearer " + load_bearer_token(config.otlp_bearer_token_file)}
+            # the first token in the file (per-tenant files: the first tenant's)
+            headers = {"Authorization": "Bearer " + next(iter(load_bearer_tokens(config.otlp_bearer_token_file)))}
     except ConfigError as exc:
         print(f"gpu-energy-exporter demo: error: {exc}", file=sys.stderr)
         return 2

@@ -22,6 +22,7 @@ from gpu_energy_exporter.collectors.gpu import GPUCollector
 from gpu_energy_exporter.collectors.health import HealthCollector
 from gpu_energy_exporter.collectors.host import HostCollector
 from gpu_energy_exporter.collectors.rapl import RaplCollector
+from gpu_energy_exporter.core.clientid import Peer
 from gpu_energy_exporter.core.config import Config
 from gpu_energy_exporter.core.contract import RUN_FINISHED
 from gpu_energy_exporter.core.errors import ConfigError, ExporterError
@@ -38,12 +39,15 @@ from gpu_energy_exporter.engine.exposition import (
 )
 from gpu_energy_exporter.engine.process import ProcessExposition
 from gpu_energy_exporter.engine.sampler import Sampler
+from gpu_energy_exporter.http.peers import PeerResolver
 from gpu_energy_exporter.http.server import HTTPServer
+from gpu_energy_exporter.http.splice import Splice
 from gpu_energy_exporter.http.webconfig import load_web_config
 from gpu_energy_exporter.ledger import RunLedger
 from gpu_energy_exporter.ledger.journal import SteadyClock
+from gpu_energy_exporter.otlp.census import RequestLimits
 from gpu_energy_exporter.otlp.push import OTLPPusher, PushSettings, load_headers_file
-from gpu_energy_exporter.otlp.receiver import OTLPReceiver, load_bearer_token
+from gpu_energy_exporter.otlp.receiver import ExportHandler, OTLPReceiver, load_bearer_tokens
 from gpu_energy_exporter.otlp.store import TrainingStore
 from gpu_energy_exporter.reference.carbon import resolve_intensity
 
@@ -190,6 +194,8 @@ class Exporter:
             max_new_runs_per_request=config.otlp_max_new_runs_per_request,
             max_new_series_per_request=config.otlp_max_new_series_per_request,
             evict_idle_after=config.otlp_evict_idle_after,
+            max_series_per_client=config.otlp_max_series_per_client,
+            max_bytes_per_client=config.otlp_max_bytes_per_client,
         )
         self.snapshot_collector.add_live_source(self.store.collect)
         # The ledger runs on the steady clock (a wall-clock step moves no figure); the wall clock only
@@ -213,6 +219,8 @@ class Exporter:
         self.ledger_exposition = PreparedSource(self.ledger.collect, self.ledger.version, clock=time.monotonic)
         self.sampler.add_listener(self.ledger_exposition.prepare)
         self.store.add_batch_listener(self.ledger.on_points)
+        # who may change which run is decided before a point is stored: refused points are never exposed
+        self.store.set_gate(self.ledger.admit)
         if self.gpu is not None:
             self.store.add_batch_listener(counter_reads_at_run_edges(self.read_counters_now))
         self.snapshot_collector.add_live_source(self.ledger.collect)
@@ -226,11 +234,31 @@ class Exporter:
             CachedSource(self.ledger.collect, encoder=self.ledger_exposition.render),
             CachedSource(self._http_families, version=self._http_version),
         ])
-        token = load_bearer_token(config.otlp_bearer_token_file) if config.otlp_bearer_token_file else None
+        tokens = load_bearer_tokens(config.otlp_bearer_token_file) if config.otlp_bearer_token_file else None
+        # One handler for every OTLP transport: the store, the limits, the tokens and who a peer is
+        # (the kernel's view through --path.procfs: docs/security.md)
+        handler = ExportHandler(self.store, max_body_bytes=config.otlp_max_body_bytes, tokens=tokens,
+                                resolver=PeerResolver(config.path_procfs), forwarders=config.otlp_trusted_forwarders,
+                                request_limits=RequestLimits(config.otlp_max_points_per_request))
         self.otlp = OTLPReceiver(
-            config.otlp_listen_address, self.store, max_body_bytes=config.otlp_max_body_bytes, bearer_token=token,
+            config.otlp_listen_address, self.store, handler=handler,
             max_connections=config.web_max_connections, request_timeout=config.web_request_timeout,
         )
+        # The OTLP Unix socket: HTTP, and gRPC's HTTP/2 spliced to the gRPC port (http.splice; not when that
+        # port serves TLS: the socket is plain text), each connection identified by SO_PEERCRED
+        self.otlp_unix: OTLPReceiver | None = None
+        self.spliced: dict[tuple[str, int], Peer] = {}
+        if config.otlp_unix_socket:
+            unix: list[OTLPReceiver] = []
+            splice = Splice(self._grpc_target, lambda info: unix[0].unix_peer(info), self.spliced,
+                            max_pairs=config.web_max_connections) \
+                if config.otlp_grpc_listen_address is not None and self.web_config.tls is None else None
+            self.otlp_unix = OTLPReceiver(
+                config.otlp_listen_address, self.store, handler=handler, unix_path=config.otlp_unix_socket,
+                max_connections=config.web_max_connections, request_timeout=config.web_request_timeout,
+                splice=splice,
+            )
+            unix.append(self.otlp_unix)
         # OTLP/gRPC: the same handler (store, limits, token), TLS from the web config; grpc loads at bind()
         self.otlp_grpc: GRPCReceiver | None = None
         if config.otlp_grpc_listen_address is not None:
@@ -240,6 +268,7 @@ class Exporter:
             self.otlp_grpc = GRPCReceiver(
                 config.otlp_grpc_listen_address, self.otlp.handler, tls=self.web_config.tls,
                 max_connections=config.web_max_connections, request_timeout=config.web_request_timeout,
+                spliced=self.spliced,
             )
             self.exposition.sources.append(CachedSource(self.otlp_grpc.collect, version=self.otlp_grpc.version))
             self.snapshot_collector.add_live_source(self.otlp_grpc.collect)
@@ -284,8 +313,21 @@ class Exporter:
             backend_kind=lambda: backend.kind if backend else "", clock=self._clock,
         )
 
+    def _grpc_target(self) -> tuple[str, int] | None:
+        """Where the OTLP Unix socket's gRPC connections are spliced to: the gRPC port, over loopback."""
+        grpc = self.otlp_grpc
+        if grpc is None or not grpc.port:
+            return None
+        host = grpc.address[0].strip().strip("[]")
+        if host in ("", "0.0.0.0", "localhost"):
+            host = "127.0.0.1"
+        elif host == "::":
+            host = "::1"
+        return host, grpc.port
+
     def _http_servers(self) -> list[HTTPServer]:
-        return [s for s in (self.web, self.otlp.http_server) if s is not None]
+        unix = self.otlp_unix.http_server if self.otlp_unix is not None else None
+        return [s for s in (self.web, self.otlp.http_server, unix) if s is not None]
 
     def _http_version(self) -> object:
         """The values ``_http_families`` serves, as they are (the bytes are encoded again when one moves)."""
@@ -341,6 +383,15 @@ class Exporter:
                 web.shutdown()
                 self.otlp.shutdown()
                 raise ConfigError(_bind_message("otlp.grpc.listen-address", exc)) from None
+        if self.otlp_unix is not None:
+            try:
+                self.otlp_unix.bind()
+            except ConfigError as exc:
+                web.shutdown()
+                self.otlp.shutdown()
+                if self.otlp_grpc is not None:
+                    self.otlp_grpc.shutdown()
+                raise ConfigError(_bind_message("otlp.unix-socket", exc)) from None
         self.web = web
         self._started = True
         self.sampler.start()
@@ -350,6 +401,8 @@ class Exporter:
             self.otlp_grpc.start()
         self.web.start()
         self.otlp.start()
+        if self.otlp_unix is not None:
+            self.otlp_unix.start()
         if self.pusher is not None:
             self.pusher.start()
             log.info("pushing readings every %gs to %s", self.config.otlp_push_interval, self.config.otlp_push_endpoint)
@@ -361,6 +414,8 @@ class Exporter:
             self.web.shutdown()
         if self._started:
             self.otlp.shutdown()
+            if self.otlp_unix is not None:
+                self.otlp_unix.shutdown()
         if self.otlp_grpc is not None:
             self.otlp_grpc.shutdown()
         if self.slurm_watch is not None:

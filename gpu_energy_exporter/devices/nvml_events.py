@@ -8,7 +8,13 @@ blocks in the driver (0.11 ms of CPU per 200 ms wait on an H100: it does not spi
 
 Events that do not exist here (older drivers, vGPU: ``NOT_SUPPORTED``, ``FUNCTION_NOT_FOUND``) are no data,
 not errors: logged once at info, and the GPU shows as not watched. Any other failure of the wait is logged
-once and retried after a pause. The thread never blocks sampling or shutdown: the collector reads a copy of
+once and retried after a pause.
+
+Under a flood (a sick GPU, or a driver answering every wait with an event) the thread reads at most
+``MAX_EVENTS_PER_S`` events a second and then sleeps out the second, so it costs a bounded share of a core
+(the driver's queue holds the rest, and drops what overflows it: counts can then fall behind); each GPU's Xid
+code is logged at most ``XID_LOG_BURST`` times a minute, with a count of the lines left out
+(``core.ratelog``). The thread never blocks sampling or shutdown: the collector reads a copy of
 the counts (``counts()``), and a wait stuck in a sick driver is left behind (daemon thread) at shutdown.
 This module must never be called from the scrape path and never converts a unit.
 """
@@ -26,6 +32,7 @@ from typing import Any
 import pynvml
 
 from gpu_energy_exporter.core.health import EventCounts, XidEvent
+from gpu_energy_exporter.core.ratelog import RateLimitedLog
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +44,11 @@ _WANTED = EVENT_XID | EVENT_SBE | EVENT_DBE
 _NO_EVENTS = {pynvml.NVML_ERROR_NOT_SUPPORTED, pynvml.NVML_ERROR_FUNCTION_NOT_FOUND}
 #: The most recent critical Xids kept (all GPUs), for the run ledger's notes.
 KEEP_CRITICAL = 64
+#: Events read per second at most (all GPUs): a real GPU reports a handful; past it the thread sleeps out
+#: the second. Each read costs the thread ~0.1 ms of CPU (an H100's wait, and the counting): 2% of a core.
+MAX_EVENTS_PER_S = 200
+#: Log lines per GPU and Xid code per minute (each one's count is exact in gpuenergy_gpu_xid_errors_total).
+XID_LOG_BURST = 5
 
 
 def _address(handle: Any) -> int | None:
@@ -62,6 +74,11 @@ class EventWatcher:
         self._version = 0
         self._thread: threading.Thread | None = None
         self._symbol = "nvmlEventSetWait_v2"
+        self._xid_log = RateLimitedLog(log, period_s=60.0, burst=XID_LOG_BURST, clock=time.monotonic)
+        self._flood_log = RateLimitedLog(log, period_s=300.0, clock=time.monotonic)
+        self._second = 0.0  # monotonic start of the second events are counted in
+        self._in_second = 0
+        self.throttled_s = 0.0  # time slept out under a flood
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name="nvml-events", daemon=True)
@@ -154,6 +171,7 @@ class EventWatcher:
             except pynvml.NVMLError as exc:
                 code = getattr(exc, "value", None)
                 if code == pynvml.NVML_ERROR_TIMEOUT:
+                    self._xid_log.flush()  # a quiet wait: what a flood left out of the log is said now
                     continue
                 if code in _NO_EVENTS:
                     self._no_events(" (waiting)", exc)
@@ -168,10 +186,25 @@ class EventWatcher:
                 log.warning("NVML event wait raised %s: %s; retrying in %gs", type(exc).__name__, exc, self._retry_s)
                 self._stop.wait(self._retry_s)
                 continue
+            self._throttle()
             gpu = by_handle.get(_address(data.device))
             if gpu is None:
                 continue
             self._record(gpu[0], gpu[1], int(data.eventType), int(data.eventData))
+
+    def _throttle(self) -> None:
+        """After ``MAX_EVENTS_PER_S`` events in a second, sleep out the second (``stop()`` still wakes it)."""
+        now = time.monotonic()
+        if now - self._second >= 1.0:
+            self._second, self._in_second = now, 0
+        self._in_second += 1
+        if self._in_second > MAX_EVENTS_PER_S:
+            rest = self._second + 1.0 - now
+            self._flood_log.warning("flood", "NVML events: more than %d a second; reading at most that many (Xid "
+                                    "and ECC counts may fall behind the driver's while it lasts)", MAX_EVENTS_PER_S)
+            self._stop.wait(rest)
+            self.throttled_s += rest
+            self._second, self._in_second = time.monotonic(), 0
 
     def _record(self, index: int, uuid: str, event_type: int, event_data: int) -> None:
         now = self._clock()
@@ -189,4 +222,4 @@ class EventWatcher:
             if event_type & EVENT_DBE:
                 self._ecc[(index, "double_bit")] = self._ecc.get((index, "double_bit"), 0) + 1
         if event_type & EVENT_XID:
-            log.warning("GPU %d (%s) reported Xid %d", index, uuid, event_data)
+            self._xid_log.warning((index, event_data), "GPU %d (%s) reported Xid %d", index, uuid, event_data)

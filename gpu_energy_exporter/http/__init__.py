@@ -32,6 +32,8 @@ they serve. Interface for other modules, each name imported from the module that
   bucket (429), basic auth (401 with ``WWW-Authenticate``; 429 when too many bcrypt checks wait) and the
   configured extra headers, on every path, health endpoints included, as exporter-toolkit does. Order:
   rate limit, then auth, then routing (no path discovery without auth).
+- ``unix_path=`` listens on that Unix-domain socket (mode 0666) instead of ``address``; its file is removed at
+  shutdown, a stale one replaced at start.
 - Listen addresses (``listen``): ``("", port)`` is every interface (IPv6 dual-stack where the host has
   IPv6, else IPv4); ``"0.0.0.0"``, ``"::"``, ``"[::1]"``, ``"127.0.0.1"`` and host names work as expected.
   A bind failure raises ``ConfigError`` naming the address. ``listen.client_url`` and
@@ -41,5 +43,7 @@ they serve. Interface for other modules, each name imported from the module that
 The modules, top to bottom: ``server`` (threads, routing, auth order, public API) over ``connection``
 (each connection's state machine and deadlines) over ``parsing`` (request framing, pure) and ``messages``
 (``Request``/``Response``, a response's bytes); ``webconfig`` (the file to a frozen ``WebConfig``) over
-``tls``, ``basicauth`` and ``ratelimit``; ``listen`` and ``codec`` stand alone.
+``tls``, ``basicauth`` and ``ratelimit``; ``listen`` and ``codec`` stand alone. ``peers`` is what the kernel
+says of a connection's peer (the socket table, ``SO_PEERCRED``; ``Request.connection``), ``splice`` hands an
+HTTP/2 connection on a Unix-socket server (gRPC) over to the gRPC port.
 """

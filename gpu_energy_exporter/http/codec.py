@@ -38,20 +38,26 @@ class BodyTooLarge(ValueError):
 
 def inflate(data: bytes, limit: int, wbits: int = GZIP) -> bytes:
     """Decompress every member of ``data`` (``wbits``: ``GZIP``, ``ZLIB`` or ``RAW_DEFLATE``), never
-    producing more than ``limit`` bytes. Raises ``MalformedBody``, ``TruncatedBody`` or ``BodyTooLarge``."""
-    out = bytearray()
+    producing more than ``limit`` bytes. Raises ``MalformedBody``, ``TruncatedBody`` or ``BodyTooLarge``.
+
+    The output is kept as zlib's own pieces and joined once (a single piece, the usual case, is returned as
+    it is): growing one buffer and copying it out held the body three times at the end."""
+    pieces: list[bytes] = []
+    size = 0
     rest = data
     while rest:
         d = zlib.decompressobj(wbits)
         buf = rest
         while True:
             try:
-                chunk = d.decompress(buf, limit + 1 - len(out))
+                chunk = d.decompress(buf, limit + 1 - size)
             except zlib.error as exc:
                 raise MalformedBody(str(exc)) from None
-            out += chunk
-            if len(out) > limit:
+            size += len(chunk)
+            if size > limit:
                 raise BodyTooLarge(limit)
+            if chunk:
+                pieces.append(chunk)
             buf = d.unconsumed_tail
             if d.eof or (not chunk and not buf):
                 break
@@ -60,4 +66,4 @@ def inflate(data: bytes, limit: int, wbits: int = GZIP) -> bytes:
         rest = d.unused_data
         if wbits != GZIP:  # zlib streams have no multi-member form
             break
-    return bytes(out)
+    return pieces[0] if len(pieces) == 1 else b"".join(pieces)

@@ -39,6 +39,7 @@ from gpu_energy_exporter.http.parsing import (
     skip_blank_lines,
     take_head,
 )
+from gpu_energy_exporter.http.peers import ConnectionInfo
 from gpu_energy_exporter.http.webconfig import WebConfig
 
 log = logging.getLogger(__name__)
@@ -66,12 +67,13 @@ class Conn:
     __slots__ = (
         "sock", "addr", "state", "buf", "since", "deadline", "request_deadline", "out", "close_after",
         "method", "target", "version", "headers", "keep_alive", "length", "chunks", "body", "reserved",
-        "events", "refused_length", "drained", "auth_job",
+        "events", "refused_length", "drained", "auth_job", "info",
     )
 
     def __init__(self, sock: socket.socket, addr: tuple[Any, ...], now: float) -> None:
         self.sock = sock
-        self.addr = addr
+        self.addr = addr if isinstance(addr, tuple) and addr else ("unix", 0)  # a Unix peer's address is ""
+        self.info = ConnectionInfo.accepted(sock, addr)
         self.state = IDLE
         self.buf = bytearray()
         self.since = now  # when the current state (idle, or the request's first byte) began
@@ -131,6 +133,7 @@ class Connections:
         self.max_body_bytes = max_body_bytes
         self.max_buffered_bytes = max_buffered_bytes
         self.conns: dict[int, Conn] = {}
+        self.splice: Any = None  # ``http.splice.Splice``: HTTP/2 connections go there; set by the server
         # Keep-alive connections whose next request is already received: the selector loop serves them
         # (``serve_ready``), never ``_flush`` itself, which would recurse once per pipelined request.
         self.ready: list[Conn] = []
@@ -174,12 +177,7 @@ class Connections:
     def add(self, sock: socket.socket, addr: tuple[Any, ...]) -> None:
         """Take an accepted connection (TLS handshake first when configured)."""
         now = time.monotonic()
-        sock.setblocking(False)
-        try:
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        except OSError:
-            pass
-        conn = Conn(sock, addr, now)
+        conn = Conn(sock, addr, now)  # the socket made non-blocking, TCP_NODELAY (``ConnectionInfo.accepted``)
         ctx = None
         try:
             ctx = self._web_config.ssl_context()
@@ -337,6 +335,8 @@ class Connections:
             skip_blank_lines(conn.buf)
             if not conn.buf:
                 return
+            if self.splice is not None and self.splice.hand_over(self, conn):
+                return  # HTTP/2 (gRPC on the OTLP Unix socket): spliced to the gRPC port, or waiting to tell
             conn.state = HEAD
             conn.since = now
             conn.request_deadline = now + self.request_timeout

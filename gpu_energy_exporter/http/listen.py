@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import errno
 import ipaddress
+import os
 import resource
 import socket
 from typing import Any
@@ -67,6 +68,66 @@ def dual_stack(sock: socket.socket) -> bool:
         return sock.getsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY) == 0
     except OSError:
         return False
+
+
+#: Mode of a Unix-domain socket the exporter listens on: any local user may connect (each connection is
+#: identified by the kernel's SO_PEERCRED, not by who could open the file).
+UNIX_SOCKET_MODE = 0o666
+
+
+def bind_unix(path: str, mode: int = UNIX_SOCKET_MODE) -> socket.socket:
+    """A listening Unix-domain socket at ``path`` (its directory created, mode 0755, when missing; a stale
+    socket left by an exporter that died is replaced, any other file is not); ``ConfigError`` saying what to
+    do when it cannot be used."""
+    import stat
+
+    directory = os.path.dirname(path) or "."
+    try:
+        os.makedirs(directory, mode=0o755, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(f"cannot create the directory of the OTLP Unix socket {path!r}: {exc.strerror} "
+                          "(create it, writable by the exporter's user, or choose another path)") from None
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        st = None
+    except OSError as exc:
+        raise ConfigError(f"cannot use the Unix socket path {path!r}: {exc.strerror}") from None
+    if st is not None:
+        if not stat.S_ISSOCK(st.st_mode):
+            raise ConfigError(f"cannot listen on {path!r}: a file that is not a socket is there; remove it or "
+                              "choose another path")
+        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            probe.connect(path)
+        except OSError:
+            os.unlink(path)  # nobody listens: a socket left by an exporter that stopped uncleanly
+        else:
+            raise ConfigError(f"cannot listen on {path!r}: another process is listening there; stop it or "
+                              "choose another path") from None
+        finally:
+            probe.close()
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.bind(path)
+        os.chmod(path, mode)
+        sock.listen(1024)
+    except OSError as exc:
+        sock.close()
+        raise ConfigError(f"cannot listen on the Unix socket {path!r}: {exc.strerror or exc}") from None
+    return sock
+
+
+def close_listener(sock: socket.socket, unix_path: str | None) -> None:
+    """Close a listening socket (once); a Unix-domain one's file goes too: nobody listens on it any more."""
+    if sock.fileno() < 0:
+        return
+    sock.close()
+    if unix_path:
+        try:
+            os.unlink(unix_path)
+        except OSError:
+            pass
 
 
 def bind(address: tuple[str, int]) -> socket.socket:

@@ -86,7 +86,8 @@ class Request:
 
     ``method`` and ``path`` (without the query string), ``query`` (raw, without ``?``), ``headers``
     (case-insensitive ``.get``), ``client_address``; the body, already received in full, through
-    ``read_body``.
+    ``read_body``. ``connection``: what the server knows of the connection (``connection.ConnectionInfo``:
+    peer and local address, a Unix-domain peer's credentials, a cached identity), None when made elsewhere.
     """
 
     def __init__(
@@ -95,7 +96,9 @@ class Request:
         *,
         refused_length: int = 0,
         limit: int = 0,
+        connection: Any = None,
     ) -> None:
+        self.connection = connection
         self.method = method
         self.path = path
         self.query = query

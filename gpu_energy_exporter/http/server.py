@@ -37,12 +37,14 @@ from typing import Any
 
 from gpu_energy_exporter.core.errors import ConfigError
 from gpu_energy_exporter.core.metrics import add, define
+from gpu_energy_exporter.http import listen
 from gpu_energy_exporter.http.basicauth import AuthBusy
 from gpu_energy_exporter.http.connection import CLOSED, WORK, Conn, Connections
 from gpu_energy_exporter.http.listen import bind, client_url, connection_cap, dual_stack, listen_text
 from gpu_energy_exporter.http.messages import PROJECT_NAME, Handler, HTTPError, Request, Response, Routes, serialise
 from gpu_energy_exporter.http.parsing import split_target
 from gpu_energy_exporter.http.ratelimit import TokenBucket
+from gpu_energy_exporter.http.splice import Splice
 from gpu_energy_exporter.http.webconfig import WebConfig
 
 log = logging.getLogger(__name__)
@@ -104,6 +106,8 @@ class HTTPServer:
         max_buffered_bytes: int | None = None,
         workers: int = DEFAULT_WORKERS,
         inline: Callable[[Request], bool] | None = None,
+        unix_path: str | None = None,
+        splice: Splice | None = None,
     ) -> None:
         if max_connections < 1 or workers < 1:
             raise ConfigError(f"{name}: max connections and workers must be at least 1")
@@ -158,7 +162,9 @@ class HTTPServer:
         self._auth_pending = 0
         self._done: collections.deque[tuple[Conn, bytes | list[bytes], bool]] = collections.deque()
         self._refused_logged = False
-        self._listener = bind(address)  # first: a bind error leaves nothing open behind
+        # first: a bind error leaves nothing open behind (``unix_path``: that Unix socket instead of ``address``)
+        self.unix_path = unix_path
+        self._listener = listen.bind_unix(unix_path) if unix_path else bind(address)
         self._listener.setblocking(False)
         self._sel = selectors.DefaultSelector()
         self._wake_r, self._wake_w = socket.socketpair()
@@ -170,21 +176,28 @@ class HTTPServer:
             idle_timeout=idle_timeout, handshake_timeout=self.handshake_timeout, max_body_bytes=max_body_bytes,
             max_buffered_bytes=self.max_buffered_bytes,
         )
+        self._front.splice = self._splice = splice  # HTTP/2 on the OTLP Unix socket: to gRPC (``http.splice``)
 
     # -- public
 
     @property
     def server_address(self) -> tuple[str, int]:
+        if self.unix_path:  # (path, 0) for a Unix-domain socket
+            return self.unix_path, 0
         host, port = self._listener.getsockname()[:2]
         return host, port
 
     @property
     def url(self) -> str:
+        if self.unix_path:
+            return "unix:" + self.unix_path
         return client_url(self.server_address, "https" if self._web_config.tls_enabled else "http")
 
     @property
     def listen_text(self) -> str:
         """Where the socket listens, as a person reads it (see ``listen_text``)."""
+        if self.unix_path:
+            return f"the Unix socket {self.unix_path}"
         host, port = self.server_address
         return listen_text(host, port, self.url, dual_stack(self._listener))
 
@@ -242,7 +255,7 @@ class HTTPServer:
             self._stop_deadline = time.monotonic() + timeout
             self._front.stopping = True
         if thread is None:
-            self._listener.close()
+            listen.close_listener(self._listener, self.unix_path)
             self._close_wakeup()
             return
         self._wake()
@@ -295,6 +308,8 @@ class HTTPServer:
                                 pass
                         except OSError:
                             pass
+                    elif self._splice is not None and self._splice.owns(key.data):
+                        self._splice.on_event(key.data, events)
                     else:
                         self._front.on_event(key.data, events)
                 # New connections last: what the open ones already sent is read first. Accepting first let
@@ -310,11 +325,13 @@ class HTTPServer:
             log.exception("%s: the HTTP front failed; closing every connection", self.name)
         finally:
             self._front.close_all()
+            if self._splice is not None:
+                self._splice.close_all()
             try:
                 self._sel.unregister(self._listener)
             except (KeyError, ValueError):
                 pass
-            self._listener.close()
+            listen.close_listener(self._listener, self.unix_path)
 
     def _tick(self) -> float:
         """How long the selector may sleep: until the earliest connection deadline or the end of an accept
@@ -345,7 +362,7 @@ class HTTPServer:
                 self._sel.unregister(self._listener)
             except (KeyError, ValueError):
                 pass
-            self._listener.close()
+            listen.close_listener(self._listener, self.unix_path)
         self._front.close_all(keep_busy=True)
         return bool(self._front.conns) and time.monotonic() < self._stop_deadline
 
@@ -386,7 +403,8 @@ class HTTPServer:
         assert conn.headers is not None
         target, query = split_target(conn.target)
         req = Request(conn.method.upper(), target, query, conn.headers, conn.addr,
-                      bytes(conn.body), refused_length=conn.refused_length, limit=self.max_body_bytes)
+                      bytes(conn.body), refused_length=conn.refused_length, limit=self.max_body_bytes,
+                      connection=conn.info)
         conn.body = bytearray()
         wc = self._web_config
         conn.auth_job = wc.auth_enabled and wc.cached_basic_auth(req.headers.get("Authorization")) is None

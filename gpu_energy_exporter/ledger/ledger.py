@@ -19,7 +19,8 @@ This module is the ledger's driver: the lock, the snapshot history, who holds wh
 and close, and the write-retry queue; what /metrics and the JSON API get is read in ``views`` (inherited).
 Beside it: point ingestion and the accumulator's moves in ``runs``, interval accounting in ``accounting``,
 settlement at counter reads in ``settlement``, figures in ``summary``, snapshot framing in ``frames``, files
-in ``files``, series in ``specs``, who may change a run and per-client bounds in ``clients``.
+in ``files``, series in ``specs``, who may change a run and per-identity bounds in ``clients``, the store's
+gate that asks them before a point is stored in ``admission`` (inherited).
 """
 
 from __future__ import annotations
@@ -32,9 +33,11 @@ from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 
 from gpu_energy_exporter.core import contract
+from gpu_energy_exporter.core.ratelog import RateLimitedLog
 from gpu_energy_exporter.core.runs_schema import KEEP_FINISHED_S
 from gpu_energy_exporter.core.state import Snapshot
-from gpu_energy_exporter.ledger import accounting, claims, clients, files, jobs, restart, runs, settlement, specs
+from gpu_energy_exporter.ledger import accounting, clients, files, jobs, restart, runs, settlement, specs
+from gpu_energy_exporter.ledger.admission import LedgerAdmission
 from gpu_energy_exporter.ledger.files import iso_utc
 from gpu_energy_exporter.ledger.filewriter import Row
 from gpu_energy_exporter.ledger.frames import Frame, frame_of
@@ -55,7 +58,7 @@ _FINISHED = runs.RUN_FINISHED
 CarbonSource = Callable[[], "tuple[float, float] | tuple[float, float, tuple[float, float] | None]"]
 
 
-class RunLedger(LedgerViews):
+class RunLedger(LedgerAdmission, LedgerViews):
     """Per-run energy accounting. Thread-safe: one lock; file writes happen outside it.
 
     ``csv_path``: ``--runs.csv`` (None keeps runs in memory only). ``warmup_s``: ``--runs.warmup``.
@@ -132,6 +135,9 @@ class RunLedger(LedgerViews):
         # (run, rank, client, resource, received) of the last point that passed the client and process checks
         # in this chunk of points (_record_locked), None when the next point must be checked
         self._admitted: tuple[object, ...] | None = None
+        # (run id, identity) -> the run id a colliding identity's points go to (``_admit_locked``)
+        self._scoped: dict[tuple[str, str], str] = {}
+        self._new_process: set[str] = set()  # runs a process joined at the gate, not recorded yet
         # Who uses which GPU, by snapshot time (ledger_split.Holding), rebuilt when runs change.
         self._holders_gen = 0
         self._holders_cache: dict[float, dict[str, list[Holding]]] = {}
@@ -146,7 +152,9 @@ class RunLedger(LedgerViews):
         self._recount_from: dict[str, float] = {}
         self.recount_intervals = 0  # snapshot intervals recounted (bench/ledger_backdated.py)
         self._carbon_error_logged = False
-        self._last_reject_log = -math.inf
+        # Per-run lines (started, finished, stale, refused) under a flood of runs: 30 of each a minute, then
+        # a count (core.ratelog); the counters on /metrics stay exact.
+        self._runs_log = RateLimitedLog(log, burst=30)
         self._version = 0  # bumped whenever what collect() returns may have changed
         # Parts of each live summary's stamp (with the run's own points and _holders_gen): bumped by every
         # snapshot counted and every expiry of finished runs.
@@ -167,7 +175,8 @@ class RunLedger(LedgerViews):
 
     def on_points(self, points: Sequence[PointLike]) -> None:
         """Store batch listener (``TrainingStore.add_batch_listener``): ``on_point`` for each of one
-        request's points, taking the lock once per ``POINTS_CHUNK`` points."""
+        request's points, taking the lock once per ``POINTS_CHUNK`` points. Points the store's gate
+        (``admit``) let in (``admitted``) are not checked again."""
         record = self._record_locked
         for start in range(0, len(points), self.POINTS_CHUNK):
             with self._lock:
@@ -177,7 +186,7 @@ class RunLedger(LedgerViews):
                     count = point.count
                     record(point.run_id, point.name, point.labels, point.value, point.time,
                            float(count) if count is not None else None, point.key, received, point.resource,
-                           point.client)
+                           point.client, getattr(point, "admitted", False))
 
     def record(self, run_id: str, name: str, labels: Mapping[str, str], value: float, t: float, *,
                count: float | None = None, client: str = "") -> None:
@@ -189,17 +198,23 @@ class RunLedger(LedgerViews):
 
     def _record_locked(self, run_id: str, name: str, labels: Mapping[str, str], value: float, t: float,
                        count: float | None, key: runs.LabelKey | None = None, received: float | None = None,
-                       resource: tuple[tuple[str, str], ...] = (), client: str = "") -> None:
-        """``key``, ``received``: ``labels`` as their sorted items, the clock's time, when the caller has them."""
+                       resource: tuple[tuple[str, str], ...] = (), client: str = "", admitted: bool = False) -> None:
+        """``key``, ``received``: ``labels`` as their sorted items, the clock's time, when the caller has them;
+        ``admitted``: the store's gate (``admit``) let the point in already."""
         if not run_id or not _isfinite(value) or not _isfinite(t):
             return
+        if received is None:
+            received = self._clock()
+        rank = labels.get(_RANK, "")
+        if not admitted:  # checked here, as the gate would have (a point not through the store, or no gate)
+            verdict = self._admit_locked(run_id, name, rank, value, t, resource, client, received)
+            if isinstance(verdict, tuple):
+                return
+            run_id = verdict or run_id
         if self._job_ids and resource:
             run_id = jobs.alias(self._active, run_id, resource)  # a job's rank under a run id of its own
         progress = name in _PROGRESS
         self._version += 1
-        if received is None:
-            received = self._clock()
-        rank = labels.get(_RANK, "")
         if self._wall is not None:  # on the steady clock: senders' clocks are placed against it
             t = restart.steady_point_time(self._offsets, run_id, rank, t, received, self._late_window_s)
         run = self._active.get(run_id)
@@ -209,20 +224,9 @@ class RunLedger(LedgerViews):
                 self._offsets.pop(run_id, None)
                 return
         gpus_before, end_before = len(run.gpus), run.e
-        # Who pushed it: the points of one request share their run, rank, client and resource; once one of
-        # them passed both checks, the next ones of that origin pass them too (a finish is checked each time;
-        # the helper's ``training_run_finished 0``, sent with every export, finishes nothing).
-        origin = (run, rank, client, resource, received)
-        new_process = False
-        if origin != self._admitted or (name == _FINISHED and value >= 1):
-            self._admitted = None
-            if clients.refused(self._clients, run, self._active.values(), name, rank, value, client, received):
-                return
-            refused, new_process = claims.note_process(run, resource, rank, received)
-            if refused:  # another process under the run's id whose job identity disagrees (docs/ledger.md)
-                return self._claims.refuse(refused)
-            if not run.tentative:  # a tentative run's first progress point records its owner: check it
-                self._admitted = origin
+        new_process = run.run_id in self._new_process
+        if new_process:
+            self._new_process.discard(run.run_id)
         if run.restored is not None and progress:
             restart.reconcile(run, name, labels, value, key)
         runs.apply_point(run, name, labels, value, t, count, received, key, rank)
@@ -237,7 +241,7 @@ class RunLedger(LedgerViews):
             run.tentative = False
             self._holders_changed(run, run.s)
             self._replay_pending.add(run_id)  # counted with the other recounts (_recount)
-            log.info("run %s started (first point at %s)", run_id, iso_utc(run.s))
+            self._runs_log.info("started", "run %s started (first point at %s)", run_id, iso_utc(run.s))
             self._durable.started()
             return
         if len(run.gpus) != gpus_before or new_process:
@@ -250,8 +254,7 @@ class RunLedger(LedgerViews):
         if previous and not runs.resumes(previous[-1], name, value, t):
             return None
         if previous and previous[-1].owners and not clients.same_node(previous[-1].owners.values(), client):
-            self._clients.refuse(clients.NOT_RUN_CLIENT)  # only the run's own node continues it
-            return None
+            return None  # only the run's own node continues it (refused in _check_locked)
         if len(self._active) >= self._max_active:
             # Runs that never pushed training progress give way first (oldest push first): a flood of
             # run ids without progress (e.g. training_run_finished only) cannot keep a real run out.
@@ -263,11 +266,9 @@ class RunLedger(LedgerViews):
                 self._evicted += 1
         if len(self._active) >= self._max_active:
             self._rejected += 1
-            now = self._clock()
-            if now - self._last_reject_log > 60:
-                self._last_reject_log = now
-                log.warning("run ledger: already tracking %d active runs; ignoring new run %r (runs end on "
-                            "training_run_finished or after --runs.stale-after)", self._max_active, run_id)
+            self._runs_log.warning("too many", "run ledger: already tracking %d active runs; ignoring new run %r "
+                                   "(runs end on training_run_finished or after --runs.stale-after)",
+                                   self._max_active, run_id)
             return None
         # A first point dated long before it arrived would make the run's start replay (and every run sharing
         # its GPUs recount) that much history: its start is taken at most max_backdate_s back (bounded cost).
@@ -340,8 +341,8 @@ class RunLedger(LedgerViews):
                 if run.e is None and now - run.last_point_received > self.stale_after_s:
                     run.status = "stale"
                     run.e = run.last_point_t
-                    log.warning("run %s: nothing pushed for %.0fs; closing it as stale at its last point (%s)",
-                                run.run_id, self.stale_after_s, iso_utc(run.e))
+                    self._runs_log.warning("stale", "run %s: nothing pushed for %.0fs; closing it as stale at its "
+                                           "last point (%s)", run.run_id, self.stale_after_s, iso_utc(run.e))
                     self._holders_changed(run, run.e)
                 ended = run.e is not None and (frame.t >= run.e or run.status == "stale")
                 if ended and settlement.closable(run, frame, self._anchors, self.settle_wait_s):
@@ -435,8 +436,8 @@ class RunLedger(LedgerViews):
         self._claims.closed(run.unconfirmed.values())
         self._finished_counts[status] = self._finished_counts.get(status, 0.0) + 1
         s = run.summary
-        log.info("run %s %s: %.0fs, %s tokens, %s J, %s J/token", run.run_id, status, s["duration_s"],
-                 fmt(s["tokens"]), fmt(s["energy_j"]), fmt(s["j_per_token"]))
+        self._runs_log.info("finished", "run %s %s: %.0fs, %s tokens, %s J, %s J/token", run.run_id, status,
+                            s["duration_s"], fmt(s["tokens"]), fmt(s["energy_j"]), fmt(s["j_per_token"]))
         if self.csv_path is not None:
             self._seq += 1
             row = Row(self._seq, run.run_id, run.s, dict(s), self._document(run, dict(s)))

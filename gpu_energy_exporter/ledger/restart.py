@@ -30,6 +30,7 @@ from collections.abc import Mapping
 from dataclasses import replace
 from typing import Any
 
+from gpu_energy_exporter.core.ratelog import RateLimitedLog
 from gpu_energy_exporter.ledger.filewriter import FileWriter, Row
 from gpu_energy_exporter.ledger.frames import Frame
 from gpu_energy_exporter.ledger.journal import FORMAT, Journal, JournalWriter, SteadyClock
@@ -115,6 +116,7 @@ class Durable:
         self.writer: FileWriter | None = None
         self.gap_pending = False
         self._gap_since: float | None = None
+        self._errors_log = RateLimitedLog(log, period_s=300.0)  # a failing disk fails every checkpoint
         if state_dir is not None:
             try:
                 self.journal = Journal(state_dir)
@@ -160,8 +162,8 @@ class Durable:
         with led._lock:
             led._write_errors += 1
             led._version += 1
-        log.error("run ledger: cannot write the journal in %s (%s); open runs may not survive a restart",
-                  self.journal.directory if self.journal else "?", exc)
+        self._errors_log.error("journal", "run ledger: cannot write the journal in %s (%s); open runs may not "
+                               "survive a restart", self.journal.directory if self.journal else "?", exc)
 
     def _restore(self, state: dict[str, Any]) -> None:
         led = self._ledger

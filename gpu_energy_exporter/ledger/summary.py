@@ -110,7 +110,9 @@ def summarize(run: Run, acc: Acc, *, warmup_s: float, local: Local, carbon_confi
     end = acc.t if run.e is None else run.e
     duration = max(0.0, end - run.s)
     notes = list(run.notes)
-    warmup_applied = duration > warmup_s
+    # No warm-up (--runs.warmup=0s): the window is the whole run, whatever a rank's first point interpolates
+    # to at the start (a rank joining late, a start backdated by another rank's process start).
+    warmup_applied = warmup_s > 0 and duration > warmup_s
     if warmup_applied:
         warmup = warmup_s
         win_energy: float | None = acc.win_energy_j

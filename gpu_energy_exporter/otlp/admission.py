@@ -4,6 +4,8 @@ its ``--otlp.*`` flag, and is what the request's ``partial_success`` quotes.
 
 Bounds (each a ``--otlp.*`` flag):
 
+- Per identity (``core.clientid``): at most ``max_series_per_client`` series and ``max_bytes_per_client``
+  bytes (``Holdings``), so one identity filling its quota never keeps another out.
 - Count and bytes: at most ``max_series`` series, ``max_series_per_run`` per run id and ``max_bytes``
   estimated bytes (``points.series_bytes``).
 - Fair admission: one request may create at most ``max_new_runs_per_request`` new run ids and
@@ -16,8 +18,8 @@ Bounds (each a ``--otlp.*`` flag):
   ``gpuenergy_`` prefix is refused at translation). The family pushed later is rejected
   (``name_collision``), so the exposition always parses.
 
-Pure: plain values in, a refusal or ``None`` out. This module never changes the store, never evicts
-(the store sweeps when ``store_refusal`` says it is full, then asks again), never takes a lock.
+Pure: plain values in, a refusal or ``None`` out (``Holdings`` only counts). This module never changes the store,
+never evicts (the store sweeps when ``store_refusal`` says it is full, then asks again), never takes a lock.
 """
 
 from __future__ import annotations
@@ -73,6 +75,45 @@ def store_refusal(run_id: str, cost: int, *, series: int, used_bytes: int, run_s
         return ("run_series_limit",
                 f"run_id {run_id[:200]!r} has {max_series_per_run} series (--otlp.max-series-per-run)")
     return None
+
+
+class Holdings:
+    """What each identity holds, series and bytes, against its quota (``--otlp.max-series-per-client``,
+    ``--otlp.max-bytes-per-client``): one identity filling its quota never keeps another out. The anonymous
+    identity "" (points stored by the exporter's own callers, not pushed over a socket) has no quota. The
+    store's lock guards it."""
+
+    def __init__(self, max_series: int, max_bytes: int) -> None:
+        self.max_series = max_series
+        self.max_bytes = max_bytes
+        self._held: dict[str, list[int]] = {}
+
+    def add(self, identity: str, series: int, cost: int) -> None:
+        if not identity:
+            return
+        held = self._held.setdefault(identity, [0, 0])
+        held[0] += series
+        held[1] += cost
+        if held[0] <= 0:
+            del self._held[identity]
+
+    def refusal(self, identity: str, cost: int) -> Refusal | None:
+        """Room for one more series of ``cost`` bytes in ``identity``'s quota, or a refusal."""
+        held = self._held.get(identity)
+        if held is None:
+            return None
+        if held[0] >= self.max_series:
+            return ("client_series_limit", f"this identity ({identity[:120]}) holds {held[0]} series, the most one "
+                    "may (--otlp.max-series-per-client); its idle series are evicted after --otlp.evict-idle-after")
+        return self.grow_refusal(identity, cost)
+
+    def grow_refusal(self, identity: str, more: int) -> Refusal | None:
+        """Room for ``more`` bytes in ``identity``'s quota (a series growing), or a refusal."""
+        held = self._held.get(identity)
+        if held is None or more <= 0 or held[1] + more <= self.max_bytes:
+            return None
+        return ("client_bytes_limit", f"this identity ({identity[:120]}) holds {held[1]} bytes of series, {more} "
+                f"more would pass --otlp.max-bytes-per-client ({self.max_bytes})")
 
 
 def bytes_refusal(used_bytes: int, more: int, max_bytes: int) -> Refusal:

@@ -33,6 +33,11 @@ change, on the next connection). Settings grpcio cannot enforce (``client_allowe
 than 1.2 to 1.3, ``cipher_suites``) stop the exporter at start-up with a message, rather than serve weaker
 than the file says. Basic auth and ``rate_limit`` in that file are HTTP-only: the bearer token is OTLP's.
 
+Identity (docs/security.md): a call's peer (``context.peer()``, an address and port) is looked up in the
+socket table (``http.peers``; off the loop when not remembered), or in ``spliced`` when the connection came
+through the OTLP Unix socket (``http.splice``: its Unix peer); the token's tenant and trusted forwarders as
+over HTTP (``ExportHandler.identify``).
+
 Threads: one ``otlp-grpc`` thread runs an asyncio loop with a ``grpc.aio`` server; messages up to
 ``receiver.INLINE_MAX_BODY`` are stored on it (a rank's export costs less than a hand-off), larger ones on a
 small pool. In plain text ``bind`` holds the port with a ``grpcwake.Placeholder`` and ``grpc`` is imported,
@@ -45,21 +50,27 @@ lets a call crash the server.
 from __future__ import annotations
 
 import logging
+import os
+import shutil
+import socket
+import tempfile
 import threading
 import time
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client.core import Metric
 
 from gpu_energy_exporter.core import metrics
+from gpu_energy_exporter.core.clientid import UNRESOLVED_LOCAL, Peer, address_peer
 from gpu_energy_exporter.core.errors import ConfigError
 from gpu_energy_exporter.core.lazymodule import lazy
-from gpu_energy_exporter.http.listen import bind as probe_bind
+from gpu_energy_exporter.otlp.grpcfront import Front
 from gpu_energy_exporter.otlp.grpcslots import EVICT_AFTER as EVICT_AFTER
 from gpu_energy_exporter.otlp.grpcslots import SLOTS as SLOTS
 from gpu_energy_exporter.otlp.grpcslots import Call, Refused, Slots
 from gpu_energy_exporter.otlp.grpctls import TLSCredentials, check_tls
-from gpu_energy_exporter.otlp.grpcwake import Placeholder, Release
+from gpu_energy_exporter.otlp.grpcwake import Handoff, Placeholder, listen
 from gpu_energy_exporter.otlp.receiver import INLINE_MAX_BODY, PROTOBUF, ExportFailure, ExportHandler
 from gpu_energy_exporter.otlp.selfmetrics import COLLECTOR
 
@@ -127,8 +138,11 @@ class GRPCReceiver:
         max_connections: int = 256,
         request_timeout: float = 30.0,
         slots: int = SLOTS,
+        spliced: Mapping[tuple[str, int], Peer] | None = None,
     ) -> None:
         self.address = address
+        #: connections spliced from the OTLP Unix socket (``http.splice``): their local address -> Unix peer
+        self.spliced = spliced
         self.handler = handler
         self.tls = tls
         self.max_connections = max_connections
@@ -147,6 +161,8 @@ class GRPCReceiver:
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._slots: Slots | None = None
         self._placeholder: Placeholder | None = None
+        self._front: Front | None = None
+        self._sockdir: str | None = None
         self.port = 0
 
     # ------------------------------------------------------------------------------------------------
@@ -223,16 +239,38 @@ class GRPCReceiver:
         deadline = time.monotonic() + self.request_timeout
         await self._slots.acquire(call, deadline)
         try:
+            # grpcio serves the front's private socket (grpcfront): the client's own TCP connection is the front's
+            seen = self._front.peer_of(context.peer()) if self._front is not None else context.peer()
+            peer = self.handler.identify(await self._peer(seen), authorization)
             data = await self._receive(context, call, deadline)
             if len(data) <= INLINE_MAX_BODY:
-                return self.handler.store_body(data, PROTOBUF, peer_host(context.peer()))
+                return self.handler.store_body(data, PROTOBUF, peer)
             loop = asyncio.get_running_loop()
-            return await loop.run_in_executor(self._pool, self.handler.store_body, data, PROTOBUF,
-                                              peer_host(context.peer()))
+            return await loop.run_in_executor(self._pool, self.handler.store_body, data, PROTOBUF, peer)
         except ExportFailure as exc:
             raise Refused("INVALID_ARGUMENT", exc.message) from None
         finally:
             await self._slots.release(call)
+
+    async def _peer(self, text: str | None) -> Peer:
+        """What the kernel says of a call's connection (``http.peers``): a connection spliced from the OTLP
+        Unix socket is its Unix peer (``spliced``); a TCP one is looked up in the socket table, on the worker
+        pool when not remembered (a scan reads /proc)."""
+        host, port = peer_address(text)
+        if not port:
+            return address_peer(host) if host and not host.startswith("/") else UNRESOLVED_LOCAL
+        if self.spliced is not None:
+            found = self.spliced.get((host, port))
+            if found is not None:
+                return found
+        resolver = self.handler.resolver
+        if resolver is None:
+            return address_peer(host)
+        known = resolver.known(host, port, self.port)
+        if known is not None:
+            return known
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._pool, resolver.tcp, host, port, self.port)
 
     async def _receive(self, context: aio.ServicerContext, call: Call, deadline: float) -> bytes:
         from grpc import aio
@@ -286,18 +324,8 @@ class GRPCReceiver:
     def handshake_timeout(self) -> float:
         return HANDSHAKE_TIMEOUT_TLS if self.tls is not None else HANDSHAKE_TIMEOUT
 
-    def _target(self, port: int | None = None) -> str:
-        host, port = self.address[0], self.address[1] if port is None else port
-        host = host.strip()
-        if host.startswith("[") and host.endswith("]"):
-            host = host[1:-1]
-        if host == "":
-            host = "::"
-        return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-
-    async def _build(self, release: Release | None = None) -> int:
-        """The server, bound: on the address as given, or (``release``: the placeholder's) on its port, the
-        placeholder's sockets closed just before."""
+    async def _build(self) -> None:
+        """The server, bound on its private Unix socket (the front relays the port to it)."""
         import grpc
         from grpc import aio
 
@@ -306,28 +334,19 @@ class GRPCReceiver:
         handler = grpc.method_handlers_generic_handler(
             SERVICE, {METHOD: grpc.stream_unary_rpc_method_handler(self._export)})
         server.add_generic_rpc_handlers((handler,))
-        target = self._target(self.port if release is not None else None)
-        if release is not None:
-            release()
+        self._sockdir = tempfile.mkdtemp(prefix="gpu-energy-exporter-grpc-")  # 0700: no one else connects
+        target = "unix:" + os.path.join(self._sockdir, "grpc.sock")
         try:
             if self.tls is not None:
-                port = server.add_secure_port(target, TLSCredentials(self.tls).credentials())
+                bound = server.add_secure_port(target, TLSCredentials(self.tls).credentials())
             else:
-                port = server.add_insecure_port(target)
+                bound = server.add_insecure_port(target)
         except RuntimeError:
-            port = 0
-        if not port:
-            raise ConfigError(self._bind_problem())
+            bound = 0
+        if not bound:
+            raise ConfigError(f"cannot listen on {target} for OTLP/gRPC (the private socket the port is relayed to; "
+                              "is TMPDIR writable?)")
         self._server = server
-        return port
-
-    def _bind_problem(self) -> str:
-        # gRPC says only "failed to bind"; binding the address ourselves gives the reason
-        try:
-            probe_bind(self.address).close()
-        except ConfigError as exc:
-            return str(exc)
-        return f"cannot listen on {self._target()} for OTLP/gRPC"
 
     def _start_loop(self) -> asyncio.AbstractEventLoop:
         loop = asyncio.new_event_loop()
@@ -339,32 +358,43 @@ class GRPCReceiver:
         self._pool = concurrent.futures.ThreadPoolExecutor(WORKERS, thread_name_prefix="otlp-grpc-worker")
         return loop
 
+    def _front_for(self, listeners: list[socket.socket]) -> Front:
+        assert self._sockdir is not None
+        return Front(listeners, os.path.join(self._sockdir, "grpc.sock"), max_connections=self.max_connections,
+                     first_bytes_timeout=min(HANDSHAKE_TIMEOUT, self.request_timeout))
+
     def bind(self) -> GRPCReceiver:
         """Bind the port; ``ConfigError`` when it cannot be used. In plain text the port is held by a
         ``grpcwake.Placeholder`` and grpc is loaded on the first connection (``_wake``); with TLS grpc is
-        imported, its loop thread started and its server bound now (a TLS handshake cannot be handed over)."""
+        imported, its loop thread started and its server bound now. Either way the port is the front's
+        (``grpcfront``), which relays it to the server's private Unix socket."""
         if self._loop is not None or self._placeholder is not None:
             return self
         if self.tls is None:
             self._placeholder = Placeholder(self.address, max_held=self.max_connections)
             self.port = self._placeholder.port
             return self
+        listeners = listen(self.address)
+        self.port = listeners[0].getsockname()[1]
         loop = self._start_loop()
         try:
-            self.port = asyncio.run_coroutine_threadsafe(self._build(), loop).result()
+            asyncio.run_coroutine_threadsafe(self._build(), loop).result()
+            self._front = self._front_for(listeners)
         except BaseException:
+            for sock in listeners:
+                sock.close()
             self.shutdown()
             raise
         return self
 
-    def _wake(self, release: Release) -> bool:
-        """The first connection arrived (placeholder's thread): load grpc, bind it where the placeholder
-        was, serve. False (logged) when grpc cannot take the port."""
+    def _wake(self, handoff: Handoff) -> bool:
+        """The first connection arrived (placeholder's thread): load grpc, serve on the private socket, and
+        take the port's listening sockets into the front. False (logged) when grpc cannot serve."""
         started = time.perf_counter()
         loop = self._start_loop()
 
         async def build_and_serve() -> None:
-            await self._build(release)
+            await self._build()
             assert self._server is not None
             await self._server.start()
 
@@ -373,6 +403,7 @@ class GRPCReceiver:
         except ConfigError as exc:
             log.error("OTLP/gRPC receiver stopped: %s (--otlp.grpc.listen-address)", exc)
             return False
+        self._front = self._front_for(handoff()).start()
         log.info("otlp-grpc: first connection, gRPC loaded and serving in %.0f ms",
                  (time.perf_counter() - started) * 1000)
         return True
@@ -382,8 +413,9 @@ class GRPCReceiver:
         if self._placeholder is not None:
             self._placeholder.watch(self._wake)
         else:
-            assert self._loop is not None and self._server is not None
+            assert self._loop is not None and self._server is not None and self._front is not None
             asyncio.run_coroutine_threadsafe(self._server.start(), self._loop).result()
+            self._front.start()
         log.info("otlp-grpc listening on %s (gRPC, TLS %s, bearer token %s, at most %d connections)",
                  self.url, "on" if self.tls else "off", "on" if self.handler.bearer_required else "off",
                  self.max_connections)
@@ -403,9 +435,13 @@ class GRPCReceiver:
         if self._placeholder is not None:
             self._placeholder.close()  # waits for a wake under way: its loop and server are stopped below
             self._placeholder = None
+        if self._front is not None:
+            self._front.close()  # the port first: no new connection while the server stops
+            self._front = None
         loop, server = self._loop, self._server
         self._server = None
         if loop is None:
+            self._remove_sockdir()
             return
         if server is not None:
             try:
@@ -420,6 +456,12 @@ class GRPCReceiver:
         if self._pool is not None:
             self._pool.shutdown(wait=False)
         self._loop = self._thread = self._pool = None
+        self._remove_sockdir()
+
+    def _remove_sockdir(self) -> None:
+        if self._sockdir is not None:
+            shutil.rmtree(self._sockdir, ignore_errors=True)
+            self._sockdir = None
 
     def __enter__(self) -> GRPCReceiver:
         return self.start()
@@ -428,14 +470,16 @@ class GRPCReceiver:
         self.shutdown()
 
 
-def peer_host(peer: str | None) -> str:
-    """The sender's address from gRPC's peer string (``ipv4:127.0.0.1:5000``, ``ipv6:[::1]:5000``,
-    ``unix:...``), the same form the HTTP receiver gives ``core.clientid`` (no port)."""
+def peer_address(peer: str | None) -> tuple[str, int]:
+    """(address, port) from gRPC's peer string (``ipv4:127.0.0.1:5000``, ``ipv6:[::1]:5000``); port 0 for
+    another kind (``unix:...``)."""
     if not peer:
-        return ""
+        return "", 0
     kind, _, rest = peer.partition(":")
-    if kind == "ipv6" and rest.startswith("[") and "]" in rest:
-        return rest[1:rest.index("]")]
-    if kind == "ipv4":
-        return rest.rsplit(":", 1)[0]
-    return rest
+    if kind == "ipv6" and rest.startswith("[") and "]:" in rest:
+        host, _, port = rest[1:].partition("]:")
+    elif kind == "ipv4":
+        host, _, port = rest.rpartition(":")
+    else:
+        return rest, 0
+    return host, int(port) if port.isdigit() else 0

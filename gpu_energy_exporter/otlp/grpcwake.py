@@ -2,24 +2,22 @@
 20 threads) is loaded only on a node that receives a gRPC push.
 
 ``Placeholder(address)`` binds and listens on the addresses grpcio would bind for it (a host name's every
-address, one port; ``""`` dual-stack), so a taken port is a ``ConfigError`` at start, as with grpcio bound
-at once, and no second exporter can take the port meanwhile (no ``SO_REUSEPORT``). ``watch(wake)`` starts
-one thread that blocks until the first connection arrives, accepts it and calls ``wake(release)`` with it
-held: ``wake`` loads grpc and builds its server, calls ``release()`` (which accepts whatever else waits in
-the backlog, then closes the listening sockets) right before grpcio binds the same port, and returns whether
-grpcio serves now. Then every held connection is answered as an HTTP/2 server would (a SETTINGS frame, an
-ACK of the client's SETTINGS) and, once the client has opened its call on it (its HEADERS frame; or after
+address, one port; ``""`` dual-stack), so a taken port is a ``ConfigError`` at start, and no second exporter
+can take the port meanwhile (no ``SO_REUSEPORT``). ``watch(wake)`` starts one thread that blocks until the
+first connection arrives, accepts it and calls ``wake(handoff)`` with it held: ``wake`` loads grpc, starts its
+server (on a private Unix socket: ``grpcfront``), calls ``handoff()``, which gives it the listening sockets as
+they are (connections waiting in their backlog included: the front relays them), and returns whether grpcio
+serves now. Then every connection held here is answered as an HTTP/2 server would (a SETTINGS frame, an ACK of
+the client's SETTINGS) and, once the client has opened its call on it (its HEADERS frame; or after
 ``CALL_WAIT``), with ``GOAWAY(last-stream-id=0, NO_ERROR)``: to a gRPC client that call was never processed,
-so it sends it again on a new connection, which reaches grpcio's server (a transparent retry: the caller
-sees no error). The GOAWAY must wait for the call: sent right behind the SETTINGS it can reach grpcio's
-client before its subchannel watches the connection, and the call is then retried on that dead connection
-until its deadline (grpcio 1.85, 3 first calls in 8). The connection is half-closed, what the client sends
-is read until it closes or ``DRAIN_TIMEOUT``, and closed: closing with unread bytes would send a reset the
-client could see before the GOAWAY.
+so it sends it again on a new connection, which the front relays to grpcio (a transparent retry: the caller
+sees no error). The GOAWAY must wait for the call: sent right behind the SETTINGS it can reach grpcio's client
+before its subchannel watches the connection, and the call is then retried on that dead connection until its
+deadline (grpcio 1.85, 3 first calls in 8). The connection is half-closed, what the client sends is read until
+it closes or ``DRAIN_TIMEOUT``, and closed: closing with unread bytes would send a reset the client could see
+before the GOAWAY. The port is never closed on the way: no connection is refused between the two.
 
-Between ``release()`` closing the sockets and grpcio listening (grpcio's bind, a millisecond) a new
-connection is refused: that client's call fails ``UNAVAILABLE`` (which the SDK's exporter retries). This
-module never imports grpc and reads no more of a call than its frame headers.
+This module never imports grpc and reads no more of a call than its frame headers.
 """
 
 from __future__ import annotations
@@ -109,7 +107,8 @@ def _send(sock: socket.socket, data: bytes, *, shut: bool = False) -> bool:
         return False
     return True
 
-Release = Callable[[], None]
+#: What ``wake`` is given: it returns the listening sockets, which are then no longer the placeholder's.
+Handoff = Callable[[], list[socket.socket]]
 
 
 def _candidates(host: str, port: int) -> list[tuple[socket.AddressFamily, tuple[Any, ...], bool]]:
@@ -188,11 +187,11 @@ class Placeholder:
         self._thread: threading.Thread | None = None
         self.woken = threading.Event()  # set once the first connection was answered (for tests and shutdown)
 
-    def watch(self, wake: Callable[[Release], bool]) -> None:
+    def watch(self, wake: Callable[[Handoff], bool]) -> None:
         self._thread = threading.Thread(target=self._run, args=(wake,), name="otlp-grpc-wait", daemon=True)
         self._thread.start()
 
-    def _run(self, wake: Callable[[Release], bool]) -> None:
+    def _run(self, wake: Callable[[Handoff], bool]) -> None:
         with selectors.DefaultSelector() as sel:
             for sock in self._listeners:
                 sel.register(sock, selectors.EVENT_READ)
@@ -206,7 +205,7 @@ class Placeholder:
                     break
         serving = False
         try:
-            serving = wake(self.release)
+            serving = wake(self.handoff)
         except Exception:  # never leave the held clients hanging
             log.exception("OTLP/gRPC receiver failed to start on its first connection")
         finally:
@@ -226,8 +225,14 @@ class Placeholder:
                     break
                 self._held.append(conn)
 
+    def handoff(self) -> list[socket.socket]:
+        """The listening sockets, as they are: from now on they are the caller's (``wake``'s front)."""
+        listeners, self._listeners = self._listeners, []
+        return listeners
+
     def release(self) -> None:
-        """Accept what waits in the backlog, then close the listening sockets (the port is free to bind)."""
+        """Accept what waits in the backlog, then close the listening sockets (grpcio could not start, or the
+        receiver stops before it did)."""
         if not self._listeners:
             return
         self._accept_waiting()

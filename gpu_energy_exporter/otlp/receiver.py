@@ -26,134 +26,54 @@ This module must never let a request crash the server: every failure becomes a r
 
 from __future__ import annotations
 
-import json
 import logging
+import threading
 import time
 from collections.abc import Mapping
 from types import MappingProxyType
 from typing import Any
 
 from google.protobuf import json_format
-from google.protobuf.message import Message
 from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import (
     ExportMetricsPartialSuccess,
-    ExportMetricsServiceRequest,
     ExportMetricsServiceResponse,
 )
 
-from gpu_energy_exporter.core.errors import ConfigError
-from gpu_energy_exporter.http.codec import GZIP, RAW_DEFLATE, ZLIB, BodyTooLarge, MalformedBody, TruncatedBody, inflate
+from gpu_energy_exporter.core.clientid import Peer
 from gpu_energy_exporter.http.messages import HTTPError, Request
 from gpu_energy_exporter.http.messages import Response as WebResponse
+from gpu_energy_exporter.http.peers import PeerResolver
 from gpu_energy_exporter.http.server import DEFAULT_MAX_CONNECTIONS, DEFAULT_REQUEST_TIMEOUT, HTTPServer
-from gpu_energy_exporter.otlp import jsonwire
+from gpu_energy_exporter.http.splice import Splice
+from gpu_energy_exporter.otlp import census
+from gpu_energy_exporter.otlp.census import DEFAULT_REQUEST_LIMITS, RequestLimits
+from gpu_energy_exporter.otlp.decoding import DecodeFailure, decode, decode_wire, decompress
+from gpu_energy_exporter.otlp.decoding import _parse_json as _parse_json  # its former home (tests call it)
+from gpu_energy_exporter.otlp.identify import Identities
+from gpu_energy_exporter.otlp.identify import load_bearer_token as load_bearer_token
+from gpu_energy_exporter.otlp.identify import load_bearer_tokens as load_bearer_tokens
 from gpu_energy_exporter.otlp.status import JSON, PROTOBUF, status_body
 from gpu_energy_exporter.otlp.store import TrainingStore
 from gpu_energy_exporter.otlp.translate import translate_request
-from gpu_energy_exporter.otlp.wire import Undecodable, WireRequest
+from gpu_energy_exporter.otlp.wire import Undecodable
 
 log = logging.getLogger(__name__)
 
+_Failure = DecodeFailure
+#: A request refused with an HTTP status and one message (400 for a body that does not decode); the
+#: OTLP/gRPC receiver (``otlp.grpcreceiver``) answers the same message with the matching gRPC code.
+ExportFailure = DecodeFailure
+
 PATH = "/v1/metrics"
 DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
+#: Bodies larger than ``census.SMALL_BODY`` (or compressed) decoded at once, both ports together: the worst
+#: concurrent case is this many worst single requests, plus the bodies the servers hold meanwhile.
+DECODING_AT_ONCE = 2
 
 Response = tuple[int, str, bytes]
 
 _PROTOBUF_TYPES = frozenset({"application/x-protobuf", "application/protobuf"})
 _ENCODINGS = frozenset({"", "identity", "gzip", "x-gzip", "deflate"})
-
-
-class _Failure(Exception):
-    def __init__(self, status: int, message: str, field: str = "") -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.field = field
-
-
-#: A request refused with an HTTP status and one message (400 for a body that does not decode); the
-#: OTLP/gRPC receiver (``otlp.grpcreceiver``) answers the same message with the matching gRPC code.
-ExportFailure = _Failure
-
-
-# ----------------------------------------------------------------------------------------------------
-# body decoding
-
-
-def decompress(body: bytes, encoding: str, limit: int) -> bytes:
-    """Undo ``Content-Encoding`` with the size limit applied to the output (``http.codec.inflate``)."""
-    try:
-        if encoding in ("gzip", "x-gzip"):
-            return inflate(body, limit, GZIP)
-        if encoding == "deflate":
-            # HTTP "deflate" means zlib-wrapped, but some clients send raw deflate: accept both.
-            try:
-                return inflate(body, limit, ZLIB)
-            except MalformedBody:
-                return inflate(body, limit, RAW_DEFLATE)
-    except MalformedBody as exc:
-        raise _Failure(400, f"body is not valid {encoding} data: {exc}", "body") from None
-    except TruncatedBody:
-        raise _Failure(400, "compressed body is truncated", "body") from None
-    except BodyTooLarge:
-        raise _Failure(413, f"request body exceeds {limit} bytes after decompression "
-                            "(--otlp.max-body-bytes)") from None
-    return body
-
-
-def _load_json(body: bytes) -> Any:
-    try:
-        return json.loads(body)
-    except (ValueError, RecursionError) as exc:
-        raise _Failure(400, f"body is not valid JSON: {exc}", "body") from None
-
-
-def _parse_json(doc: Any) -> ExportMetricsServiceRequest:
-    """The generic OTLP/JSON parse of a loaded document (``ParseDict``); ``_Failure(400)`` saying what is wrong."""
-    request = ExportMetricsServiceRequest()
-    if not isinstance(doc, dict):
-        raise _Failure(400, "JSON body must be an ExportMetricsServiceRequest object", "body")
-    try:
-        jsonwire.strip_exemplars(doc)
-        json_format.ParseDict(doc, request, ignore_unknown_fields=True)
-    except (json_format.ParseError, ValueError, TypeError, RecursionError) as exc:
-        raise _Failure(400, f"JSON body is not an OTLP ExportMetricsServiceRequest: {exc}",
-                       "resourceMetrics") from None
-    return request
-
-
-def decode(body: bytes, content_type: str) -> ExportMetricsServiceRequest:
-    """Parse an export request body; raises ``_Failure(400)`` with a message saying what is wrong."""
-    if content_type == JSON:
-        return _parse_json(_load_json(body))
-    request = ExportMetricsServiceRequest()
-    try:
-        request.ParseFromString(body)
-    except Exception as exc:  # DecodeError, or whatever the C parser raises on garbage
-        raise _Failure(400, f"body is not a protobuf ExportMetricsServiceRequest: {exc}",
-                       "resource_metrics") from None
-    return request
-
-
-def decode_wire(body: bytes, content_type: str) -> Message:
-    """``decode``, into a ``wire.WireRequest`` (data-point attributes left as bytes: see ``otlp.wire``); JSON
-    bodies through ``otlp.jsonwire`` when it handles them, else the generic parser. A protobuf body that parses
-    so and not as OTLP's type fails in ``translate_request`` (``wire.Undecodable``); ``_handle`` then answers
-    what ``decode`` says."""
-    if content_type == JSON:
-        doc = _load_json(body)
-        try:
-            # the fast path (``otlp.jsonwire``): the same message as ParseDict gives, or Unsupported
-            return WireRequest.FromString(jsonwire.encode(doc))
-        except jsonwire.Unsupported:
-            return _parse_json(doc)
-    request = WireRequest()
-    try:
-        request.ParseFromString(body)
-    except Exception:  # what OTLP's own type says about it
-        decode(body, content_type)
-        raise
-    return request
 
 
 def _response_body(rejected: int, message: str, content_type: str) -> bytes:
@@ -180,18 +100,6 @@ _FULL_SUCCESS = {ct: _encode_response(0, "", ct) for ct in (PROTOBUF, JSON)}
 # the handler
 
 
-def load_bearer_token(path: str) -> str:
-    """The token from ``--otlp.bearer-token-file`` (surrounding whitespace removed)."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            token = f.read().strip()
-    except OSError as exc:
-        raise ConfigError(f"cannot read --otlp.bearer-token-file {path!r}: {exc.strerror}") from None
-    if not token:
-        raise ConfigError(f"--otlp.bearer-token-file {path!r} is empty; put the token in it")
-    return token
-
-
 class ExportHandler:
     """OTLP export requests in, ``(status, content_type, body)`` out. Thread-safe; holds no per-request
     state."""
@@ -202,28 +110,40 @@ class ExportHandler:
         *,
         max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
         bearer_token: str | None = None,
+        tokens: Mapping[str, str] | None = None,
+        resolver: PeerResolver | None = None,
+        forwarders: tuple[str, ...] = (),
+        request_limits: RequestLimits = DEFAULT_REQUEST_LIMITS,
     ) -> None:
         if max_body_bytes <= 0:
             raise ValueError("max_body_bytes must be positive")
         self.store = store
         self.max_body_bytes = max_body_bytes
-        self._token = f"Bearer {bearer_token}".encode() if bearer_token else None
+        self.request_limits = request_limits
+        # Large bodies decoded at once, over both ports: each may hold what census allows, and the GIL runs one
+        # at a time anyway, so waiting costs no throughput (and a reentrant lock would not bound anything).
+        self._decoding = threading.BoundedSemaphore(DECODING_AT_ONCE)
+        #: who a push is: tokens and tenants, the kernel's view of a connection, trusted forwarders
+        self.identities = Identities(tokens=tokens, bearer_token=bearer_token, resolver=resolver,
+                                     forwarders=forwarders)
 
     @property
     def bearer_required(self) -> bool:
-        """Whether pushes must carry the ``--otlp.bearer-token-file`` token."""
-        return self._token is not None
+        """Whether pushes must carry a ``--otlp.bearer-token-file`` token."""
+        return self.identities.bearer_required
+
+    @property
+    def resolver(self) -> PeerResolver | None:
+        return self.identities.resolver
 
     def bearer_ok(self, authorization: str) -> bool:
-        """Whether an ``Authorization`` value (HTTP header or gRPC metadata) carries the token, or none is
-        required. Compared in constant time."""
-        if self._token is None:
-            return True
-        scheme, _, credentials = authorization.strip().partition(" ")
-        presented = b"Bearer " + credentials.strip().encode()
-        import hmac  # here: it loads OpenSSL's libcrypto (~4 MB), and only a configured token needs it
+        """Whether an ``Authorization`` value (HTTP header or gRPC metadata) carries a token, or none is
+        required."""
+        return self.identities.authenticate(authorization) is not None
 
-        return scheme.lower() == "bearer" and hmac.compare_digest(presented, self._token)
+    def identify(self, peer: Peer, authorization: str) -> Peer:
+        """``Identities.identify``: the identity of a push from ``peer`` carrying ``authorization``."""
+        return self.identities.identify(peer, authorization)
 
     @staticmethod
     def _lower(headers: Mapping[str, str]) -> dict[str, str]:
@@ -281,7 +201,7 @@ class ExportHandler:
         """Handle one ``POST /v1/metrics``. Never raises."""
         return self._export(self._lower(headers), body)
 
-    def _export(self, h: Mapping[str, str], body: bytes, checked: str = "", peer: str = "") -> Response:
+    def _export(self, h: Mapping[str, str], body: bytes, checked: str = "", peer: Peer | str = "") -> Response:
         """``handle_export`` with the header names already lower-cased (``_lower``); ``checked``: the content
         type ``_check`` gave for these headers and a body of this size or more (``route``'s preflight);
         ``peer``: the sender's address (``core.clientid``)."""
@@ -302,23 +222,43 @@ class ExportHandler:
         self.store.record_request(status, time.perf_counter() - started)
         return status, content_type, out
 
-    def _handle(self, h: Mapping[str, str], body: bytes, checked: str, peer: str = "") -> Response:
+    def _handle(self, h: Mapping[str, str], body: bytes, checked: str, peer: Peer | str = "") -> Response:
         content_type = checked or self._check(h, len(body))
-        data = decompress(body, h.get("content-encoding", "").strip().lower(), self.max_body_bytes)
-        return 200, content_type, self.store_body(data, content_type, peer)
+        encoding = h.get("content-encoding", "").strip().lower()
+        if encoding not in ("", "identity"):
+            try:  # a push of a few KiB inflates here; a larger one waits its turn before it inflates further
+                body = decompress(body, encoding, min(census.SMALL_BODY, self.max_body_bytes))
+            except _Failure as exc:
+                if exc.status != 413:
+                    raise
+                with self._decoding:
+                    data = decompress(body, encoding, self.max_body_bytes)
+                    return 200, content_type, self._store_body(data, content_type, peer)
+        return 200, content_type, self.store_body(body, content_type, peer)
 
-    def store_body(self, data: bytes, content_type: str, peer: str = "") -> bytes:
+    def store_body(self, data: bytes, content_type: str, peer: Peer | str = "") -> bytes:
         """One export request's decompressed body decoded, translated and stored; returns the
         ``ExportMetricsServiceResponse`` body (``partial_success`` when points were refused). The one path
         after the body is read, for OTLP/HTTP and OTLP/gRPC alike. Raises ``ExportFailure(400)`` for a body
-        that does not decode; the store is then untouched. Counts nothing in ``requests_total``. ``peer``: the
-        sender's address (``core.clientid``)."""
-        request = decode_wire(data, content_type)
+        that does not decode, ``ExportFailure(413)`` for one that would make more than ``request_limits``
+        allow (``otlp.census``); the store is then untouched. Counts nothing in ``requests_total``. ``peer``:
+        the sender's address (``core.clientid``). Bodies over ``census.SMALL_BODY`` are decoded
+        ``DECODING_AT_ONCE`` at a time (whichever thread and port they came from)."""
+        if len(data) <= census.SMALL_BODY:
+            return self._store_body(data, content_type, peer)
+        with self._decoding:
+            return self._store_body(data, content_type, peer)
+
+    def _store_body(self, data: bytes, content_type: str, peer: Peer | str) -> bytes:
+        request = decode_wire(data, content_type, self.request_limits)
         try:
-            batch = translate_request(request, time.time_ns(), self.store.limits, peer)
+            batch = translate_request(request, time.time_ns(), self.store.limits, peer, self.request_limits)
         except Undecodable:
             decode(data, content_type)  # raises the 400 OTLP's own parser gives this body
             raise
+        except census.TooMuch as exc:
+            raise _Failure(413, str(exc)) from None
+        del request  # what the parse made is not needed while the store applies the batch
         result = self.store.apply(batch)
         rejected = sum(result.rejected.values())
         message = ""
@@ -327,6 +267,8 @@ class ExportHandler:
             parts = [f"{n} {reason}: {result.messages.get(reason, '')[:400]}"
                      for reason, n in sorted(result.rejected.items())]
             message = ("rejected data points - " + "; ".join(parts))[:8000]
+        if result.notices:  # accepted, but not as sent (a run id taken by another identity, scoped)
+            message = ("; ".join(m[:400] for m in result.notices[:4]) + ("; " + message if message else ""))[:8000]
         return _response_body(rejected, message, content_type)
 
 
@@ -352,13 +294,20 @@ class OTLPReceiver:
         path: str = PATH,
         max_connections: int = DEFAULT_MAX_CONNECTIONS,
         request_timeout: float = DEFAULT_REQUEST_TIMEOUT,
+        request_limits: RequestLimits = DEFAULT_REQUEST_LIMITS,
+        handler: ExportHandler | None = None,  # (its own request_limits, then)
+        unix_path: str | None = None,
+        splice: Splice | None = None,
     ) -> None:
         self.address = address
+        self.unix_path = unix_path
+        self.splice = splice
         self.max_connections = max_connections
         self.request_timeout = request_timeout
         self.path = path
         self.store = store
-        self.handler = ExportHandler(store, max_body_bytes=max_body_bytes, bearer_token=bearer_token)
+        self.handler = handler or ExportHandler(store, max_body_bytes=max_body_bytes, bearer_token=bearer_token,
+                                                request_limits=request_limits)
         self._server: HTTPServer | None = None
         self._started = False
 
@@ -382,8 +331,12 @@ class OTLPReceiver:
             return _web_response(self.handler.fail(exc.status, exc.message, headers,
                                                    "body" if exc.status == 400 else None))
         # within max_body_bytes (read_body): what the preflight checked holds for it, not checked twice
-        peer = str(req.client_address[0]) if req.client_address else ""
+        peer = self.handler.identify(self.handler.identities.connection_peer(req), h.get("authorization", ""))
         return _web_response(self.handler._export(h, body, early, peer))
+
+    def unix_peer(self, info: Any) -> Peer:
+        """The identity of a Unix-socket connection (its ``http.connection.ConnectionInfo``): ``SO_PEERCRED``."""
+        return self.handler.identities.unix_peer(info)
 
     @property
     def http_server(self) -> HTTPServer | None:
@@ -404,10 +357,11 @@ class OTLPReceiver:
             auth = "bearer token " + ("on" if self.handler.bearer_required else "off")
             # The server buffers a whole body before the route runs (so a slow client never holds a worker):
             # its limit is ours; gzip is inflated by the handler within the same limit.
-            self._server = HTTPServer(self.address, {("POST", self.path): self.route}, name="otlp", auth=auth,
+            self._server = HTTPServer(self.address, {("POST", self.path): self.route},
+                                      name="otlp-unix" if self.unix_path else "otlp", auth=auth,
                                       max_body_bytes=self.handler.max_body_bytes,
                                       max_connections=self.max_connections, request_timeout=self.request_timeout,
-                                      inline=_inline)
+                                      inline=_inline, unix_path=self.unix_path, splice=self.splice)
         return self
 
     def start(self) -> OTLPReceiver:
@@ -442,6 +396,8 @@ INLINE_MAX_BODY = 64 * 1024
 def _inline(req: Request) -> bool:
     if req.body_length > INLINE_MAX_BODY:
         return False
+    if req.connection is not None and req.connection.identity is None:
+        return False  # a connection's first request: finding its peer reads /proc, off the selector thread
     encoding = req.headers.get("Content-Encoding")
     return encoding is None or encoding.strip().lower() in ("", "identity")
 

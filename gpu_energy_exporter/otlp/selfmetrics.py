@@ -24,6 +24,11 @@ REJECT_REASONS: tuple[str, ...] = (
     "bytes_limit", "new_runs_per_request", "new_series_per_request", "new_bytes_per_request", "name_collision",
     # the training contract's names (otlp.reserved)
     "contract_violation",
+    # identity (core.clientid, docs/security.md): claims the kernel contradicts, per-identity quotas, another
+    # principal's series; and the run ledger's gate (ledger.clients, ledger.claims): who may change which run
+    "identity_mismatch", "client_series_limit", "client_bytes_limit", "not_series_owner",
+    "not_run_owner", "foreign_rank", "not_run_client", "client_active_runs", "client_new_runs",
+    "client_finished_runs", "job_mismatch", "world_size", "rank_taken",
 )
 
 REQUESTS = metrics.define(
@@ -61,6 +66,12 @@ STREAM_RESTARTS = metrics.define(
     "Cumulative streams that restarted (new start time or a decrease) and were folded into the exposed "
     "total.", collector=COLLECTOR)
 
+RUN_ID_COLLISIONS = metrics.define(
+    "otlp", "run_id_collisions_total", "counter",
+    "Data points pushed under a run id another identity holds, stored under the pusher's scoped run id "
+    "(<run id>~<identity>) instead of being refused or mixed into the other identity's run (docs/security.md).",
+    collector=COLLECTOR)
+
 #: Status codes initialised at zero so every request outcome has a series before it first happens.
 STATUS_CODES: tuple[str, ...] = ("200", "400", "401", "413", "415", "500")
 
@@ -68,7 +79,8 @@ STATUS_CODES: tuple[str, ...] = ("200", "400", "401", "413", "415", "500")
 class Tally:
     """The receiver's counters (the store's lock guards them)."""
 
-    __slots__ = ("requests", "request_seconds", "received", "rejected", "expired", "evicted", "resets")
+    __slots__ = ("requests", "request_seconds", "received", "rejected", "expired", "evicted", "resets",
+                 "collisions")
 
     def __init__(self) -> None:
         self.requests: dict[str, float] = dict.fromkeys(STATUS_CODES, 0.0)
@@ -78,6 +90,7 @@ class Tally:
         self.expired = 0.0
         self.evicted = 0.0
         self.resets = 0.0
+        self.collisions = 0.0
 
     def families(self, series: int, store_bytes: int) -> list[Metric]:
         """The self-metrics, with the store's current series count and estimated bytes."""
@@ -101,14 +114,16 @@ class Tally:
         metrics.add(duration, (), self.request_seconds)
         resets = STREAM_RESTARTS.family()
         metrics.add(resets, (), self.resets)
-        return [requests, received, rejected, held, used, expired, evicted, duration, resets]
+        collisions = RUN_ID_COLLISIONS.family()
+        metrics.add(collisions, (), self.collisions)
+        return [requests, received, rejected, held, used, expired, evicted, duration, resets, collisions]
 
     def copy(self) -> Tally:
         """A copy to encode outside the store's lock (two dict copies)."""
         out = Tally.__new__(Tally)
         out.requests, out.rejected = dict(self.requests), dict(self.rejected)
         out.request_seconds, out.received, out.expired = self.request_seconds, self.received, self.expired
-        out.evicted, out.resets = self.evicted, self.resets
+        out.evicted, out.resets, out.collisions = self.evicted, self.resets, self.collisions
         return out
 
     def encode(self, series: int, store_bytes: int, openmetrics: bool) -> bytes:
@@ -124,4 +139,5 @@ class Tally:
             spec(SERIES_EVICTED, [((), self.evicted)], openmetrics),
             spec(REQUEST_DURATION, [((), self.request_seconds)], openmetrics),
             spec(STREAM_RESTARTS, [((), self.resets)], openmetrics),
+            spec(RUN_ID_COLLISIONS, [((), self.collisions)], openmetrics),
         ])

@@ -37,11 +37,15 @@ Changed = tuple["Series", Heads, tuple[float, ...]]
 class Series(Stream):
     """One metric + label set: its folding state (``Stream``), labels, cost and encoded lines."""
 
-    __slots__ = ("labels", "run_id", "last_seen", "layout", "heads", "values", "cost", "view", "home", "pos")
+    __slots__ = ("labels", "run_id", "last_seen", "layout", "heads", "values", "cost", "view", "home", "pos",
+                 "identity", "principal")
 
-    def __init__(self, labels: dict[str, str], run_id: str, cost: int) -> None:
+    def __init__(self, labels: dict[str, str], run_id: str, cost: int, identity: str = "", principal: str = "") -> None:
         super().__init__()
         self.labels = labels
+        # who created it (``core.clientid``): its quota counts the series; another principal may not write it
+        self.identity = identity
+        self.principal = principal
         self.view = MappingProxyType(labels)  # read-only labels for listeners
         self.run_id = run_id
         self.cost = cost

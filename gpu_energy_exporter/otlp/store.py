@@ -11,13 +11,15 @@ counted (``otlp.selfmetrics``).
 Bounds (each a ``--otlp.*`` flag; every refusal is counted in ``gpuenergy_otlp_points_rejected_total`` by
 reason and named, with its flag, in the request's ``partial_success``):
 
+- Identity (docs/security.md): per-identity quotas (``admission.Holdings``); a series belongs to the principal
+  that created it (``not_series_owner``); before anything is stored the gate (``set_gate``, ``otlp.gate``: the
+  run ledger) admits, refuses or re-scopes each point, so a refused point is never stored, folded or exposed.
 - Count, bytes, fair admission and names: ``otlp.admission``. Per-point size limits are applied at
   translation, so no single series is over ``--otlp.max-series-bytes``; ``target_info`` resources count in
   the bytes too. When the store is full, series idle for ``evict_idle_after`` (default 2 minutes, longer
   than a trainer's export interval) are evicted to make room (``gpuenergy_otlp_series_evicted_total``), so a
   one-off flood is gone minutes later rather than after the ``series_ttl``. A flood that keeps refreshing
-  its series can still hold the room it got; the bearer token (``--otlp.bearer-token-file``) is the
-  defence against a hostile client.
+  its series holds the room it got, within its identity's quota.
 - Lock hold: a batch is applied in chunks of ``APPLY_CHUNK`` points, the lock released in between, so a
   push of 100,000 series delays a scrape by one chunk, not by the whole push.
 - Encoded at ingest: each family keeps its series' encoded lines (``encoder``) in one list in series order
@@ -41,14 +43,20 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable
 
 from prometheus_client.core import Metric
 
 from gpu_energy_exporter.core import encoder
+from gpu_energy_exporter.core.clientid import identity_of, principal_of
+from gpu_energy_exporter.core.ratelog import RateLimitedLog
 from gpu_energy_exporter.otlp import admission, folding
-from gpu_energy_exporter.otlp.points import DEFAULT_LIMITS, Batch, Kind, Labels, Limits, Point, series_bytes
+from gpu_energy_exporter.otlp.gate import Gate, ask_gate
+from gpu_energy_exporter.otlp.points import DEFAULT_LIMITS, Batch, Labels, Limits, Point, series_bytes
+from gpu_energy_exporter.otlp.points import AcceptedPoint as AcceptedPoint  # the listeners' type, exported here
+from gpu_energy_exporter.otlp.points import ApplyResult as ApplyResult
+from gpu_energy_exporter.otlp.points import BatchListener as BatchListener
+from gpu_energy_exporter.otlp.points import Listener as Listener
 from gpu_energy_exporter.otlp.selfmetrics import Tally
 from gpu_energy_exporter.otlp.series import (
     TARGET_INFO,
@@ -68,43 +76,9 @@ from gpu_energy_exporter.otlp.series import (
 
 log = logging.getLogger(__name__)
 
+
 #: Points applied per lock acquisition (see the module docstring).
 APPLY_CHUNK = 256
-
-
-@dataclass(slots=True)
-class AcceptedPoint:
-    """What a listener (the run ledger) receives for every stored point (not frozen only because a frozen
-    dataclass is three times slower to build, and one is built per stored point; do not modify one).
-
-    ``value`` is what ``/metrics`` now exposes for the series: the cumulative total for counters, the
-    value for gauges, the cumulative ``_sum`` for histograms and summaries (``count`` their ``_count``).
-    ``time`` is the point's own timestamp in Unix seconds. ``labels`` is read-only. ``key`` is the same labels
-    as the store's sorted tuple (``tuple(sorted(labels.items()))``), so a listener need not sort them again;
-    ``None`` when the point was built elsewhere.
-    """
-
-    run_id: str
-    name: str
-    labels: Mapping[str, str]
-    value: float
-    time: float
-    kind: Kind
-    count: float | None = None
-    key: Labels | None = None
-    resource: Labels = ()  # the translated resource attributes of the request that carried it
-    client: str = ""  # who pushed it (core.clientid)
-
-
-Listener = Callable[[AcceptedPoint], None]
-BatchListener = Callable[[list[AcceptedPoint]], None]
-
-
-@dataclass
-class ApplyResult:
-    accepted: int
-    rejected: dict[str, int]
-    messages: dict[str, str]
 
 
 class TrainingStore:
@@ -132,10 +106,13 @@ class TrainingStore:
         max_quantiles_per_point: int = DEFAULT_LIMITS.max_quantiles_per_point,
         max_series_bytes: int = DEFAULT_LIMITS.max_series_bytes,
         max_future_skew: float = DEFAULT_LIMITS.max_future_skew_ns / 1e9,
+        max_series_per_client: int = 5000,
+        max_bytes_per_client: int = 16 * 1024 * 1024,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if min(series_ttl, max_series, max_series_per_run, max_bytes, max_new_series_per_request,
-               max_new_runs_per_request) <= 0 or evict_idle_after < 0 or max_future_skew < 0:
+               max_new_runs_per_request, max_series_per_client, max_bytes_per_client) <= 0 \
+                or evict_idle_after < 0 or max_future_skew < 0:
             raise ValueError("series_ttl and the series, run and byte limits must be positive, "
                              "evict_idle_after and max_future_skew not negative")
         self.series_ttl = series_ttl
@@ -145,6 +122,11 @@ class TrainingStore:
         self.max_new_series_per_request = max_new_series_per_request
         self.max_new_runs_per_request = max_new_runs_per_request
         self.evict_idle_after = evict_idle_after
+        self.max_series_per_client = max_series_per_client
+        self.max_bytes_per_client = max_bytes_per_client
+        # what each identity holds (the anonymous "" is in-process callers: no quota)
+        self._held = admission.Holdings(max_series_per_client, max_bytes_per_client)
+        self._gate: Gate | None = None
         self.limits = Limits(max_label_length, max_labels_per_point, max_buckets_per_point,
                              max_quantiles_per_point, max_series_bytes, int(max_future_skew * 1e9))
         self._clock = clock
@@ -161,7 +143,7 @@ class TrainingStore:
         self._version = 0
         self._swept_at = -math.inf
         self._tally = Tally()  # self-metrics
-        self._last_warning: dict[str, float] = {}
+        self._refusals_log = RateLimitedLog(log, clock=clock)  # a reason a minute, then how many were left out
 
     # ------------------------------------------------------------------------------------------------
     # listeners and request accounting
@@ -177,6 +159,11 @@ class TrainingStore:
         lock acquisition per request rather than per point)."""
         with self._lock:
             self._batch_listeners = [*self._batch_listeners, fn]
+
+    def set_gate(self, gate: Gate | None) -> None:
+        """Ask ``gate`` about every request's points before any is stored (``otlp.gate``), lock released."""
+        with self._lock:
+            self._gate = gate
 
     def remove_listener(self, fn: Listener) -> None:
         with self._lock:
@@ -214,6 +201,9 @@ class TrainingStore:
             messages.setdefault(reason, message)
 
         points = batch.points
+        notices: list[str] = []
+        gate = self._gate
+        points, collisions = ask_gate(gate, points, reject, notices) if gate is not None and points else (points, 0)
         n = len(points)
         apply_point = self._apply_point
         for start in range(0, n or 1, APPLY_CHUNK):  # one pass at least: the request's counts, resources
@@ -238,6 +228,7 @@ class TrainingStore:
                     else:
                         reject(*problem)
                 if start + APPLY_CHUNK >= n:  # the last pass: every rejection is known
+                    self._tally.collisions += collisions
                     counted = self._tally.rejected
                     for reason, count in rejected.items():
                         counted[reason] = counted.get(reason, 0.0) + count
@@ -257,7 +248,7 @@ class TrainingStore:
                         fn(event)
                     except Exception:  # a listener bug must never fail an export
                         log.exception("OTLP point listener %r failed", fn)
-        return ApplyResult(accepted, rejected, messages)
+        return ApplyResult(accepted, rejected, messages, notices)
 
     def _apply_point(self, p: Point, now: float, request: admission.Request, events: list[AcceptedPoint] | None,
                      changed: list[Changed]) -> admission.Refusal | None:
@@ -268,6 +259,8 @@ class TrainingStore:
         if fam is not None and fam.kind != kind:
             return ("type_conflict", f"{name} is already a {fam.kind}, got a {kind}")
         series = fam.series.get(labels) if fam is not None else None
+        if series is not None and series.principal and p.client and series.principal != principal_of(p.client):
+            return ("not_series_owner", f"{name}: the series is another identity's ({series.principal})")
         if p.no_value:
             if fam is not None and series is not None:
                 self._remove(fam, labels, series)
@@ -286,9 +279,13 @@ class TrainingStore:
             fam = families.get(name)  # admitting may have evicted the family's last series
             if fam is None and not extra and self._bytes + p.cost + family_bytes(name, p.help) > self.max_bytes:
                 return admission.bytes_refusal(self._bytes, p.cost + family_bytes(name, p.help), self.max_bytes)
-            series = Series(dict(labels), p.run_id, p.cost)
-        elif p.cost != series.cost and self._bytes - series.cost + p.cost > self.max_bytes:
-            return admission.bytes_refusal(self._bytes, p.cost - series.cost, self.max_bytes)
+            series = Series(dict(labels), p.run_id, p.cost, identity_of(p.client), principal_of(p.client))
+        elif p.cost != series.cost:
+            if self._bytes - series.cost + p.cost > self.max_bytes:
+                return admission.bytes_refusal(self._bytes, p.cost - series.cost, self.max_bytes)
+            problem = self._held.grow_refusal(series.identity, p.cost - series.cost)
+            if problem:
+                return problem
         # gauges and summaries refuse a point before changing anything; totals are checked after
         totals = kind == "counter" or kind == "histogram"
         saved = series.state() if totals and not new else None
@@ -311,12 +308,14 @@ class TrainingStore:
             fam.series[labels] = series
             self._series_total += 1
             self._bytes += series.cost
+            self._held.add(series.identity, 1, series.cost)
             self._per_run[p.run_id] = self._per_run.get(p.run_id, 0) + 1
             request.new_series += 1
             request.new_bytes += series.cost
             request.new_runs.add(p.run_id)
         elif p.cost != series.cost:
             self._bytes += p.cost - series.cost
+            self._held.add(series.identity, 0, p.cost - series.cost)
             series.cost = p.cost
         series.last_seen = now
         assert fam is not None  # found with the series, or added with it
@@ -328,7 +327,7 @@ class TrainingStore:
         if events is not None:
             value, count = (values[0], None) if len(values) == 1 else folding.reported(kind, series)  # scalar kinds
             events.append(AcceptedPoint(p.run_id, name, series.view, value, p.time_ns / 1e9, kind, count, labels,
-                                        p.resource, p.client))
+                                        p.resource, p.client, p.admitted))
         return None
 
     def _add_family(self, p: Point) -> Family:
@@ -347,14 +346,18 @@ class TrainingStore:
         problem = request.refusal(run_id, run_id in self._per_run, cost, max_new_runs=self.max_new_runs_per_request,
                                   max_new_series=self.max_new_series_per_request, max_bytes=self.max_bytes)
         if problem is None:
-            problem = self._store_refusal(run_id, cost)
+            identity = identity_of(p.client)
+            problem = self._store_refusal(run_id, cost, identity)
             if problem is not None and not request.swept:
                 request.swept = True
                 self._expire_locked(now, evict=True)
-                problem = self._store_refusal(run_id, cost)
+                problem = self._store_refusal(run_id, cost, identity)
         return problem
 
-    def _store_refusal(self, run_id: str, cost: int) -> admission.Refusal | None:
+    def _store_refusal(self, run_id: str, cost: int, identity: str = "") -> admission.Refusal | None:
+        problem = self._held.refusal(identity, cost)
+        if problem is not None:
+            return problem
         return admission.store_refusal(run_id, cost, series=self._series_total, used_bytes=self._bytes,
                                        run_series=self._per_run.get(run_id, 0), max_series=self.max_series,
                                        max_bytes=self.max_bytes, max_series_per_run=self.max_series_per_run)
@@ -384,6 +387,7 @@ class TrainingStore:
                     del self._claims[name]
         self._series_total -= 1
         self._bytes -= s.cost
+        self._held.add(s.identity, -1, -s.cost)
         left = self._per_run.get(s.run_id, 0) - 1
         if left > 0:
             self._per_run[s.run_id] = left
@@ -486,12 +490,7 @@ class TrainingStore:
     # ------------------------------------------------------------------------------------------------
 
     def _warn(self, key: str, message: str) -> None:
-        """One warning per reason per minute: a misconfigured trainer must not flood the log."""
-        now = self._clock()
-        with self._lock:
-            last = self._last_warning.get(key)
-            if last is not None and now - last < 60.0:
-                return
-            self._last_warning[key] = now
-        log.warning("%s", message[:1000])
+        """One warning per reason per minute, and the count of those left out (``core.ratelog``): a
+        misconfigured trainer or a neighbour must not flood the log."""
+        self._refusals_log.warning(key, "%s", message[:1000])
 

@@ -32,16 +32,19 @@ only state is bounded caches of names and attribute lists that repeat on every e
 from __future__ import annotations
 
 import math
-import operator
 from collections.abc import Sequence
 from typing import Any
 
 from google.protobuf.message import Message
 
-from gpu_energy_exporter.core.clientid import client_id
+from gpu_energy_exporter.core.clientid import Peer, address_peer, claim_refusal, client_id
 from gpu_energy_exporter.core.contract import ATTR_RUN_ID
 from gpu_energy_exporter.core.memo import remember
+from gpu_energy_exporter.otlp import census
 from gpu_energy_exporter.otlp import reserved as reserved_names
+from gpu_energy_exporter.otlp.census import DEFAULT_REQUEST_LIMITS, RequestLimits, TooMuch
+from gpu_energy_exporter.otlp.distributions import Rejected as _Rejected
+from gpu_energy_exporter.otlp.distributions import fill_distribution as _fill_distribution
 from gpu_energy_exporter.otlp.naming import NameKind, attribute_value, label_name, metric_name, unit_name
 from gpu_energy_exporter.otlp.points import DEFAULT_LIMITS, Batch, Kind, Labels, Limits, Point, label_chars, series_cost
 from gpu_energy_exporter.otlp.wire import as_wire, key_value
@@ -57,13 +60,6 @@ TEMPORALITY_DELTA = 1
 TEMPORALITY_CUMULATIVE = 2
 # DataPointFlags.DATA_POINT_FLAGS_NO_RECORDED_VALUE_MASK: the stream ended (Prometheus staleness).
 FLAG_NO_RECORDED_VALUE = 1
-
-
-class _Rejected(Exception):
-    def __init__(self, reason: str, message: str) -> None:
-        super().__init__(message)
-        self.reason = reason
-        self.message = message
 
 
 # Bounded caches: attribute keys and metric identities repeat on every export of a training run.
@@ -211,28 +207,64 @@ def _family_unit(prom_name: str, kind: Kind, unit: str) -> str:
     return unit if base.endswith("_" + unit) else ""
 
 
-def translate_request(request: Message, received_ns: int, limits: Limits = DEFAULT_LIMITS, peer: str = "") -> Batch:
+def translate_request(request: Message, received_ns: int, limits: Limits = DEFAULT_LIMITS,
+                      peer: Peer | str = "", bounds: RequestLimits = DEFAULT_REQUEST_LIMITS) -> Batch:
     """Translate a decoded ``ExportMetricsServiceRequest`` (OTLP's, or ``wire.WireRequest``) into a ``Batch``.
 
     Never raises on content: anything it cannot use becomes a counted rejection with a reason; only a
     ``WireRequest`` whose attribute bytes are not ``KeyValue`` messages raises ``wire.Undecodable`` (OTLP's
     own parser refuses such a body). ``received_ns`` stands in for a data point's missing ``time_unix_nano``
     and is the reference for ``limits.max_future_skew_ns``. A resource whose attributes break a limit gets
-    no ``target_info``. ``peer``: the sender's address; with the resource's process identity it makes each
-    point's ``client`` (``core.clientid``).
+    no ``target_info``. ``peer``: who sent it (``core.clientid.Peer``, or an address); with the resource's
+    claims it makes each point's ``client``. A resource whose ``process.pid`` the kernel contradicts
+    (``core.clientid.claim_refusal``) has all its points rejected (``identity_mismatch``) and no ``target_info``.
+    A request of more than ``bounds.max_points`` data points, or whose translation would make more than
+    ``bounds.max_made_bytes`` (``Batch.made``: points, their labels, buckets and quantiles), raises
+    ``census.TooMuch`` as soon as it is known, before more is made.
     """
     batch = Batch()
+    if isinstance(peer, str):
+        peer = address_peer(peer)
+    scopes = metrics = 0  # against the census' caps: it bounds whole scopes without counting them (census)
     for rm in as_wire(request).resource_metrics[:]:
         resource_labels: Labels = ()
         if rm.HasField("resource") and len(rm.resource.attributes):
             resource_labels = _resource_labels(rm.resource, limits)
+            batch.made += census.LABEL_MADE * len(resource_labels)
+            if batch.made > bounds.max_made_bytes:
+                raise TooMuch(bounds.refusal(batch.received, batch.made))
             if resource_labels:
+                why = claim_refusal(peer, resource_labels)
+                if why is not None:
+                    _reject_resource(rm, batch, why)
+                    continue
                 batch.resources.append(resource_labels)
         client = client_id(peer, resource_labels)
+        scopes += len(rm.scope_metrics)
+        if scopes > bounds.max_resources:
+            raise TooMuch(census.kind_refusal("scopes", bounds.max_resources))
         for sm in rm.scope_metrics[:]:
+            metrics += len(sm.metrics)
+            if metrics > bounds.max_metrics:
+                raise TooMuch(census.kind_refusal("metrics", bounds.max_metrics))
             for metric in sm.metrics[:]:  # a slice (a list) is cheaper to walk than upb's container
-                _translate_metric(metric, batch, received_ns, limits, client, resource_labels)
+                _translate_metric(metric, batch, received_ns, limits, client, resource_labels, bounds)
     return batch
+
+
+IDENTITY_MISMATCH = "identity_mismatch"
+
+
+def _reject_resource(rm: Any, batch: Batch, why: str) -> None:
+    """Count every data point of a resource as rejected for ``why`` (its claims contradict its peer)."""
+    n = 0
+    for sm in rm.scope_metrics[:]:
+        for metric in sm.metrics[:]:
+            data = metric.WhichOneof("data")
+            if data is not None:
+                n += len(getattr(metric, data).data_points)
+    batch.received += n
+    batch.reject(IDENTITY_MISMATCH, n, why)
 
 
 #: Translated resource attributes by the resource's bytes (every export of a process repeats them).
@@ -265,7 +297,7 @@ _isfinite = math.isfinite
 
 
 def _translate_metric(metric: Any, batch: Batch, received_ns: int, limits: Limits, client: str = "",
-                      resource: Labels = ()) -> None:
+                      resource: Labels = (), bounds: RequestLimits = DEFAULT_REQUEST_LIMITS) -> None:
     data = metric.WhichOneof("data")
     if data is None:
         return  # an empty envelope carries no points
@@ -273,6 +305,10 @@ def _translate_metric(metric: Any, batch: Batch, received_ns: int, limits: Limit
     points = container.data_points
     n = len(points)
     batch.received += n
+    batch.made += n * census.POINT_MADE
+    if batch.received > bounds.max_points or batch.made > bounds.max_made_bytes:
+        raise TooMuch(bounds.refusal(batch.received, batch.made))
+    max_made = bounds.max_made_bytes
     if n == 0:
         return
     otel_name, unit, description = metric.name, metric.unit, metric.description
@@ -312,7 +348,12 @@ def _translate_metric(metric: Any, batch: Batch, received_ns: int, limits: Limit
             # _point_labels, its cache looked up here first (one call less per point; the slice is cheaper
             # than unpacking upb's container)
             hit = cached((*key_head, *attributes[:])) if len(attributes) <= max_labels else None
-            labels, run_id, label_chars, fits = hit or _point_labels(attributes, reserved, limits)
+            if hit is None:
+                hit = _point_labels(attributes, reserved, limits)
+                batch.made += census.LABEL_MADE * len(hit[0])  # a new label set: its strings and tuples
+                if batch.made > max_made:
+                    raise TooMuch(bounds.refusal(batch.received, batch.made))
+            labels, run_id, label_chars, fits = hit
             if contract_bit and not fits & contract_bit:
                 raise _Rejected(reserved_names.REASON, reserved_names.label_refusal(prom_name, labels) or "")
             time_ns = dp.time_unix_nano or received_ns
@@ -330,6 +371,9 @@ def _translate_metric(metric: Any, batch: Batch, received_ns: int, limits: Limit
                 point = Point(kind, prom_name, help_text, family_unit, labels, run_id, start_ns, time_ns, delta,
                               client=client, resource=resource)
                 _fill_distribution(point, dp, limits, label_chars)
+                batch.made += census.VALUE_MADE * (len(point.counts) + len(point.bounds) + 2 * len(point.quantiles))
+                if batch.made > max_made:
+                    raise TooMuch(bounds.refusal(batch.received, batch.made))
                 cost = point.cost
             else:
                 which = dp.WhichOneof("value")
@@ -413,56 +457,3 @@ def _describe(metric: Any, data: str, container: Any, limits: Limits) -> _Descri
     return (kind, prom_name, help_text, family_unit, reserved, delta,
             (reserved, limits.max_label_length, limits.max_labels_per_point), series_cost(prom_name, 0, kind),
             reserved_names.family_bit(prom_name))
-
-
-def _fill_distribution(point: Point, dp: Any, limits: Limits, label_chars: int) -> None:
-    """A histogram's or summary's buckets or quantiles, and the series' cost."""
-    if point.kind == "histogram":
-        _fill_histogram(point, dp, limits)
-        point.cost = series_cost(point.name, label_chars, "histogram", buckets=len(point.counts))
-    else:
-        _fill_summary(point, dp, limits)
-        point.cost = series_cost(point.name, label_chars, "summary", quantiles=len(point.quantiles))
-
-
-def _fill_histogram(point: Point, dp: Any, limits: Limits) -> None:
-    if len(dp.bucket_counts) > limits.max_buckets_per_point or \
-            len(dp.explicit_bounds) >= limits.max_buckets_per_point:
-        raise _Rejected("too_many_buckets", f"histogram with {max(len(dp.bucket_counts), len(dp.explicit_bounds) + 1)} "
-                        f"buckets, more than {limits.max_buckets_per_point} (--otlp.max-buckets-per-point)")
-    bounds = tuple(dp.explicit_bounds)
-    counts = tuple(dp.bucket_counts)
-    if counts and len(counts) != len(bounds) + 1:
-        raise _Rejected("invalid_point", f"{len(counts)} bucket counts for {len(bounds)} bounds (want bounds + 1)")
-    if not all(map(math.isfinite, bounds)):
-        raise _Rejected("invalid_point", "histogram bounds must be finite")
-    if not all(map(operator.lt, bounds, bounds[1:])):  # finite: not b1 < b2 is b2 <= b1
-        raise _Rejected("invalid_point", "histogram bounds must be strictly increasing")
-    count = dp.count
-    if counts and sum(counts) != count:
-        raise _Rejected("invalid_point", f"bucket counts add up to {sum(counts)}, count is {count}")
-    total = dp.sum if dp.HasField("sum") else None
-    if total is not None and not math.isfinite(total):
-        raise _Rejected("non_finite", f"histogram sum {total!r}: the sum must be finite")
-    if not counts:
-        bounds = ()
-    point.bounds = bounds
-    point.counts = counts
-    point.count = count
-    point.sum = total
-
-
-def _fill_summary(point: Point, dp: Any, limits: Limits) -> None:
-    if len(dp.quantile_values) > limits.max_quantiles_per_point:
-        raise _Rejected("too_many_quantiles", f"summary with {len(dp.quantile_values)} quantiles, more than "
-                        f"{limits.max_quantiles_per_point} (--otlp.max-quantiles-per-point)")
-    quantiles = tuple(sorted((q.quantile, q.value) for q in dp.quantile_values))
-    if any(not 0.0 <= q <= 1.0 for q, _ in quantiles):
-        raise _Rejected("invalid_point", "summary quantiles must be between 0 and 1")
-    if any(a[0] == b[0] for a, b in zip(quantiles, quantiles[1:], strict=False)):
-        raise _Rejected("invalid_point", "summary quantiles must be distinct")
-    if not math.isfinite(dp.sum):
-        raise _Rejected("non_finite", f"summary sum {dp.sum!r}: the sum must be finite")
-    point.quantiles = quantiles
-    point.count = dp.count
-    point.sum = dp.sum

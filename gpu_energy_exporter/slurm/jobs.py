@@ -24,7 +24,9 @@ span's pieces (the counter's exact delta spread by the power readings' shape, ea
 samples of the jobs' processes over it); they lag by at most one counter interval, and the part not settled
 yet is ``provisional``. A GPU no job holds adds to its unattributed counter, so that over any window in which
 the map did not change ``sum(jobs) + unattributed == GPU energy``. A job that has held no GPU for ``grace_s``
-loses its series (finished jobs expire, so the series count follows the running jobs, not the job history).
+loses its series (finished jobs expire, so the series count follows the running jobs, not the job history),
+and at most ``MAX_JOBS`` jobs are kept: past it, those that held a GPU longest ago expire first (a directory
+rewritten with new job ids at every sample cannot grow the series without bound within the grace period).
 """
 
 from __future__ import annotations
@@ -42,6 +44,8 @@ METHOD_EXCLUSIVE = "exclusive"
 METHOD_MIG_SLICES = "mig_slices"
 METHOD_SM_UTILIZATION = "sm_utilization"
 METHOD_SHARED_EVEN = "shared_even"
+#: Jobs kept at most (twice what one read of the mapping directory may hold: ``slurm.mapping.MAX_JOBS``).
+MAX_JOBS = 2048
 _METHOD = {sharing.RULE_EXCLUSIVE: METHOD_EXCLUSIVE, sharing.RULE_MIG: METHOD_MIG_SLICES,
            sharing.RULE_SM_UTIL: METHOD_SM_UTILIZATION, sharing.RULE_EVEN: METHOD_SHARED_EVEN}
 
@@ -179,6 +183,9 @@ class JobEnergyAttributor:
 
     def _expire(self, now: float) -> None:
         gone = [job for job, t in self._last_held.items() if now - t > self._grace_s]
+        if len(self._last_held) - len(gone) > MAX_JOBS:
+            kept = sorted((t, job) for job, t in self._last_held.items() if now - t <= self._grace_s)
+            gone += [job for _, job in kept[:len(kept) - MAX_JOBS]]
         for job in gone:
             del self._last_held[job]
             self._first_held.pop(job, None)

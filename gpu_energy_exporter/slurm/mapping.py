@@ -8,14 +8,25 @@ account, partition, SLUID) that dcgm-exporter ignores (it skips directories and 
 
 This module never reads a clock and never raises on bad content: a malformed line or an unreadable
 file is skipped and named in ``JobMapping.problems``, so one stray file loses only itself.
+
+Whoever can write the directory (a prolog, and on some sites a tenant) chooses what is in it, so every
+file is opened without blocking and read only if it is a regular file (``core.tenantfiles.read_regular``:
+a FIFO at ``.info/<job>`` used to block the collector in ``open()`` for ever), and what a read can make is
+bounded in total: ``MAX_ENTRIES`` directory entries looked at (in directory order, then sorted), the GPU
+files of GPUs this node has (``gpus``), ``MAX_JOBS_PER_GPU`` jobs a file, ``MAX_HOLDINGS`` (GPU, job) pairs
+and ``MAX_JOBS`` jobs in all. A read cut by a bound is ``complete=False``, with the bound in ``problems``.
 """
 
 from __future__ import annotations
 
+import itertools
 import os
 import re
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from gpu_energy_exporter.core.tenantfiles import read_regular
 
 #: A GPU file's name: the GPU index, or ``index.gpu_instance_id`` for a MIG instance.
 GPU_FILE = re.compile(r"^(\d{1,4})(?:\.(\d{1,4}))?$")
@@ -23,10 +34,16 @@ GPU_FILE = re.compile(r"^(\d{1,4})(?:\.(\d{1,4}))?$")
 JOB_ID = re.compile(r"^\d{1,12}(?:[_+]\d{1,12})?$")
 INFO_DIR = ".info"
 INFO_KEYS = ("user", "account", "partition", "sluid")
-#: Bounds: what one hostile or broken file can cost (a GPU file lists a few jobs at most).
+#: Bounds: what one hostile or broken file can cost (a GPU file lists a few jobs at most), and what the
+#: directory can in all (a node of 8 GPUs of 7 MIG instances has 64 GPU files; every series of the slurm
+#: collector is one of a (GPU, job) pair or of a job).
 MAX_FILE_BYTES = 64 * 1024
 MAX_JOBS_PER_GPU = 256
-MAX_FILES = 4096
+MAX_ENTRIES = 4096
+MAX_HOLDINGS = 4096
+MAX_JOBS = 1024
+#: Kept for callers of the former name: the entries looked at.
+MAX_FILES = MAX_ENTRIES
 _INFO_VALUE = re.compile(r"^[A-Za-z0-9._@+-]{0,128}$")
 
 
@@ -51,38 +68,49 @@ class JobMapping:
     info: dict[str, JobInfo] = field(default_factory=dict)
     available: bool = False
     problems: tuple[str, ...] = ()
+    complete: bool = True  # False: a bound cut the read (named in problems)
 
 
 def _read_bounded(path: Path) -> str:
-    with open(path, "rb") as f:
-        data = f.read(MAX_FILE_BYTES + 1)
-    if len(data) > MAX_FILE_BYTES:
-        raise ValueError(f"larger than {MAX_FILE_BYTES} bytes")
-    return data.decode("utf-8", errors="replace")
+    return read_regular(path, MAX_FILE_BYTES).decode("utf-8", errors="replace")
 
 
-def read_mapping(directory: str | os.PathLike[str]) -> JobMapping:
-    """Read the job-mapping directory. A missing directory is ``available=False`` with no problem (no
-    job has run yet, or the prolog is not installed); anything else wrong is a problem, not an error."""
+def _why(exc: Exception) -> str:
+    return str(getattr(exc, "strerror", None) or exc)
+
+
+def read_mapping(directory: str | os.PathLike[str], gpus: Collection[int] | None = None) -> JobMapping:
+    """Read the job-mapping directory (``gpus``: the GPU indices whose files are read; None: every one). A
+    missing directory is ``available=False`` with no problem (no job has run yet, or the prolog is not
+    installed); anything else wrong is a problem, not an error."""
     root = Path(directory)
+    problems: list[str] = []
+    complete = True
     try:
-        entries = sorted(os.scandir(root), key=lambda e: e.name)[:MAX_FILES]
+        with os.scandir(root) as it:
+            entries = list(itertools.islice(it, MAX_ENTRIES + 1))
     except FileNotFoundError:
         return JobMapping()
     except OSError as exc:
         return JobMapping(problems=(f"{root}: {exc.strerror or exc}",))
-    gpus: dict[tuple[int, int | None], tuple[str, ...]] = {}
-    problems: list[str] = []
-    for entry in entries:
+    if len(entries) > MAX_ENTRIES:
+        entries = entries[:MAX_ENTRIES]
+        complete = False
+        problems.append(f"more than {MAX_ENTRIES} entries: the rest are not read")
+    held: dict[tuple[int, int | None], tuple[str, ...]] = {}
+    holdings = 0
+    cut = False
+    jobs_seen: set[str] = set()
+    for entry in sorted(entries, key=lambda e: e.name):
         m = GPU_FILE.match(entry.name)
-        if m is None:
-            continue  # .info, .lock, temp files, another tool's files
+        if m is None or (gpus is not None and int(m.group(1)) not in gpus):
+            continue  # .info, .lock, temp files, another tool's files, a GPU this node does not have
+        if cut:
+            break  # full: the other files are not opened
         try:
-            if not entry.is_file(follow_symlinks=False):
-                continue
             text = _read_bounded(Path(entry.path))
         except (OSError, ValueError) as exc:
-            problems.append(f"{entry.name}: {getattr(exc, 'strerror', None) or exc}")
+            problems.append(f"{entry.name}: {_why(exc)}")
             continue
         jobs: list[str] = []
         for line in text.splitlines():
@@ -92,21 +120,33 @@ def read_mapping(directory: str | os.PathLike[str]) -> JobMapping:
             if not JOB_ID.match(job):
                 problems.append(f"{entry.name}: not a job id: {job[:40]!r}")
                 continue
-            if job not in jobs and len(jobs) < MAX_JOBS_PER_GPU:
-                jobs.append(job)
+            if job in jobs or len(jobs) >= MAX_JOBS_PER_GPU:
+                continue
+            if holdings >= MAX_HOLDINGS or (job not in jobs_seen and len(jobs_seen) >= MAX_JOBS):
+                cut = True
+                continue
+            jobs.append(job)
+            jobs_seen.add(job)
+            holdings += 1
         if jobs:
             gi = m.group(2)
-            gpus[(int(m.group(1)), int(gi) if gi is not None else None)] = tuple(jobs)
-    held = {job for jobs in gpus.values() for job in jobs}
-    return JobMapping(gpus, _read_info(root / INFO_DIR, held), True, tuple(problems))
+            held[(int(m.group(1)), int(gi) if gi is not None else None)] = tuple(jobs)
+    if cut:
+        complete = False
+        problems.append(f"more than {MAX_HOLDINGS} (GPU, job) pairs or {MAX_JOBS} jobs: the rest are not read")
+    return JobMapping(held, _read_info(root / INFO_DIR, jobs_seen, problems), True, tuple(problems), complete)
 
 
-def _read_info(directory: Path, jobs: set[str]) -> dict[str, JobInfo]:
+def _read_info(directory: Path, jobs: set[str], problems: list[str]) -> dict[str, JobInfo]:
     out: dict[str, JobInfo] = {}
     for job in sorted(jobs):
         try:
             text = _read_bounded(directory / job)
-        except (OSError, ValueError):
+        except FileNotFoundError:
+            out[job] = JobInfo(job)
+            continue
+        except (OSError, ValueError) as exc:
+            problems.append(f"{INFO_DIR}/{job}: {_why(exc)}")
             out[job] = JobInfo(job)
             continue
         values: dict[str, str] = {}
@@ -126,7 +166,7 @@ def mapping_signature(directory: str | os.PathLike[str]) -> tuple[tuple[str, int
     try:
         with os.scandir(directory) as it:
             out = []
-            for entry in it:
+            for entry in itertools.islice(it, MAX_ENTRIES):
                 if GPU_FILE.match(entry.name):
                     st = entry.stat(follow_symlinks=False)
                     out.append((entry.name, st.st_ino, st.st_mtime_ns))

@@ -2,15 +2,21 @@
 protobuf, or gRPC), the metrics URL and the export interval, from the arguments of ``start_run`` or the
 standard OpenTelemetry environment variables.
 
-Pure: reads only the mapping it is given (``os.environ`` by default). It must never open a connection,
-import the OpenTelemetry SDK or raise for a malformed environment variable (one warning, then the
-default).
+With no endpoint given anywhere, the exporter's Unix socket is used when it exists
+(``DEFAULT_UNIX_SOCKET``, or the path in ``GPU_ENERGY_EXPORTER_OTLP_UNIX_SOCKET``, the variable that sets the
+exporter's ``--otlp.unix-socket`` too): the exporter then knows this process by the kernel's word, not by its
+attributes (docs/security.md). Such an endpoint reads ``unix:/path``; ``unix:`` endpoints may be given too.
+
+Pure but for one ``stat`` of that socket: reads only the mapping it is given (``os.environ`` by default). It
+must never open a connection, import the OpenTelemetry SDK or raise for a malformed environment variable
+(one warning, then the default).
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import stat
 from collections.abc import Mapping
 
 log = logging.getLogger("gpu_energy_exporter.training")
@@ -20,6 +26,10 @@ DEFAULT_GRPC_ENDPOINT = "http://localhost:4317"
 HTTP_PROTOBUF = "http/protobuf"
 GRPC = "grpc"
 METRICS_PATH = "/v1/metrics"
+#: The exporter's OTLP Unix socket on a node (``--otlp.unix-socket`` in the shipped deployments).
+DEFAULT_UNIX_SOCKET = "/run/gpu-energy-exporter/otlp.sock"
+UNIX_SOCKET_ENV = "GPU_ENERGY_EXPORTER_OTLP_UNIX_SOCKET"
+UNIX = "unix:"
 #: Default seconds between exports: live enough for a 15 s Prometheus scrape, cheap for the trainer.
 DEFAULT_EXPORT_INTERVAL = 10.0
 #: Default seconds one export may take, retries included (the SDK retries transient errors). Short on
@@ -54,9 +64,15 @@ def resolve_endpoint(endpoint: str | None, environ: Mapping[str, str] | None = N
     ``https://`` TLS), else ``http://localhost:4317``.
     """
     env = os.environ if environ is None else environ
+    given = endpoint or env.get("OTEL_EXPORTER_OTLP_METRICS_ENDPOINT") or env.get("OTEL_EXPORTER_OTLP_ENDPOINT")
+    if given and given.strip().startswith(UNIX):
+        return UNIX + unix_path(given.strip())
+    if not given:
+        path = env.get(UNIX_SOCKET_ENV, "").strip() or DEFAULT_UNIX_SOCKET
+        if _is_socket(path):
+            return UNIX + path
     if protocol == GRPC:
-        chosen = (endpoint or env.get("OTEL_EXPORTER_OTLP_METRICS_ENDPOINT") or env.get("OTEL_EXPORTER_OTLP_ENDPOINT")
-                  or DEFAULT_GRPC_ENDPOINT).strip().rstrip("/")
+        chosen = (given or DEFAULT_GRPC_ENDPOINT).strip().rstrip("/")
         return chosen if "://" in chosen else "http://" + chosen
     if endpoint:
         return _with_path(endpoint)
@@ -65,6 +81,19 @@ def resolve_endpoint(endpoint: str | None, environ: Mapping[str, str] | None = N
     if env.get("OTEL_EXPORTER_OTLP_ENDPOINT"):
         return _with_path(env["OTEL_EXPORTER_OTLP_ENDPOINT"])
     return DEFAULT_ENDPOINT + METRICS_PATH
+
+
+def unix_path(endpoint: str) -> str:
+    """The socket path of a ``unix:/path`` or ``unix:///path`` endpoint."""
+    rest = endpoint[len(UNIX):]
+    return "/" + rest.lstrip("/") if rest.startswith("//") else rest
+
+
+def _is_socket(path: str) -> bool:
+    try:
+        return stat.S_ISSOCK(os.stat(path).st_mode)
+    except OSError:
+        return False
 
 
 def _with_path(base: str) -> str:

@@ -51,8 +51,9 @@ from gpu_energy_exporter import __version__
 from gpu_energy_exporter.core import contract as I  # noqa: N812 - a namespace of constants
 from gpu_energy_exporter.core.procinfo import parse_cgroup
 from gpu_energy_exporter.training.batch import number
-from gpu_energy_exporter.training.endpoint import GRPC, HTTP_PROTOBUF
+from gpu_energy_exporter.training.endpoint import GRPC, HTTP_PROTOBUF, METRICS_PATH, UNIX, unix_path
 from gpu_energy_exporter.training.export import GuardedExporter, ObservedSession
+from gpu_energy_exporter.training.unixsock import UNIX_URL, UnixAdapter
 
 log = logging.getLogger("gpu_energy_exporter.training")
 
@@ -120,6 +121,8 @@ def _grpc_exporter(endpoint: str, headers: Mapping[str, str] | None, timeout: fl
                           "opentelemetry-exporter-otlp-proto-grpc, or push over HTTP (unset it)") from exc
     # gRPC metadata keys are lower case
     metadata = {k.lower(): v for k, v in headers.items()} if headers else None
+    if endpoint.startswith(UNIX):  # grpcio takes unix: targets as they are (unix:///path)
+        return GRPCExporter(endpoint="unix://" + unix_path(endpoint), insecure=True, headers=metadata, timeout=timeout)
     return GRPCExporter(endpoint=endpoint, insecure=endpoint.startswith("http://"), headers=metadata,
                         timeout=timeout)
 
@@ -170,7 +173,11 @@ class RunMeter:
             inner = _grpc_exporter(endpoint, headers, export_timeout)
         else:
             session = ObservedSession()
-            inner = OTLPMetricExporter(endpoint=endpoint, headers=dict(headers) if headers else None,
+            url = endpoint
+            if endpoint.startswith(UNIX):  # the exporter's Unix socket: identified by the kernel (docs/security.md)
+                session.mount(UNIX_URL, UnixAdapter(unix_path(endpoint)))
+                url = UNIX_URL + METRICS_PATH
+            inner = OTLPMetricExporter(endpoint=url, headers=dict(headers) if headers else None,
                                        timeout=export_timeout, session=session)
         self.exporter = GuardedExporter(inner, endpoint=endpoint, resource=self.resource, scope=self.scope,
                                         extra=self._extra_metrics, session=session, timeout=export_timeout)

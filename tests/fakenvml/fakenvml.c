@@ -259,6 +259,8 @@ struct health_cfg {
     unsigned long long event_types;
     int nevents;
     struct health_event events[MAX_HEALTH_EVENTS];
+    int has_flood;            /* event_flood: from flood.t on, every wait returns this event at once */
+    struct health_event flood;
 };
 static int health_key(struct health_cfg *h, const char *key, const char *v);
 static int health_field(const struct health_cfg *h, unsigned int id, unsigned int scope, nvmlFieldValue_t *v);
@@ -2102,6 +2104,8 @@ EXPORT nvmlReturn_t nvmlGpmMetricsGet(nvmlGpmMetricsGet_t *metricsGet) {
  *   event_types = MASK                  (nvmlDeviceGetSupportedEventTypes)
  *   event = T TYPE DATA                 (repeatable, at most 32: at T s since the epoch an event of TYPE,
  *                                        e.g. 8 = Xid with DATA the Xid code, 1/2 = single/double-bit ECC)
+ *   event_flood = T TYPE DATA           (from T s on, every wait with no scripted event due returns this
+ *                                        event at once: a GPU flooding Xids)
  * Every event set delivers each scripted event once, as soon as its time has come and the set registered
  * its type for that GPU; unlike the driver, events scripted before the registration are delivered too, so
  * a test never races the exporter's start.
@@ -2195,6 +2199,12 @@ static int health_key(struct health_cfg *h, const char *key, const char *v) {
         if (h->nevents >= MAX_HEALTH_EVENTS || sscanf(v, "%lf %llu %llu", &e->t, &e->type, &e->data) != 3)
             return -1;
         h->nevents++;
+        return 0;
+    }
+    if (!strcmp(key, "event_flood")) {
+        struct health_event *e = &h->flood;
+        if (sscanf(v, "%lf %llu %llu", &e->t, &e->type, &e->data) != 3) return -1;
+        h->has_flood = 1;
         return 0;
     }
     return -2;
@@ -2367,7 +2377,20 @@ static int next_event(struct fake_event_set *s, double t, nvmlEventData_t *data)
             if (best < 0 || e->t < best_t) best_gpu = (int)i, best = k, best_t = e->t;
         }
     }
-    if (best < 0) return 0;
+    if (best < 0) {
+        /* no scripted event due: a flood (a GPU reporting an Xid on every wait) answers at once */
+        for (unsigned int i = 0; i < MAX_GPUS; i++) {
+            const struct health_cfg *h = &g_gpus[i].c.health;
+            if (!g_gpus[i].c.present || !h->has_flood || h->flood.t > t || !(s->registered[i] & h->flood.type))
+                continue;
+            data->device = &g_gpus[i].handle;
+            data->eventType = h->flood.type;
+            data->eventData = h->flood.data;
+            data->gpuInstanceId = data->computeInstanceId = 0xffffffffu;
+            return 1;
+        }
+        return 0;
+    }
     const struct health_event *e = &g_gpus[best_gpu].c.health.events[best];
     s->delivered[best_gpu] |= 1ull << best;
     data->device = &g_gpus[best_gpu].handle;

@@ -71,6 +71,8 @@ class Health:
     nvlinks: tuple[NVLink, ...] = ()
     event_types: int | None = ALL_EVENTS  # None: nvmlDeviceGetSupportedEventTypes NOT_SUPPORTED (vGPU)
     events: tuple[Event, ...] = ()
+    #: from its time on, every event wait returns this event at once (a GPU flooding Xids)
+    flood: Event | None = None
 
     def lines(self) -> list[str]:
         out: list[str] = []
@@ -97,6 +99,8 @@ class Health:
             raise ValueError("at most 32 events per GPU")
         for e in self.events:
             out.append(f"event = {float(e.t_s)!r} {e.event_type} {e.data}")
+        if self.flood is not None:
+            out.append(f"event_flood = {float(self.flood.t_s)!r} {self.flood.event_type} {self.flood.data}")
         return out
 
 
