@@ -130,8 +130,8 @@ INFERENCE_DASHBOARD = Dashboard(
                                 POD_LEGEND),),
                   width=8),
             Panel("timeseries", "Power of the serving pods",
-                  "GPU power of each serving pod over the last 5 minutes, from the exporter's settled pod "
-                  "energy counters (namespace_pod:gpuenergy_k8s_pod_energy_joules:rate5m).",
+                  "GPU power of each serving pod over the last 5 minutes, from the exporter's pod energy, "
+                  "settled + provisional (namespace_pod:gpuenergy_k8s_pod_energy_joules:rate5m).",
                   WATT, (Query(per_pod("namespace_pod:gpuenergy_k8s_pod_energy_joules:rate5m"), POD_LEGEND),),
                   width=8),
             Panel("timeseries", "Tokens per second",
