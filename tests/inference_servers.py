@@ -335,7 +335,8 @@ class _ClientPython(StandInServer):
 
 
 class VLLMServer(_ClientPython):
-    """vLLM (V1 engine): every series exists, at 0, from start; one engine core (``engine="0"``)."""
+    """vLLM (V1 engine): every series exists, at 0, from start; one engine core (``engine="0"``). Names, types and
+    labels from vllm/v1/metrics/loggers.py (PrometheusStatLogger)."""
 
     engine = "vllm"
     #: build_1_2_5_buckets(max_model_len=4096)
@@ -374,7 +375,8 @@ class VLLMServer(_ClientPython):
 
 
 class SGLangServer(_ClientPython):
-    """SGLang (``--enable-metrics``): the tokenizer's counters appear with the first finished request."""
+    """SGLang (``--enable-metrics``): the tokenizer's counters appear with the first finished request. Names, types
+    and labels from python/sglang/srt/metrics/collector.py (TokenizerMetricsCollector)."""
 
     engine = "sglang"
 
@@ -399,7 +401,8 @@ class SGLangServer(_ClientPython):
 
 
 class TGIServer(StandInServer):
-    """Text Generation Inference: no labels at all (one model per server); counters without ``_total``."""
+    """Text Generation Inference: no labels at all (one model per server); counters without ``_total``. Names
+    from router/src/validation.rs (tgi_request_input_length) and router/src/server.rs (the others)."""
 
     engine = "tgi"
     content_type = "text/plain; version=0.0.4"
@@ -433,7 +436,10 @@ class TGIServer(StandInServer):
 
 class TritonServer(StandInServer):
     """Triton Inference Server with the TensorRT-LLM backend (``backend="tensorrtllm"``) or the vLLM backend
-    (``backend="vllm"``): series created when the model loads, at 0; version "1"."""
+    (``backend="vllm"``): series created when the model loads, at 0; version "1". Names from Triton core's
+    src/metric_model_reporter.cc (nv_inference_count), the TensorRT-LLM backend's
+    inflight_batcher_llm/src/custom_metrics_reporter/custom_metrics_reporter.cc (nv_llm_*_token_len) and the
+    vLLM backend's src/utils/metrics.py."""
 
     engine = "triton"
     TOKEN_BUCKETS = (10.0, 50.0, 100.0, 500.0, 1000.0)
