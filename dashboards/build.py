@@ -5,9 +5,9 @@ grafana-foundation-sdk) and replaces the generated sections of ``docs/dashboards
 rule reference). ``--check`` writes nothing and exits 1 when a file is out of date. The output is
 deterministic: sorted keys, fixed panel ids, no timestamps, no version counters.
 
-Every panel is declared once as a ``Panel`` spec (``dashboards/spec.py``; the panels in ``nodes.py`` and
-``training_run.py``): its PromQL, legend, unit and description feed both the JSON (``render.py``) and the
-docs (here). Expressions use the recording rules of ``dashboards/rules/recording.yaml`` wherever
+Every panel is declared once as a ``Panel`` spec (``dashboards/spec.py``; the panels in ``nodes.py``,
+``training_run.py`` and ``inference.py``): its PromQL, legend, unit and description feed both the JSON
+(``render.py``) and the docs (here). Expressions use the recording rules of ``dashboards/rules/*.yaml`` wherever
 a join repeats; each one must have a promtool test in ``dashboards/tests/`` (tests/test_dashboards.py
 checks that). This module never talks to Grafana or Prometheus.
 """
@@ -22,6 +22,7 @@ from pathlib import Path
 
 import yaml
 
+from dashboards.inference import INFERENCE_DASHBOARD
 from dashboards.nodes import FLEET_DASHBOARD, NODE_DASHBOARD
 from dashboards.render import dashboard_json
 from dashboards.spec import Dashboard
@@ -32,7 +33,7 @@ DASHBOARD_DIR = ROOT / "dashboards"
 RULES_DIR = DASHBOARD_DIR / "rules"
 DOCS = ROOT / "docs" / "dashboards.md"
 
-DASHBOARDS: tuple[Dashboard, ...] = (FLEET_DASHBOARD, NODE_DASHBOARD, TRAINING_DASHBOARD)
+DASHBOARDS: tuple[Dashboard, ...] = (FLEET_DASHBOARD, NODE_DASHBOARD, TRAINING_DASHBOARD, INFERENCE_DASHBOARD)
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -4,7 +4,8 @@ Nothing here is a second, hand-kept catalogue. Exporter names come from ``gpu_en
 CATALOGUE`` after every module of the package that could define one is imported; training names are the
 Prometheus names of the training contract (``gpu_energy_exporter.core.contract``, ``Instrument.prometheus``,
 which tests/test_otlp_translate.py checks against the OTLP receiver's own naming function), exactly as they
-appear on /metrics. The only hand-written list is
+appear on /metrics; the inference servers' names are the engines' own (``dashboards/engines.py``, each cited
+from the engine's source). The only hand-written list of our own names is
 ``PENDING``: names agreed with another part of the project that the code does not produce yet.
 
 Importing this module imports the exporter package but never the training frameworks (torch,
@@ -71,6 +72,15 @@ def training_metric_names() -> frozenset[str]:
     return frozenset(names)
 
 
+def inference_metric_names() -> frozenset[str]:
+    """Names the inference servers' own /metrics expose and the inference rules read (``dashboards/engines.py``,
+    each cited from the engine's source)."""
+    from dashboards.engines import engine_metric_names
+
+    return engine_metric_names()
+
+
 def produced_metric_names() -> frozenset[str]:
-    """Every name a scrape of the exporter (plus Prometheus's own ``up``) can return."""
-    return exporter_metric_names() | training_metric_names() | PROMETHEUS_SERIES
+    """Every name a scrape can return: of the exporter, of the inference servers the inference rules read,
+    plus Prometheus's own ``up``."""
+    return exporter_metric_names() | training_metric_names() | inference_metric_names() | PROMETHEUS_SERIES

@@ -125,6 +125,8 @@ def _variable(v: Variable) -> Any:
          .sort(dm.VariableSort.ALPHABETICAL_ASC).multi(v.multi).include_all(v.include_all))
     if v.default_all:
         b = b.current(dm.VariableOption(selected=True, text=["All"], value=["$__all"]))
+    if v.all_value is not None:
+        b = b.all_value(v.all_value)
     return b
 
 

@@ -29,6 +29,7 @@ COUNT = "none"
 SCIENTIFIC = "sci"
 ON_OFF = "bool_on_off"
 TOKENS_PER_SECOND = "suffix: tokens/s"
+SHORT = "short"  # a plain number, scaled (K, Mil, Bil)
 GRAMS_PER_HOUR = "suffix: g/h"
 
 PanelKind = Literal["timeseries", "stat", "bargauge", "table", "statetimeline", "xychart"]
@@ -81,6 +82,9 @@ class Variable:
     include_all: bool = True
     description: str = ""
     default_all: bool = False  # preselect "All" rather than Grafana's default, the first value
+    #: What "All" sends (Grafana's default: every value found, as a regex; ".*" also matches series
+    #: without the label, such as a model no engine names).
+    all_value: str | None = None
 
 
 @dataclass(frozen=True)

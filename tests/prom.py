@@ -14,14 +14,20 @@ from helpers import free_port, http_ok, poll, require_binary
 
 
 class Prometheus:
+    """``targets`` are scraped by the job gpu-energy-exporter (with ``target_labels``, as service discovery
+    would label them); ``scrape_configs`` adds jobs of its own."""
+
     def __init__(self, workdir: Path, targets: list[str], rule_files: list[Path] | None = None,
-                 interval: str = "1s") -> None:
+                 interval: str = "1s", scrape_configs: list[dict[str, Any]] | None = None,
+                 target_labels: dict[str, str] | None = None) -> None:
         binary = require_binary("prometheus")
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        config = {
+        config: dict[str, Any] = {
             "global": {"scrape_interval": interval, "evaluation_interval": interval},
-            "scrape_configs": [{"job_name": "gpu-energy-exporter", "static_configs": [{"targets": targets}]}],
+            "scrape_configs": [{"job_name": "gpu-energy-exporter",
+                                "static_configs": [{"targets": targets, "labels": dict(target_labels or {})}]},
+                               *(scrape_configs or [])],
         }
         if rule_files:
             config["rule_files"] = [str(p) for p in rule_files]

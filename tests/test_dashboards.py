@@ -22,6 +22,9 @@ TEST_VARIABLES = {
     "node": "node-a:9863|node-c:9863",
     "gpu": "0",
     "run_id": "run-a|run-b",
+    "namespace": "serve|lab",
+    "server": "vllm|tgi",
+    "model": "llama-3-8b|llama-3-70b",
     "__range": "1h",
     "__range_s": "3600",
     "__rate_interval": "5m",
@@ -31,7 +34,7 @@ TEST_VARIABLES = {
 REPEAT_VALUES = {"run_id": "run-a"}
 BUILTINS = {"__range", "__range_s", "__rate_interval", "__interval"}
 #: Labels that identify what a series is about; a legend must show every one the result carries.
-IDENTITY_LABELS = ("instance", "gpu", "run_id", "k8s_namespace")
+IDENTITY_LABELS = ("instance", "gpu", "run_id", "k8s_namespace", "namespace", "pod", "model", "server")
 
 LEGEND_LABEL = re.compile(r"\{\{\s*([A-Za-z_][A-Za-z0-9_]*)\s*\}\}")
 
@@ -146,7 +149,7 @@ def test_variables(name: str, dash: dict[str, Any]) -> None:
     defined = {v["name"]: v for v in dash["templating"]["list"]}
     assert defined["datasource"]["type"] == "datasource" and defined["datasource"]["query"] == "prometheus"
     expected = {"fleet-overview": {"job", "node"}, "node-detail": {"job", "node", "gpu"},
-                "training-run": {"run_id"}}[name]
+                "training-run": {"run_id"}, "inference": {"namespace", "server", "model"}}[name]
     assert expected <= set(defined)
     if "node" in defined:
         assert defined["node"]["query"].endswith(", instance)")

@@ -29,8 +29,9 @@ def _walk(node: Any, path: str = "") -> Iterator[tuple[str, dict[str, Any]]]:
             yield from _walk(v, f"{path}[{i}]")
 
 
-def test_all_three_dashboards_are_checked() -> None:
-    assert [p.name for p in DASHBOARDS] == ["fleet-overview.json", "node-detail.json", "training-run.json"]
+def test_all_four_dashboards_are_checked() -> None:
+    assert [p.name for p in DASHBOARDS] == ["fleet-overview.json", "inference.json", "node-detail.json",
+                                            "training-run.json"]
 
 
 @pytest.mark.parametrize("path", DASHBOARDS, ids=lambda p: p.name)

@@ -453,7 +453,7 @@ def test_sidecar_configmaps_carry_the_provisioning_form_of_each_dashboard(render
     # and every panel and query still reads the variable. Everything else is the committed dashboard.
     cms = [d for d in rendered("base") if d["kind"] == "ConfigMap" and "grafana_dashboard" in d["metadata"]["labels"]]
     committed = {p.name: json.loads(p.read_text()) for p in (REPO / "dashboards").glob("*.json")}
-    assert len(cms) == len(committed) == 3
+    assert len(cms) == len(committed) == 4
     for cm in cms:
         (name, text), = cm["data"].items()
         assert "${DS_" not in text, cm["metadata"]["name"]

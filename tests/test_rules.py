@@ -6,6 +6,7 @@ from __future__ import annotations
 import re
 
 import pytest
+import yaml
 
 from dashboards import names, promtool
 from dashboards.promql import metric_names, normalize
@@ -27,7 +28,7 @@ def promtool_binary() -> str:
 
 
 def test_rule_files_exist() -> None:
-    assert [p.name for p in promtool.RULE_FILES] == ["alerts.yaml", "recording.yaml"]
+    assert [p.name for p in promtool.RULE_FILES] == ["alerts.yaml", "inference.yaml", "recording.yaml"]
     assert promtool.TEST_FILES, "no promtool test files under dashboards/tests/"
 
 
@@ -127,35 +128,44 @@ def test_every_rule_is_explained_next_to_it() -> None:
 
 # ---------------------------------------------------------------------------------------------------------
 # Mutation checks: a rule changed in a way that matters must make some promtool case fail. Each mutant is
-# one edit of dashboards/rules/recording.yaml: one `[5m]` window narrowed to `[4m]` (the inputs must change
-# slope inside some window, or every window reads the same rate), or one `unless on (run_id) <series>`
-# exclusion line dropped (the inputs must have a run that the exclusion removes).
+# one edit of one rule file: one `[5m]` window narrowed to `[4m]` (the inputs must change slope inside some
+# window, or every window reads the same rate), or one exclusion line dropped: `unless on (run_id) <series>`
+# in recording.yaml (the inputs must have a run that the exclusion removes), `and on (namespace, pod)
+# <series>` in inference.yaml (a pod the restriction leaves out: no energy, no CO2 figure).
 
-_EXCLUSION_LINE = re.compile(r"^[ \t]*unless on \(run_id\) [A-Za-z_:][A-Za-z0-9_:]*[ \t]*\n", re.MULTILINE)
+#: The rule files whose windows and exclusion lines are mutated, with the exclusion lines of each.
+_MUTATED = {
+    "recording.yaml": re.compile(r"^[ \t]*unless on \(run_id\) [A-Za-z_:][A-Za-z0-9_:]*[ \t]*\n", re.MULTILINE),
+    "inference.yaml": re.compile(r"^[ \t]*and on \(namespace, pod\) [A-Za-z_:][A-Za-z0-9_:]*[ \t]*\n", re.MULTILINE),
+}
 
 
-def _rule_mutants() -> list[tuple[str, str]]:
-    """(name, mutated recording.yaml text) for every mutation the promtool cases must catch."""
-    text = (promtool.ROOT / "rules" / "recording.yaml").read_text(encoding="utf-8")
-    mutants: list[tuple[str, str]] = []
-    for m in re.finditer(r"\[5m\]", text):
-        line = text.count("\n", 0, m.start()) + 1
-        if text.splitlines()[line - 1].lstrip().startswith("#"):
-            continue  # a comment: no promtool case can see it
-        mutants.append((f"line {line}: [5m] -> [4m]", text[: m.start()] + "[4m]" + text[m.end():]))
-    for m in _EXCLUSION_LINE.finditer(text):
-        line = text.count("\n", 0, m.start()) + 1
-        mutants.append((f"line {line}: dropped {m.group().strip()!r}", text[: m.start()] + text[m.end():]))
+def _rule_mutants() -> list[tuple[str, str, str]]:
+    """(rule file, name, mutated text) for every mutation the promtool cases must catch."""
+    mutants: list[tuple[str, str, str]] = []
+    for name, exclusion in _MUTATED.items():
+        text = (promtool.ROOT / "rules" / name).read_text(encoding="utf-8")
+        for m in re.finditer(r"\[5m\]", text):
+            line = text.count("\n", 0, m.start()) + 1
+            if text.splitlines()[line - 1].lstrip().startswith("#"):
+                continue  # a comment: no promtool case can see it
+            mutants.append((name, f"{name} line {line}: [5m] -> [4m]", text[: m.start()] + "[4m]" + text[m.end():]))
+        for m in exclusion.finditer(text):
+            line = text.count("\n", 0, m.start()) + 1
+            mutants.append((name, f"{name} line {line}: dropped {m.group().strip()!r}",
+                            text[: m.start()] + text[m.end():]))
     return mutants
 
 
 def test_rule_mutants_are_found() -> None:
-    # The generator finds what it claims to: every window and every exclusion line of the rule file.
-    text = (promtool.ROOT / "rules" / "recording.yaml").read_text(encoding="utf-8")
-    names = [name for name, _ in _rule_mutants()]
-    code = "\n".join(line for line in text.splitlines() if not line.lstrip().startswith("#"))
-    assert sum("[4m]" in n for n in names) == code.count("[5m]") > 0
-    assert sum("dropped" in n for n in names) == len(_EXCLUSION_LINE.findall(text)) > 0
+    # The generator finds what it claims to: every window and every exclusion line of each mutated file.
+    mutants = _rule_mutants()
+    for name, exclusion in _MUTATED.items():
+        text = (promtool.ROOT / "rules" / name).read_text(encoding="utf-8")
+        names = [label for file, label, _ in mutants if file == name]
+        code = "\n".join(line for line in text.splitlines() if not line.lstrip().startswith("#"))
+        assert sum("[4m]" in n for n in names) == code.count("[5m]") > 0, name
+        assert sum("dropped" in n for n in names) == len(exclusion.findall(text)) > 0, name
 
 
 def test_every_rule_mutant_fails_a_promtool_case(promtool_binary: str, tmp_path: object) -> None:
@@ -164,23 +174,27 @@ def test_every_rule_mutant_fails_a_promtool_case(promtool_binary: str, tmp_path:
     tmp = Path(str(tmp_path))
     (tmp / "rules").mkdir()
     (tmp / "tests").mkdir()
-    (tmp / "rules" / "alerts.yaml").write_text(
-        (promtool.ROOT / "rules" / "alerts.yaml").read_text(encoding="utf-8"), encoding="utf-8")
+    for path in promtool.RULE_FILES:
+        (tmp / "rules" / path.name).write_text(path.read_text(encoding="utf-8"), encoding="utf-8")
     for path in promtool.TEST_FILES:
         (tmp / "tests" / path.name).write_text(path.read_text(encoding="utf-8"), encoding="utf-8")
     (tmp / "rules" / "optional").mkdir()
     for path in promtool.OPTIONAL_RULE_FILES:  # the optional rules' own test file reads them
         (tmp / "rules" / "optional" / path.name).write_text(path.read_text(encoding="utf-8"), encoding="utf-8")
     # The unmutated copy passes, so a failure below is the mutation's doing.
-    (tmp / "rules" / "recording.yaml").write_text(
-        (promtool.ROOT / "rules" / "recording.yaml").read_text(encoding="utf-8"), encoding="utf-8")
     files = [p.name for p in promtool.TEST_FILES]
     baseline = promtool.run("test", "rules", *files, cwd=tmp / "tests")
     assert baseline.returncode == 0, baseline.stdout + baseline.stderr
+    # Each mutant is run against the test files that load its rule file (the others cannot see it).
+    loading = {name: [p.name for p in promtool.TEST_FILES if f"../rules/{name}" in
+                      (yaml.safe_load(p.read_text(encoding="utf-8")).get("rule_files") or [])] for name in _MUTATED}
+    assert all(loading.values()), loading
     survivors = []
-    for name, mutated in _rule_mutants():
-        (tmp / "rules" / "recording.yaml").write_text(mutated, encoding="utf-8")
-        result = promtool.run("test", "rules", *files, cwd=tmp / "tests")
+    for name, label, mutated in _rule_mutants():
+        (tmp / "rules" / name).write_text(mutated, encoding="utf-8")
+        result = promtool.run("test", "rules", *loading[name], cwd=tmp / "tests")
         if result.returncode == 0:
-            survivors.append(name)
+            survivors.append(label)
+        (tmp / "rules" / name).write_text((promtool.ROOT / "rules" / name).read_text(encoding="utf-8"),
+                                          encoding="utf-8")
     assert not survivors, "rule mutations no promtool case catches:\n" + "\n".join(survivors)
