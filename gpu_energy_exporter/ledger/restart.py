@@ -7,7 +7,8 @@ steady axis.
   ``journal_interval_s`` and whenever a run starts; a closing run's row at once, in the transaction that drops
   its open state) and restores them when the ledger starts (``ledger.recovery`` opens the store, migrates a
   previous release's journal, and says what was lost; ``ledger.restore`` decodes each record): a restored run
-  goes on as the same run. The frame is
+  goes on as the same run, settled across the restart from each GPU's last counter read (``ledger.carry``). The
+  frame is
   put back at the head of the snapshot history, so the first snapshot after the restart closes the gap as
   one ordinary interval: the GPU's energy counter (cumulative in the driver) across the downtime, shared
   with the shares known before it, and the run notes ``gap_s``. Tokens are cumulative in the trainer: a
