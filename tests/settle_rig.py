@@ -89,31 +89,50 @@ class Node:
         self._old = os.environ.get("FAKE_NVML_SCENARIO")
         os.environ["FAKE_NVML_SCENARIO"] = str(self.path)
         self.write()
-        clock = self.clock
-        self.gpu = GPUCollector(lambda: NVMLBackend(str(lib), clock=clock), retry_interval=0.0, gpm=False,
-                                interval=INTERVAL, energy_interval=ENERGY_INTERVAL, clock=clock, monotonic=clock,
-                                power_interval=3600.0, process_interval=PROCESS_INTERVAL,
-                                procfs=str(procfs), idle_power_w=50.0)
-        self.sampler = Sampler([self.gpu], INTERVAL, gpu_states=self.gpu.states, clock=clock, monotonic=clock,
-                               wait_budget=30.0)
+        self._lib, self._procfs, self._settle, self._early = lib, procfs, settle, early
         self._new_ledger = lambda: RunLedger(str(tmp / "runs.csv"), warmup_s=warmup_s, stale_after_s=300.0,
-                                             clock=clock, claim_grace_s=claim_grace_s, carbon=carbon,
+                                             clock=self.clock, claim_grace_s=claim_grace_s, carbon=carbon,
                                              state_dir=state_dir)
         self.ledger = self._new_ledger()
-        self.sampler.add_listener((lambda s: self.ledger.on_snapshot(s)) if settle else self._unsettled)
-        # the daemon's wiring (daemon/exporter.py): a run's edge reads every counter in a sample taken at once
-        self.edges = counter_reads_at_run_edges(
-            lambda: (self.gpu.request_counter_read(), self.sampler.sample_soon() if early else None))
+        self._start_sampler()
         self.next_tick = self.now
         self.pushers: list[Pusher] = []
+
+    def _start_sampler(self) -> None:
+        """The GPU collector and the sampler as the daemon starts them (a fresh process knows no counter)."""
+        clock = self.clock
+        self.gpu = GPUCollector(lambda: NVMLBackend(str(self._lib), clock=clock), retry_interval=0.0, gpm=False,
+                                interval=INTERVAL, energy_interval=ENERGY_INTERVAL, clock=clock, monotonic=clock,
+                                power_interval=3600.0, process_interval=PROCESS_INTERVAL,
+                                procfs=str(self._procfs), idle_power_w=50.0)
+        self.sampler = Sampler([self.gpu], INTERVAL, gpu_states=self.gpu.states, clock=clock, monotonic=clock,
+                               wait_budget=30.0)
+        self.sampler.add_listener((lambda s: self.ledger.on_snapshot(s)) if self._settle else self._unsettled)
+        # the daemon's wiring (daemon/exporter.py): a run's edge reads every counter in a sample taken at once
+        self.edges = counter_reads_at_run_edges(
+            lambda: (self.gpu.request_counter_read(), self.sampler.sample_soon() if self._early else None))
 
     def clock(self) -> float:
         return self.now
 
-    def restart(self) -> None:
-        """The exporter restarted at this instant: the ledger closed and a new one opened on its database."""
+    def restart(self, down_s: float | None = None) -> None:
+        """The exporter restarted at this instant: the ledger closed and a new one opened on its database.
+        ``down_s``: the whole process restarted (a new GPU collector and sampler, which know no counter read),
+        down for that long; the trainers' pushes meanwhile are lost (their cumulative counters carry on)."""
         self.ledger.close()
+        if down_s is not None:
+            self.sampler.stop()
+            self.now += down_s
+            for p in self.pushers:
+                while p.pushed and not p.finished and p.pushed[-1] + p.every <= min(self.now, p.end) + 1e-9:
+                    p.pushed.append(p.pushed[-1] + p.every)  # sent to nobody
+                if p.pushed and self.now >= p.end:
+                    p.finished = True  # its finish too
+            self.next_tick = self.now
+            self.write()
         self.ledger = self._new_ledger()
+        if down_s is not None:
+            self._start_sampler()
 
     def _unsettled(self, snapshot: Snapshot) -> None:
         self.ledger.on_snapshot(replace(snapshot, gpus=tuple(replace(g, span=None) for g in snapshot.gpus)))
@@ -212,9 +231,11 @@ def fake_procfs(root: Path, pids: Sequence[int]) -> Path:
     return root
 
 
-def h100_with(index: int, power: PowerTrace, processes: Sequence[Process] = (Process(4242, 1 << 30, 90),)) -> Any:
-    """An H100 with ``power``, listing ``processes`` (by default the trainer of pid 4242 that ``Pusher`` is)."""
-    return h100(index, power=power, processes=tuple(processes))
+def h100_with(index: int, power: PowerTrace, processes: Sequence[Process] = (Process(4242, 1 << 30, 90),),
+              **overrides: Any) -> Any:
+    """An H100 with ``power``, listing ``processes`` (by default the trainer of pid 4242 that ``Pusher`` is);
+    ``overrides``: other fields of the fake GPU (``energy_offset_mj``, ``energy_reset_at_s``...)."""
+    return h100(index, power=power, processes=tuple(processes), **overrides)
 
 
 def rel_error(value: float | None, truth: float) -> float:

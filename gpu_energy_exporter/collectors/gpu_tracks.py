@@ -161,7 +161,8 @@ class GPUTrack:
         if settled:
             samples, self.samples = tuple(self.samples), []
         self.span = EnergySpan(anchor_j=anchor[1], anchor_at=anchor[0], raw_j=a.raw_j, whole=a.whole,
-                               scale=a.scale, closed=a.closed if settled else None, samples=samples)
+                               scale=a.scale, closed=a.closed if settled else None, samples=samples,
+                               anchor_counter_j=self.counter.exposed_j)
 
     # ---- the energy counter
 

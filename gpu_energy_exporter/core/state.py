@@ -134,6 +134,9 @@ class EnergySpan:
     closed: tuple[float, float, float, bool] | None = None
     #: per-process SM use over the span just closed, read with the counter (``ProcessSample``)
     samples: tuple[ProcessSample, ...] = ()
+    #: the driver's own counter value (J) at the last accepted read (``anchor_j`` less the resets absorbed):
+    #: what a restarted exporter settles the span across its downtime from (``ledger.carry``)
+    anchor_counter_j: float | None = None
 
 
 @dataclass(frozen=True)

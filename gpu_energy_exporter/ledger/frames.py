@@ -54,6 +54,8 @@ class SpanFrame:
     closed: tuple[float, float, float, bool] | None = None
     #: per-process samples (pid, SM %, start_dt, end_dt) over the closed span
     samples: tuple[tuple[int, float, float, float], ...] = ()
+    #: the driver's counter (J) at the span's read (``EnergySpan.anchor_counter_j``), None when not known
+    anchor_counter_j: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,7 +124,7 @@ def span_frame(g: GPUState, ref: float | None) -> SpanFrame | None:
     if s.closed is not None:
         closed = (s.closed[0] - ref, s.closed[1], s.closed[2], s.closed[3])
     samples = tuple((p.pid, p.sm_pct, p.start - ref, p.end - ref) for p in s.samples)
-    return SpanFrame(s.anchor_at - ref, s.anchor_j, s.raw_j, s.whole, s.scale, closed, samples)
+    return SpanFrame(s.anchor_at - ref, s.anchor_j, s.raw_j, s.whole, s.scale, closed, samples, s.anchor_counter_j)
 
 
 def procs_of(processes: tuple[GPUProcess, ...] | None, migs: tuple[MIGDevice, ...] = ()) -> tuple[Proc, ...] | None:

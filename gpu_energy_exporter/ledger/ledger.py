@@ -36,7 +36,7 @@ from gpu_energy_exporter.core import contract
 from gpu_energy_exporter.core.ratelog import RateLimitedLog
 from gpu_energy_exporter.core.runs_schema import KEEP_FINISHED_S
 from gpu_energy_exporter.core.state import Snapshot
-from gpu_energy_exporter.ledger import accounting, clients, files, jobs, restart, runs, settlement, specs
+from gpu_energy_exporter.ledger import accounting, carry, clients, files, jobs, restart, runs, settlement, specs
 from gpu_energy_exporter.ledger.admission import LedgerAdmission
 from gpu_energy_exporter.ledger.files import iso_utc
 from gpu_energy_exporter.ledger.filewriter import Row
@@ -353,6 +353,9 @@ class RunLedger(LedgerAdmission, LedgerViews):
 
     def _settled_gpu(self, key: str, frame: Frame) -> None:
         """``frame`` read GPU ``key``'s counter: settle the span it closed, recount the runs holding the GPU."""
+        anchor = self._durable.carried.pop(key, None)  # its last read before a restart
+        if anchor is not None and carry.across(self, key, frame, anchor):
+            return
         start = settlement.settle_gpu(self._history, key)
         t = settlement.anchor_time(frame, key)
         if t is not None:

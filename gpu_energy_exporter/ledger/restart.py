@@ -7,7 +7,8 @@ steady axis.
   ``journal_interval_s`` and whenever a run starts; a closing run's row at once, in the transaction that drops
   its open state) and restores them when the ledger starts (``ledger.recovery`` opens the store, migrates a
   previous release's journal, and says what was lost; ``ledger.restore`` decodes each record): a restored run
-  goes on as the same run. The frame is
+  goes on as the same run, settled across the restart from each GPU's last counter read (``ledger.carry``). The
+  frame is
   put back at the head of the snapshot history, so the first snapshot after the restart closes the gap as
   one ordinary interval: the GPU's energy counter (cumulative in the driver) across the downtime, shared
   with the shares known before it, and the run notes ``gap_s``. Tokens are cumulative in the trainer: a
@@ -40,7 +41,7 @@ from dataclasses import replace
 from typing import Any
 
 from gpu_energy_exporter.core.runs_db import DB_NAME
-from gpu_energy_exporter.ledger import codec, recovery, restore
+from gpu_energy_exporter.ledger import carry, codec, recovery, restore
 from gpu_energy_exporter.ledger.filewriter import FileWriter, Row
 from gpu_energy_exporter.ledger.frames import Frame
 from gpu_energy_exporter.ledger.journal import SteadyClock
@@ -132,6 +133,7 @@ class Durable:
         self._sw: StoreWriter | None = None
         self.writer: FileWriter | None = None
         self.gap_pending = False
+        self.carried: dict[str, carry.GPUAnchor] = {}  # GPU key -> its last counter read before the restart
         self._gap_since: float | None = None
         self.losses = recovery.Losses(ledger.stale_after_s)
         self._unsaved: list[Row] = []  # closed runs' rows not in the database yet (ledger lock)
@@ -207,6 +209,7 @@ class Durable:
                 now = led._clock()
                 if led._history:
                     extra["frame"] = codec.encode(led._history[-1])
+                state = carry.capture(led._history)
                 if isinstance(led._clock, SteadyClock):
                     extra["clock"] = codec.encode(led._clock)
                 runs = [r for r in led._active.values() if not r.tentative]
@@ -220,6 +223,10 @@ class Durable:
                     due = self._final or last is None or last[0] is not run or now - last[1] >= TIMELINE_EVERY_S
                     timeline = codec.encode(run.timeline) if due else None
                     encoded[run.run_id] = (run, run.s, codec.encode(run, recovery.TIMELINE), timeline)
+                    at = carry.settled_at(state)
+                    if at is not None:
+                        state.bases[run.run_id] = carry.base(run, at, led._history, led._holders)
+            extra["carry"] = codec.encode(state)  # what settles across a restart (ledger.carry)
         with led._lock:
             saved = led._clock()
             rows = list(self._unsaved)
@@ -288,7 +295,7 @@ class Durable:
         frame = restore.meta(saved, "frame", report, self.losses)
         if not isinstance(frame, Frame):
             frame = None
-        elif frame.t >= now:
+        elif frame.t > now:
             log.warning("run ledger: the last saved snapshot is dated after now (the machine rebooted with its "
                         "clock behind?): the downtime's energy is not counted")
             frame = None
@@ -309,6 +316,7 @@ class Durable:
         if frame is not None and led._active:
             led._history.append(frame)
             self.gap_pending = True
+            self.carried = carry.apply(restore.meta(saved, "carry", report, self.losses), led, frame)
         if self.writer is not None:  # without a CSV they wait in the database
             for values in saved.rows:
                 row = restore.row(values, self.losses)
@@ -358,6 +366,8 @@ class Durable:
             run.notes.append(f"the exporter restarted during the run: gap_s={gap:.1f}, the gap's energy is the "
                              "increase of the GPU energy counter across it, shared as before the gap")
             for key in run.gpus:
+                if key in self.carried:
+                    continue  # settled across the restart, or its loss said, at its first counter read
                 g0, g1 = prev.gpus.get(key), frame.gpus.get(key)
                 if g0 is not None and g1 is not None and g0.energy_j is not None and (
                         g1.energy_j is None or g1.energy_j < g0.energy_j):
