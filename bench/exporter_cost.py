@@ -164,10 +164,16 @@ def run(ctx: Context) -> list[Table]:
 
 def _per_function(m: Measured, what: str) -> Table:
     t = Table(f"NVML cost by function, {what} (from the exporter's own counters)",
-              ["function", "calls per second", "CPU ms per second", "CPU µs per call"])
+              ["function", "calls per second", "CPU ms per second", "CPU µs per call", "% of one core",
+               "share of the exporter's CPU"],
+              ["The exporter's CPU not in any NVML call (Python: sampler, collectors, ledger, snapshot) is the "
+               "last row."])
     for fn, (calls, secs) in sorted(m.per_function.items(), key=lambda kv: -kv[1][1]):
         if calls > 0:
-            t.add(fn, fmt(calls), fmt(1e3 * secs), fmt(1e6 * secs / calls))
+            t.add(fn, fmt(calls), fmt(1e3 * secs), fmt(1e6 * secs / calls), fmt(100 * secs),
+                  f"{secs * 100 / m.percent:.0%}" if m.percent else "-")
+    rest = m.percent - m.nvml_percent
+    t.add("(outside NVML)", "-", fmt(10 * rest), "-", fmt(rest), f"{rest / m.percent:.0%}" if m.percent else "-")
     return t
 
 

@@ -12,8 +12,22 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import pynvml
 import pytest
-from fakenvml import GPU, Constant, Driver, Process, Scenario, Square, a100, grace_hopper, h100, pascal_no_counter, v100
+from fakenvml import (
+    GPU,
+    POWER_SCOPE_MODULE,
+    Constant,
+    Driver,
+    Process,
+    Scenario,
+    Square,
+    a100,
+    grace_hopper,
+    h100,
+    pascal_no_counter,
+    v100,
+)
 from helpers import GPURig
 
 from gpu_energy_exporter.collectors.gpu import GPUCollector
@@ -22,6 +36,8 @@ from gpu_energy_exporter.engine.exposition import SnapshotCollector, new_registr
 from gpu_energy_exporter.engine.sampler import Sampler
 
 T0 = 1_750_000_000.0
+FI_POWER_INSTANT, FI_POWER_AVERAGE = pynvml.NVML_FI_DEV_POWER_INSTANT, pynvml.NVML_FI_DEV_POWER_AVERAGE
+FI_MEMORY_TEMP = pynvml.NVML_FI_DEV_MEMORY_TEMP
 
 
 class Rig(GPURig):
@@ -295,6 +311,74 @@ def test_a_power_limit_change_is_seen_within_its_read_cadence(rig) -> None:  # t
     r.rewrite(frozen(T0 + 3, lowered))  # the clock stepped back: read again rather than hold for ever
     r.sample()
     assert limit_reads() == 3
+
+
+def _fake_counts(lib_path: Path) -> ctypes.CDLL:
+    lib = ctypes.CDLL(str(lib_path))
+    lib.fakeNvmlCallCount.restype = ctypes.c_ulonglong
+    lib.fakeNvmlFieldCount.restype = ctypes.c_ulonglong
+    return lib
+
+
+def test_memory_clock_and_temperature_are_read_every_10_s_and_still_update(  # type: ignore[no-untyped-def]
+        rig, fake_nvml_lib: Path) -> None:
+    """The memory clock and the HBM temperature move slowly: read once per SLOW_INTERVAL_S (10 s) of the
+    backend's clock and held between (one call and one field per GPU per sample saved); a change shows at the
+    first sample 10 s after the last read, never later; the power and SM clock are still read every sample."""
+    from gpu_energy_exporter.devices.nvml import SLOW_INTERVAL_S
+
+    assert SLOW_INTERVAL_S == 10.0
+    lib = _fake_counts(fake_nvml_lib)
+    gpus = [h100(0, clock_memory_mhz=2619, temperature_memory_c=42, clock_sm_mhz=1980)]
+    r = rig(frozen(T0 + 5, gpus))
+    r.sample()
+    lab = L(0, gpus)
+    assert r.value("gpuenergy_gpu_memory_clock_hertz", **lab) == 2619e6
+    assert r.value("gpuenergy_gpu_memory_temperature_celsius", **lab) == 42.0
+    lib.fakeNvmlResetCallCounts()
+    changed = [h100(0, clock_memory_mhz=1593, temperature_memory_c=61, clock_sm_mhz=1410)]
+    for t in (T0 + 6, T0 + 14.9):  # within the cadence: the held values, and neither asked
+        r.rewrite(frozen(t, changed))
+        r.sample()
+        assert r.value("gpuenergy_gpu_memory_clock_hertz", **lab) == 2619e6
+        assert r.value("gpuenergy_gpu_memory_temperature_celsius", **lab) == 42.0
+        assert r.value("gpuenergy_gpu_sm_clock_hertz", **lab) == 1410e6  # every sample
+    assert lib.fakeNvmlCallCount(b"nvmlDeviceGetClockInfo") == 2  # the SM clock alone, twice
+    assert lib.fakeNvmlFieldCount(FI_MEMORY_TEMP, 0) == 0
+    assert lib.fakeNvmlFieldCount(FI_POWER_INSTANT, 0) == 2  # power: every sample
+    r.rewrite(frozen(T0 + 15, changed))  # 10 s after the first read
+    r.sample()
+    assert r.value("gpuenergy_gpu_memory_clock_hertz", **lab) == 1593e6
+    assert r.value("gpuenergy_gpu_memory_temperature_celsius", **lab) == 61.0
+    assert lib.fakeNvmlCallCount(b"nvmlDeviceGetClockInfo") == 4
+    assert lib.fakeNvmlFieldCount(FI_MEMORY_TEMP, 0) == 1
+    r.rewrite(frozen(T0 + 3, changed))  # the clock stepped back: read again rather than hold for ever
+    r.sample()
+    assert lib.fakeNvmlFieldCount(FI_MEMORY_TEMP, 0) == 2
+
+
+def test_a_field_the_driver_does_not_support_is_asked_once_then_never(  # type: ignore[no-untyped-def]
+        rig, fake_nvml_lib: Path) -> None:
+    """An H100 SXM has no module power sensor (NOT_SUPPORTED, as on the real driver): the field is asked in the
+    first sample's batched request, counted once in gpuenergy_nvml_field_errors_total, and left out of every
+    later request (each field asked costs the driver about 40 µs); the other fields keep coming."""
+    lib = _fake_counts(fake_nvml_lib)
+    gpus = [h100(0), h100(1)]
+    r = rig(frozen(T0 + 5, gpus))
+    lib.fakeNvmlResetCallCounts()
+    r.sample()
+    assert lib.fakeNvmlFieldCount(FI_POWER_INSTANT, POWER_SCOPE_MODULE) == 2  # once per GPU (start-up included)
+    lib.fakeNvmlResetCallCounts()
+    for k in range(1, 6):
+        r.rewrite(frozen(T0 + 5 + k, gpus))
+        r.sample()
+    assert lib.fakeNvmlFieldCount(FI_POWER_INSTANT, POWER_SCOPE_MODULE) == 0
+    assert lib.fakeNvmlFieldCount(FI_POWER_INSTANT, 0) == lib.fakeNvmlFieldCount(FI_POWER_AVERAGE, 0) == 10
+    assert lib.fakeNvmlCallCount(b"nvmlDeviceGetFieldValues") == 10  # still one batched call per GPU and sample
+    for i in range(2):
+        assert r.value("gpuenergy_nvml_field_errors_total", **L(i, gpus), field="module_power_field",
+                       reason="not_supported") == 1.0
+        assert r.value("gpuenergy_gpu_power_watts", **L(i, gpus)) is not None
 
 
 def test_gpm_ratios_on_hopper_and_no_leaked_samples(rig, fake_nvml_lib: Path) -> None:  # type: ignore[no-untyped-def]

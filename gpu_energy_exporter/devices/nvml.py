@@ -75,12 +75,13 @@ _FIELD_NAMES: dict[tuple[Any, ...], str] = {
     (_FI_POWER_INSTANT, _SCOPE_MODULE): "module_power_field",
     (_FI_ENERGY, 0): "energy_field",
 }
-#: What one sample asks nvmlDeviceGetFieldValues for, in this order; GPUs whose energy comes from the counter
-#: also ask for the counter (field 83 is the value nvmlDeviceGetTotalEnergyConsumption returns), so a sample
-#: makes one call where it made two.
-_SAMPLE_FIELDS = [(_FI_POWER_INSTANT, _SCOPE_GPU), (_FI_POWER_AVERAGE, _SCOPE_GPU), (_FI_MEMORY_TEMP, 0),
-                  (_FI_POWER_INSTANT, _SCOPE_MODULE)]
-_SAMPLE_FIELDS_WITH_ENERGY = [*_SAMPLE_FIELDS, (_FI_ENERGY, 0)]
+#: What a sample may ask nvmlDeviceGetFieldValues for: GPUs whose energy comes from the counter also ask for
+#: the counter when it is due (field 83 is the value nvmlDeviceGetTotalEnergyConsumption returns), so a sample
+#: makes one call where it made two; the memory temperature only when its slow cadence is due
+#: (``SLOW_INTERVAL_S``). A field the driver answered NOT_SUPPORTED is left out of every later request (each
+#: field asked costs the driver tens of microseconds: the module power of an H100 SXM, asked for nothing).
+_F_INSTANT, _F_AVERAGE = (_FI_POWER_INSTANT, _SCOPE_GPU), (_FI_POWER_AVERAGE, _SCOPE_GPU)
+_F_MEMORY_TEMP, _F_MODULE, _F_ENERGY = (_FI_MEMORY_TEMP, 0), (_FI_POWER_INSTANT, _SCOPE_MODULE), (_FI_ENERGY, 0)
 
 #: A reading that fails transiently at discovery is asked this many times, this far apart.
 _DISCOVERY_TRIES = 3
@@ -96,9 +97,13 @@ GPM_METRICS: dict[str, int] = {
 }
 #: NVML requires GPM samples at least 100 ms apart for meaningful metrics.
 GPM_MIN_INTERVAL_S = 0.1
-#: The enforced power limit is read at most this often per GPU (seconds of the backend's clock) and held
-#: between reads: it changes only when someone sets it, and a call per GPU per sample was spent on it.
-LIMIT_INTERVAL_S = 10.0
+#: Readings that change only when someone sets them or over many seconds are read at most this often per GPU
+#: (seconds of the backend's clock) and held between reads: the enforced power limit (changes when someone
+#: sets it), the memory clock (set by the driver's memory P-state, fixed under load on datacenter GPUs) and
+#: the memory (HBM) temperature (a thermal mass: degrees over tens of seconds). Each was a call or a field per
+#: GPU per sample. Power, utilisation, the SM clock, clock events and the GPU temperature stay every sample.
+SLOW_INTERVAL_S = 10.0
+LIMIT_INTERVAL_S = SLOW_INTERVAL_S
 
 #: NVML's clock-event (throttle) reason bits, by the name a reading reports (``core.state.CLOCK_EVENT_REASONS``).
 _CLOCK_EVENT_BITS: dict[str, int] = dict(zip(CLOCK_EVENT_REASONS, (
@@ -123,8 +128,8 @@ class NVMLBackend(GPUBackend):
         self._gpm_requests: dict[int, Any] = {}  # the nvmlGpmMetricsGet_t request per GPU, reused
         self._process_util_ts: dict[int, int] = {}
         self._mig_instances: dict[int, dict[tuple[int, int], str]] = {}  # GPU -> (GI, CI) -> MIG uuid
-        self._field_requests: dict[tuple[int, bool], FieldValues] = {}  # read()'s field values, per GPU
-        self._limits: dict[int, tuple[float, Any]] = {}  # GPU -> (when read, enforced power limit)
+        self._field_requests: dict[tuple[int, tuple[Any, ...]], FieldValues] = {}  # read()'s, per GPU and fields
+        self._held: dict[tuple[int, str], tuple[float, Any]] = {}  # (GPU, reading) -> (when read, value): slow
         self._process_lists: dict[int, tuple[RunningProcesses, RunningProcesses]] = {}  # _v3, _v2 per GPU
         self._driver = NVMLCalls.call_global("", "nvmlSystemGetDriverVersion")
         self._nvml_version = NVMLCalls.call_global("", "nvmlSystemGetNVMLVersion")
@@ -279,13 +284,21 @@ class NVMLBackend(GPUBackend):
         # it is asked only when the caller's schedule asks for it (``energy``).
         with_energy = (energy and gpu.energy_method == ENERGY_METHOD_COUNTER
                        and not self._nvml.unsupported(i, "energy_field"))
-        fields = _SAMPLE_FIELDS_WITH_ENERGY if with_energy else _SAMPLE_FIELDS
-        request = self._field_requests.get((i, with_energy))
-        if request is None:
-            request = self._field_requests[(i, with_energy)] = FieldValues(fields)
-        values = self._nvml.field_values(i, h, fields, _FIELD_NAMES, request)
-        instant, average, mem_temp, module = values[:4]
-        counter = values[4] if with_energy else None
+        mem_temp_due, mem_temp = self._slow(i, "memory_temperature_field", now)
+        wanted = [f for f, ask in ((_F_INSTANT, True), (_F_AVERAGE, True), (_F_MEMORY_TEMP, mem_temp_due),
+                                   (_F_MODULE, True), (_F_ENERGY, with_energy))
+                  if ask and not self._nvml.unsupported(i, _FIELD_NAMES[f])]
+        got: dict[tuple[int, int], float | None] = {}
+        if wanted:
+            key = (i, tuple(wanted))
+            request = self._field_requests.get(key)
+            if request is None:
+                request = self._field_requests[key] = FieldValues(wanted)
+            got = dict(zip(wanted, self._nvml.field_values(i, h, wanted, _FIELD_NAMES, request), strict=True))
+        instant, average, module = got.get(_F_INSTANT), got.get(_F_AVERAGE), got.get(_F_MODULE)
+        if mem_temp_due:
+            mem_temp = self._hold(i, "memory_temperature_field", now, got.get(_F_MEMORY_TEMP))
+        counter = got.get(_F_ENERGY)
         if counter is None and energy:
             # No field values (R470), no field 83, or the batched call failed this time: the counter's own
             # call, so one failing call still loses only its own readings. (Not asked again where the driver
@@ -308,7 +321,10 @@ class NVMLBackend(GPUBackend):
         util = self._nvml.field(i, "utilization", "nvmlDeviceGetUtilizationRates", h)
         temp = self._nvml.field(i, "temperature", "nvmlDeviceGetTemperature", h, pynvml.NVML_TEMPERATURE_GPU)
         sm_clock = self._nvml.field(i, "clock_sm", "nvmlDeviceGetClockInfo", h, pynvml.NVML_CLOCK_SM)
-        mem_clock = self._nvml.field(i, "clock_mem", "nvmlDeviceGetClockInfo", h, pynvml.NVML_CLOCK_MEM)
+        mem_clock_due, mem_clock = self._slow(i, "clock_mem", now)
+        if mem_clock_due:
+            mem_clock = self._hold(i, "clock_mem", now, self._nvml.field(i, "clock_mem", "nvmlDeviceGetClockInfo", h,
+                                                                         pynvml.NVML_CLOCK_MEM))
         # "Clocks event reasons" is the R535+ name of the throttle reasons.
         reasons = self._nvml.get(i, "clocks_event_reasons", ("nvmlDeviceGetCurrentClocksEventReasons", h),
                                  ("nvmlDeviceGetCurrentClocksThrottleReasons", h))
@@ -341,20 +357,33 @@ class NVMLBackend(GPUBackend):
 
     # -- readings that seldom change: read at a slow cadence ------------------------------------------
 
-    def _power_limit(self, i: int, h: Any, now: float) -> Any:
-        """The enforced power limit (mW), read at most every ``LIMIT_INTERVAL_S`` of ``now`` per GPU and held
-        between: it changes only when someone sets it (``nvidia-smi -pl``, a power-capping policy), and it
-        was one of the calls every sample made for every GPU. A failed read is not held (asked again at the
-        next sample); a clock that stepped back reads again."""
-        held = self._limits.get(i)
-        if held is not None and 0.0 <= now - held[0] < LIMIT_INTERVAL_S:
-            return held[1]
-        limit = self._nvml.field(i, "power_limit", "nvmlDeviceGetEnforcedPowerLimit", h)
-        if limit is None:
-            self._limits.pop(i, None)
+    def _slow(self, i: int, what: str, now: float) -> tuple[bool, Any]:
+        """``(due, held value)`` of a reading read every ``SLOW_INTERVAL_S`` of ``now``: due when never read,
+        when its last read failed, when the interval has passed, or when the clock stepped back (read again
+        rather than hold for ever)."""
+        held = self._held.get((i, what))
+        if held is not None and 0.0 <= now - held[0] < SLOW_INTERVAL_S:
+            return False, held[1]
+        return True, None
+
+    def _hold(self, i: int, what: str, now: float, value: Any) -> Any:
+        """Keep ``value`` read at ``now`` until the next read is due; a failed read (None) is not held, so it is
+        asked again at the next sample."""
+        if value is None:
+            self._held.pop((i, what), None)
         else:
-            self._limits[i] = (now, limit)
-        return limit
+            self._held[(i, what)] = (now, value)
+        return value
+
+    def _power_limit(self, i: int, h: Any, now: float) -> Any:
+        """The enforced power limit (mW), read at most every ``SLOW_INTERVAL_S`` per GPU and held between: it
+        changes only when someone sets it (``nvidia-smi -pl``, a power-capping policy), and it was one of the
+        calls every sample made for every GPU."""
+        due, limit = self._slow(i, "power_limit", now)
+        if not due:
+            return limit
+        return self._hold(i, "power_limit", now,
+                          self._nvml.field(i, "power_limit", "nvmlDeviceGetEnforcedPowerLimit", h))
 
     def _processes(self, i: int, h: Any, utilization: bool
                    ) -> tuple[tuple[GPUProcess, ...] | None, tuple[ProcessSample, ...]]:

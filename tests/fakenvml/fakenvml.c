@@ -560,6 +560,26 @@ static struct {
     unsigned long long n;
 } g_counts[MAX_COUNTED];
 static unsigned long long g_count_total;
+/* Fields asked through nvmlDeviceGetFieldValues, by (field id, scope id), any GPU (fakeNvmlFieldCount). */
+static struct {
+    unsigned int id, scope;
+    unsigned long long n;
+} g_field_counts[MAX_COUNTED];
+
+static void count_field(unsigned int id, unsigned int scope) { /* g_lock held */
+    for (int i = 0; i < MAX_COUNTED; i++) {
+        if (g_field_counts[i].n == 0) {
+            g_field_counts[i].id = id;
+            g_field_counts[i].scope = scope;
+            g_field_counts[i].n = 1;
+            return;
+        }
+        if (g_field_counts[i].id == id && g_field_counts[i].scope == scope) {
+            g_field_counts[i].n++;
+            return;
+        }
+    }
+}
 
 static void count_call(const char *fn) {
     g_count_total++;
@@ -1584,6 +1604,7 @@ EXPORT nvmlReturn_t nvmlDeviceGetFieldValues(nvmlDevice_t device, int valuesCoun
     for (int i = 0; i < valuesCount; i++) {
         nvmlFieldValue_t *v = &values[i];
         unsigned int id = v->fieldId, scope = v->scopeId;
+        count_field(id, scope);
         int module = scope == NVML_POWER_SCOPE_MODULE;
         int power_scope_ok = scope == NVML_POWER_SCOPE_GPU || (module && g->c.has_module);
         v->timestamp = (long long)(tn * 1e6);
@@ -2466,9 +2487,21 @@ EXPORT unsigned long long fakeNvmlCallCount(const char *fn) {
     return n;
 }
 
+/* Times field `id` with scope `scope` was asked through nvmlDeviceGetFieldValues (any GPU; asked, whatever
+ * the answer: a field the driver does not support costs its request too). */
+EXPORT unsigned long long fakeNvmlFieldCount(unsigned int id, unsigned int scope) {
+    unsigned long long n = 0;
+    pthread_mutex_lock(&g_lock);
+    for (int i = 0; i < MAX_COUNTED && g_field_counts[i].n; i++)
+        if (g_field_counts[i].id == id && g_field_counts[i].scope == scope) n = g_field_counts[i].n;
+    pthread_mutex_unlock(&g_lock);
+    return n;
+}
+
 EXPORT void fakeNvmlResetCallCounts(void) {
     pthread_mutex_lock(&g_lock);
     memset(g_counts, 0, sizeof g_counts);
+    memset(g_field_counts, 0, sizeof g_field_counts);
     g_count_total = 0;
     pthread_mutex_unlock(&g_lock);
 }
