@@ -1,7 +1,7 @@
 """The NVML device backend: discovery of the GPUs and their readings, in base units.
 
-``devices.nvml`` and ``devices.nvml_calls`` (and, for GPU health, ``devices.nvml_health`` and
-``devices.nvml_events``) are the only modules of the package that import ``pynvml``.
+``devices.nvml``, ``devices.nvml_calls`` and ``devices.nvml_gpm`` (and, for GPU health, ``devices.nvml_health``
+and ``devices.nvml_events``) are the only modules of the package that import ``pynvml``.
 Every NVML call goes through ``nvml_calls.NVMLCalls`` (one call loses at most its own reading, counted per
 GPU, field and reason; only a lost GPU raises, as ``GPULost``, and the collector then marks that GPU alone).
 This module decides which readings to take and what they mean: the energy method of each GPU, the power
@@ -52,6 +52,7 @@ from gpu_energy_exporter.devices.nvml_calls import (
     load_library,
     process_utilization,
 )
+from gpu_energy_exporter.devices.nvml_gpm import GPM_METRICS, GPM_MIN_INTERVAL_S, GPMSampler
 
 log = logging.getLogger(__name__)
 
@@ -87,16 +88,6 @@ _F_MEMORY_TEMP, _F_MODULE, _F_ENERGY = (_FI_MEMORY_TEMP, 0), (_FI_POWER_INSTANT,
 _DISCOVERY_TRIES = 3
 _DISCOVERY_RETRY_S = 0.05
 
-#: GPM metrics we expose (name used in GPUReading.gpm -> NVML metric id).
-GPM_METRICS: dict[str, int] = {
-    "graphics_active": pynvml.NVML_GPM_METRIC_GRAPHICS_UTIL,
-    "sm_active": pynvml.NVML_GPM_METRIC_SM_UTIL,
-    "sm_occupancy": pynvml.NVML_GPM_METRIC_SM_OCCUPANCY,
-    "tensor_active": pynvml.NVML_GPM_METRIC_ANY_TENSOR_UTIL,
-    "dram_bandwidth": pynvml.NVML_GPM_METRIC_DRAM_BW_UTIL,
-}
-#: NVML requires GPM samples at least 100 ms apart for meaningful metrics.
-GPM_MIN_INTERVAL_S = 0.1
 #: Readings that change only when someone sets them or over many seconds are read at most this often per GPU
 #: (seconds of the backend's clock) and held between reads: the enforced power limit (changes when someone
 #: sets it), the memory clock (set by the driver's memory P-state, fixed under load on datacenter GPUs) and
@@ -122,10 +113,7 @@ class NVMLBackend(GPUBackend):
         init()
         self._nvml = NVMLCalls()
         self._closed = False
-        self._gpm_supported: dict[int, bool] = {}
-        self._gpm_prev: dict[int, tuple[float, Any]] = {}  # the last GPM sample per GPU, and when it was taken
-        self._gpm_spare: dict[int, Any] = {}  # an allocated GPM sample buffer per GPU, free to be filled
-        self._gpm_requests: dict[int, Any] = {}  # the nvmlGpmMetricsGet_t request per GPU, reused
+        self._gpm = GPMSampler(self._nvml)
         self._process_util_ts: dict[int, int] = {}
         self._mig_instances: dict[int, dict[tuple[int, int], str]] = {}  # GPU -> (GI, CI) -> MIG uuid
         self._field_requests: dict[tuple[int, tuple[Any, ...]], FieldValues] = {}  # read()'s, per GPU and fields
@@ -329,7 +317,7 @@ class NVMLBackend(GPUBackend):
         reasons = self._nvml.get(i, "clocks_event_reasons", ("nvmlDeviceGetCurrentClocksEventReasons", h),
                                  ("nvmlDeviceGetCurrentClocksThrottleReasons", h))
         procs, samples = self._processes(i, h, process_utilization) if processes or process_utilization else (None, ())
-        gpm_values = self._gpm(i, h) if gpm else {}
+        gpm_values = self._gpm.read(i, h) if gpm else {}
         # Module scope equal to GPU scope means the board has no separate module sensor.
         if module is not None and instant is not None and module <= instant:
             module = None
@@ -431,66 +419,6 @@ class NVMLBackend(GPUBackend):
         )
         return listed, tuple(found)
 
-    def _gpm(self, i: int, h: Any) -> dict[str, float]:
-        supported = self._gpm_supported.get(i)
-        if supported is None:
-            support = self._nvml.field(i, "gpm_support", "nvmlGpmQueryDeviceSupport", h)
-            supported = bool(support is not None and support.isSupportedDevice)
-            self._gpm_supported[i] = supported
-            if not supported:
-                log.debug("GPU %d: GPM not supported (pre-Hopper GPU, older driver or vGPU); no GPM metrics", i)
-        if not supported:
-            return {}
-        now = time.monotonic()
-        prev = self._gpm_prev.get(i)
-        if prev is not None and now - prev[0] < GPM_MIN_INTERVAL_S:
-            return {}
-        # Two buffers per GPU, allocated once and reused: the previous sample and the one filled now (a
-        # sample buffer is the caller's memory that nvmlGpmSampleGet overwrites), so a sample costs two NVML
-        # calls (get, metrics) instead of four (alloc, get, metrics, free).
-        sample = self._gpm_spare.pop(i, None)
-        if sample is None:
-            sample = self._nvml.field(i, "gpm_sample_alloc", "nvmlGpmSampleAlloc")
-            if sample is None:
-                return {}
-        try:
-            got = self._nvml.field(i, "gpm_sample", "nvmlGpmSampleGet", h, sample)
-        except GPULost:
-            self._free_gpm(i, sample)
-            raise
-        if got is None:
-            self._gpm_spare[i] = sample
-            return {}
-        self._gpm_prev[i] = (now, sample)
-        if prev is None:
-            return {}
-        out: dict[str, float] = {}
-        try:
-            req = self._gpm_requests.get(i)
-            if req is None:  # built once per GPU: the metric ids are inputs NVML leaves as they are
-                req = self._gpm_requests[i] = pynvml.c_nvmlGpmMetricsGet_t()
-                req.version = pynvml.NVML_GPM_METRICS_GET_VERSION
-                req.numMetrics = len(GPM_METRICS)
-                for n, metric_id in enumerate(GPM_METRICS.values()):
-                    req.metrics[n].metricId = metric_id
-            req.sample1 = prev[1]
-            req.sample2 = sample
-            result = self._nvml.field(i, "gpm_metrics", "nvmlGpmMetricsGet", req)
-            if result is not None:
-                for n, name in enumerate(GPM_METRICS):
-                    m = result.metrics[n]
-                    if m.nvmlReturn == pynvml.NVML_SUCCESS:
-                        out[name] = ratio(float(m.value))
-        finally:
-            self._gpm_spare[i] = prev[1]
-        return out
-
-    def _free_gpm(self, i: int, sample: Any) -> None:
-        try:
-            pynvml.nvmlGpmSampleFree(sample)
-        except Exception as exc:  # noqa: BLE001 - a leak of one buffer is not worth a GPU
-            log.debug("GPU %d: nvmlGpmSampleFree failed: %s", i, exc)
-
     def health_reader(self) -> HealthReader:
         """ECC, remapping, PCIe, NVLink and Xid events (``devices.nvml_health``), sharing this backend's
         error counts."""
@@ -502,10 +430,7 @@ class NVMLBackend(GPUBackend):
         if self._closed:
             return
         self._closed = True
-        for i, sample in [*((i, s) for i, (_, s) in self._gpm_prev.items()), *self._gpm_spare.items()]:
-            self._free_gpm(i, sample)
-        self._gpm_prev.clear()
-        self._gpm_spare.clear()
+        self._gpm.close()
         try:
             pynvml.nvmlShutdown()
         except Exception as exc:  # noqa: BLE001
@@ -516,4 +441,4 @@ def _clock_events(mask: int) -> frozenset[str]:
     return frozenset(name for name, bit in _CLOCK_EVENT_BITS.items() if mask & bit)
 
 
-__all__ = ["NVMLBackend", "GPM_METRICS"]
+__all__ = ["NVMLBackend", "GPM_METRICS", "GPM_MIN_INTERVAL_S"]
