@@ -304,7 +304,7 @@ def test_daemonset_runs_on_gpu_nodes_without_taking_a_gpu(rendered: Renders, var
     rbac = [d for d in docs if d["kind"] in ("Role", "ClusterRole", "RoleBinding", "ClusterRoleBinding")]
     if identity:
         role = one(docs, "ClusterRole", "gpu-energy-exporter-pod-identity")
-        assert role["rules"] == [{"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list"]}]
+        assert role["rules"] == [{"apiGroups": [""], "resources": ["pods"], "verbs": ["list"]}]
         binding = one(docs, "ClusterRoleBinding", "gpu-energy-exporter-pod-identity")
         assert binding["subjects"] == [{"kind": "ServiceAccount", "name": pod["serviceAccountName"],
                                         "namespace": ds["metadata"]["namespace"]}]

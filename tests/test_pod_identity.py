@@ -66,7 +66,7 @@ def test_only_pods_that_hold_their_own_address_are_listed() -> None:
     got = pods_by_address(doc)
     assert sorted(got) == ["10.1.0.5", "fd00:1::5"]
     pod = got["10.1.0.5"]
-    assert pod.kind == POD and pod.pod == ("ml", "train-0") and got["fd00:1::5"] == pod
+    assert pod.kind == POD and pod.pod == ("ml", "train-0", "u-1") and got["fd00:1::5"] == pod
     assert pods_by_address({"items": "junk"}) == {} and pods_by_address({}) == {}
 
 
@@ -79,10 +79,11 @@ def test_a_pod_is_its_uid_under_its_namespace() -> None:
     assert identity_of(client_id(a, res)) != identity_of(client_id(b, res))
     # two pods of one namespace share the principal (the ranks of one job on this node may join one run)
     assert principal_of(client_id(a, res)) == principal_of(client_id(c, res)) == "ns=ml"
-    assert tag_of(client_id(a, res)) == "train-0"
+    # a scoped run id names the pod and its uid: a pod's name alone is predictable (StatefulSets, Jobs)
+    assert tag_of(client_id(a, res)) == a.tag == "ml.train-0.uid-a"
     # a per-tenant token makes the tenant the identity, and the pod's GPUs still bind its points
     tenant = a.with_tenant("team-a")
-    assert tenant.key == "tenant=team-a" and tenant.pod == ("ml", "train-0")
+    assert tenant.key == "tenant=team-a" and tenant.pod == ("ml", "train-0", "uid-a")
 
 
 def test_a_collector_pod_listed_by_address_still_vouches_and_tokens_still_name_the_tenant() -> None:
@@ -93,11 +94,11 @@ def test_a_collector_pod_listed_by_address_still_vouches_and_tokens_still_name_t
                                       _pod("ml", "train-0", "u-t", "10.1.0.6")]})
     ids = Identities(tokens={"s3cret": "team-a"}, forwarders=parse_forwarders("10.1.0.5"), pods=pods.get)
     collector = ids.identify(address_peer("10.1.0.5"), "")
-    assert collector.kind == POD and collector.pod == ("obs", "collector") and collector.vouches
+    assert collector.kind == POD and collector.pod == ("obs", "collector", "u-c") and collector.vouches
     trainer = ids.identify(address_peer("10.1.0.6"), "")
     assert trainer.kind == POD and not trainer.vouches
     tenant = ids.identify(address_peer("10.1.0.6"), "Bearer s3cret")
-    assert tenant.key == "tenant=team-a" and tenant.pod == ("ml", "train-0")
+    assert tenant.key == "tenant=team-a" and tenant.pod == ("ml", "train-0", "u-t")
     off_node = ids.identify(address_peer("10.9.9.9"), "")
     assert off_node.key == "ip=10.9.9.9" and off_node.pod is None
 
@@ -133,7 +134,7 @@ def test_the_directory_asks_again_when_stale_or_for_a_new_address_at_most_once_a
     assert d.pod_of("10.1.0.6") is None and api.calls == 2
     now[0] += 1.0
     b = d.pod_of("10.1.0.6")
-    assert b is not None and b.pod == ("ml", "b") and api.calls == 3
+    assert b is not None and b.pod == ("ml", "b", "u-b") and api.calls == 3
     # a stale list is fetched again at the next look-up; a failed fetch keeps the last list
     now[0] += 11.0
     api.fail = True
@@ -142,7 +143,103 @@ def test_the_directory_asks_again_when_stale_or_for_a_new_address_at_most_once_a
     api.fail = False
     api.items = [_pod("ml", "a2", "u-a2", "10.1.0.5")]  # the address now belongs to another pod
     again = d.pod_of("10.1.0.5")
-    assert again is not None and again.pod == ("ml", "a2") and d.available
+    assert again is not None and again.pod == ("ml", "a2", "u-a2") and d.available
+
+
+def test_a_missed_address_is_asked_once_per_refresh_a_refusal_waits_and_no_failure_reaches_the_push() -> None:
+    import http.client
+
+    now = [100.0]
+    api = _Api([_pod("ml", "a", "u-a", "10.1.0.5")])
+    d = PodDirectory(api, refresh_s=10.0, clock=lambda: now[0])
+    assert d.pod_of("10.9.9.9") is None and api.calls == 1
+    for _ in range(8):  # a host off the node pushing every second: one fetch per refresh interval, not one a second
+        now[0] += 1.0
+        assert d.pod_of("10.9.9.9") is None
+    assert api.calls == 1
+    now[0] += 2.5
+    assert d.pod_of("10.9.9.9") is None and api.calls == 2
+    # the forms one address takes are one key
+    api.items = [_pod("ml", "v6", "u-6", "FD00:0:0:0::7")]
+    now[0] += 11.0
+    assert d.pod_of("fd00::7") is not None and d.pod_of("fd00:0::7%eth0") is not None
+    # a stale list is refreshed by one push; the others are answered from it meanwhile, without waiting
+    now[0] += 11.0
+    with d._lock:  # another thread is fetching
+        assert d.pod_of("fd00::7") is not None
+    calls = api.calls
+    # whatever the fetch raises is the directory's failure, never the push's
+    for exc in (http.client.BadStatusLine("\x15\x03"), RecursionError("nested"), KeyError("x")):
+        def broken(exc: BaseException = exc) -> bytes:
+            raise exc
+        d._fetch = broken
+        now[0] += 11.0
+        assert d.pod_of("fd00::7") is not None and not d.available  # the last list stays in use
+    assert d.failures == 3 and calls == api.calls
+
+    # 401/403: the RBAC will not fix itself in a second, asked again after 5 minutes
+    import urllib.error
+    forbidden = [0]
+
+    def refused() -> bytes:
+        forbidden[0] += 1
+        raise urllib.error.HTTPError("https://api/api/v1/pods", 403, "Forbidden", {}, None)  # type: ignore[arg-type]
+    d2 = PodDirectory(refused, refresh_s=10.0, clock=lambda: now[0])
+    for _ in range(30):
+        now[0] += 2.0
+        assert d2.pod_of("10.1.0.5") is None
+    assert forbidden[0] == 1 and "needs 'list' on pods" in d2.error
+    now[0] += 300.0
+    d2.pod_of("10.1.0.5")
+    assert forbidden[0] == 2
+
+
+def test_a_pods_resource_is_its_own_pod_so_its_pid_names_only_its_processes() -> None:
+    from gpu_energy_exporter.core.contract import LABEL_POD_UID
+    from gpu_energy_exporter.core.procinfo import ProcessIdentity
+    from gpu_energy_exporter.otlp.translate import translate_request
+
+    pod = pods_by_address({"items": [_pod("evil", "x", "uid-evil", "10.1.0.9")]})["10.1.0.9"]
+    doc = _tokens("r", 5, "GPU-a")
+    doc["resourceMetrics"][0]["resource"] = {"attributes": [
+        {"key": "process.pid", "value": {"stringValue": "1"}},
+        {"key": "k8s.pod.uid", "value": {"stringValue": "uid-victim"}}]}
+    from google.protobuf import json_format
+    from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import ExportMetricsServiceRequest
+
+    batch = translate_request(json_format.ParseDict(doc, ExportMetricsServiceRequest()), time.time_ns(), peer=pod)
+    [p] = batch.points
+    assert dict(p.resource)[LABEL_POD_UID] == "uid-evil"  # what it claimed is replaced by what it is
+    victim = ProcessIdentity(pid=5000, ns_pids=(5000, 1), container_id="", pod_uid="uid-victim")
+    assert not victim.matches(1, "", "uid-evil") and not victim.matches(5000, "", "uid-evil")
+    assert victim.matches(1, "", "uid-victim")  # the victim's own claim still finds it
+
+
+def test_a_pod_the_kubelet_lists_without_a_gpu_may_name_none(tmp_path: Path) -> None:
+    from test_kubernetes_collector import G0, States
+
+    from gpu_energy_exporter.collectors.kubernetes import KubernetesCollector
+    from gpu_energy_exporter.core.config import load_config
+
+    sock = str(tmp_path / "kubelet.sock")
+    cfg = load_config(["--collector.kubernetes", "--kubernetes.pod-resources-socket", sock,
+                       "--kubernetes.refresh-interval", "1h"], {})
+    collector = KubernetesCollector.from_config(cfg, States())
+    with FakeKubelet(sock) as kubelet:
+        kubelet.set_pods([fake_pod("ml", "gpu", {"c": [G0]}), fake_pod("ml", "cpu-only", {"c": []})])
+        try:
+            assert collector.devices_of("ml", "gpu") is None  # no answer yet
+            wait_until(lambda: (collector.update(), collector.devices_of("ml", "gpu"))[1] is not None, timeout=10,
+                       what="the kubelet's answer")
+        finally:
+            collector.close()
+    assert collector.devices_of("ml", "gpu") == frozenset({G0.lower()[4:]})
+    assert collector.devices_of("ml", "cpu-only") == frozenset()  # listed, no GPU: may name none
+    assert collector.devices_of("ml", "started-since") is None  # not listed yet: not restricted
+    pod = pods_by_address({"items": [_pod("ml", "cpu-only", "u-c", "10.1.0.5")]})["10.1.0.5"]
+    batch = Batch(points=[_point(G0)], received=1)
+    restrict_to_pod(batch, pod, collector.devices_of)
+    assert batch.points == [] and batch.rejected == {FOREIGN_GPU: 1}
 
 
 def _point(gpu: str) -> Point:
@@ -298,7 +395,7 @@ def test_a_push_from_a_pods_address_is_that_pod_and_names_only_its_gpus(node: di
     api.items = [_pod("ml", "train-0", "uid-2", address)]
     time.sleep(1.2)  # the directory's list is older than --kubernetes.refresh-interval (1s): asked again
     [(status, rejected, message)] = neighbour.push(otlp, [{"doc": _tokens("pod-run", 999, mine), "source": address}])
-    assert (status, rejected) == (200, 0) and "pod-run~train-0" in message, message
-    wait_until(lambda: (r := _run(exp, "pod-run~train-0")) and r.get("tokens") == 999, timeout=20,
+    assert (status, rejected) == (200, 0) and "pod-run~ml.train-0.uid-2" in message, message
+    wait_until(lambda: (r := _run(exp, "pod-run~ml.train-0.uid-2")) and r.get("tokens") == 999, timeout=20,
                what="the new pod's scoped run")
     assert (_run(exp, "pod-run") or {}).get("tokens") == 200

@@ -178,7 +178,14 @@ class KubernetesCollector(Collector):
             self._request_counter_read()  # the edge falls on the next counter read, taken at once
         self._holdings = holdings
         if view.assignments is not None:
-            self._pod_devices = _devices_by_pod(holdings)
+            devices = _devices_by_pod(holdings)
+            # a listed pod that holds no GPU may report none (otlp.podgpus); one whose device ids did not
+            # resolve to this node's GPUs stays unknown
+            holders = {(a.pod.namespace, a.pod.pod) for a in view.assignments}
+            for pod in view.pods or ():
+                if pod not in holders:
+                    devices[pod] = frozenset()
+            self._pod_devices = devices
 
         families = self._families(holdings, view.state)
         if view.state == STATE_RPC_ERROR:
@@ -192,8 +199,8 @@ class KubernetesCollector(Collector):
 
     def devices_of(self, namespace: str, pod: str) -> frozenset[str] | None:
         """The GPUs and MIG instances (uuid keys: lower case, no ``GPU-`` prefix) the kubelet gave ``pod``, as of
-        the last update; None when the kubelet has not answered yet, or its answer does not list the pod (it
-        started since, or holds no GPU). Any thread (the OTLP receivers: ``otlp.podgpus``)."""
+        the last update (empty: the pod holds none); None when the kubelet has not answered yet, or its answer
+        does not list the pod (it started since). Any thread (the OTLP receivers: ``otlp.podgpus``)."""
         known = self._pod_devices
         return None if known is None else known.get((namespace, pod))
 

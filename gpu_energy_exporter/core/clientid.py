@@ -51,8 +51,9 @@ class Peer:
     ``pids``: the ``process.pid`` claims the kernel confirms without looking further (the pid in each pid
     namespace); ``confirm``: a look-up for other claims (a descendant's pid), None when there is none.
     ``tag``: a short readable form of the identity, for a scoped run id and messages. ``pod``: the
-    (namespace, name) of the Kubernetes pod the connection comes from, when known: its points may name only
-    the GPUs the kubelet gave that pod (``otlp.podgpus``)."""
+    (namespace, name, uid) of the Kubernetes pod the connection comes from, when known: its points may name
+    only the GPUs the kubelet gave that pod (``otlp.podgpus``), and its resource's ``k8s.pod.uid`` is that
+    pod's (``otlp.translate``), so its ``process.pid`` can only be a process of that pod."""
 
     kind: str
     key: str
@@ -62,7 +63,7 @@ class Peer:
     pids: frozenset[str] = frozenset()
     vouches: bool = False
     confirm: Callable[[str], bool] | None = field(default=None, compare=False, repr=False)
-    pod: tuple[str, str] | None = None
+    pod: tuple[str, str, str] | None = None
 
     def with_tenant(self, tenant: str) -> Peer:
         """This peer, pushing with ``tenant``'s token: the tenant is the identity, whatever the network path
@@ -89,7 +90,9 @@ def pod_peer(namespace: str, name: str, uid: str) -> Peer:
     address, or the same name, is another one); the principal its namespace, so the pods of one job on this
     node (one namespace) may add ranks to one run, as the processes of one user may."""
     ns, pod, u = _clean(namespace), _clean(name), _clean(uid)
-    return Peer(POD, f"pod={ns}/{pod}@{u}", f"ns={ns}", pod, pod=(ns, pod))
+    # the tag (a scoped run id's suffix) names the pod and its uid: a pod name alone is predictable (a
+    # StatefulSet's, a Job's), and a neighbour could squat <run id>~<name> before the victim is scoped there
+    return Peer(POD, f"pod={ns}/{pod}@{u}", f"ns={ns}", f"{ns}.{pod}.{u[:8]}", pod=(ns, pod, u))
 
 
 def kernel_peer(uid: int, pid: int = 0, start: str = "", ns_pids: Iterable[int] = (),
@@ -182,7 +185,8 @@ def tag_of(client: str) -> str:
     if " pid=" in key and ">" not in key:
         return "pid" + key.split(" pid=", 1)[1].split("@", 1)[0]
     if key.startswith("pod=") and " " not in key and ">" not in key:
-        return key[4:].split("@", 1)[0].rsplit("/", 1)[-1]
+        name, _, uid = key[4:].partition("@")
+        return f"{name.replace('/', '.')}.{uid[:8]}"
     for prefix in ("tenant=", "ip=", "uid="):
         if key.startswith(prefix) and " " not in key and ">" not in key:
             return ("uid" if prefix == "uid=" else "") + key[len(prefix):]

@@ -233,7 +233,7 @@ FLAGS: tuple[Flag, ...] = (
          "How often the GPU to pod mapping is refreshed from the kubelet.", "DURATION", collector="kubernetes"),
     Flag("kubernetes.pod-identity", parse_bool, "true",
          "Know an OTLP push from a pod's address as that pod (this node's pods, listed from the API server; RBAC "
-         "pods get/list), and refuse its points for GPUs the pod does not hold (docs/security.md).",
+         "pods list), and refuse its points for GPUs the pod does not hold (docs/security.md).",
          boolean=True, collector="kubernetes"),
     Flag("kubernetes.api-url", _text, "", "Kubernetes API server for --kubernetes.pod-identity (default: "
          "in the pod, KUBERNETES_SERVICE_HOST/PORT, with the service account's token and CA).", "URL",

@@ -66,6 +66,8 @@ class ProcessIdentity:
         ``pod_uid`` ("" when it could not tell) is this process. Same namespace: the pids are equal. In a
         container: the innermost ``NSpid`` entry is equal and the container (or pod) does not disagree, so a
         pid 1 in one container is never another container's pid 1."""
+        if pod_uid and self.pod_uid and pod_uid != self.pod_uid:
+            return False  # another pod's process, whatever the pids (a pod's uid is the pusher's own: Peer.pod)
         if pid == self.pid and (not container_id or not self.container_id or container_id == self.container_id):
             return True
         if len(self.ns_pids) < 2 or pid != self.ns_pids[-1]:

@@ -239,7 +239,7 @@ class Exporter:
         ])
         tokens = load_bearer_tokens(config.otlp_bearer_token_file) if config.otlp_bearer_token_file else None
         pods = None
-        if self.kubernetes is not None:  # urllib and ssl (a few MB) only then
+        if self.kubernetes is not None and config.kubernetes_pod_identity:  # urllib and ssl (a few MB) only then
             from gpu_energy_exporter.kubernetes.podips import directory_from_config
 
             pods = directory_from_config(config, os.environ)

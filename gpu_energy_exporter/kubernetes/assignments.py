@@ -43,3 +43,5 @@ class AssignmentView:
     assignments: tuple[DeviceAssignment, ...] | None
     message: str = ""  # human-readable cause when state is not ok
     refreshed_at: float | None = None  # the watcher's clock() at the last good answer
+    #: every (namespace, pod) the last good answer listed, with devices or not (None: no answer yet)
+    pods: frozenset[tuple[str, str]] | None = None

@@ -4,7 +4,7 @@ A pod on its own network namespace reaches the exporter (a hostNetwork DaemonSet
 socket table of the node's namespace does not show the process, but the address cannot be forged (a TCP
 handshake does not complete from an address the sender does not own), and the Kubernetes API says which pod
 holds it. ``PodDirectory`` keeps this node's pods by address, from the API server's pod list for the node
-(``GET /api/v1/pods?fieldSelector=spec.nodeName=<node>``: RBAC ``pods`` get/list; not the kubelet's ``/pods``,
+(``GET /api/v1/pods?fieldSelector=spec.nodeName=<node>``: RBAC ``pods`` list; not the kubelet's ``/pods``,
 which needs ``nodes/proxy``, a right that also opens exec into every pod of the node).
 
 Rules:
@@ -22,8 +22,10 @@ Never on the sampler thread; a look-up blocks at most ``timeout_s`` for a fetch,
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import logging
+import math
 import os
 import ssl
 import threading
@@ -43,6 +45,9 @@ SERVICE_ACCOUNT = "/var/run/secrets/kubernetes.io/serviceaccount"
 #: The most a pod list may hold (one node's pods: a few hundred KiB at 110 pods); a bigger answer is refused.
 MAX_LIST_BYTES = 32 << 20
 MISS_REFRESH_S = 1.0
+REFUSED_BACKOFF_S = 300.0
+#: The most one fetch may take, connection to last byte (the socket timeout bounds each operation only).
+FETCH_DEADLINE_S = 3.0
 _ENDED = ("Succeeded", "Failed")
 
 Fetch = Callable[[], bytes]
@@ -68,7 +73,7 @@ def pods_by_address(doc: Mapping[str, Any]) -> dict[str, Peer]:
         peer = pod_peer(ns, name, uid)
         for ip in addresses:
             if isinstance(ip, str) and ip:
-                out[ip] = peer
+                out[_canonical(ip)] = peer
     return out
 
 
@@ -87,54 +92,88 @@ class PodDirectory:
         self.miss_refresh_s = miss_refresh_s
         self._clock = clock
         self._pods: dict[str, Peer] = {}
+        self._missed: set[str] = set()  # addresses a fetch did not find, until the next full refresh
         self._fetched_at: float | None = None  # the last fetch tried (whatever it gave)
-        self._lock = threading.Lock()  # one fetch at a time; the others wait for it
+        self._refused_until = -math.inf  # after a 401/403: the RBAC will not fix itself in a second
+        self._lock = threading.Lock()  # one fetch at a time
         self.fetches = 0
         self.failures = 0
         self.available = False  # the last fetch succeeded
         self.error = "not fetched yet"
 
     def pod_of(self, address: str) -> Peer | None:
-        """The pod that holds ``address`` now, or None (no pod of this node holds it, or no list could be had)."""
-        address = address.split("%", 1)[0]
-        if address.startswith("::ffff:"):
-            address = address[7:]
+        """The pod that holds ``address`` now, or None (no pod of this node holds it, or no list could be had).
+        A known address is answered at once from the list, a stale one too while another thread refreshes it;
+        an address not in the list waits for one fetch (at most once a second, and once per refresh interval
+        for the same address: a host off the node pushing every second is not a fetch a second)."""
+        address = _canonical(address)
         found = self._pods.get(address)
         age = self._age()
-        if found is not None and age < self.refresh_s:
+        if found is not None:
+            if age >= self.refresh_s:
+                self._refresh(self.refresh_s, wait=False)
+                found = self._pods.get(address)
             return found
-        if found is None and age < self.miss_refresh_s:
+        if age < self.miss_refresh_s or (address in self._missed and age < self.refresh_s):
             return None
-        self._refresh(self.refresh_s if found is not None else self.miss_refresh_s)
-        return self._pods.get(address)
+        self._refresh(self.miss_refresh_s, wait=True)
+        found = self._pods.get(address)
+        if found is None and self.available and len(self._missed) < 4096:
+            self._missed.add(address)
+        return found
 
     def _age(self) -> float:
         at = self._fetched_at
-        return float("inf") if at is None else self._clock() - at
+        return math.inf if at is None else self._clock() - at
 
-    def _refresh(self, older_than: float) -> None:
-        with self._lock:
-            if self._age() < older_than:
-                return  # another thread fetched while this one waited
+    def _refresh(self, older_than: float, *, wait: bool) -> None:
+        if not self._lock.acquire(blocking=wait):
+            return  # another thread is fetching: the last list answers meanwhile
+        try:
+            if self._age() < older_than or self._clock() < self._refused_until:
+                return  # another thread fetched while this one waited, or the API refused us a moment ago
             self._fetched_at = self._clock()
             self.fetches += 1
             try:
-                doc = json.loads(self._fetch())
-                pods = pods_by_address(doc)
-            except (OSError, ValueError) as exc:
-                self.failures += 1
-                if self.available or self.failures == 1:
-                    log.warning("cannot list this node's pods from the Kubernetes API (%s): pushes from pods are "
-                                "known by their address until it answers; the last list (%d pods) stays in use",
-                                exc, len(set(self._pods.values())))
-                self.available = False
-                self.error = str(exc)[:300]
+                pods = pods_by_address(json.loads(self._fetch()))
+            except Exception as exc:  # noqa: BLE001 - whatever the API server or the path answers, never the push's
+                self._failed(exc)
                 return
             if not self.available:
                 log.info("pod identity: %d pod address(es) on this node", len(pods))
-            self._pods = pods
+            self._pods, self._missed = pods, set()
             self.available = True
             self.error = ""
+        finally:
+            self._lock.release()
+
+    def _failed(self, exc: BaseException) -> None:
+        self.failures += 1
+        status = getattr(exc, "code", None)
+        if status in (401, 403):
+            self._refused_until = self._clock() + REFUSED_BACKOFF_S
+            why = (f"the API server answered {status}: the service account needs 'list' on pods "
+                   "(deploy/kubernetes/components/pod-identity); asked again in 5 minutes")
+        else:
+            why = f"{type(exc).__name__}: {exc}"
+        if self.available or self.failures == 1:
+            log.warning("cannot list this node's pods from the Kubernetes API (%s): pushes from pods are known by "
+                        "their address until it answers; the last list (%d pods) stays in use",
+                        why, len(set(self._pods.values())))
+        self.available = False
+        self.error = why[:300]
+
+
+def _canonical(address: str) -> str:
+    """An address as the pod list's keys are: no zone, IPv4-mapped IPv6 as IPv4, compressed IPv6."""
+    address = address.split("%", 1)[0]
+    try:
+        ip = ipaddress.ip_address(address)
+    except ValueError:
+        return address
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped
+    return ip.compressed
 
 
 def api_fetch(api_url: str, node_name: str, *, token_file: str = SERVICE_ACCOUNT + "/token",
@@ -147,7 +186,11 @@ def api_fetch(api_url: str, node_name: str, *, token_file: str = SERVICE_ACCOUNT
     if not node_name:
         raise ConfigError("pod identity needs the node's name: set NODE_NAME from the downward API "
                           "(fieldRef spec.nodeName) or --kubernetes.node-name, or --no-kubernetes.pod-identity")
-    query = urllib.parse.urlencode({"fieldSelector": f"spec.nodeName={node_name}"})
+    # resourceVersion=0: served from the API server's watch cache, not a quorum read of etcd per node
+    query = urllib.parse.urlencode({"fieldSelector": f"spec.nodeName={node_name}", "resourceVersion": "0"})
+    if parsed.scheme == "http":
+        log.warning("--kubernetes.api-url %s is plain http: the service account's token crosses the network "
+                    "unencrypted", api_url)
     url = f"{api_url.rstrip('/')}/api/v1/pods?{query}"
     context = None
     if parsed.scheme == "https":
@@ -161,11 +204,18 @@ def api_fetch(api_url: str, node_name: str, *, token_file: str = SERVICE_ACCOUNT
         except OSError:
             pass  # no service account token: an API that allows the request anyway (or a 401/403, said)
         req = urllib.request.Request(url, headers=headers)
+        deadline = time.monotonic() + FETCH_DEADLINE_S
+        chunks: list[bytes] = []
+        size = 0
         with urllib.request.urlopen(req, timeout=timeout_s, context=context) as r:  # noqa: S310 (http(s) only)
-            body: bytes = r.read(MAX_LIST_BYTES + 1)
-        if len(body) > MAX_LIST_BYTES:
-            raise ValueError(f"the pod list is over {MAX_LIST_BYTES >> 20} MiB")
-        return body
+            while chunk := r.read(1 << 16):
+                chunks.append(chunk)
+                size += len(chunk)
+                if size > MAX_LIST_BYTES:
+                    raise ValueError(f"the pod list is over {MAX_LIST_BYTES >> 20} MiB")
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"the pod list took over {FETCH_DEADLINE_S:g}s")
+        return b"".join(chunks)
 
     return fetch
 
@@ -194,4 +244,8 @@ def directory_from_config(config: Config, environ: Mapping[str, str]) -> PodDire
                     "it read access to pods", SERVICE_ACCOUNT)
         return None
     node = config.kubernetes_node_name or environ.get("NODE_NAME", "")
+    if not node and not config.kubernetes_api_url:
+        log.warning("--kubernetes.pod-identity: this node's name is unknown (no NODE_NAME from the downward API's "
+                    "spec.nodeName, no --kubernetes.node-name): pushes from pods are known by their address only")
+        return None
     return PodDirectory(api_fetch(url, node), refresh_s=config.kubernetes_refresh_interval)

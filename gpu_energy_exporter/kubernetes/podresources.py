@@ -183,7 +183,8 @@ class PodResourcesWatcher:
                 "assignments",
                 keep[1],
             )
-        return AssignmentView(STATE_OK, parse_list_response(response, self._prefixes), "", self._clock())
+        return AssignmentView(STATE_OK, parse_list_response(response, self._prefixes), "", self._clock(),
+                              frozenset((p.namespace, p.name) for p in response.pod_resources))
 
     def _log_transition(self, view: AssignmentView) -> None:
         # One line per change of state (or of the error text), never one per refresh.

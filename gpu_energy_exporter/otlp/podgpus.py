@@ -33,7 +33,7 @@ def restrict_to_pod(batch: Batch, peer: Peer, devices: PodDevices | None) -> Non
     """Refuse the points of ``batch`` that name a GPU ``peer``'s pod does not hold (see the module docstring)."""
     if peer.pod is None or devices is None or not batch.points:
         return
-    held = devices(*peer.pod)
+    held = devices(peer.pod[0], peer.pod[1])
     if held is None:
         return
     kept = []
@@ -49,7 +49,7 @@ def restrict_to_pod(batch: Batch, peer: Peer, devices: PodDevices | None) -> Non
             kept.append(p)
     if refused:
         batch.points = kept
-        ns, pod = peer.pod
+        ns, pod, _ = peer.pod
         batch.reject(FOREIGN_GPU, refused,
                      f"gpu_uuid {first[:80]!r} is not one of the GPUs the kubelet gave pod {ns}/{pod}: a pod may "
                      "only report the GPUs it holds (docs/security.md)")

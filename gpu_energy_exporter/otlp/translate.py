@@ -38,7 +38,7 @@ from typing import Any
 from google.protobuf.message import Message
 
 from gpu_energy_exporter.core.clientid import Peer, address_peer, claim_refusal, client_id
-from gpu_energy_exporter.core.contract import ATTR_RUN_ID
+from gpu_energy_exporter.core.contract import ATTR_RUN_ID, LABEL_POD_UID
 from gpu_energy_exporter.core.memo import remember
 from gpu_energy_exporter.otlp import census
 from gpu_energy_exporter.otlp import reserved as reserved_names
@@ -230,6 +230,8 @@ def translate_request(request: Message, received_ns: int, limits: Limits = DEFAU
         resource_labels: Labels = ()
         if rm.HasField("resource") and len(rm.resource.attributes):
             resource_labels = _resource_labels(rm.resource, limits)
+            if peer.pod is not None and resource_labels:
+                resource_labels = _in_pod(resource_labels, peer.pod[2])
             batch.made += census.LABEL_MADE * len(resource_labels)
             if batch.made > bounds.max_made_bytes:
                 raise TooMuch(bounds.refusal(batch.received, batch.made))
@@ -253,6 +255,12 @@ def translate_request(request: Message, received_ns: int, limits: Limits = DEFAU
 
 
 IDENTITY_MISMATCH = "identity_mismatch"
+
+
+def _in_pod(labels: Labels, uid: str) -> Labels:
+    """A pod's resource with ``k8s.pod.uid`` set to the pod's own (``Peer.pod``): whatever it claimed, its
+    ``process.pid`` can then only name a process of that pod (``core.procinfo.ProcessIdentity.matches``)."""
+    return tuple(sorted([(k, v) for k, v in labels if k != LABEL_POD_UID] + [(LABEL_POD_UID, uid)]))
 
 
 def _reject_resource(rm: Any, batch: Batch, why: str) -> None:
