@@ -395,13 +395,9 @@ def rewind(run: Run, t: float, history: Sequence[Frame], holders: Holders) -> No
     base = run.checkpoint_before(t)
     first = history[0].t if history else math.inf
     if (base is None and t < first) or (base is not None and run.s < base.t < first):
-        # Nothing before the history's first snapshot can be counted again, and what the run counted between
-        # its checkpoint and that snapshot would be lost: a restored run's checkpoint dates from before the
-        # restart, and the snapshot saved then leaves the history as soon as the first one since closes the
-        # gap (older than the window). Recounted from there, the gap's energy was lost whenever a counter
-        # read's span began a hair before that first snapshot (the two are dated on different clocks) ahead
-        # of the run's first push since. Recount from the first checkpoint the history covers: the intervals
-        # before it stay as counted. (A checkpoint at the run's start counted nothing before the history.)
+        # Nothing before the history's first snapshot can be counted again: a restored run's checkpoint predates
+        # the restart, whose saved snapshot left the history once the gap closed (a recount from it lost the
+        # gap's energy). Recount from the first checkpoint the history covers; what is before stays counted.
         covered = [c for c in (*run.checkpoints, run.alive_checkpoint) if first <= c.t <= target]
         base = min(covered, key=lambda c: c.t) if covered else None
     if base is None:
