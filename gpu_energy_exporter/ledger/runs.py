@@ -107,7 +107,7 @@ class Run:
         self.timeline = Timeline(timeline_points)
         self.gpu_order: list[str] = []  # frame keys in timeline order
         self.gpu_info: dict[str, GPUFrame] = {}  # last frame of each GPU (names, idle power)
-        self.resolved: set[str] = set()  # run GPU keys found in some snapshot
+        self.resolved: set[str] = set()  # run GPU keys counted in some snapshot interval
         self.summary: dict[str, Any] | None = None
         self.closed_at: float | None = None
         self.exposed: dict[str, float] = {}  # counter name -> highest value collect() has served
@@ -195,8 +195,6 @@ class Run:
         keys: list[str] = []
         for key in self.gpus:
             k = frame.mig_parent.get(key, key)
-            if k in frame.gpus:
-                self.resolved.add(key)
             if k not in keys:
                 keys.append(k)
         return keys
@@ -213,6 +211,9 @@ class Run:
             self.gpu_info[key] = g1
             if key not in self.gpu_order:
                 self.gpu_order.append(key)
+        if seg.gpus:  # found in a snapshot and counted (a GPU only looked up stays listed as not found)
+            counted = {key for key, _ in seg.gpus}
+            self.resolved.update(k for k in self.gpus if f1.mig_parent.get(k, k) in counted)
         self.splits |= seg.splits
         self.sharers |= seg.sharers
         for key, reason in seg.unconfirmed.items():
