@@ -27,6 +27,10 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import ipaddress
 
 #: Resource attributes (as the receiver's sanitised labels) that identify the sending process.
 HOST = "host_name"
@@ -109,6 +113,20 @@ def kernel_peer(uid: int, pid: int = 0, start: str = "", ns_pids: Iterable[int] 
 #: A loopback peer whose socket the kernel's tables did not show: never its (forgeable) address.
 UNRESOLVED_LOCAL = Peer(UNRESOLVED, "local=unresolved", "local=unresolved", "local")
 ANONYMOUS = Peer(ADDRESS, "", "", "anonymous")
+
+
+def parse_ip(address: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
+    """``address`` as an IP address (a ``%zone`` dropped, an IPv4-mapped IPv6 address as its IPv4 one), or None
+    when it is not one."""
+    import ipaddress
+
+    try:
+        ip = ipaddress.ip_address(address.split("%", 1)[0])
+    except ValueError:
+        return None
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        return ip.ipv4_mapped
+    return ip
 
 
 def _clean(value: str) -> str:

@@ -41,7 +41,7 @@ import struct
 import threading
 from typing import Any
 
-from gpu_energy_exporter.core.clientid import UNRESOLVED_LOCAL, Peer, address_peer, kernel_peer
+from gpu_energy_exporter.core.clientid import UNRESOLVED_LOCAL, Peer, address_peer, kernel_peer, parse_ip
 from gpu_energy_exporter.core.procinfo import parse_nspid
 
 log = logging.getLogger(__name__)
@@ -91,13 +91,8 @@ def table_keys(address: str, port: int) -> list[tuple[str, str]]:
 
 
 def is_loopback(address: str) -> bool:
-    try:
-        ip = ipaddress.ip_address(address.split("%", 1)[0])
-    except ValueError:
-        return False
-    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
-        ip = ip.ipv4_mapped
-    return ip.is_loopback
+    ip = parse_ip(address)
+    return ip is not None and ip.is_loopback
 
 
 class PeerResolver:

@@ -22,7 +22,6 @@ Never on the sampler thread; a look-up blocks at most ``timeout_s`` for a fetch,
 
 from __future__ import annotations
 
-import ipaddress
 import json
 import logging
 import math
@@ -35,7 +34,7 @@ import urllib.request
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from gpu_energy_exporter.core.clientid import Peer, pod_peer
+from gpu_energy_exporter.core.clientid import Peer, parse_ip, pod_peer
 from gpu_energy_exporter.core.config import Config
 from gpu_energy_exporter.core.errors import ConfigError
 
@@ -166,14 +165,8 @@ class PodDirectory:
 
 def _canonical(address: str) -> str:
     """An address as the pod list's keys are: no zone, IPv4-mapped IPv6 as IPv4, compressed IPv6."""
-    address = address.split("%", 1)[0]
-    try:
-        ip = ipaddress.ip_address(address)
-    except ValueError:
-        return address
-    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
-        ip = ip.ipv4_mapped
-    return ip.compressed
+    ip = parse_ip(address)
+    return address.split("%", 1)[0] if ip is None else ip.compressed
 
 
 def api_fetch(api_url: str, node_name: str, *, token_file: str = SERVICE_ACCOUNT + "/token",

@@ -18,13 +18,12 @@ from __future__ import annotations
 
 import dataclasses
 import io
-import ipaddress
 import pickle
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from gpu_energy_exporter.core.clientid import client_id
+from gpu_energy_exporter.core.clientid import client_id, parse_ip
 from gpu_energy_exporter.ledger import codec
 from gpu_energy_exporter.ledger.journal import FORMAT, last_record
 from gpu_energy_exporter.ledger.runs import Run
@@ -196,13 +195,8 @@ def legacy_client(client: str) -> str | None:
     if not client or len(parts) != _LEGACY_PARTS:
         return client
     address, host, pid, instance = parts
-    try:
-        ip = ipaddress.ip_address(address.split("%", 1)[0])
-    except ValueError:
-        return None
-    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
-        ip = ip.ipv4_mapped
-    if ip.is_loopback:
+    ip = parse_ip(address)
+    if ip is None or ip.is_loopback:
         return None
     return client_id(address, (("host_name", host), ("process_pid", pid), ("service_instance_id", instance)))
 
