@@ -25,6 +25,7 @@ from prometheus_client.core import Metric
 
 from gpu_energy_exporter.collectors.base import Collector, NoData
 from gpu_energy_exporter.core.config import Config
+from gpu_energy_exporter.core.contract import gpu_key
 from gpu_energy_exporter.core.errors import ExporterError
 from gpu_energy_exporter.core.metrics import GPU_LABELS, add, define
 from gpu_energy_exporter.core.state import GPUState
@@ -292,6 +293,5 @@ def _devices_by_pod(holdings: dict[str, tuple[Slot, ...]]) -> dict[tuple[str, st
             keys = out[(slot.pod.namespace, slot.pod.pod)]
             for uuid in (gpu, slot.mig_uuid):
                 if uuid:
-                    key = uuid.strip().lower()
-                    keys.add(key[4:] if key.startswith("gpu-") else key)
+                    keys.add(gpu_key(uuid))
     return {pod: frozenset(keys) for pod, keys in out.items()}

@@ -75,6 +75,13 @@ GPU_NONE = "none"
 GPU_UNKNOWN = "unknown"
 
 
+def gpu_key(uuid: str) -> str:
+    """A GPU or MIG uuid as ``gpu_uuid`` values are compared: without case or the ``GPU-`` prefix (torch reports
+    UUIDs without it, NVML with it)."""
+    key = uuid.strip().lower()
+    return key[4:] if key.startswith("gpu-") else key
+
+
 @dataclass(frozen=True)
 class Instrument:
     name: str  # the OpenTelemetry instrument name

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from gpu_energy_exporter.collectors.host import MEMORY_AVAILABLE
+from gpu_energy_exporter.core.contract import gpu_key
 from gpu_energy_exporter.core.health import XidEvent
 from gpu_energy_exporter.core.state import GPUProcess, GPUState, MIGDevice, Snapshot
 from gpu_energy_exporter.ledger.split import Proc
@@ -83,10 +84,8 @@ class Frame:
 MAX_READING_AGE_S = 10.0
 
 
-def uuid_key(uuid: str) -> str:
-    # torch reports UUIDs without the "GPU-" prefix; NVML with it. Compare without case or prefix.
-    key = uuid.strip().lower()
-    return key[4:] if key.startswith("gpu-") else key
+#: A GPU uuid as runs' GPUs are compared (``core.contract.gpu_key``).
+uuid_key = gpu_key
 
 
 def gpu_frame(g: GPUState, ref: float | None = None) -> GPUFrame:

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from gpu_energy_exporter.core.clientid import Peer
-from gpu_energy_exporter.core.contract import ATTR_GPU_UUID, GPU_NONE, GPU_UNKNOWN
+from gpu_energy_exporter.core.contract import ATTR_GPU_UUID, GPU_NONE, GPU_UNKNOWN, gpu_key
 from gpu_energy_exporter.otlp.points import Batch
 
 FOREIGN_GPU = "foreign_gpu"
@@ -21,12 +21,6 @@ FOREIGN_GPU = "foreign_gpu"
 PodDevices = Callable[[str, str], "frozenset[str] | None"]
 
 _NOT_GPUS = frozenset({"", GPU_NONE, GPU_UNKNOWN})
-
-
-def gpu_key(uuid: str) -> str:
-    """A GPU or MIG uuid compared without case or the ``GPU-`` prefix (torch reports it without)."""
-    key = uuid.strip().lower()
-    return key[4:] if key.startswith("gpu-") else key
 
 
 def restrict_to_pod(batch: Batch, peer: Peer, devices: PodDevices | None) -> None:
