@@ -27,7 +27,7 @@ from pathlib import Path
 from bench import harness
 from bench.exporter_cost import _pusher, _scraper, _slope, _summary
 from bench.harness import Context, HTTPClient, Table, exporter, fmt
-from gpu_energy_exporter.core.config import parse_duration
+from gpu_energy_exporter.daemon.config import parse_duration
 
 TITLE = "Memory soak at realistic run churn (RSS slope after warm-up)"
 

@@ -59,7 +59,7 @@ class Machine:
                                  gpus=devices or [h100(i, power=Constant(POWER_W)) for i in range(gpus)])
         self.scenario.write(self.path)
         self.go = tmp / "go"
-        from gpu_energy_exporter.core.config import FLAGS
+        from gpu_energy_exporter.daemon.config import FLAGS
 
         # (the two flags are new: without them the same test measures the code before the change)
         new = ["--collector.gpu.process-interval=200ms", "--runs.claim-grace=1s"]

@@ -53,7 +53,7 @@ def test_pods_time_slicing_a_gpu_at_80_20_sm_are_charged_80_20(
     with FakeKubelet(sock) as kubelet:
         kubelet.set_pods([fake_pod("ml", "pod-a", {"train": [("nvidia.com/gpu", gpu.uuid + "::0")]}),
                           fake_pod("ml", "pod-b", {"train": [("nvidia.com/gpu", gpu.uuid + "::1")]})])
-        from gpu_energy_exporter.core.config import FLAGS
+        from gpu_energy_exporter.daemon.config import FLAGS
 
         new = "--collector.gpu.process-interval=200ms"  # (absent before the change: measure it all the same)
         # The pods' counters are settled at each energy-counter read (issue 28): read it every second so the

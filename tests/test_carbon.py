@@ -14,9 +14,9 @@ from helpers import registry_of
 from prometheus_client import CollectorRegistry, generate_latest
 
 from gpu_energy_exporter.collectors.carbon import CarbonCollector
-from gpu_energy_exporter.core.config import load_config
 from gpu_energy_exporter.core.errors import ConfigError
 from gpu_energy_exporter.core.state import ENERGY_METHOD_COUNTER, GPUIdentity
+from gpu_energy_exporter.daemon.config import load_config
 from gpu_energy_exporter.reference import carbon
 from gpu_energy_exporter.reference.carbon import (
     WORLD_DEFAULT_G_PER_KWH,

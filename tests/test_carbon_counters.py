@@ -16,8 +16,8 @@ from helpers import registry_of
 from test_ledger import T0, UUID_A, Clock, Harness, constant, identity, summary_of, trainer
 
 from gpu_energy_exporter.collectors.carbon import CarbonCollector, CO2Meter
-from gpu_energy_exporter.core.config import load_config
 from gpu_energy_exporter.core.state import GPUState
+from gpu_energy_exporter.daemon.config import load_config
 from gpu_energy_exporter.daemon.exporter import Exporter
 from gpu_energy_exporter.ledger import RunLedger
 

@@ -20,9 +20,9 @@ from test_web import issue
 
 from gpu_energy_exporter.client import probe
 from gpu_energy_exporter.client.api import TLS, WRONG_PORT, ExporterClient, ExporterUnreachable
-from gpu_energy_exporter.core.config import load_config
 from gpu_energy_exporter.core.ports import is_http2_frame
 from gpu_energy_exporter.daemon import cli
+from gpu_energy_exporter.daemon.config import load_config
 from gpu_energy_exporter.daemon.exporter import Exporter
 from gpu_energy_exporter.devices.simulated import SimulatedBackend
 

@@ -7,7 +7,8 @@ import sys
 
 import pytest
 
-from gpu_energy_exporter.core.config import (
+from gpu_energy_exporter.core.errors import ConfigError
+from gpu_energy_exporter.daemon.config import (
     COLLECTORS,
     DEFAULT_METRICS_PORT,
     FLAGS,
@@ -15,7 +16,6 @@ from gpu_energy_exporter.core.config import (
     parse_duration,
     parse_listen_address,
 )
-from gpu_energy_exporter.core.errors import ConfigError
 
 
 def test_defaults_are_valid_and_documented_port_is_unused_by_well_known_exporters() -> None:

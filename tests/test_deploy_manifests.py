@@ -23,7 +23,7 @@ import yaml
 from kubernetes_validate import utils as kv
 
 from gpu_energy_exporter import __version__
-from gpu_energy_exporter.core.config import (
+from gpu_energy_exporter.daemon.config import (
     COLLECTORS,
     DEFAULT_METRICS_PORT,
     DEFAULT_OTLP_GRPC_PORT,
@@ -214,8 +214,8 @@ def test_custom_resources_have_what_the_prometheus_operator_requires(
 def _materialise(args: list[str], mounts: dict[str, str], root: Path) -> list[str]:
     """Rewrite paths inside volume mounts to a temporary tree and create what the flag parser checks
     (existing files and directories), so load_config sees the container's file system layout."""
-    file_flags = {"--" + f.name for f in FLAGS if f.parse.__name__ == "_existing_file"}
-    dir_flags = {"--" + f.name for f in FLAGS if f.parse.__name__ == "_existing_dir"}
+    file_flags = {"--" + f.name for f in FLAGS if f.parse.__name__ == "existing_file"}
+    dir_flags = {"--" + f.name for f in FLAGS if f.parse.__name__ == "existing_dir"}
     out = []
     for arg in args:
         flag, eq, value = arg.partition("=")

@@ -33,7 +33,12 @@ from pathlib import Path
 import pytest
 from helpers import Child, free_port
 
-from gpu_energy_exporter.core.config import DEFAULT_METRICS_PORT, DEFAULT_OTLP_GRPC_PORT, DEFAULT_OTLP_PORT, load_config
+from gpu_energy_exporter.daemon.config import (
+    DEFAULT_METRICS_PORT,
+    DEFAULT_OTLP_GRPC_PORT,
+    DEFAULT_OTLP_PORT,
+    load_config,
+)
 
 REPO = Path(__file__).resolve().parent.parent
 DOCKERFILE = REPO / "Dockerfile"
@@ -176,7 +181,7 @@ def test_dockerignore_keeps_the_context_small() -> None:
     for path in (".git/config", ".venv/bin/python", "tests/test_dockerfile.py", "bench/x.py", "docs/deploy.md",
                  "gpu_energy_exporter/__pycache__/config.cpython-311.pyc", "dashboards/fleet.json"):
         assert excluded(path, rules), path
-    for path in ("pyproject.toml", "README.md", "gpu_energy_exporter/core/config.py",
+    for path in ("pyproject.toml", "README.md", "gpu_energy_exporter/daemon/config.py",
                  "gpu_energy_exporter/kubernetes/podresources.proto", "gpu_energy_exporter/reference/data/x.csv"):
         assert not excluded(path, rules), path
 

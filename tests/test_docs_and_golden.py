@@ -10,9 +10,9 @@ import pytest
 from fakenvml import Constant, Driver, Process, Scenario, Square, a100, grace_hopper, h100, pascal_no_counter
 from helpers import check_golden
 
-from gpu_energy_exporter.core.config import Config
 from gpu_energy_exporter.core.metrics import CATALOGUE
 from gpu_energy_exporter.daemon import docgen
+from gpu_energy_exporter.daemon.config import Config
 from gpu_energy_exporter.daemon.exporter import Exporter
 from gpu_energy_exporter.devices.nvml import NVMLBackend
 

@@ -18,7 +18,7 @@ import pytest
 from helpers import wait_until
 from prometheus_client.core import Metric
 
-from gpu_energy_exporter.core.config import Config
+from gpu_energy_exporter.daemon.config import Config
 from gpu_energy_exporter.daemon.exporter import Exporter
 from gpu_energy_exporter.devices.simulated import SimulatedBackend
 from gpu_energy_exporter.engine.exposition import CachedSource, encode

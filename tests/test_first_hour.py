@@ -12,9 +12,9 @@ import sys
 import pytest
 from helpers import ROOT
 
-from gpu_energy_exporter.core.config import load_config
 from gpu_energy_exporter.core.errors import ConfigError
 from gpu_energy_exporter.daemon import demo
+from gpu_energy_exporter.daemon.config import load_config
 from gpu_energy_exporter.daemon.exporter import Exporter
 from gpu_energy_exporter.devices.simulated import SimulatedBackend
 from gpu_energy_exporter.http.listen import listen_text

@@ -20,17 +20,17 @@ from fakenvml import Driver, Scenario, h100
 from helpers import ROOT, ExporterProcess, wait_until
 
 from gpu_energy_exporter.client import report
-from gpu_energy_exporter.core.config import (
+from gpu_energy_exporter.core.errors import ConfigError
+from gpu_energy_exporter.daemon.cli import NO_GPU_HINT
+from gpu_energy_exporter.daemon.config import (
     COLLECTORS,
     FLAGS,
     config_from_namespace,
     load_config,
     new_parser,
 )
-from gpu_energy_exporter.core.errors import ConfigError
-from gpu_energy_exporter.core.inertflags import inert_flags
-from gpu_energy_exporter.daemon.cli import NO_GPU_HINT
 from gpu_energy_exporter.daemon.exporter import Exporter
+from gpu_energy_exporter.daemon.inertflags import inert_flags
 from gpu_energy_exporter.devices.simulated import SimulatedBackend
 
 

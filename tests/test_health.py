@@ -311,8 +311,8 @@ def test_older_event_wait_a_lost_gpu_and_the_interval_flag(
 ) -> None:
     """A driver without nvmlEventSetWait_v2 still delivers Xids through nvmlEventSetWait; a GPU lost at
     runtime loses only its own health series; --collector.health.interval refuses less than a second."""
-    from gpu_energy_exporter.core.config import load_config
     from gpu_energy_exporter.core.errors import ConfigError
+    from gpu_energy_exporter.daemon.config import load_config
 
     lib = build_library(tmp_path / "lib", omit=("nvmlEventSetWait_v2",))
     g0 = h100(0, health=replace(HEALTHY_H100, events=(xid(0.0, 94),)))

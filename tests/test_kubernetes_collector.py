@@ -34,9 +34,9 @@ from gpu_energy_exporter.collectors.kubernetes import (
     UNATTRIBUTED_ENERGY,
     KubernetesCollector,
 )
-from gpu_energy_exporter.core.config import load_config
 from gpu_energy_exporter.core.metrics import CATALOGUE
 from gpu_energy_exporter.core.state import GPUIdentity, GPUProcess, GPUReading, GPUState, MIGDevice
+from gpu_energy_exporter.daemon.config import load_config
 from gpu_energy_exporter.kubernetes.assignments import PodRef
 from gpu_energy_exporter.kubernetes.podresources import PodResourcesWatcher
 from gpu_energy_exporter.kubernetes.testing import FakeKubelet, fake_pod
@@ -225,7 +225,7 @@ DRIVER = r"""
 import json, logging, sys
 from gpu_energy_exporter.collectors.gpu import GPUCollector
 from gpu_energy_exporter.collectors.kubernetes import KubernetesCollector
-from gpu_energy_exporter.core.config import load_config
+from gpu_energy_exporter.daemon.config import load_config
 from gpu_energy_exporter.devices.nvml import NVMLBackend
 from gpu_energy_exporter.kubernetes.assignments import PodRef
 from gpu_energy_exporter.kubernetes.podresources import PodResourcesWatcher

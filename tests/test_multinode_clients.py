@@ -30,7 +30,7 @@ from gpu_energy_exporter.client.report.render import summary_rows
 from gpu_energy_exporter.client.report.run import RunData
 from gpu_energy_exporter.client.top.frame import _run_lines, frame_text
 from gpu_energy_exporter.core import runs_schema
-from gpu_energy_exporter.core.config import load_config
+from gpu_energy_exporter.daemon.config import load_config
 from gpu_energy_exporter.daemon.exporter import Exporter
 from gpu_energy_exporter.devices.simulated import SimulatedBackend
 from gpu_energy_exporter.training import start_run

@@ -169,7 +169,7 @@ import ctypes, json, sys, time
 sys.path.insert(0, {repo!r})
 import pynvml
 from gpu_energy_exporter.collectors.gpu import GPUCollector
-from gpu_energy_exporter.core.config import Config
+from gpu_energy_exporter.daemon.config import Config
 from gpu_energy_exporter.devices import nvml
 cfg = Config()
 clock = [1000.0]

@@ -39,8 +39,8 @@ from opentelemetry.sdk.resources import Resource
 from tlsutil import self_signed
 
 from gpu_energy_exporter.core import contract
-from gpu_energy_exporter.core.config import DEFAULT_OTLP_GRPC_PORT, load_config
 from gpu_energy_exporter.core.errors import ConfigError
+from gpu_energy_exporter.daemon.config import DEFAULT_OTLP_GRPC_PORT, load_config
 
 EXPORT = "/opentelemetry.proto.collector.metrics.v1.MetricsService/Export"
 GRPC_ON = "--otlp.grpc.listen-address=127.0.0.1:0"
@@ -119,7 +119,7 @@ def test_flag_default_is_localhost_4317_and_empty_turns_it_off() -> None:
 def test_grpc_is_not_loaded_when_off() -> None:
     # The daemon with the receiver off never imports grpc (its memory stays out of the exporter's RSS).
     code = ("import sys\n"
-            "from gpu_energy_exporter.core.config import load_config\n"
+            "from gpu_energy_exporter.daemon.config import load_config\n"
             "from gpu_energy_exporter.daemon.exporter import Exporter\n"
             "e = Exporter(load_config(['--no-collector.gpu', '--web.listen-address=127.0.0.1:0',"
             " '--otlp.listen-address=127.0.0.1:0', '--otlp.grpc.listen-address=']))\n"

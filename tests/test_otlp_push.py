@@ -26,9 +26,9 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoM
 from tlsutil import self_signed
 
 import gpu_energy_exporter.daemon.exporter  # noqa: F401 - registers every collector's specs in the catalogue
-from gpu_energy_exporter.core.config import load_config
 from gpu_energy_exporter.core.errors import ConfigError
 from gpu_energy_exporter.core.metrics import CATALOGUE
+from gpu_energy_exporter.daemon.config import load_config
 from gpu_energy_exporter.otlp.conventions import CONVENTIONS, own_name, pushed, snapshot_points
 from gpu_energy_exporter.otlp.naming import metric_name
 from gpu_energy_exporter.otlp.push import OTLPPusher, PushSettings, load_headers_file

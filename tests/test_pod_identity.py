@@ -219,7 +219,7 @@ def test_a_pod_the_kubelet_lists_without_a_gpu_may_name_none(tmp_path: Path) -> 
     from test_kubernetes_collector import G0, States
 
     from gpu_energy_exporter.collectors.kubernetes import KubernetesCollector
-    from gpu_energy_exporter.core.config import load_config
+    from gpu_energy_exporter.daemon.config import load_config
 
     sock = str(tmp_path / "kubelet.sock")
     cfg = load_config(["--collector.kubernetes", "--kubernetes.pod-resources-socket", sock,

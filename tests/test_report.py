@@ -22,8 +22,8 @@ from prom import Prometheus
 
 from gpu_energy_exporter.client import report
 from gpu_energy_exporter.core import runs_schema
-from gpu_energy_exporter.core.config import load_config
 from gpu_energy_exporter.core.textfmt import fmt_num
+from gpu_energy_exporter.daemon.config import load_config
 from gpu_energy_exporter.daemon.demo import SimulatedTrainer
 from gpu_energy_exporter.daemon.exporter import Exporter
 from gpu_energy_exporter.devices.simulated import SimulatedBackend

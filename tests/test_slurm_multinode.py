@@ -23,7 +23,7 @@ from prom import Prometheus
 
 from gpu_energy_exporter.client import runs as runs_cli
 from gpu_energy_exporter.core import runs_schema
-from gpu_energy_exporter.core.config import load_config
+from gpu_energy_exporter.daemon.config import load_config
 from gpu_energy_exporter.daemon.exporter import Exporter
 from gpu_energy_exporter.devices.simulated import SimulatedBackend
 

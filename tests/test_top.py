@@ -25,7 +25,7 @@ from test_web import issue
 
 from gpu_energy_exporter.client import fmt, top
 from gpu_energy_exporter.client.api import ExporterClient
-from gpu_energy_exporter.core.config import load_config
+from gpu_energy_exporter.daemon.config import load_config
 from gpu_energy_exporter.daemon.exporter import Exporter
 from gpu_energy_exporter.devices.simulated import SimulatedBackend
 from gpu_energy_exporter.training import TrainingRun, start_run

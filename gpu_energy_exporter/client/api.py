@@ -32,9 +32,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gpu_energy_exporter.client import probe
-from gpu_energy_exporter.core.config import DEFAULT_METRICS_PORT
 from gpu_energy_exporter.core.errors import ExporterError
-from gpu_energy_exporter.core.ports import METRICS_PORT, OTLP_GRPC_PORT, OTLP_HTTP_PORT, is_http2_frame
+from gpu_energy_exporter.core.ports import (
+    DEFAULT_METRICS_PORT,
+    METRICS_PORT,
+    OTLP_GRPC_PORT,
+    OTLP_HTTP_PORT,
+    is_http2_frame,
+)
 
 DEFAULT_URL = f"http://localhost:{DEFAULT_METRICS_PORT}"
 #: Where ``--url`` comes from when not given (``top``, ``runs`` and ``report`` alike).

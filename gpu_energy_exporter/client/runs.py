@@ -49,15 +49,15 @@ from gpu_energy_exporter.client.ledgerfiles import MAX_REPORTED, RunsError, load
 from gpu_energy_exporter.client.report.prometheus import PrometheusSource, whole_runs
 from gpu_energy_exporter.client.report.run import ReportError
 from gpu_energy_exporter.client.safeout import printable_stream
-from gpu_energy_exporter.core.config import FLAGS, parse_duration
 from gpu_energy_exporter.core.flagparser import FlagParser
+from gpu_energy_exporter.core.flagtypes import env_of, parse_duration
 from gpu_energy_exporter.core.runs_schema import COLUMN_NAMES
 from gpu_energy_exporter.core.textfmt import csv_cell, csv_record, fmt_num, strict_json
 
 #: The exporter's --runs.csv environment variable: the same file for the exporter and this command.
-CSV_ENV = next(f.env for f in FLAGS if f.name == "runs.csv")
+CSV_ENV = env_of("runs.csv")
 #: The exporter's --runs.db environment variable.
-DB_ENV = next(f.env for f in FLAGS if f.name == "runs.db")
+DB_ENV = env_of("runs.db")
 
 # ----------------------------------------------------------------------------------------------------
 # loading

@@ -27,12 +27,13 @@ import logging
 import os
 import time
 from collections.abc import Callable, Sequence
+from typing import Any
 
 from prometheus_client.core import Metric
 
 from gpu_energy_exporter.collectors.base import Collector
+from gpu_energy_exporter.collectors.registry import CollectorSpec, Wiring, register
 from gpu_energy_exporter.core import metrics
-from gpu_energy_exporter.core.config import Config
 from gpu_energy_exporter.core.state import GPUIdentity, GPUState
 from gpu_energy_exporter.reference.carbon import (
     SOURCE_FILE,
@@ -247,7 +248,7 @@ class CarbonCollector(Collector):
             self.depends_on = ("gpu",)  # prices the energy the gpu collector just read
 
     @classmethod
-    def from_config(cls, config: Config, gpus: Callable[[], Sequence[GPUIdentity]] = tuple,
+    def from_config(cls, config: Any, gpus: Callable[[], Sequence[GPUIdentity]] = tuple,
                     **kwargs: object) -> CarbonCollector:
         """Build from the configuration; raises ConfigError (bad region, unreadable file)."""
         return cls(
@@ -334,3 +335,19 @@ class CarbonCollector(Collector):
         else:
             log.info("GPU model %r (%s) has no trusted peak FLOP/s figure (%s); MFU is not available for it",
                      model, row.model, row.note or "see data/SOURCES.md")
+
+
+def _build(w: Wiring) -> CarbonCollector:
+    gpu = w.built.get("gpu")
+    states = getattr(gpu, "states", None)
+    identities = getattr(gpu, "identities", tuple)
+    config: Any = w.config  # has the --carbon.* flags
+    intensity = w.intensity if w.intensity is not None else resolve_intensity(config)
+    return CarbonCollector(intensity=intensity, pue=w.config.carbon_pue,
+                           intensity_file=w.config.carbon_intensity_file, gpus=identities, gpu_states=states,
+                           watch=w.intensity_watch, clock=w.clock)
+
+
+# Its flags (--carbon.*) are the daemon's: the ledger prices CO2 with them whatever this collector.
+register(CollectorSpec(NAME, True, "Carbon intensity, PUE and per-GPU peak FLOP/s inputs for PromQL.", order=30,
+                       build=_build, title="Carbon and efficiency inputs (collector `carbon`)"))

@@ -47,9 +47,11 @@ from gpu_energy_exporter.collectors.gpu_metrics import (
 )
 from gpu_energy_exporter.collectors.gpu_processes import ProcessTable, UtilizationCadence
 from gpu_energy_exporter.collectors.gpu_tracks import GPUTrack, PowerSampler
+from gpu_energy_exporter.collectors.registry import CollectorSpec, Settings, Wiring, register
 from gpu_energy_exporter.core.apportion import Apportioner
 from gpu_energy_exporter.core.energy import EnergyCounter, TrapezoidIntegrator
-from gpu_energy_exporter.core.errors import GPULost, NVMLUnavailable
+from gpu_energy_exporter.core.errors import ConfigError, GPULost, NVMLUnavailable
+from gpu_energy_exporter.core.flagtypes import Flag, existing_file, non_negative_float, parse_bool, parse_duration
 from gpu_energy_exporter.core.metrics import add
 from gpu_energy_exporter.core.state import (
     ENERGY_METHOD_COUNTER,
@@ -348,3 +350,90 @@ class GPUCollector(Collector):
         if self._backend is not None:
             self._backend.close()
 
+
+
+# ----------------------------------------------------------------------------------------------------
+# the collectors this module runs (``collectors.registry``): gpu, and its two options gpm and processes
+
+
+def _check(config: Settings) -> None:
+    if not 0.02 <= config.collector_power_interval <= config.collector_interval:
+        raise ConfigError(
+            "--collector.power-interval must be between 20ms and --collector.interval "
+            f"({config.collector_interval:g}s), got {config.collector_power_interval:g}s"
+        )
+    for name, value in (("energy", config.collector_energy_interval), ("gpm", config.collector_gpm_interval)):
+        # Shorter than --collector.interval means every sample (the collector rounds it up).
+        if value <= 0:
+            raise ConfigError(f"--collector.{name}-interval must be positive, got {value:g}s")
+
+
+def _build(w: Wiring) -> GPUCollector:
+    config = w.config
+    factory = w.backend_factory
+    if factory is None:
+        library = config.nvml_library
+
+        def factory() -> GPUBackend:
+            from gpu_energy_exporter.devices.nvml import NVMLBackend
+
+            return NVMLBackend(library)
+
+    return GPUCollector(
+        factory,
+        processes=config.enabled("processes"),
+        gpm=config.enabled("gpm"),
+        power_interval=config.collector_power_interval,
+        idle_power_w=config.gpu_idle_power,
+        interval=config.collector_interval,
+        energy_interval=config.collector_energy_interval,
+        gpm_interval=config.collector_gpm_interval,
+        energy_timestamps=config.collector_gpu_energy_timestamps,
+        clock=w.clock,
+        process_interval=config.collector_gpu_process_interval,
+        procfs=config.path_procfs,
+    )
+
+
+register(CollectorSpec(
+    "gpu", True, "Per-GPU power, energy, memory, utilisation, temperature, clocks (NVML).",
+    order=0, build=_build, check=_check, title="GPUs (collector `gpu`, `gpm`, `processes`)",
+    flags=(
+        Flag("collector.power-interval", parse_duration, "100ms",
+             "Fast power sampling period used to integrate energy on GPUs without an energy counter "
+             "(pre-Volta); 20ms at the lowest.", "DURATION"),
+        Flag("collector.energy-interval", parse_duration, "30s",
+             "How often each GPU's energy counter is read (about 3.5 ms of CPU a read on an H100, driver 580; "
+             "the other readings cost microseconds). Between two reads each sample's energy is apportioned by "
+             "the GPU's ~1 s average power, and at each read the exposed energy meets the counter exactly; runs "
+             "and pods keep --collector.interval's grid (docs/measurement.md). At most --collector.interval "
+             "reads it every sample.", "DURATION"),
+        Flag("collector.gpu.energy-timestamps", parse_bool, "false",
+             "Expose the GPU energy counter with the time it was read as an explicit sample timestamp. Off by "
+             "default, as Prometheus' guidelines for exporters ask; see docs/measurement.md for what it costs "
+             "(staleness markers, clock steps) and Prometheus' track_timestamps_staleness.", boolean=True),
+        Flag("nvml.library", existing_file, None,
+             "Path of libnvidia-ml.so.1 to load instead of the one the dynamic linker finds.", "PATH"),
+        Flag("gpu.idle-power", non_negative_float, None,
+             "Idle power of each GPU in watts, used for dynamic energy. Default: learned from samples "
+             "with no compute process.", "WATTS"),
+        Flag("collector.gpu.process-interval", parse_duration, "10s",
+             "A GPU shared by several processes is asked for its per-process SM utilisation "
+             "(nvmlDeviceGetProcessUtilization: 1.6-2.6 ms of CPU per call on an H100) with every read of its "
+             "energy counter and this often between reads. The driver answers one mean per process since the "
+             "last ask: the asks since a counter read split the span that read settles, piece by piece; between "
+             "asks the last weights hold (provisional). A GPU with one process is never asked. 0 never asks "
+             "(shared GPUs are split evenly).", "DURATION"),
+    ),
+))
+register(CollectorSpec(
+    "gpm", True, "GPM SM/tensor/DRAM activity on Hopper and newer (NVML GPM).", order=1,
+    flags=(
+        Flag("collector.gpm-interval", parse_duration, "30s",
+             "How often GPM (SM, tensor, DRAM activity) is sampled: about 2 ms of CPU a sample on an H100 "
+             "(1.8-2.0 ms of it computing the metrics). Each figure is the average over the span between two GPM "
+             "samples, served until the next: a longer interval loses no activity, only time resolution.",
+             "DURATION"),
+    ),
+))
+register(CollectorSpec("processes", False, "Per-process GPU memory with pid labels (high cardinality).", order=2))

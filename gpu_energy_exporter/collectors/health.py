@@ -28,7 +28,9 @@ from gpu_energy_exporter.collectors.health_metrics import (
     emit_events,
     emit_health,
 )
-from gpu_energy_exporter.core.errors import GPULost
+from gpu_energy_exporter.collectors.registry import CollectorSpec, Settings, Wiring, register
+from gpu_energy_exporter.core.errors import ConfigError, GPULost
+from gpu_energy_exporter.core.flagtypes import Flag, parse_duration
 from gpu_energy_exporter.core.health import XidEvent
 from gpu_energy_exporter.core.metrics import add
 from gpu_energy_exporter.devices.base import GPUBackend, HealthReader
@@ -128,3 +130,28 @@ class HealthCollector(Collector):
     def close(self) -> None:
         if self._reader is not None:
             self._reader.close()
+
+
+def _check(config: Settings) -> None:
+    if config.collector_health_interval < 1.0:
+        raise ConfigError(f"--collector.health.interval must be at least 1s, got {config.collector_health_interval:g}s")
+
+
+def _build(w: Wiring) -> HealthCollector | None:
+    gpu = w.built.get("gpu")
+    if not isinstance(gpu, GPUCollector):
+        return None  # nothing to watch without the gpu collector
+    health = HealthCollector(gpu, interval=w.config.collector_health_interval, clock=w.clock)
+    w.sampler_hooks["xid_events"] = health.critical_xids
+    return health
+
+
+register(CollectorSpec(
+    "health", True, "GPU health: Xid and ECC events, ECC counts, row remapping, retired pages, PCIe and NVLink "
+    "(NVML; see --collector.health.interval).", order=40, build=_build, check=_check,
+    title="GPU health: Xid, ECC, row remapping, PCIe, NVLink (collector `health`)",
+    flags=(Flag("collector.health.interval", parse_duration, "30s",
+                "How often the health collector reads ECC, row remapping, retired pages, PCIe and NVLink (they "
+                "change slowly; each read costs NVML calls per GPU, see docs/health.md). Xid and ECC events are "
+                "counted as they happen, whatever this is.", "DURATION"),),
+))

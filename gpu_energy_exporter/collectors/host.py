@@ -23,7 +23,9 @@ import psutil
 from prometheus_client.core import Metric
 
 from gpu_energy_exporter.collectors.base import Collector
+from gpu_energy_exporter.collectors.registry import CollectorSpec, Wiring, register
 from gpu_energy_exporter.core import metrics
+from gpu_energy_exporter.core.flagtypes import Flag, positive_int
 
 log = logging.getLogger(__name__)
 
@@ -193,3 +195,14 @@ class HostCollector(Collector):
         elif self._low and not low:
             log.info("host RAM recovered: %.2f GiB available", available / (1 << 30))
         self._low = low
+
+
+def _build(w: Wiring) -> HostCollector:
+    return HostCollector(memory_critical_bytes=w.config.host_memory_critical, procfs=w.config.path_procfs)
+
+
+register(CollectorSpec(
+    NAME, True, "Host CPU utilisation and memory (psutil).", order=10, build=_build, title="Host (collector `host`)",
+    flags=(Flag("host.memory-critical", positive_int, str(1 << 30),
+                "Host available memory under which the exporter warns (log, alert, terminal view).", "BYTES"),),
+))

@@ -19,14 +19,15 @@ import logging
 import time
 from collections import defaultdict
 from collections.abc import Callable, Sequence
-from typing import Protocol
+from typing import Any, Protocol
 
 from prometheus_client.core import Metric
 
 from gpu_energy_exporter.collectors.base import Collector, NoData
-from gpu_energy_exporter.core.config import Config
+from gpu_energy_exporter.collectors.registry import CollectorSpec, Settings, Wiring, register
 from gpu_energy_exporter.core.contract import gpu_key
 from gpu_energy_exporter.core.errors import ExporterError
+from gpu_energy_exporter.core.flagtypes import Flag, any_text, parse_bool, parse_duration
 from gpu_energy_exporter.core.metrics import GPU_LABELS, add, define
 from gpu_energy_exporter.core.state import GPUState
 from gpu_energy_exporter.kubernetes.assignments import (
@@ -136,7 +137,7 @@ class KubernetesCollector(Collector):
 
     @classmethod
     def from_config(
-        cls, cfg: Config, gpu_states: Callable[[], Sequence[GPUState]], **kwargs: object
+        cls, cfg: Settings, gpu_states: Callable[[], Sequence[GPUState]], **kwargs: object
     ) -> KubernetesCollector:
         """The collector as the exporter runs it: a watcher on ``--kubernetes.pod-resources-socket``
         refreshed every ``--kubernetes.refresh-interval``. Imports grpc (the ``[kubernetes]`` extra) and
@@ -295,3 +296,35 @@ def _devices_by_pod(holdings: dict[str, tuple[Slot, ...]]) -> dict[tuple[str, st
                 if uuid:
                     keys.add(gpu_key(uuid))
     return {pod: frozenset(keys) for pod, keys in out.items()}
+
+
+def _build(w: Wiring) -> KubernetesCollector:
+    gpu: Any = w.require("gpu", "kubernetes")
+    from gpu_energy_exporter.collectors.gpu_processes import ProcfsPods
+
+    # Processes NVML lists are placed in pods through the host's /proc (hostPID or the host's /proc mounted,
+    # docs/deploy.md), so a time-sliced GPU is split by each pod's SM use. A pod's start and stop read every
+    # energy counter at once (the refresh that sees it, else the sample that does): its settled energy covers
+    # its own interval (issue 28).
+    return KubernetesCollector.from_config(w.config, gpu.states, pid_to_pod=ProcfsPods(w.config.path_procfs),
+                                           request_counter_read=w.read_counters_now)
+
+
+register(CollectorSpec(
+    "kubernetes", False, "GPU to pod attribution through the kubelet pod-resources API.", order=50, build=_build,
+    title="Kubernetes pod attribution (collector `kubernetes`)",
+    flags=(
+        Flag("kubernetes.pod-resources-socket", any_text, "/var/lib/kubelet/pod-resources/kubelet.sock",
+             "Kubelet pod-resources socket used to attribute GPUs to pods.", "PATH"),
+        Flag("kubernetes.refresh-interval", parse_duration, "10s",
+             "How often the GPU to pod mapping is refreshed from the kubelet.", "DURATION"),
+        Flag("kubernetes.pod-identity", parse_bool, "true",
+             "Know an OTLP push from a pod's address as that pod (this node's pods, listed from the API server; "
+             "RBAC pods list), and refuse its points for GPUs the pod does not hold (docs/security.md).",
+             boolean=True),
+        Flag("kubernetes.api-url", any_text, "", "Kubernetes API server for --kubernetes.pod-identity (default: "
+             "in the pod, KUBERNETES_SERVICE_HOST/PORT, with the service account's token and CA).", "URL"),
+        Flag("kubernetes.node-name", any_text, "", "This node's name, whose pods --kubernetes.pod-identity lists "
+             "(default: $NODE_NAME, set from the downward API's spec.nodeName).", "NAME"),
+    ),
+))

@@ -44,7 +44,9 @@ from dataclasses import dataclass
 from prometheus_client.core import Metric
 
 from gpu_energy_exporter.collectors.base import Collector, NoData
+from gpu_energy_exporter.collectors.registry import CollectorSpec, Wiring, register
 from gpu_energy_exporter.core import metrics
+from gpu_energy_exporter.core.flagtypes import Flag, existing_dir
 
 log = logging.getLogger(__name__)
 
@@ -275,3 +277,14 @@ def _why(exc: BaseException) -> str:
     if isinstance(exc, OSError) and exc.errno is not None:
         return f"{errno.errorcode.get(exc.errno, exc.errno)}: {exc.strerror}"
     return str(exc)
+
+
+def _build(w: Wiring) -> RaplCollector:
+    return RaplCollector(sysfs=w.config.path_sysfs)
+
+
+register(CollectorSpec(
+    "rapl", True, "CPU package/DRAM energy from the Linux powercap (RAPL) tree.", order=20, build=_build,
+    title="CPU and DRAM energy, RAPL (collector `rapl`)",
+    flags=(Flag("path.sysfs", existing_dir, "/sys", "sysfs mount point (RAPL powercap tree).", "PATH"),),
+))

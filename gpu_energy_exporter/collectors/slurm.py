@@ -29,10 +29,13 @@ import os
 import time
 from collections import defaultdict
 from collections.abc import Callable, Collection, Sequence
+from typing import Any
 
 from prometheus_client.core import Metric
 
 from gpu_energy_exporter.collectors.base import Collector
+from gpu_energy_exporter.collectors.registry import CollectorSpec, Wiring, register
+from gpu_energy_exporter.core.flagtypes import Flag, any_text
 from gpu_energy_exporter.core.metrics import GPU_LABELS, add, define
 from gpu_energy_exporter.core.ratelog import RateLimitedLog
 from gpu_energy_exporter.core.state import GPUState, SlurmJob
@@ -303,3 +306,28 @@ class SlurmCollector(Collector):
             self._problems_log.warning("skipped", "Slurm job-mapping directory %s: skipped %s", self._dir,
                                        "; ".join(sorted(new))[:2000])
         self._logged = problems
+
+
+def _build(w: Wiring) -> SlurmCollector:
+    gpu: Any = w.require("gpu", "slurm")
+    directory = w.config.collector_slurm_job_mapping_dir
+    slurm = SlurmCollector(gpu.states, directory, procfs=w.config.path_procfs,
+                           request_counter_read=gpu.request_counter_read)
+    # A job's start and end fall on energy-counter reads (docs/slurm.md): read at once when the directory
+    # changes (the watch), and in any sample that finds it changed.
+    gpu.add_counter_read_check(slurm.mapping_changed)
+    w.sampler_hooks["slurm_jobs"] = slurm.held  # Slurm jobs are runs (ledger.jobs)
+    from gpu_energy_exporter.slurm.watch import DirectoryWatch
+
+    w.services.append(DirectoryWatch(directory, w.read_counters_now))
+    return slurm
+
+
+register(CollectorSpec(
+    "slurm", False, "GPU energy per Slurm job from the prolog's job-mapping directory.", order=60, build=_build,
+    title="Slurm jobs (collector `slurm`)",
+    flags=(Flag("collector.slurm.job-mapping-dir", any_text, "/run/gpu-energy-exporter/slurm-jobs",
+                "Directory the Slurm prolog/epilog keep (dcgm-exporter's DCGM_HPC_JOB_MAPPING_DIR format: one file "
+                "per GPU index, or '<index>.<gpu instance>' for MIG, listing job ids) for --collector.slurm.",
+                "DIR"),),
+))

@@ -1,5 +1,5 @@
 """Flag value parsers: each takes the raw string of a flag or environment variable and returns the value,
-or raises ValueError with a reason that ``core.config`` puts in one clear message (flag, variable, what is
+or raises ValueError with a reason that ``daemon.config`` puts in one clear message (flag, variable, what is
 accepted); and ``Flag`` / ``CollectorFlag``, the declaration of one flag (its environment variable, its
 collector). Pure functions, no I/O but the existence checks of files and directories.
 """
@@ -72,28 +72,28 @@ def parse_bool(raw: str) -> bool:
     raise ValueError("must be true or false")
 
 
-def _positive_float(raw: str) -> float:
+def positive_float(raw: str) -> float:
     value = float(raw)
     if not value > 0 or math.isinf(value):
         raise ValueError("must be a positive number")
     return value
 
 
-def _non_negative_float(raw: str) -> float:
+def non_negative_float(raw: str) -> float:
     value = float(raw)
     if not value >= 0 or math.isinf(value):
         raise ValueError("must be zero or a positive number")
     return value
 
 
-def _positive_int(raw: str) -> int:
+def positive_int(raw: str) -> int:
     value = int(raw)
     if value <= 0:
         raise ValueError("must be a positive integer")
     return value
 
 
-def _choice(*choices: str) -> Callable[[str], str]:
+def one_of(*choices: str) -> Callable[[str], str]:
     def parse(raw: str) -> str:
         if raw not in choices:
             raise ValueError("must be one of " + ", ".join(choices))
@@ -102,23 +102,23 @@ def _choice(*choices: str) -> Callable[[str], str]:
     return parse
 
 
-def _existing_file(raw: str) -> str:
+def existing_file(raw: str) -> str:
     if not os.path.isfile(raw):
         raise ValueError(f"file {raw!r} does not exist")
     return raw
 
 
-def _existing_dir(raw: str) -> str:
+def existing_dir(raw: str) -> str:
     if not os.path.isdir(raw):
         raise ValueError(f"directory {raw!r} does not exist")
     return raw
 
 
-def _text(raw: str) -> str:
+def any_text(raw: str) -> str:
     return raw
 
 
-def _url(raw: str) -> str:
+def http_url(raw: str) -> str:
     from urllib.parse import urlsplit
 
     parts = urlsplit(raw.strip())
@@ -128,9 +128,14 @@ def _url(raw: str) -> str:
 
 
 # ----------------------------------------------------------------------------------------------------
-# a flag's declaration (the table is core.config's FLAGS and COLLECTORS)
+# a flag's declaration (the table is daemon.config's FLAGS; a collector's own, its CollectorSpec's)
 
 ENV_PREFIX = "GPU_ENERGY_EXPORTER_"
+
+
+def env_of(flag_name: str) -> str:
+    """The environment variable of ``--<flag_name>``: ``runs.csv`` -> ``GPU_ENERGY_EXPORTER_RUNS_CSV``."""
+    return ENV_PREFIX + flag_name.replace(".", "_").replace("-", "_").upper()
 
 
 @dataclass(frozen=True)
@@ -142,9 +147,10 @@ class Flag:
     metavar: str = "VALUE"
     #: A switch: ``--name`` / ``--no-name`` on the command line, true/false in the environment.
     boolean: bool = False
-    #: The collector this flag configures (``COLLECTORS``), or "": while that collector is disabled the flag
-    #: has no effect, and ``inert_flags`` says so at start. A flag another part also reads (the ledger
-    #: prices CO2 with ``--carbon.*`` whatever the carbon collector) names none.
+    #: The collector this flag configures (set by ``collectors.registry.register`` for the flags a collector
+    #: declares), or "": while that collector is disabled the flag has no effect, and the daemon says so at
+    #: start. A flag another part also reads (the ledger prices CO2 with ``--carbon.*`` whatever the carbon
+    #: collector) is not a collector's.
     collector: str = ""
 
     @property
@@ -153,19 +159,4 @@ class Flag:
 
     @property
     def env(self) -> str:
-        return ENV_PREFIX + self.dest.upper()
-
-
-@dataclass(frozen=True)
-class CollectorFlag:
-    name: str  # collector name, --collector.<name>
-    default: bool
-    help: str
-
-    @property
-    def dest(self) -> str:
-        return "collector_" + self.name.replace("-", "_")
-
-    @property
-    def env(self) -> str:
-        return ENV_PREFIX + self.dest.upper()
+        return env_of(self.name)

@@ -6,7 +6,7 @@ given the OTLP/gRPC port, a trainer pointed at the gRPC port. They import the na
 reads one wording whichever side they got wrong.
 
 Pure text and bytes: this module never opens a socket, and imports nothing (the training helper loads it).
-The default ports are defined here; ``core/config.py`` uses them for its flags.
+The default ports are defined here; ``daemon/config.py`` uses them for its flags.
 """
 
 from __future__ import annotations

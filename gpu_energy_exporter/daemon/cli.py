@@ -17,10 +17,10 @@ import threading
 from collections.abc import Sequence
 
 from gpu_energy_exporter import __version__
-from gpu_energy_exporter.core.config import config_from_namespace
-from gpu_energy_exporter.core.config import new_parser as config_parser
 from gpu_energy_exporter.core.errors import ExporterError
-from gpu_energy_exporter.core.inertflags import inert_flags
+from gpu_energy_exporter.daemon.config import config_from_namespace
+from gpu_energy_exporter.daemon.config import new_parser as config_parser
+from gpu_energy_exporter.daemon.inertflags import inert_flags
 
 log = logging.getLogger(__name__)
 

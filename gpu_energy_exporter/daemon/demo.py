@@ -30,7 +30,10 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import IO, Any
 
-from gpu_energy_exporter.core.config import (
+from gpu_energy_exporter.core.errors import ConfigError, ExporterError
+from gpu_energy_exporter.core.flagparser import FlagParser
+from gpu_energy_exporter.core.runs_schema import KEEP_FINISHED_S
+from gpu_energy_exporter.daemon.config import (
     DEFAULT_METRICS_PORT,
     FLAGS,
     Config,
@@ -38,9 +41,6 @@ from gpu_energy_exporter.core.config import (
     config_from_namespace,
     parse_duration,
 )
-from gpu_energy_exporter.core.errors import ConfigError, ExporterError
-from gpu_energy_exporter.core.flagparser import FlagParser
-from gpu_energy_exporter.core.runs_schema import KEEP_FINISHED_S
 from gpu_energy_exporter.http.listen import client_url
 
 log = logging.getLogger(__name__)

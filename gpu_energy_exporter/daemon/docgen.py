@@ -12,20 +12,15 @@ import importlib
 import sys
 from pathlib import Path
 
-from gpu_energy_exporter.core.config import COLLECTORS, FLAGS
+from gpu_energy_exporter.collectors import registry
 from gpu_energy_exporter.core.metrics import CATALOGUE
+from gpu_energy_exporter.daemon.config import COLLECTORS, FLAGS
 
-#: Every module that declares metrics; importing them fills the catalogue.
+#: Every module outside the collectors that declares metrics; importing them fills the catalogue (each
+#: collector's module is imported by the registry, ``registry.specs()``).
 METRIC_MODULES = (
     "gpu_energy_exporter.engine.sampler",
     "gpu_energy_exporter.engine.exposition",
-    "gpu_energy_exporter.collectors.gpu",
-    "gpu_energy_exporter.collectors.host",
-    "gpu_energy_exporter.collectors.rapl",
-    "gpu_energy_exporter.collectors.carbon",
-    "gpu_energy_exporter.collectors.kubernetes",
-    "gpu_energy_exporter.collectors.slurm",
-    "gpu_energy_exporter.collectors.health",
     "gpu_energy_exporter.otlp.selfmetrics",
     "gpu_energy_exporter.otlp.grpcreceiver",
     "gpu_energy_exporter.ledger.specs",
@@ -33,14 +28,8 @@ METRIC_MODULES = (
     "gpu_energy_exporter.http.server",
 )
 
-_COLLECTOR_TITLES = {
-    "exporter": "Exporter self-metrics",
-    "gpu": "GPUs (collector `gpu`, `gpm`, `processes`)",
-    "host": "Host (collector `host`)",
-    "rapl": "CPU and DRAM energy, RAPL (collector `rapl`)",
-    "carbon": "Carbon and efficiency inputs (collector `carbon`)",
-    "kubernetes": "Kubernetes pod attribution (collector `kubernetes`)",
-    "health": "GPU health: Xid, ECC, row remapping, PCIe, NVLink (collector `health`)",
+#: The sections of the metric catalogue that are not a collector's (a collector's title is in its spec).
+_SECTION_TITLES = {
     "otlp": "OTLP receiver self-metrics",
     "otlp_push": "OTLP push self-metrics (`--otlp.push-endpoint`)",
     "ledger": "Training runs, from the run ledger",
@@ -50,6 +39,15 @@ _COLLECTOR_TITLES = {
 def load_catalogue() -> None:
     for module in METRIC_MODULES:
         importlib.import_module(module)
+    registry.specs()
+
+
+def _section_titles() -> dict[str, str]:
+    """The catalogue's sections in order: the exporter's, each collector's (the registry's), then the rest."""
+    titles = {"exporter": "Exporter self-metrics"}
+    titles.update((c.name, c.title) for c in registry.specs() if c.title)
+    titles.update(_SECTION_TITLES)
+    return titles
 
 
 def _escape(text: str) -> str:
@@ -76,12 +74,13 @@ def metrics_markdown() -> str:
     by_collector: dict[str, list] = {}
     for spec in CATALOGUE.values():
         by_collector.setdefault(spec.collector, []).append(spec)
-    order = list(_COLLECTOR_TITLES) + sorted(set(by_collector) - set(_COLLECTOR_TITLES))
+    titles = _section_titles()
+    order = list(titles) + sorted(set(by_collector) - set(titles))
     for collector in order:
         specs = by_collector.get(collector)
         if not specs:
             continue
-        out += [f"## {_COLLECTOR_TITLES.get(collector, collector)}", "", "| metric | type | labels | description |",
+        out += [f"## {titles.get(collector, collector)}", "", "| metric | type | labels | description |",
                 "|---|---|---|---|"]
         for spec in sorted(specs, key=lambda s: s.name):
             labels = ", ".join(f"`{label}`" for label in spec.labels) or "–"

@@ -16,18 +16,16 @@ from typing import TYPE_CHECKING, Any
 from prometheus_client.core import Metric
 from prometheus_client.process_collector import ProcessCollector
 
-from gpu_energy_exporter.collectors.base import Collector
+from gpu_energy_exporter.collectors import registry
 from gpu_energy_exporter.collectors.carbon import CarbonCollector, IntensityFileCollector, IntensityWatch
 from gpu_energy_exporter.collectors.gpu import GPUCollector
-from gpu_energy_exporter.collectors.health import HealthCollector
-from gpu_energy_exporter.collectors.host import HostCollector
-from gpu_energy_exporter.collectors.rapl import RaplCollector
+from gpu_energy_exporter.collectors.registry import Wiring
 from gpu_energy_exporter.core.clientid import Peer
-from gpu_energy_exporter.core.config import Config
 from gpu_energy_exporter.core.contract import RUN_FINISHED
 from gpu_energy_exporter.core.errors import ConfigError, ExporterError
 from gpu_energy_exporter.core.state import GPUIdentity
 from gpu_energy_exporter.daemon.api import api_routes, status_document
+from gpu_energy_exporter.daemon.config import Config
 from gpu_energy_exporter.daemon.endpoints import exporter_routes, inline_scrape
 from gpu_energy_exporter.devices.base import GPUBackend
 from gpu_energy_exporter.engine.exposition import (
@@ -52,21 +50,9 @@ from gpu_energy_exporter.otlp.store import TrainingStore
 from gpu_energy_exporter.reference.carbon import resolve_intensity
 
 if TYPE_CHECKING:
-    from gpu_energy_exporter.collectors.kubernetes import KubernetesCollector
-    from gpu_energy_exporter.collectors.slurm import SlurmCollector
     from gpu_energy_exporter.otlp.grpcreceiver import GRPCReceiver
-    from gpu_energy_exporter.slurm.watch import DirectoryWatch
 
 log = logging.getLogger(__name__)
-
-
-def nvml_backend_factory(config: Config) -> Callable[[], GPUBackend]:
-    def factory() -> GPUBackend:
-        from gpu_energy_exporter.devices.nvml import NVMLBackend
-
-        return NVMLBackend(config.nvml_library)
-
-    return factory
 
 
 class Exporter:
@@ -82,29 +68,6 @@ class Exporter:
         self.config = config
         self._clock = clock
         self._started = False
-        collectors: list[Collector] = []
-        self.gpu: GPUCollector | None = None
-        if config.enabled("gpu"):
-            self.gpu = GPUCollector(
-                backend_factory or nvml_backend_factory(config),
-                processes=config.enabled("processes"),
-                gpm=config.enabled("gpm"),
-                power_interval=config.collector_power_interval,
-                idle_power_w=config.gpu_idle_power,
-                interval=config.collector_interval,
-                energy_interval=config.collector_energy_interval,
-                gpm_interval=config.collector_gpm_interval,
-                energy_timestamps=config.collector_gpu_energy_timestamps,
-                clock=clock,
-                process_interval=config.collector_gpu_process_interval,
-                procfs=config.path_procfs,
-            )
-            collectors.append(self.gpu)
-        if config.enabled("host"):
-            collectors.append(HostCollector(memory_critical_bytes=config.host_memory_critical,
-                                            procfs=config.path_procfs))
-        if config.enabled("rapl"):
-            collectors.append(RaplCollector(sysfs=config.path_sysfs))
         # Resolved even with --no-collector.carbon: the ledger's CO2 figures need it, and a bad region
         # must fail at start-up either way.
         self.intensity = resolve_intensity(config)
@@ -112,57 +75,23 @@ class Exporter:
         # the collector off, a collector of its own follows an intensity file (the ledger must not keep
         # the start-up intensity for ever).
         self.intensity_watch = IntensityWatch(self.intensity, config.carbon_intensity_file)
-        self.carbon: CarbonCollector | None = None
-        if config.enabled("carbon"):
-            self.carbon = CarbonCollector(
-                intensity=self.intensity, pue=config.carbon_pue, intensity_file=config.carbon_intensity_file,
-                gpus=self._identities, gpu_states=self.gpu.states if self.gpu else None, watch=self.intensity_watch,
-                clock=clock)
-            collectors.append(self.carbon)
-        elif self.intensity_watch.file is not None:
+        # Every enabled collector, built by its own module's factory (collectors.registry), in order.
+        wiring = Wiring(config, clock, self.read_counters_now, backend_factory=backend_factory,
+                        intensity=self.intensity, intensity_watch=self.intensity_watch)
+        collectors = registry.build(wiring)
+        built = wiring.built
+        gpu, carbon = built.get("gpu"), built.get("carbon")
+        self.gpu = gpu if isinstance(gpu, GPUCollector) else None
+        self.carbon = carbon if isinstance(carbon, CarbonCollector) else None
+        self.health = built.get("health")
+        self.kubernetes: Any = built.get("kubernetes")
+        self.slurm: Any = built.get("slurm")
+        self.services = wiring.services
+        if self.carbon is None and self.intensity_watch.file is not None:
             collectors.append(IntensityFileCollector(self.intensity_watch))
-        self.health: HealthCollector | None = None
-        if config.enabled("health") and self.gpu is not None:
-            self.health = HealthCollector(self.gpu, interval=config.collector_health_interval, clock=clock)
-            collectors.append(self.health)
-        self.kubernetes: KubernetesCollector | None = None
-        if config.enabled("kubernetes"):
-            from gpu_energy_exporter.collectors.kubernetes import KubernetesCollector
-
-            if self.gpu is None:
-                raise ConfigError("--collector.kubernetes needs the gpu collector (remove --no-collector.gpu)")
-            from gpu_energy_exporter.collectors.gpu_processes import ProcfsPods
-
-            # Processes NVML lists are placed in pods through the host's /proc (hostPID or the host's /proc
-            # mounted, docs/deploy.md), so a time-sliced GPU is split by each pod's SM use.
-            # A pod's start and stop read every energy counter at once (the refresh that sees it, else the
-            # sample that does): its settled energy covers its own interval (issue 28).
-            self.kubernetes = KubernetesCollector.from_config(config, self.gpu.states,
-                                                              pid_to_pod=ProcfsPods(config.path_procfs),
-                                                              request_counter_read=self.read_counters_now)
-            collectors.append(self.kubernetes)
-        self.slurm: SlurmCollector | None = None
-        self.slurm_watch: DirectoryWatch | None = None
-        if config.enabled("slurm"):
-            from gpu_energy_exporter.collectors.slurm import SlurmCollector
-
-            if self.gpu is None:
-                raise ConfigError("--collector.slurm needs the gpu collector (remove --no-collector.gpu)")
-            self.slurm = SlurmCollector(self.gpu.states, config.collector_slurm_job_mapping_dir,
-                                        procfs=config.path_procfs, request_counter_read=self.gpu.request_counter_read)
-            # A job's start and end fall on energy-counter reads (docs/slurm.md): read at once when the
-            # directory changes (the watch), and in any sample that finds it changed.
-            self.gpu.add_counter_read_check(self.slurm.mapping_changed)
-            collectors.append(self.slurm)
-            from gpu_energy_exporter.slurm.watch import DirectoryWatch
-
-            self.slurm_watch = DirectoryWatch(config.collector_slurm_job_mapping_dir, self.read_counters_now)
         self.collectors = collectors
-        self.sampler = Sampler(
-            collectors, config.collector_interval, gpu_states=self.gpu.states if self.gpu else None, clock=clock,
-            xid_events=self.health.critical_xids if self.health else None,
-            slurm_jobs=self.slurm.held if self.slurm else None,  # Slurm jobs are runs (ledger.jobs)
-        )
+        self.sampler = Sampler(collectors, config.collector_interval, gpu_states=self.gpu.states if self.gpu else None,
+                               clock=clock, **wiring.sampler_hooks)
         self.snapshot_collector = SnapshotCollector(self.sampler, clock=clock)
         self.registry = new_registry(self.snapshot_collector)
         self.process_collector = ProcessCollector(namespace="gpuenergy", registry=self.registry)
@@ -406,8 +335,8 @@ class Exporter:
         self.web = web
         self._started = True
         self.sampler.start()
-        if self.slurm_watch is not None:
-            self.slurm_watch.start()
+        for service in self.services:
+            service.start()
         if self.otlp_grpc is not None:
             self.otlp_grpc.start()
         self.web.start()
@@ -429,8 +358,8 @@ class Exporter:
                 self.otlp_unix.shutdown()
         if self.otlp_grpc is not None:
             self.otlp_grpc.shutdown()
-        if self.slurm_watch is not None:
-            self.slurm_watch.stop()
+        for service in self.services:
+            service.stop()
         self.sampler.stop()
         self.ledger.close()
 

@@ -44,8 +44,8 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
-from gpu_energy_exporter.core.config import parse_duration
 from gpu_energy_exporter.core.errors import ConfigError
+from gpu_energy_exporter.core.flagtypes import parse_duration
 from gpu_energy_exporter.http.basicauth import BCRYPT_RE, BasicAuth
 from gpu_energy_exporter.http.ratelimit import RateLimit
 from gpu_energy_exporter.http.tls import (

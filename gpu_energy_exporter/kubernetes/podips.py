@@ -32,10 +32,9 @@ import time
 import urllib.parse
 import urllib.request
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, Protocol
 
 from gpu_energy_exporter.core.clientid import Peer, parse_ip, pod_peer
-from gpu_energy_exporter.core.config import Config
 from gpu_energy_exporter.core.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -213,6 +212,24 @@ def api_fetch(api_url: str, node_name: str, *, token_file: str = SERVICE_ACCOUNT
     return fetch
 
 
+class PodIdentitySettings(Protocol):
+    """The flags ``directory_from_config`` reads (the daemon's ``Config`` has them)."""
+
+    @property
+    def kubernetes_pod_identity(self) -> bool: ...
+
+    @property
+    def kubernetes_api_url(self) -> str: ...
+
+    @property
+    def kubernetes_node_name(self) -> str: ...
+
+    @property
+    def kubernetes_refresh_interval(self) -> float: ...
+
+    def enabled(self, collector: str) -> bool: ...
+
+
 def in_cluster_api_url(environ: Mapping[str, str]) -> str:
     """The API server's URL inside a pod (``KUBERNETES_SERVICE_HOST``/``_PORT``), "" outside one."""
     host, port = environ.get("KUBERNETES_SERVICE_HOST", ""), environ.get("KUBERNETES_SERVICE_PORT", "443")
@@ -221,7 +238,7 @@ def in_cluster_api_url(environ: Mapping[str, str]) -> str:
     return f"https://[{host}]:{port}" if ":" in host else f"https://{host}:{port}"
 
 
-def directory_from_config(config: Config, environ: Mapping[str, str]) -> PodDirectory | None:
+def directory_from_config(config: PodIdentitySettings, environ: Mapping[str, str]) -> PodDirectory | None:
     """The exporter's ``PodDirectory`` (``--kubernetes.pod-identity`` with ``--collector.kubernetes``), or None
     when it is off, or outside a cluster with no ``--kubernetes.api-url`` (said once in the log)."""
     if not (config.enabled("kubernetes") and config.kubernetes_pod_identity):

@@ -22,13 +22,23 @@ import io
 import math
 import re
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple, Protocol
 
 from gpu_energy_exporter.core.errors import ConfigError
 from gpu_energy_exporter.reference import DATA_DIR
 
-if TYPE_CHECKING:
-    from gpu_energy_exporter.core.config import Config
+
+class CarbonSettings(Protocol):
+    """The flags ``resolve_intensity`` reads (the daemon's ``Config`` has them)."""
+
+    @property
+    def carbon_intensity(self) -> float | None: ...
+
+    @property
+    def carbon_region(self) -> str | None: ...
+
+    @property
+    def carbon_intensity_file(self) -> str | None: ...
 
 #: World average carbon intensity of electricity generation used when nothing else is configured:
 #: Ember, "Global Electricity Review 2024", world 2023 figure (480 gCO2/kWh, lifecycle, CO2-equivalent).
@@ -197,7 +207,7 @@ def read_intensity_file(path: str) -> float:
         return parse_intensity_text(f.read(4096))
 
 
-def resolve_intensity(config: Config) -> IntensityResolution:
+def resolve_intensity(config: CarbonSettings) -> IntensityResolution:
     """Choose the carbon intensity from the configuration (see the module docstring for the order).
 
     A ``--carbon.region`` is validated even when a flag or file overrides its figure, so a typo never

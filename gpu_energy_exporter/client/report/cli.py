@@ -25,8 +25,8 @@ from gpu_energy_exporter.client.report.render import build_blocks, fmt_energy, r
 from gpu_energy_exporter.client.report.run import ReportError, RunData, num
 from gpu_energy_exporter.client.report.sources import load_file, load_from_exporter
 from gpu_energy_exporter.client.safeout import printable_stream
-from gpu_energy_exporter.core.config import parse_duration
 from gpu_energy_exporter.core.flagparser import FlagParser
+from gpu_energy_exporter.core.flagtypes import parse_duration
 from gpu_energy_exporter.core.textfmt import fmt_num, json_safe, printable
 
 

@@ -19,8 +19,8 @@ from gpu_energy_exporter.client.api import ExporterUnreachable, add_client_flags
 from gpu_energy_exporter.client.safeout import printable_stream
 from gpu_energy_exporter.client.top.poller import Poller
 from gpu_energy_exporter.client.top.screen import run_curses, run_plain
-from gpu_energy_exporter.core.config import parse_duration
 from gpu_energy_exporter.core.flagparser import FlagParser
+from gpu_energy_exporter.core.flagtypes import parse_duration
 
 
 def _unicode_ok(stream: IO[str]) -> bool:

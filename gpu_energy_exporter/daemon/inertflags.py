@@ -1,5 +1,5 @@
 """Flags given to a collector that is disabled: one warning per such collector, naming the flag that enables
-it (issue 31). Pure, over the flag table (``core.config.FLAGS``): never reads a file or the clock."""
+it (issue 31). Pure, over the flag table (``daemon.config.FLAGS``): never reads a file or the clock."""
 
 from __future__ import annotations
 
@@ -8,14 +8,14 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from gpu_energy_exporter.core.config import Config
+    from gpu_energy_exporter.daemon.config import Config
 
 
 def inert_flags(ns: argparse.Namespace, environ: Mapping[str, str], cfg: Config) -> list[str]:
     """One warning per disabled collector whose flags were given (on the command line or in the environment):
     they have no effect, and the warning names the flag that enables the collector. Pure, over the flag
     table: a flag belongs to the collector its ``collector`` names."""
-    from gpu_energy_exporter.core.config import COLLECTORS, FLAGS
+    from gpu_energy_exporter.daemon.config import COLLECTORS, FLAGS
 
     given: dict[str, list[str]] = {}
     for flag in FLAGS:
