@@ -93,7 +93,12 @@ def test_the_running_daemon_never_imports_what_only_other_commands_or_flags_use(
 _LEAN_CHILD = """
 import sys
 sys.path.insert(0, {repo!r})
-import gpu_energy_exporter.daemon  # registers the lean prometheus_client
+import gpu_energy_exporter.daemon.exporter  # a library import changes nothing: the whole package
+assert "prometheus_client.exposition" in sys.modules, "importing the daemon as a library replaced a dependency"
+for name in [m for m in sys.modules if m.startswith(("prometheus_client", "gpu_energy_exporter"))]:
+    del sys.modules[name]
+from gpu_energy_exporter.daemon.lean import lean_prometheus_client
+lean_prometheus_client()  # what the process's entry point (daemon.cli.main) does first
 from prometheus_client.core import Metric
 assert "prometheus_client.exposition" not in sys.modules, "the submodule import ran the package __init__"
 import prometheus_client

@@ -1,7 +1,8 @@
 """Command line: ``gpu-energy-exporter [flags]`` serves; sub-commands do the rest.
 
 Sub-commands are imported lazily so that ``gpu-energy-exporter --help`` and the daemon never import
-what only one sub-command needs (matplotlib for ``report``, curses for ``top``).
+what only one sub-command needs (matplotlib for ``report``, curses for ``top``); the daemon's own modules are
+imported by ``main`` too, after it chose how prometheus_client is loaded (``daemon/lean.py``).
 """
 
 from __future__ import annotations
@@ -18,9 +19,6 @@ from collections.abc import Sequence
 
 from gpu_energy_exporter import __version__
 from gpu_energy_exporter.core.errors import ExporterError
-from gpu_energy_exporter.daemon.config import config_from_namespace
-from gpu_energy_exporter.daemon.config import new_parser as config_parser
-from gpu_energy_exporter.daemon.inertflags import inert_flags
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +51,8 @@ NO_GPU_HINT = ("no NVIDIA driver here: to try gpu-energy-exporter without a GPU,
 
 
 def new_parser() -> argparse.ArgumentParser:
+    from gpu_energy_exporter.daemon.config import new_parser as config_parser
+
     parser = config_parser()
     parser.description = (
         "Prometheus exporter for GPU energy, power, utilisation and the training runs that use them. Serves "
@@ -67,7 +67,9 @@ def new_parser() -> argparse.ArgumentParser:
 
 def serve(argv: Sequence[str], *, backend_factory: object = None) -> int:
     """Parse flags, start the exporter, run until SIGTERM/SIGINT."""
+    from gpu_energy_exporter.daemon.config import config_from_namespace
     from gpu_energy_exporter.daemon.exporter import Exporter
+    from gpu_energy_exporter.daemon.inertflags import inert_flags
     from gpu_energy_exporter.daemon.lean import few_malloc_arenas
     from gpu_energy_exporter.daemon.logsetup import setup_logging
 
@@ -121,6 +123,13 @@ def _freeze_startup_heap() -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """The process's entry point (the console script and ``python -m gpu_energy_exporter``)."""
+    from gpu_energy_exporter.daemon.lean import lean_prometheus_client
+
+    # This process's own choice, before anything imports prometheus_client: its submodules without the
+    # package __init__'s HTTP servers and OpenSSL (6.4 MB of the daemon's RSS; daemon/lean.py). Importing
+    # the package as a library (tests, a notebook) changes nothing.
+    lean_prometheus_client()
     args = list(sys.argv[1:] if argv is None else argv)
     if args and args[0] in SUBCOMMANDS:
         module = importlib.import_module(SUBCOMMANDS[args[0]][0])
