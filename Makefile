@@ -13,7 +13,7 @@ PYTEST_ARGS ?=
 # so two workers on two cores take about 11 minutes where one took 16. TEST_WORKERS=0 runs it in-process.
 TEST_WORKERS ?= 2
 
-.PHONY: run test test-gpu test-container test-arm64 screenshots bench docs lint dashboards dist clean
+.PHONY: run test test-fast test-gpu test-container test-arm64 screenshots bench docs lint dashboards dist clean
 
 $(VENV)/bin/python:
 	python3 -m venv $(VENV)
@@ -33,6 +33,11 @@ run: $(VENV)/.run-installed
 
 test: $(VENV)/.test-installed
 	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
+
+# The fast tier, for every change: pure and in-process tests (no other process, no Prometheus, no torch;
+# tests/conftest.py marks the rest `full`), about 40 s on two cores. `make test` stays the whole suite.
+test-fast: $(VENV)/.test-installed
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile -m "not full and not arm64" --durations=10 $(PYTEST_ARGS)
 
 # On a machine with an NVIDIA GPU and driver (skipped, saying why, elsewhere): identity and a full reading of
 # every GPU; the energy counter against 50 ms instant power and 1 s average x time under a bursty bf16 matmul

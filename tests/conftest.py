@@ -8,6 +8,7 @@ importable by the benchmarks too; this file keeps what needs pytest. Everything 
 from __future__ import annotations
 
 import os
+import re
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -45,3 +46,24 @@ def start_exporter() -> Iterator[type[ExporterProcess]]:
     yield _Tracked
     for p in started:
         p.stop()
+
+
+# ----------------------------------------------------------------------------------------------------
+# the two tiers: `make test-fast` runs `-m "not full"` (pure and in-process tests: no other process, no
+# Prometheus, no torch; under 2 minutes on two cores), `make test` runs everything.
+
+#: What puts a test file in the full tier only: it starts another process (an exporter, Prometheus, promtool,
+#: Slurm, a container build, a fresh install) or trains with torch.
+FULL_TIER = re.compile(r"\bsubprocess\b|\bPopen\b|\bstart_exporter\b|\bExporterProcess\b|\bpromtool\b|"
+                       r"^from prom import|^import torch|\btraining_models\b|\bbuildah\b|\bfresh_install\b|"
+                       r"\bmultiprocessing\b|\btmux\b", re.MULTILINE)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    full: dict[Path, bool] = {}
+    for item in items:
+        path = Path(item.path)
+        if path not in full:
+            full[path] = bool(FULL_TIER.search(path.read_text(encoding="utf-8")))
+        if full[path]:
+            item.add_marker(pytest.mark.full)

@@ -136,7 +136,11 @@ def test_jpt_recording_rule_matches_the_run_ledger(session: Session) -> None:
     assert ledger["status"] == "running"
     rule = session.prom.value(f'run_id:training_energy_joules_per_token:ratio_rate5m{{run_id="{RUN_ID}"}}')
     assert rule is not None, "the J/token recording rule has no value for the run"
-    assert ledger["j_per_token"] == pytest.approx(rule, rel=0.02), (ledger["j_per_token"], rule)
+    # The rule and the ledger count the same energy and tokens over windows a scrape apart (the rule's rate()
+    # over 1 s scrapes that a loaded machine takes late, the ledger's from the run's first point to its last
+    # snapshot): 2.1% apart was seen once on two loaded cores (issue 32), so 4%; an attribution error is
+    # far outside it (GPU 2 charged too +20%, one GPU missing -42%, tokens counted twice -50%).
+    assert ledger["j_per_token"] == pytest.approx(rule, rel=0.04), (ledger["j_per_token"], rule)
     # The run uses GPUs 0 and 1: 312 W + 438 W = 750 W, at the token rate the trainer actually achieved
     # (its own step count over its own elapsed time; the pace is an upper bound a loaded machine misses).
     # The ledger's window (first OTLP point to the last snapshot, tokens lagging by up to one export
