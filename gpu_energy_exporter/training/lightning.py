@@ -45,18 +45,25 @@ import math
 import os
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-try:
+if TYPE_CHECKING:
+    # Type-checked against Lightning 2.x, what the `lightning` extra installs (Any where it is not
+    # installed). The older pytorch_lightning's Callback below is the same API but another class: a checker
+    # seeing both imports needs a `type: ignore[assignment]` there, which warn_unused_ignores then flags
+    # wherever lightning is not installed (both imports are Any).
     from lightning.pytorch import Callback
-except ImportError:
+else:
     try:
-        from pytorch_lightning import Callback  # type: ignore[assignment]
-    except ImportError as exc:  # pragma: no cover - depends on the installed extras
-        raise ImportError(
-            "gpu_energy_exporter.training.lightning needs PyTorch Lightning: "
-            "pip install lightning (or, in a checkout of gpu-energy-exporter, pip install '.[lightning]')"
-        ) from exc
+        from lightning.pytorch import Callback
+    except ImportError:
+        try:
+            from pytorch_lightning import Callback
+        except ImportError as exc:  # pragma: no cover - depends on the installed extras
+            raise ImportError(
+                "gpu_energy_exporter.training.lightning needs PyTorch Lightning: "
+                "pip install lightning (or, in a checkout of gpu-energy-exporter, pip install '.[lightning]')"
+            ) from exc
 
 from gpu_energy_exporter.core.contract import FLOPS_TRAINABLE, PADDING_EXCLUDED, PADDING_INCLUDED
 from gpu_energy_exporter.training.batch import (
