@@ -7,7 +7,6 @@ project's fake ``libnvidia-ml.so.1`` in a child process (pynvml keeps process-wi
 
 from __future__ import annotations
 
-import inspect
 import json
 import logging
 import multiprocessing
@@ -130,7 +129,7 @@ def test_precision_is_normalised_for_the_peak_flops_join(given: str, precision: 
 
 
 def test_run_metadata_is_what_the_caller_gave_over_what_the_framework_says() -> None:
-    from gpu_energy_exporter.core.contract import RUN_INFO_ATTRIBUTES
+    from gpu_energy_exporter.core.contract import COUNTING_ATTRIBUTES, RUN_INFO_ATTRIBUTES
     from gpu_energy_exporter.training import RunMetadata
 
     framework = RunMetadata(model="LitGPT", optimizer="AdamW", batch_size=8, precision="bf16-mixed",
@@ -142,8 +141,83 @@ def test_run_metadata_is_what_the_caller_gave_over_what_the_framework_says() -> 
     assert RunMetadata(precision="fp16").over(framework).precision_raw is None
     attrs = merged.attributes()
     assert attrs["precision"] == "bf16" and attrs["precision_raw"] == "bf16-mixed" and attrs["backend"] is None
-    assert set(attrs) <= set(RUN_INFO_ATTRIBUTES)  # every attribute is one the contract names
-    assert set(merged.keywords()) <= set(inspect.signature(start_run).parameters)
+    assert set(attrs) <= {*RUN_INFO_ATTRIBUTES, *COUNTING_ATTRIBUTES}  # every attribute is one the contract names
+    # The run's progress and parameter count fill the same way.
+    framework = RunMetadata(total_steps=40, start_step=10, parameters=1000)
+    assert RunMetadata(total_steps=50).over(framework) == RunMetadata(total_steps=50, start_step=10, parameters=1000)
+
+
+def everything_on_the_wire(store: TrainingStore, run_id: str) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
+    """Every sample of run ``run_id`` the store exposes, keyed by name and labels but for the run id."""
+    out = {}
+    for family in store.collect():
+        for sample in family.samples:
+            labels = dict(sample.labels)
+            if labels.pop("run_id", None) == run_id:
+                out[(sample.name, frozenset(labels.items()))] = sample.value
+    return out
+
+
+def test_keywords_and_run_metadata_put_the_same_points_on_the_wire() -> None:
+    from gpu_energy_exporter.training import ExportSettings, RunMetadata
+
+    fields = {"model": "tiny-lm", "backend": "bnb", "optimizer": "adamw", "batch_size": 4, "grad_accum": 2,
+              "seq_len": 16, "precision": "bf16-mixed", "seed": 7, "notes": "lora r=8", "total_steps": 50,
+              "start_step": 20, "parameters": 8_030_261_248, "padding": "excluded", "flops": "trainable"}
+    with receiver() as (endpoint, store):
+        placement = {"export_interval": 30, "gpu_uuids": [GPU_A, GPU_B], "rank": 1, "world_size": 2}
+        by_name = start_run("by-name", **fields, endpoint=endpoint, **placement)
+        as_object = start_run("as-object", metadata=RunMetadata(**fields),
+                              export=ExportSettings(endpoint=endpoint, **placement))
+        # A field given by name replaces the object's.
+        mixed = start_run("mixed", metadata=RunMetadata(**{**fields, "seed": 8, "notes": "other"}), seed=7,
+                          notes="lora r=8", export=ExportSettings(endpoint="http://127.0.0.1:9"),
+                          endpoint=endpoint, **placement)
+        for run in (by_name, as_object, mixed):
+            run.step(tokens=64, samples=4, flops=1e9, duration_s=0.5)
+            run.finish()
+        wire = everything_on_the_wire(store, "by-name")
+        info = next(dict(labels) for name, labels in wire if name == "training_run_info")
+        assert (info["model"], info["precision"], info["precision_raw"], info["padding"]) == (
+            "tiny-lm", "bf16", "bf16-mixed", "excluded")
+        assert (info["rank"], info["world_size"], info["gpu_uuid"]) == ("1", "2", f"{GPU_A},{GPU_B}")
+        assert wire[("training_run_total_steps", frozenset(
+            {"rank": "1", "gpu_uuid": f"{GPU_A},{GPU_B}"}.items()))] == 50
+        assert total(store, "training_global_step", run_id="by-name") == 21  # start_step 20, one step
+        assert total(store, "training_model_parameters", run_id="by-name") == 8_030_261_248
+        assert everything_on_the_wire(store, "as-object") == wire
+        assert everything_on_the_wire(store, "mixed") == wire
+
+
+def test_keywords_are_sorted_into_run_metadata_and_export_settings() -> None:
+    from gpu_energy_exporter.training import ExportSettings, RunMetadata
+    from gpu_energy_exporter.training.export_settings import run_keywords
+
+    assert run_keywords(start_run, None, None, {}) == (RunMetadata(), ExportSettings())
+    given = RunMetadata(model="a", seed=1)
+    assert run_keywords(start_run, given, ExportSettings(rank=3), {"seed": 2, "endpoint": "http://x:1"}) == (
+        RunMetadata(model="a", seed=2), ExportSettings(endpoint="http://x:1", rank=3))
+    assert given.seed == 1  # frozen: the caller's object is not changed
+
+
+def test_an_unknown_keyword_is_a_type_error_naming_it_and_the_valid_ones() -> None:
+    import dataclasses
+
+    from gpu_energy_exporter.training import ExportSettings, RunMetadata
+
+    with pytest.raises(TypeError, match=r"^start_run\(\) got an unexpected keyword argument 'modle' "
+                                        r"\(did you mean 'model'\?\)") as caught:
+        start_run(modle="tiny-lm", endpoint="http://127.0.0.1:9", gpu_uuids=[GPU_A])
+    message = str(caught.value)
+    for name in ("run_id", "metadata", "export", *(f.name for f in dataclasses.fields(RunMetadata)),
+                 *(f.name for f in dataclasses.fields(ExportSettings))):
+        assert name in message
+    with pytest.raises(TypeError, match="unexpected keyword argument 'zzz'; it takes run_id"):
+        start_run(zzz=1)
+    with pytest.raises(ValueError, match="padding must be"):
+        RunMetadata(padding="yes")
+    with pytest.raises(ValueError, match="flops must be"):
+        start_run(metadata=RunMetadata(flops="all"))
 
 
 def test_normalised_precision_and_the_raw_value_reach_the_receiver() -> None:

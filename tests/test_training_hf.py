@@ -19,6 +19,7 @@ from gpu_energy_exporter.training.hf import EnergyCallback, even_share
 pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parent.parent
+GPU_A = "GPU-11111111-2222-3333-4444-555555555555"
 CONFIG = TinyLMConfig(vocab_size=64, seq_len=16)
 
 
@@ -92,16 +93,39 @@ def test_trainer_token_count_is_used_when_the_trainer_counts(tmp_path: Path) -> 
         assert total(store, "training_samples_total") == 20
 
 
-def test_metadata_keywords_are_run_metadata_fields_and_reach_the_callback() -> None:
-    import dataclasses
-    import inspect
+def test_run_metadata_and_export_settings_pass_through_the_callback(tmp_path: Path) -> None:
+    from gpu_energy_exporter.training import ExportSettings, RunMetadata
 
-    from gpu_energy_exporter.training import RunMetadata
+    # The same callback by keywords and by objects.
+    fields = {"model": "my-gpt2", "backend": "hf-test", "seq_len": CONFIG.seq_len, "seed": 11, "notes": "obj",
+              "parameters": 12_345, "total_steps": 100, "padding": "included", "flops": "total"}
+    assert EnergyCallback(**fields, gpu_uuids=[GPU_A]).metadata == RunMetadata(**fields)
+    assert EnergyCallback(**fields, gpu_uuids=[GPU_A]).export == ExportSettings(gpu_uuids=[GPU_A])
+    with receiver() as (endpoint, store):
+        callback = EnergyCallback(metadata=RunMetadata(**fields),
+                                  export=ExportSettings(endpoint=endpoint, export_interval=30, gpu_uuids=[GPU_A]))
+        trainer = trainer_for(callback, tmp_path, TokenDataset(10, CONFIG))
+        trainer.train()
+        (info,) = series(store, "training_run_info")
+        meta = dict(info)
+        # Given: passed through, and over what the Trainer says (model class, seed 3, the parameter count,
+        # max_steps 4); not given: read from the Trainer (batch size, gradient accumulation, precision).
+        assert (meta["model"], meta["backend"], meta["seq_len"], meta["seed"], meta["notes"]) == (
+            "my-gpt2", "hf-test", "16", "11", "obj")
+        assert (meta["padding"], meta["flops"]) == ("included", "total")
+        assert (meta["batch_size"], meta["grad_accum"], meta["precision"]) == ("4", "2", "fp32")
+        assert total(store, "training_model_parameters") == 12_345
+        assert total(store, "training_run_total_steps") == 100
+        assert total(store, "training_global_step") == trainer.state.global_step == 4  # derived
+        assert label_values(store, "training_tokens_total", "gpu_uuid") == {GPU_A}  # given, not the CPU's
+        assert total(store, "training_tokens_total") == 20 * CONFIG.seq_len
 
-    given = {f.name for f in dataclasses.fields(RunMetadata)} - {"precision_raw"}  # a framework's, not a keyword
-    assert given <= set(inspect.signature(EnergyCallback).parameters)
-    callback = EnergyCallback(model="llama-3-8b", notes="try 2")
-    assert callback.metadata == RunMetadata(model="llama-3-8b", notes="try 2")
+
+def test_an_unknown_keyword_is_a_type_error() -> None:
+    with pytest.raises(TypeError, match=r"EnergyCallback.__init__\(\) got an unexpected keyword argument "
+                                        r"'batchsize' \(did you mean 'batch_size'\?\); it takes run_id, "
+                                        r"metadata, export, flops_per_token, count_batch"):
+        EnergyCallback(batchsize=8)
 
 
 def test_even_share_adds_up_exactly() -> None:

@@ -21,13 +21,14 @@ pytestmark = [
 ]
 
 REPO = Path(__file__).resolve().parent.parent
+GPU_A = "GPU-11111111-2222-3333-4444-555555555555"
 CONFIG = TinyLMConfig(vocab_size=64, hidden_size=16, seq_len=16)
 
 
-def test_lightning_run_is_reported() -> None:
+def fit(callback: Any) -> tuple[Any, Any]:
+    """A tiny LightningModule fitted for 2 epochs of 10 samples (batches of 4, 2 per step) with ``callback``:
+    returns (trainer, module)."""
     import lightning.pytorch as pl
-
-    from gpu_energy_exporter.training.lightning import EnergyCallback
 
     class LitTinyLM(pl.LightningModule):
         def __init__(self) -> None:
@@ -48,18 +49,25 @@ def test_lightning_run_is_reported() -> None:
 
     train = [{"input_ids": x} for x in synthetic_tokens(10, CONFIG)]
     val = [{"input_ids": x} for x in synthetic_tokens(4, CONFIG, seed=1)]
+    trainer = pl.Trainer(
+        max_epochs=2, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, accumulate_grad_batches=2,
+        num_sanity_val_steps=0, callbacks=[callback],
+    )
+    module = LitTinyLM()
+    trainer.fit(module, torch.utils.data.DataLoader(train, batch_size=4),
+                torch.utils.data.DataLoader(val, batch_size=4))
+    return trainer, module
+
+
+def test_lightning_run_is_reported() -> None:
+    from gpu_energy_exporter.training.lightning import EnergyCallback
+
     params = sum(p.numel() for p in TinyLM(CONFIG).parameters())
     with receiver() as (endpoint, store):
         callback = EnergyCallback(backend="lightning-test", seq_len=CONFIG.seq_len, endpoint=endpoint,
                                   export_interval=0.1, flops_per_token=6 * params)
-        trainer = pl.Trainer(
-            max_epochs=2, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
-            enable_progress_bar=False, enable_model_summary=False, accumulate_grad_batches=2,
-            num_sanity_val_steps=0, callbacks=[callback],
-        )
-        module = LitTinyLM()
-        trainer.fit(module, torch.utils.data.DataLoader(train, batch_size=4),
-                    torch.utils.data.DataLoader(val, batch_size=4))
+        trainer, module = fit(callback)
 
         # 3 batches per epoch (4, 4, 2 samples); 2 micro-batches per step: 2 steps per epoch.
         assert trainer.global_step == 4
@@ -87,17 +95,42 @@ def test_lightning_run_is_reported() -> None:
         assert callback.run is None
 
 
-def test_metadata_keywords_are_run_metadata_fields_and_reach_the_callback() -> None:
-    import dataclasses
-    import inspect
-
-    from gpu_energy_exporter.training import RunMetadata
+def test_run_metadata_and_export_settings_pass_through_the_callback() -> None:
+    from gpu_energy_exporter.training import ExportSettings, RunMetadata
     from gpu_energy_exporter.training.lightning import EnergyCallback
 
-    given = {f.name for f in dataclasses.fields(RunMetadata)} - {"precision_raw"}  # a framework's, not a keyword
-    assert given <= set(inspect.signature(EnergyCallback).parameters)
-    callback = EnergyCallback(model="llama-3-8b", notes="try 2")
-    assert callback.metadata == RunMetadata(model="llama-3-8b", notes="try 2")
+    # The same callback by keywords and by objects.
+    fields = {"model": "lit-tiny", "optimizer": "my-sgd", "notes": "obj", "parameters": 777, "total_steps": 40,
+              "padding": "included", "flops": "total"}
+    assert EnergyCallback(**fields, gpu_uuids=[GPU_A]).metadata == RunMetadata(**fields)
+    assert EnergyCallback(**fields, gpu_uuids=[GPU_A]).export == ExportSettings(gpu_uuids=[GPU_A])
+    non_embedding = sum(p.numel() for p in TinyLM(CONFIG).head.parameters())  # an embedding is a lookup
+    with receiver() as (endpoint, store):
+        callback = EnergyCallback(metadata=RunMetadata(**fields),
+                                  export=ExportSettings(endpoint=endpoint, export_interval=30, gpu_uuids=[GPU_A]))
+        trainer, _ = fit(callback)
+        (info,) = series(store, "training_run_info")
+        meta = dict(info)
+        # Given: passed through, and over what the Trainer says (module and optimizer class, the parameter
+        # count, the estimated 4 steps); not given: read from the Trainer (gradient accumulation, precision).
+        assert (meta["model"], meta["optimizer"], meta["notes"]) == ("lit-tiny", "my-sgd", "obj")
+        assert (meta["padding"], meta["flops"]) == ("included", "total")
+        assert (meta["grad_accum"], meta["precision"]) == ("2", "fp32")
+        assert total(store, "training_model_parameters") == 777
+        assert total(store, "training_run_total_steps") == 40
+        assert total(store, "training_global_step") == trainer.global_step == 4  # derived
+        assert label_values(store, "training_tokens_total", "gpu_uuid") == {GPU_A}  # given, not the CPU's
+        # FLOPs counted from the module in the given convention: 6 N per position.
+        assert total(store, "training_flops_total") == 20 * CONFIG.seq_len * 6 * non_embedding
+
+
+def test_an_unknown_keyword_is_a_type_error() -> None:
+    from gpu_energy_exporter.training.lightning import EnergyCallback
+
+    with pytest.raises(TypeError, match=r"EnergyCallback.__init__\(\) got an unexpected keyword argument "
+                                        r"'val_loss' \(did you mean 'val_loss_key'\?\); it takes run_id, "
+                                        r"metadata, export, flops_per_token, val_loss_key, input_key, count_batch"):
+        EnergyCallback(val_loss="loss")
 
 
 def test_missing_lightning_says_what_to_install() -> None:

@@ -9,6 +9,10 @@ A plain loop::
             loss = train_step(batch)
             run.step(tokens=count_tokens(batch), samples=len(batch["input_ids"]), loss=loss)
 
+The same metadata as one object, shared by scripts and callbacks: ``start_run(metadata=RunMetadata(
+model="llama-3-8b", backend="unsloth", batch_size=8, seq_len=2048))``; where the run reports (endpoint,
+export interval, GPUs, rank) is an ``ExportSettings`` (``export=``) or its fields by name.
+
 ``count_tokens`` counts the non-padding tokens (the attention mask) without a device synchronisation;
 ``flops_per_token(model)`` gives the model FLOPs per token position for ``step(flops=...)``.
 
@@ -34,6 +38,7 @@ from gpu_energy_exporter.core.contract import GPU_NONE, GPU_UNKNOWN
 if TYPE_CHECKING:
     from gpu_energy_exporter.training.batch import count_batch, count_tokens
     from gpu_energy_exporter.training.endpoint import DEFAULT_ENDPOINT, resolve_endpoint
+    from gpu_energy_exporter.training.export_settings import ExportSettings
     from gpu_energy_exporter.training.flops import flops_per_token
     from gpu_energy_exporter.training.gpus import GPUResolution, resolve_gpus
     from gpu_energy_exporter.training.metadata import RunMetadata
@@ -43,6 +48,7 @@ if TYPE_CHECKING:
 # ``gpu_energy_exporter.core.contract``) never loads the OpenTelemetry SDK or torch.
 _EXPORTS = {
     "DEFAULT_ENDPOINT": "endpoint",
+    "ExportSettings": "export_settings",
     "GPUResolution": "gpus",
     "RunMetadata": "metadata",
     "TrainingRun": "run",
@@ -56,6 +62,7 @@ _EXPORTS = {
 
 __all__ = [
     "DEFAULT_ENDPOINT",
+    "ExportSettings",
     "GPU_NONE",
     "GPU_UNKNOWN",
     "GPUResolution",

@@ -48,10 +48,11 @@ does (no control flags touched, nothing raised into the training loop).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from typing import Any
 
 try:
@@ -70,7 +71,8 @@ from gpu_energy_exporter.training.batch import (
     main_tensor,
     non_padding_tokens,
 )
-from gpu_energy_exporter.training.flops import check_flops_mode, flops_per_token
+from gpu_energy_exporter.training.export_settings import ExportSettings, run_keywords
+from gpu_energy_exporter.training.flops import flops_per_token
 from gpu_energy_exporter.training.metadata import RunMetadata, count_parameters, fp32_matmul_precision
 from gpu_energy_exporter.training.run import TrainingRun, start_run
 
@@ -135,13 +137,14 @@ class _BatchCounter:
 class EnergyCallback(TrainerCallback):
     """Reports a Hugging Face ``Trainer`` run to gpu-energy-exporter (see the module docstring).
 
-    Metadata keywords override what is read from the ``TrainingArguments``; the other keywords are
-    passed to ``start_run`` (``endpoint``, ``export_interval``, ``gpu_uuids``, ``headers``...).
-    ``padding``: ``"excluded"`` (default: non-padding tokens, from the attention mask) or ``"included"``;
-    ``flops``: ``"trainable"`` (default: ``4 N + 2 N_trainable`` per token, right for LoRA and for full
-    training) or ``"total"`` (``6 N``, as the Trainer's ``total_flos``); ``flops_per_token`` replaces the
-    figure counted from the model (give it where the model is sharded, FSDP). ``count_batch`` replaces the
-    shape-based ``(samples, token positions)`` counter for unusual inputs.
+    Takes what ``start_run`` takes, as ``metadata`` (a ``RunMetadata``) and ``export`` (an
+    ``ExportSettings``) or their fields by name: what is given overrides what is read from the
+    ``TrainingArguments``, the model and the Trainer's state. ``padding``: ``"excluded"`` (default:
+    non-padding tokens, from the attention mask) or ``"included"``; ``flops``: ``"trainable"`` (default:
+    ``4 N + 2 N_trainable`` per token, right for LoRA and for full training) or ``"total"`` (``6 N``, as the
+    Trainer's ``total_flos``). ``flops_per_token`` replaces the figure counted from the model (give it where
+    the model is sharded, FSDP). ``count_batch`` replaces the shape-based ``(samples, token positions)``
+    counter for unusual inputs.
     ``run`` is the current ``TrainingRun`` (None outside ``train()``).
     """
 
@@ -149,38 +152,17 @@ class EnergyCallback(TrainerCallback):
         self,
         run_id: str | None = None,
         *,
-        model: str | None = None,
-        backend: str | None = None,
-        optimizer: str | None = None,
-        batch_size: int | None = None,
-        grad_accum: int | None = None,
-        seq_len: int | None = None,
-        precision: str | None = None,
-        seed: int | None = None,
-        notes: str | None = None,
-        parameters: int | None = None,
-        padding: str | None = None,
-        flops: str = FLOPS_TRAINABLE,
+        metadata: RunMetadata | None = None,
+        export: ExportSettings | None = None,
         flops_per_token: float | None = None,
-        endpoint: str | None = None,
-        export_interval: float | None = None,
-        gpu_uuids: Sequence[str] | None = None,
         count_batch: Callable[[Any, str], tuple[int, int]] = count_batch,
-        **run_kwargs: Any,
+        **fields: Any,
     ) -> None:
-        if padding not in (None, PADDING_EXCLUDED, PADDING_INCLUDED):
-            raise ValueError(f"padding must be {PADDING_EXCLUDED!r} or {PADDING_INCLUDED!r}, got {padding!r}")
-        self.padding = padding
-        self.flops = check_flops_mode(flops)
-        self.flops_per_token = flops_per_token
         self.run_id = run_id
-        self.metadata = RunMetadata(model=model, backend=backend, optimizer=optimizer, batch_size=batch_size,
-                                    grad_accum=grad_accum, seq_len=seq_len, precision=precision, seed=seed,
-                                    notes=notes)
-        self.run_kwargs: dict[str, Any] = {
-            "endpoint": endpoint, "export_interval": export_interval, "gpu_uuids": gpu_uuids, **run_kwargs,
-        }
-        self.parameters = parameters
+        self.metadata, self.export = run_keywords(type(self).__init__, metadata, export, fields)
+        self.padding = self.metadata.padding  # None: the Trainer's own count's convention, else excluded
+        self.flops = self.metadata.flops or FLOPS_TRAINABLE
+        self.flops_per_token = flops_per_token
         self._count_batch = count_batch
         self.run: TrainingRun | None = None
         self._counter: _BatchCounter | None = None
@@ -208,17 +190,20 @@ class EnergyCallback(TrainerCallback):
         self._flos_seen = float(getattr(state, "total_flos", 0.0) or 0.0)
         per_token = self.flops_per_token or flops_per_token(model, self.flops)
         self._flops_from_trainer = not per_token
-        metadata = self.metadata.over(self._from_args(args, model))
-        parameters = self.parameters if self.parameters is not None else count_parameters(model)
         try:
-            self.run = start_run(
-                self.run_id, **metadata.keywords(), total_steps=int(state.max_steps) if state.max_steps else None,
-                start_step=int(getattr(state, "global_step", 0) or 0), padding=padding,
-                flops=None if self._flops_from_trainer or self.flops_per_token else self.flops,
-                parameters=parameters,
-                device=getattr(args, "device", None), rank=self._rank, world_size=self._world_size,
-                **{k: v for k, v in self.run_kwargs.items() if v is not None},
+            detected = dataclasses.replace(
+                self._from_args(args, model),
+                total_steps=int(state.max_steps) if state.max_steps else None,
+                start_step=int(getattr(state, "global_step", 0) or 0),
+                parameters=count_parameters(model) if self.metadata.parameters is None else None,
             )
+            metadata = dataclasses.replace(
+                self.metadata.over(detected), padding=padding,
+                flops=None if self._flops_from_trainer or self.flops_per_token else self.flops,
+            )
+            export = self.export.over(ExportSettings(device=getattr(args, "device", None), rank=self._rank,
+                                                     world_size=self._world_size))
+            self.run = start_run(self.run_id, metadata=metadata, export=export)
         except Exception:  # noqa: BLE001 - reporting must never stop training
             log.warning("gpu_energy_exporter.training: could not start the run; training continues "
                         "without reporting", exc_info=True)

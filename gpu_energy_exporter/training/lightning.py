@@ -40,25 +40,33 @@ finishes at ``on_train_end`` or ``on_exception``. It must never change what the 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import os
 import time
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
-try:
+if TYPE_CHECKING:
+    # Type-checked against Lightning 2.x, what the `lightning` extra installs (Any where it is not
+    # installed). The older pytorch_lightning's Callback below is the same API but another class: a checker
+    # seeing both imports needs a `type: ignore[assignment]` there, which warn_unused_ignores then flags
+    # wherever lightning is not installed (both imports are Any).
     from lightning.pytorch import Callback
-except ImportError:
+else:
     try:
-        from pytorch_lightning import Callback  # type: ignore[assignment]
-    except ImportError as exc:  # pragma: no cover - depends on the installed extras
-        raise ImportError(
-            "gpu_energy_exporter.training.lightning needs PyTorch Lightning: "
-            "pip install lightning (or, in a checkout of gpu-energy-exporter, pip install '.[lightning]')"
-        ) from exc
+        from lightning.pytorch import Callback
+    except ImportError:
+        try:
+            from pytorch_lightning import Callback
+        except ImportError as exc:  # pragma: no cover - depends on the installed extras
+            raise ImportError(
+                "gpu_energy_exporter.training.lightning needs PyTorch Lightning: "
+                "pip install lightning (or, in a checkout of gpu-energy-exporter, pip install '.[lightning]')"
+            ) from exc
 
-from gpu_energy_exporter.core.contract import FLOPS_TRAINABLE, PADDING_EXCLUDED, PADDING_INCLUDED
+from gpu_energy_exporter.core.contract import FLOPS_TRAINABLE, PADDING_EXCLUDED
 from gpu_energy_exporter.training.batch import (
     add_count,
     attention_mask,
@@ -67,7 +75,7 @@ from gpu_energy_exporter.training.batch import (
     non_padding_tokens,
 )
 from gpu_energy_exporter.training.distributed import new_run_id
-from gpu_energy_exporter.training.flops import check_flops_mode
+from gpu_energy_exporter.training.export_settings import ExportSettings, run_keywords
 from gpu_energy_exporter.training.flops import flops_per_token as model_flops_per_token
 from gpu_energy_exporter.training.metadata import (
     RunMetadata,
@@ -83,7 +91,11 @@ log = logging.getLogger("gpu_energy_exporter.training")
 class EnergyCallback(Callback):
     """Reports a Lightning training run to gpu-energy-exporter (see the module docstring).
 
-    Metadata keywords override what is read from the Trainer; other keywords go to ``start_run``.
+    Takes what ``start_run`` takes, as ``metadata`` (a ``RunMetadata``) and ``export`` (an
+    ``ExportSettings``) or their fields by name: what is given overrides what is read from the Trainer and
+    the LightningModule. ``flops_per_token`` replaces the figure counted from the model; ``val_loss_key``
+    names the validation loss in ``trainer.callback_metrics``; ``input_key`` and ``count_batch`` say where
+    a batch's token ids are and how to count them.
     ``run`` is the current ``TrainingRun`` (None outside ``fit``).
     """
 
@@ -91,40 +103,19 @@ class EnergyCallback(Callback):
         self,
         run_id: str | None = None,
         *,
-        model: str | None = None,
-        backend: str | None = None,
-        optimizer: str | None = None,
-        batch_size: int | None = None,
-        grad_accum: int | None = None,
-        seq_len: int | None = None,
-        precision: str | None = None,
-        seed: int | None = None,
-        notes: str | None = None,
-        parameters: int | None = None,
-        endpoint: str | None = None,
-        export_interval: float | None = None,
-        gpu_uuids: Sequence[str] | None = None,
+        metadata: RunMetadata | None = None,
+        export: ExportSettings | None = None,
         flops_per_token: float | None = None,
-        flops: str = FLOPS_TRAINABLE,
-        padding: str = PADDING_EXCLUDED,
         val_loss_key: str = "val_loss",
         input_key: str = "input_ids",
         count_batch: Callable[[Any, str], tuple[int, int]] = count_batch,
-        **run_kwargs: Any,
+        **fields: Any,
     ) -> None:
         self.run_id = run_id
-        self.metadata = RunMetadata(model=model, backend=backend, optimizer=optimizer, batch_size=batch_size,
-                                    grad_accum=grad_accum, seq_len=seq_len, precision=precision, seed=seed,
-                                    notes=notes)
-        self.run_kwargs: dict[str, Any] = {
-            "endpoint": endpoint, "export_interval": export_interval, "gpu_uuids": gpu_uuids, **run_kwargs,
-        }
-        self.parameters = parameters
-        if padding not in (PADDING_EXCLUDED, PADDING_INCLUDED):
-            raise ValueError(f"padding must be {PADDING_EXCLUDED!r} or {PADDING_INCLUDED!r}, got {padding!r}")
+        self.metadata, self.export = run_keywords(type(self).__init__, metadata, export, fields)
         self.flops_per_token = flops_per_token
-        self.flops = check_flops_mode(flops)
-        self.padding = padding
+        self.flops = self.metadata.flops or FLOPS_TRAINABLE
+        self.padding = self.metadata.padding or PADDING_EXCLUDED
         self._flops_per_token: float | None = flops_per_token
         self.val_loss_key = val_loss_key
         self.input_key = input_key
@@ -144,19 +135,21 @@ class EnergyCallback(Callback):
             # The strategy's broadcast works for every strategy (a no-op on one device), so the ranks
             # agree on the id without start_run needing torch.distributed.
             run_id = self.run_id or os.environ.get("GPU_ENERGY_RUN_ID") or trainer.strategy.broadcast(new_run_id())
-            metadata = self.metadata.over(self._from_trainer(trainer, pl_module))
-            parameters = self.parameters if self.parameters is not None else count_parameters(pl_module)
             self._flops_per_token = self.flops_per_token
             if self._flops_per_token is None:
                 self._flops_per_token = model_flops_per_token(pl_module, self.flops)
-            self.run = start_run(
-                run_id, **metadata.keywords(), total_steps=self._total_steps(trainer), parameters=parameters,
-                start_step=int(trainer.global_step), padding=self.padding,
-                flops=self.flops if self.flops_per_token is None and self._flops_per_token else None,
-                device=pl_module.device,
-                rank=int(trainer.global_rank), world_size=int(trainer.world_size),
-                **{k: v for k, v in self.run_kwargs.items() if v is not None},
+            detected = dataclasses.replace(
+                self._from_trainer(trainer, pl_module),
+                total_steps=self._total_steps(trainer), start_step=int(trainer.global_step),
+                parameters=count_parameters(pl_module) if self.metadata.parameters is None else None,
             )
+            metadata = dataclasses.replace(
+                self.metadata.over(detected), padding=self.padding,
+                flops=self.flops if self.flops_per_token is None and self._flops_per_token else None,
+            )
+            export = self.export.over(ExportSettings(device=pl_module.device, rank=int(trainer.global_rank),
+                                                     world_size=int(trainer.world_size)))
+            self.run = start_run(run_id, metadata=metadata, export=export)
         except Exception:  # noqa: BLE001 - reporting must never stop training
             log.warning("gpu_energy_exporter.training: could not start the run; training continues "
                         "without reporting", exc_info=True)

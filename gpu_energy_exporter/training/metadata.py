@@ -1,11 +1,13 @@
 """What a run says about itself: ``RunMetadata``, the compute precision's normalisation and the model's
 parameter count.
 
-``RunMetadata`` is the one description of a run's metadata (model, backend, optimizer, batch size, gradient
-accumulation, sequence length, precision, seed, notes) shared by ``start_run`` and the Hugging Face and
-Lightning callbacks: the callbacks fill it from the framework (``RunMetadata.over``: what the caller gave
-wins) and hand it to ``start_run``, which turns it into the attributes of ``training.run.info``
-(``RunMetadata.attributes``, names from ``core.contract.RUN_INFO_ATTRIBUTES``).
+``RunMetadata`` is the one description of a run (model, backend, optimizer, batch size, gradient
+accumulation, sequence length, precision, seed, notes, its steps, parameter count and counting
+conventions) that ``start_run`` and the Hugging Face and Lightning callbacks all take, as an object or as
+keywords of the same names (``export_settings.run_keywords``). The callbacks fill its gaps from the framework
+(``RunMetadata.over``: what the caller gave wins) and hand it to ``start_run``, which turns it into the
+attributes of ``training.run.info`` (``RunMetadata.attributes``, names from
+``core.contract.RUN_INFO_ATTRIBUTES`` and ``COUNTING_ATTRIBUTES``) and its progress and parameter gauges.
 
 Plain values only: this module never imports torch or the OpenTelemetry SDK (``fp32_matmul_precision``
 reads torch only when the training script has already imported it), never touches the network and never
@@ -20,16 +22,33 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
+from gpu_energy_exporter.core.contract import PADDING_EXCLUDED, PADDING_INCLUDED
+from gpu_energy_exporter.training.flops import check_flops_mode
+
 log = logging.getLogger("gpu_energy_exporter.training")
 
 
 @dataclass(frozen=True)
 class RunMetadata:
-    """The run's metadata: the attributes of ``training.run.info`` and the columns of the run ledger.
+    """What describes a run: the attributes of ``training.run.info``, the columns of the run ledger, the
+    run's progress and its parameter count. None: not known (or, in a callback, read from the framework).
 
-    ``precision``: what the caller or the framework said (``"bf16-mixed"``, ``torch.bfloat16``...),
-    normalised only by ``attributes``; ``precision_raw``: what a framework said when ``precision`` was
-    derived from it (kept in the ``precision_raw`` attribute when it differs). None: not known.
+    - ``model``, ``backend``, ``optimizer``, ``batch_size``, ``grad_accum``, ``seq_len``, ``seed``,
+      ``notes``: label the run as given.
+    - ``precision``: what the caller or the framework said (``"bf16-mixed"``, ``torch.bfloat16``...),
+      normalised by ``attributes`` to one of ``bf16``, ``fp16``, ``fp8``, ``tf32``, ``fp32``
+      (``normalize_precision``); ``precision_raw``: what a framework said when ``precision`` was derived from
+      it. What was given goes to the ``precision_raw`` attribute when it differs; an unknown value goes only
+      there.
+    - ``total_steps``: the optimizer steps of the whole training; ``start_step``: the step a resumed run
+      starts from (``training.global_step`` counts on from there, so progress and the energy still to spend
+      are right after a resume; None: 0).
+    - ``parameters``: the whole model's parameter count (``count_parameters(model)``), for TT and ST; pass
+      the whole count also where each rank holds a shard.
+    - ``padding`` (``"excluded"`` or ``"included"``) and ``flops`` (``"trainable"`` or ``"total"``): how the
+      run's tokens and FLOPs are counted (``count_tokens``, ``flops_per_token``); they label
+      ``training.run.info`` so figures are never compared across conventions unawares. The callbacks count
+      with them (None: ``excluded`` and ``trainable``).
     """
 
     model: str | None = None
@@ -42,6 +61,17 @@ class RunMetadata:
     seed: int | None = None
     notes: str | None = None
     precision_raw: str | None = None
+    total_steps: int | None = None
+    start_step: int | None = None
+    parameters: int | None = None
+    padding: str | None = None
+    flops: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.padding not in (None, PADDING_EXCLUDED, PADDING_INCLUDED):
+            raise ValueError(f"padding must be {PADDING_EXCLUDED!r} or {PADDING_INCLUDED!r}, got {self.padding!r}")
+        if self.flops is not None:
+            check_flops_mode(self.flops)
 
     def over(self, detected: RunMetadata) -> RunMetadata:
         """This metadata (what the caller gave) with its gaps filled from ``detected`` (what the framework
@@ -53,18 +83,21 @@ class RunMetadata:
         return RunMetadata(**merged)
 
     def keywords(self) -> dict[str, Any]:
-        """The keyword arguments of ``start_run`` that carry this metadata."""
-        return dataclasses.asdict(self)
+        """The fields by name: the keyword arguments of ``start_run`` that carry this metadata."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
 
     def attributes(self) -> dict[str, Any]:
-        """The attributes of ``training.run.info``, in the order of ``RUN_INFO_ATTRIBUTES``: ``precision``
-        normalised and ``precision_raw`` as ``precision_attributes`` says; None where not known."""
+        """The attributes of ``training.run.info``, in the order of ``RUN_INFO_ATTRIBUTES`` then
+        ``COUNTING_ATTRIBUTES``: ``precision`` normalised and ``precision_raw`` as ``precision_attributes``
+        says; None where not known."""
         return {
             "model": self.model, "backend": self.backend, "optimizer": self.optimizer,
             "batch_size": self.batch_size, "grad_accum": self.grad_accum, "seq_len": self.seq_len,
             **precision_attributes(self.precision, self.precision_raw),
             "seed": self.seed,
             "notes": self.notes,
+            "padding": self.padding,
+            "flops": self.flops,
         }
 
 

@@ -2,8 +2,9 @@
 
 The hot path (``step``) only adds to plain Python numbers: about half a microsecond. The run's
 OpenTelemetry side (its own ``MeterProvider``, the instruments that read these numbers at export time, the
-step-duration histogram) is ``meter.py``; where it exports to is ``endpoint.py``; the run's metadata
-(``RunMetadata``, precision, parameters) is ``metadata.py``.
+step-duration histogram) is ``meter.py``; what describes the run (``RunMetadata``, precision, parameters)
+is ``metadata.py``; where it exports to (``ExportSettings``, and ``start_run``'s keyword form) is
+``export_settings.py``, resolved by ``endpoint.py`` and ``gpus.py``.
 
 Counting once across ranks: each rank reports what IT processed (its ``rank`` and its GPUs on every
 point); the exporter, PromQL and the ledger sum over ranks. In data parallelism every rank sees distinct
@@ -33,13 +34,12 @@ from gpu_energy_exporter.core import contract as I  # noqa: N812 - a namespace o
 from gpu_energy_exporter.training.batch import add_count, number
 from gpu_energy_exporter.training.distributed import rank_and_world_size, shared_run_id
 from gpu_energy_exporter.training.endpoint import (
-    DEFAULT_EXPORT_TIMEOUT,
-    DEFAULT_FINISH_TIMEOUT,
     HTTP_PROTOBUF,
     export_interval_seconds,
     resolve_endpoint,
     resolve_protocol,
 )
+from gpu_energy_exporter.training.export_settings import ExportSettings, run_keywords
 from gpu_energy_exporter.training.gpus import resolve_gpus
 from gpu_energy_exporter.training.metadata import RunMetadata, parameter_count
 from gpu_energy_exporter.training.meter import RunMeter, StepDurations
@@ -329,67 +329,27 @@ class TrainingRun:
 def start_run(
     run_id: str | None = None,
     *,
-    model: str | None = None,
-    backend: str | None = None,
-    optimizer: str | None = None,
-    batch_size: int | None = None,
-    grad_accum: int | None = None,
-    seq_len: int | None = None,
-    precision: str | None = None,
-    seed: int | None = None,
-    notes: str | None = None,
-    total_steps: int | None = None,
-    start_step: int = 0,
-    parameters: int | None = None,
-    padding: str | None = None,
-    flops: str | None = None,
-    precision_raw: str | None = None,
-    endpoint: str | None = None,
-    headers: Mapping[str, str] | None = None,
-    export_interval: float | None = None,
-    export_timeout: float = DEFAULT_EXPORT_TIMEOUT,
-    finish_timeout: float = DEFAULT_FINISH_TIMEOUT,
-    gpu_uuids: Sequence[str] | None = None,
-    device: Any = None,
-    rank: int | None = None,
-    world_size: int | None = None,
-    environ: Mapping[str, str] | None = None,
+    metadata: RunMetadata | None = None,
+    export: ExportSettings | None = None,
+    **fields: Any,
 ) -> TrainingRun:
-    """Start reporting a training run to the exporter (or any OTLP/HTTP endpoint).
+    """Start reporting a training run to the exporter (or any OTLP endpoint).
 
     ``run_id``: shared by all ranks; generated when omitted (see ``distributed.py``; in a multi-rank run
-    with an initialised process group, call this on every rank). Metadata (``model`` ... ``notes``)
-    becomes the attributes of ``training.run.info`` and the columns of the exporter's run ledger;
-    ``precision`` is normalised to one of ``bf16``, ``fp16``, ``fp8``, ``tf32``, ``fp32`` (see
-    ``normalize_precision``; what was given, or ``precision_raw`` (what a framework said, when ``precision``
-    was derived from it), goes to the ``precision_raw`` attribute when it differs; an unknown value goes only
-    there). ``parameters``: the whole model's parameter count (``count_parameters(model)``), for TT and ST.
-    ``total_steps``: the optimizer steps of the whole training; ``start_step``: the step a resumed run
-    starts from (``training.global_step`` counts on from there, so progress and the energy still to spend
-    are right after a resume). ``padding`` (``"excluded"`` or ``"included"``) and ``flops``
-    (``"trainable"`` or ``"total"``) say how your ``step()`` counts tokens and FLOPs (``count_tokens``,
-    ``flops_per_token``); they label ``training.run.info`` so figures are never compared across
-    conventions unawares.
-    ``endpoint``: base URL of the receiver; default ``OTEL_EXPORTER_OTLP_METRICS_ENDPOINT``, else
-    ``OTEL_EXPORTER_OTLP_ENDPOINT``, else ``http://localhost:4318`` (with ``OTEL_EXPORTER_OTLP_PROTOCOL=grpc``:
-    the same variables as a gRPC endpoint, else ``http://localhost:4317``). ``headers``: extra HTTP headers
-    (e.g. ``{"Authorization": "Bearer ..."}``); default ``OTEL_EXPORTER_OTLP_HEADERS``.
-    ``export_interval`` seconds between background exports (default ``OTEL_METRIC_EXPORT_INTERVAL`` or
-    10 s). ``gpu_uuids`` / ``device`` pin the GPUs (see ``gpus.py``); ``rank`` / ``world_size`` override
-    what ``torch.distributed`` or ``RANK`` / ``WORLD_SIZE`` say.
+    with an initialised process group, call this on every rank). ``metadata``: what describes the run
+    (``RunMetadata``: model, backend ... notes become the attributes of ``training.run.info`` and the
+    columns of the exporter's run ledger; total and start steps, parameter count, counting conventions).
+    ``export``: where it reports and what placement labels its points (``ExportSettings``: endpoint,
+    headers, export interval and timeouts, GPUs, rank, world size). Any field of either may be given by
+    name instead, replacing the object's: ``start_run(model="x", endpoint=url)`` is
+    ``start_run(metadata=RunMetadata(model="x"), export=ExportSettings(endpoint=url))``.
     """
-    env = os.environ if environ is None else environ
-    metadata = RunMetadata(model=model, backend=backend, optimizer=optimizer, batch_size=batch_size,
-                           grad_accum=grad_accum, seq_len=seq_len, precision=precision, seed=seed, notes=notes,
-                           precision_raw=precision_raw)
-    if padding is not None and padding not in (I.PADDING_EXCLUDED, I.PADDING_INCLUDED):
-        raise ValueError(f"padding must be {I.PADDING_EXCLUDED!r} or {I.PADDING_INCLUDED!r}, got {padding!r}")
-    if flops is not None and flops not in (I.FLOPS_TRAINABLE, I.FLOPS_TOTAL):
-        raise ValueError(f"flops must be {I.FLOPS_TRAINABLE!r} or {I.FLOPS_TOTAL!r}, got {flops!r}")
+    meta, settings = run_keywords(start_run, metadata, export, fields)
+    env = os.environ if settings.environ is None else settings.environ
     detected_rank, detected_world = rank_and_world_size(env)
-    rank = detected_rank if rank is None else int(rank)
-    world_size = detected_world if world_size is None else int(world_size)
-    resolution = resolve_gpus(gpu_uuids, device=device, world_size=world_size, environ=env)
+    rank = detected_rank if settings.rank is None else int(settings.rank)
+    world_size = detected_world if settings.world_size is None else int(settings.world_size)
+    resolution = resolve_gpus(settings.gpu_uuids, device=settings.device, world_size=world_size, environ=env)
     protocol = resolve_protocol(env)
     run = TrainingRun(
         run_id=shared_run_id(run_id, world_size, env),
@@ -397,17 +357,17 @@ def start_run(
         world_size=world_size,
         gpu_uuids=resolution.uuids,
         gpu_label=resolution.label,
-        metadata={**metadata.attributes(), "padding": padding, "flops": flops},
-        total_steps=total_steps,
-        start_step=int(start_step or 0),
-        endpoint=resolve_endpoint(endpoint, env, protocol),
+        metadata=meta.attributes(),
+        total_steps=meta.total_steps,
+        start_step=int(meta.start_step or 0),
+        endpoint=resolve_endpoint(settings.endpoint, env, protocol),
         protocol=protocol,
-        headers=headers,
-        export_interval=export_interval_seconds(export_interval, env),
-        export_timeout=export_timeout,
-        finish_timeout=finish_timeout,
+        headers=settings.headers,
+        export_interval=export_interval_seconds(settings.export_interval, env),
+        export_timeout=settings.export_timeout,
+        finish_timeout=settings.finish_timeout,
     )
-    run.set_parameters(parameters)
+    run.set_parameters(meta.parameters)
     log.info("gpu_energy_exporter.training: run %s rank %d/%d on GPUs %s (%s) reporting to %s",
              run.run_id, rank, world_size, resolution.label, resolution.source, run.endpoint)
     return run
