@@ -62,7 +62,7 @@ bench: $(VENV)/.test-installed
 	$(PY) -m bench $(ARGS)
 
 docs: $(VENV)/.test-installed
-	$(PY) -m gpu_energy_exporter.daemon.docgen
+	$(PY) -m gpu_energy_exporter.tools.docgen
 	$(PY) -m dashboards.build
 	$(PY) deploy/generate.py
 

@@ -86,7 +86,8 @@ def test_a_collector_registered_from_one_module_is_on_the_cli_env_wiring_warning
                                build=lambda w: Answer(w.config.answer_value),
                                flags=(Flag("answer.value", positive_int, "42", "What it answers.", "N"),)))
 
-        from gpu_energy_exporter.daemon import config, docgen
+        from gpu_energy_exporter.daemon import config
+        from gpu_energy_exporter.tools import docgen
         from gpu_energy_exporter.daemon.exporter import Exporter
         from gpu_energy_exporter.daemon.inertflags import inert_flags
         from gpu_energy_exporter.devices.simulated import SimulatedBackend

@@ -17,7 +17,7 @@ import pytest
 from helpers import ROOT, ExporterProcess, sample_value, wait_until
 
 from gpu_energy_exporter.core.errors import ConfigError
-from gpu_energy_exporter.daemon.demo import DEMO_WARMUP, parse_args
+from gpu_energy_exporter.tools.demo import DEMO_WARMUP, parse_args
 
 FAST = ["--collector.interval=200ms", "--demo.pause=1s", "--demo.run-duration=3s", "--demo.export-interval=300ms"]
 

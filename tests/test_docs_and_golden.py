@@ -11,16 +11,16 @@ from fakenvml import Constant, Driver, Process, Scenario, Square, a100, grace_ho
 from helpers import check_golden
 
 from gpu_energy_exporter.core.metrics import CATALOGUE
-from gpu_energy_exporter.daemon import docgen
 from gpu_energy_exporter.daemon.config import Config
 from gpu_energy_exporter.daemon.exporter import Exporter
 from gpu_energy_exporter.devices.nvml import NVMLBackend
+from gpu_energy_exporter.tools import docgen
 
 GOLDEN = Path(__file__).parent / "golden" / "gpu-exposition.prom"
 
 
 def test_generated_docs_are_current() -> None:
-    assert docgen.main(["--check"]) == 0, "run: python -m gpu_energy_exporter.daemon.docgen"
+    assert docgen.main(["--check"]) == 0, "run: python -m gpu_energy_exporter.tools.docgen"
 
 
 def test_catalogue_covers_every_module_and_names_follow_conventions() -> None:

@@ -13,11 +13,11 @@ import pytest
 from helpers import ROOT
 
 from gpu_energy_exporter.core.errors import ConfigError
-from gpu_energy_exporter.daemon import demo
 from gpu_energy_exporter.daemon.config import load_config
 from gpu_energy_exporter.daemon.exporter import Exporter
 from gpu_energy_exporter.devices.simulated import SimulatedBackend
 from gpu_energy_exporter.http.listen import listen_text
+from gpu_energy_exporter.tools import demo
 
 
 def _cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
@@ -167,7 +167,7 @@ def test_a_failing_simulated_trainer_is_one_readable_log_line() -> None:
     code = (
         "import sys\n"
         "sys.modules['opentelemetry.exporter'] = None\n"
-        "from gpu_energy_exporter.daemon.demo import SimulatedTrainer\n"
+        "from gpu_energy_exporter.tools.demo import SimulatedTrainer\n"
         "from gpu_energy_exporter.devices.simulated import SimulatedBackend\n"
         "from gpu_energy_exporter.daemon.logsetup import setup_logging\n"
         "setup_logging(sys.argv[1])\n"

@@ -13,7 +13,7 @@ import pytest
 
 from gpu_energy_exporter.client import report, top
 from gpu_energy_exporter.client.fmt import GIB
-from gpu_energy_exporter.daemon.demo import DemoOptions, next_steps
+from gpu_energy_exporter.tools.demo import DemoOptions, next_steps
 
 T0 = 1_700_000_000.0
 #: Two 80 GiB GPUs, one at 59 GiB and one at 49 GiB used: what the demo showed (the plot drew their sum,

@@ -41,3 +41,28 @@ def test_no_hand_written_module_is_longer_than_one_sitting() -> None:
              for p in PACKAGE.rglob("*.py") if p.name not in GENERATED}
     long = {name: n for name, n in sizes.items() if n > MAX_LINES}
     assert not long, f"modules over {MAX_LINES} lines (split them by job): {long}"
+
+
+#: Where things were before issue 32's restructuring: nothing may live or be imported there again.
+OLD_PLACES = {
+    "gpu_energy_exporter.core.config": "gpu_energy_exporter.daemon.config (the daemon's configuration)",
+    "gpu_energy_exporter.core.inertflags": "gpu_energy_exporter.daemon.inertflags",
+    "gpu_energy_exporter.daemon.demo": "gpu_energy_exporter.tools.demo (never imported by the daemon)",
+    "gpu_energy_exporter.daemon.docgen": "gpu_energy_exporter.tools.docgen (never imported by the daemon)",
+}
+
+
+def test_nothing_lives_or_is_imported_in_the_old_places() -> None:
+    for old, new in OLD_PLACES.items():
+        path = ROOT / (old.replace(".", "/") + ".py")
+        assert not path.exists(), f"{path} is back: it belongs in {new}"
+    users = [f"{p.relative_to(ROOT)}: {old}" for p in [*ROOT.glob("gpu_energy_exporter/**/*.py"),
+                                                       *ROOT.glob("tests/**/*.py"), *ROOT.glob("bench/**/*.py")]
+             for old in OLD_PLACES if p != Path(__file__) and old in p.read_text(encoding="utf-8")]
+    assert not users, f"imports of the old places: {users}"
+
+
+def test_the_daemon_never_imports_the_tools() -> None:
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    layers = pyproject.split('type = "layers"', 1)[1].split("]", 1)[0]
+    assert layers.index('"gpu_energy_exporter.tools"') < layers.index('"gpu_energy_exporter.daemon"')

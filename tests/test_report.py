@@ -24,9 +24,9 @@ from gpu_energy_exporter.client import report
 from gpu_energy_exporter.core import runs_schema
 from gpu_energy_exporter.core.textfmt import fmt_num
 from gpu_energy_exporter.daemon.config import load_config
-from gpu_energy_exporter.daemon.demo import SimulatedTrainer
 from gpu_energy_exporter.daemon.exporter import Exporter
 from gpu_energy_exporter.devices.simulated import SimulatedBackend
+from gpu_energy_exporter.tools.demo import SimulatedTrainer
 
 EXPECTED_SIZE = (int(report.PLOT_SIZE_IN[0] * report.PLOT_DPI), int(report.PLOT_SIZE_IN[1] * report.PLOT_DPI))
 #: Figures the report prints that must be the ledger's own numbers.

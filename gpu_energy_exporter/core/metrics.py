@@ -1,7 +1,7 @@
 """The metric catalogue: every series the exporter can expose, declared once.
 
 Collectors build their metric families from these specs, and ``docs/metrics.md`` is generated from
-``CATALOGUE`` (``python -m gpu_energy_exporter.daemon.docgen``), so a name, type, unit, help text or label set
+``CATALOGUE`` (``python -m gpu_energy_exporter.tools.docgen``), so a name, type, unit, help text or label set
 is written in exactly one place. Names follow the Prometheus conventions: base units, ``_total`` for
 counters, ``_ratio`` for 0..1 values, ``_info`` for info series.
 """

@@ -1,1 +1,1 @@
-"""The daemon: composition root, endpoints, JSON API, CLI, demo and docs generator."""
+"""The daemon: composition root, configuration, endpoints, JSON API and CLI."""

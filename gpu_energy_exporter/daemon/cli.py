@@ -27,7 +27,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "runs": ("gpu_energy_exporter.client.runs", "list and compare finished training runs from the run ledger"),
     "top": ("gpu_energy_exporter.client.top", "live terminal view of a running exporter"),
     "report": ("gpu_energy_exporter.client.report", "per-run report (Markdown + HTML) with PNG plots"),
-    "demo": ("gpu_energy_exporter.daemon.demo", "start the exporter with simulated GPUs and a simulated training run"),
+    "demo": ("gpu_energy_exporter.tools.demo", "start the exporter with simulated GPUs and a simulated training run"),
 }
 
 _EPILOG = "sub-commands (each has its own --help):\n" + "\n".join(

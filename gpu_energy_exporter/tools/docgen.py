@@ -1,7 +1,7 @@
 """Generate the reference docs from the code: ``docs/metrics.md`` (the metric catalogue) and
 ``docs/configuration.md`` (flags, environment variables, collectors, carbon regions).
 
-``python -m gpu_energy_exporter.daemon.docgen`` writes them; ``--check`` exits 1 if a committed file differs
+``python -m gpu_energy_exporter.tools.docgen`` writes them; ``--check`` exits 1 if a committed file differs
 (the test suite runs the check, so the docs cannot drift from the code).
 """
 
@@ -62,7 +62,7 @@ def metrics_markdown() -> str:
     out = [
         "# Metric catalogue",
         "",
-        "Generated from the code by `python -m gpu_energy_exporter.daemon.docgen`; do not edit by hand.",
+        "Generated from the code by `python -m gpu_energy_exporter.tools.docgen`; do not edit by hand.",
         "",
         "Every per-GPU series carries `gpu` (the NVML index, which is not the `CUDA_VISIBLE_DEVICES` index) and",
         "`gpu_uuid` (stable, globally unique: the join key). Prometheus adds `instance` and `job` at scrape time.",
@@ -293,7 +293,7 @@ def configuration_markdown() -> str:
     out = [
         "# Configuration reference",
         "",
-        "Generated from the code by `python -m gpu_energy_exporter.daemon.docgen`; do not edit by hand.",
+        "Generated from the code by `python -m gpu_energy_exporter.tools.docgen`; do not edit by hand.",
         "",
         "Every flag can also be set through the environment variable shown (a flag on the command line wins).",
         "Durations take Prometheus's form (`100ms`, `1s`, `5m`, `1h30m`); a bare number such as `5` is refused",
@@ -408,7 +408,7 @@ DOCS = {"metrics.md": metrics_markdown, "configuration.md": configuration_markdo
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m gpu_energy_exporter.daemon.docgen", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m gpu_energy_exporter.tools.docgen", description=__doc__)
     parser.add_argument("--docs", default=str(Path(__file__).resolve().parents[2] / "docs"))
     parser.add_argument("--check", action="store_true", help="exit 1 if a committed file is out of date")
     args = parser.parse_args(argv)
@@ -424,7 +424,7 @@ def main(argv: list[str] | None = None) -> int:
             path.write_text(text)
             print(f"wrote {path}")
     if stale:
-        hint = " (run: python -m gpu_energy_exporter.daemon.docgen)"
+        hint = " (run: python -m gpu_energy_exporter.tools.docgen)"
         print("out of date: " + ", ".join(stale) + hint, file=sys.stderr)
         return 1
     return 0
