@@ -47,7 +47,7 @@ _CHILD = """
 import json, os, sys, time
 sys.path.insert(0, {repo!r})
 from gpu_energy_exporter.collectors.gpu import GPUCollector
-from gpu_energy_exporter.collectors.health import HealthCollector
+from gpu_energy_exporter.collectors.health.collector import HealthCollector
 from gpu_energy_exporter.devices import nvml
 t = [0.0]
 gpu = GPUCollector(lambda: nvml.NVMLBackend({lib!r}), retry_interval=0.0, power_interval=3600.0)

@@ -22,10 +22,10 @@ from typing import Any
 
 from settle_rig import EDGE_LATENCY_S, INTERVAL, Node
 
-from gpu_energy_exporter.collectors.kubernetes import KubernetesCollector
-from gpu_energy_exporter.collectors.slurm import SlurmCollector
+from gpu_energy_exporter.collectors.kubernetes.assignments import PodRef
+from gpu_energy_exporter.collectors.kubernetes.collector import KubernetesCollector
+from gpu_energy_exporter.collectors.slurm.collector import SlurmCollector
 from gpu_energy_exporter.engine.sampler import Sampler
-from gpu_energy_exporter.kubernetes.assignments import PodRef
 
 __all__ = ["EDGE_LATENCY_S", "MemberNode"]
 
@@ -50,7 +50,7 @@ class MemberNode(Node):
         self.gpu.add_counter_read_check(self.slurm.mapping_changed)
         self.watch: Any = None
         try:
-            from gpu_energy_exporter.slurm.watch import DirectoryWatch
+            from gpu_energy_exporter.collectors.slurm.watch import DirectoryWatch
         except ImportError:
             pass  # before the watch: the next sample sees the directory changed
         else:
@@ -60,7 +60,7 @@ class MemberNode(Node):
         self.k8s: KubernetesCollector | None = None
         self.watcher: Any = None
         if kubelet_socket is not None:
-            from gpu_energy_exporter.kubernetes.podresources import PodResourcesWatcher
+            from gpu_energy_exporter.collectors.kubernetes.podresources import PodResourcesWatcher
 
             known = dict(owners or {})
             try:

@@ -16,7 +16,7 @@ from helpers import ExporterProcess, sample_value, wait_until
 
 pytest.importorskip("grpc")
 
-from gpu_energy_exporter.kubernetes.testing import FakeKubelet, fake_pod  # noqa: E402
+from gpu_energy_exporter.collectors.kubernetes.testing import FakeKubelet, fake_pod  # noqa: E402
 
 FIXTURE = Path(__file__).resolve().parent / "fixtures" / "procfs-host"
 GIB = 1 << 30

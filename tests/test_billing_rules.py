@@ -11,12 +11,12 @@ import pytest
 from test_ledger import T0, UUID_A, Clock, Harness, constant, summary_of, trainer
 from test_ledger_accounting import frame, gpu
 
+from gpu_energy_exporter.collectors.kubernetes.attribution import UNOWNED, PodRef, Slot
+from gpu_energy_exporter.collectors.kubernetes.attribution import split as pod_split
 from gpu_energy_exporter.core import sharing
 from gpu_energy_exporter.core.energy import EnergyCounter
 from gpu_energy_exporter.core.settle import fractions, sample_weights, spread
 from gpu_energy_exporter.core.state import ProcessSample
-from gpu_energy_exporter.kubernetes.attribution import UNOWNED, PodRef, Slot
-from gpu_energy_exporter.kubernetes.attribution import split as pod_split
 from gpu_energy_exporter.ledger import RunLedger
 from gpu_energy_exporter.ledger.accounting import Acc, integrate
 from gpu_energy_exporter.ledger.split import Holding, Proc, piece_shares

@@ -182,7 +182,8 @@ def test_dockerignore_keeps_the_context_small() -> None:
                  "gpu_energy_exporter/__pycache__/config.cpython-311.pyc", "dashboards/fleet.json"):
         assert excluded(path, rules), path
     for path in ("pyproject.toml", "README.md", "gpu_energy_exporter/daemon/config.py",
-                 "gpu_energy_exporter/kubernetes/podresources.proto", "gpu_energy_exporter/reference/data/x.csv"):
+                 "gpu_energy_exporter/collectors/kubernetes/podresources.proto",
+                 "gpu_energy_exporter/reference/data/x.csv"):
         assert not excluded(path, rules), path
 
 
@@ -328,7 +329,7 @@ def test_replayed_entrypoint_answers_help(replayed: Replay, dockerfile: Parsed) 
     assert "--web.listen-address" in proc.stdout and "--collector.kubernetes" in proc.stdout
     # The [kubernetes] extra made it into the image: the generated gRPC code imports there.
     python = replayed.path("/opt/gpu-energy-exporter/bin/python")
-    probe = subprocess.run([str(python), "-c", "import gpu_energy_exporter.kubernetes.podresources as m; "
+    probe = subprocess.run([str(python), "-c", "import gpu_energy_exporter.collectors.kubernetes.podresources as m; "
                             "print(m.__file__)"], cwd=replayed.path(VOLUME), env=image_env(replayed),
                            capture_output=True, text=True, timeout=60, check=False)
     assert probe.returncode == 0, probe.stderr

@@ -42,7 +42,7 @@ from prom import Prometheus
 
 pytest.importorskip("grpc")
 
-from gpu_energy_exporter.kubernetes.testing import FakeKubelet, fake_pod  # noqa: E402
+from gpu_energy_exporter.collectors.kubernetes.testing import FakeKubelet, fake_pod  # noqa: E402
 
 pytestmark = pytest.mark.slow
 

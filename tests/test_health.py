@@ -172,7 +172,7 @@ _CHILD = """
 import ctypes, json, os, sys, time
 sys.path.insert(0, {repo!r})
 from gpu_energy_exporter.collectors.gpu import GPUCollector
-from gpu_energy_exporter.collectors.health import HealthCollector
+from gpu_energy_exporter.collectors.health.collector import HealthCollector
 from gpu_energy_exporter.devices import nvml
 log = {log!r}
 t = [0.0]

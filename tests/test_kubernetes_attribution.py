@@ -6,9 +6,8 @@ import random
 
 import pytest
 
-from gpu_energy_exporter.core.state import GPUIdentity, MIGDevice
-from gpu_energy_exporter.kubernetes.assignments import DeviceAssignment, PodRef
-from gpu_energy_exporter.kubernetes.attribution import (
+from gpu_energy_exporter.collectors.kubernetes.assignments import DeviceAssignment, PodRef
+from gpu_energy_exporter.collectors.kubernetes.attribution import (
     METHOD_EXCLUSIVE,
     METHOD_MIG_SLICES,
     METHOD_SHARED_EVEN,
@@ -19,6 +18,7 @@ from gpu_energy_exporter.kubernetes.attribution import (
     resolve,
     split,
 )
+from gpu_energy_exporter.core.state import GPUIdentity, MIGDevice
 
 U0, U1, U2 = "GPU-00000000-0000-0000-0000-000000000000", "GPU-11111111-1111-1111-1111-111111111111", \
     "GPU-22222222-2222-2222-2222-222222222222"

@@ -25,7 +25,8 @@ from fakenvml import CompilerNotFound, Constant, Driver, Process, Scenario, a100
 from prometheus_client.core import Metric
 
 from gpu_energy_exporter.collectors.base import NoData
-from gpu_energy_exporter.collectors.kubernetes import (
+from gpu_energy_exporter.collectors.kubernetes.assignments import PodRef
+from gpu_energy_exporter.collectors.kubernetes.collector import (
     CONTAINER_ENERGY,
     GPU_POD_INFO,
     POD_ENERGY,
@@ -34,12 +35,11 @@ from gpu_energy_exporter.collectors.kubernetes import (
     UNATTRIBUTED_ENERGY,
     KubernetesCollector,
 )
+from gpu_energy_exporter.collectors.kubernetes.podresources import PodResourcesWatcher
+from gpu_energy_exporter.collectors.kubernetes.testing import FakeKubelet, fake_pod
 from gpu_energy_exporter.core.metrics import CATALOGUE
 from gpu_energy_exporter.core.state import GPUIdentity, GPUProcess, GPUReading, GPUState, MIGDevice
 from gpu_energy_exporter.daemon.config import load_config
-from gpu_energy_exporter.kubernetes.assignments import PodRef
-from gpu_energy_exporter.kubernetes.podresources import PodResourcesWatcher
-from gpu_energy_exporter.kubernetes.testing import FakeKubelet, fake_pod
 
 REPO = Path(__file__).resolve().parent.parent
 Sample = tuple[str, tuple[tuple[str, str], ...]]
@@ -224,11 +224,11 @@ def test_failing_kubelet_marks_the_collector_failed_but_keeps_counting(socket_pa
 DRIVER = r"""
 import json, logging, sys
 from gpu_energy_exporter.collectors.gpu import GPUCollector
-from gpu_energy_exporter.collectors.kubernetes import KubernetesCollector
+from gpu_energy_exporter.collectors.kubernetes.collector import KubernetesCollector
 from gpu_energy_exporter.daemon.config import load_config
 from gpu_energy_exporter.devices.nvml import NVMLBackend
-from gpu_energy_exporter.kubernetes.assignments import PodRef
-from gpu_energy_exporter.kubernetes.podresources import PodResourcesWatcher
+from gpu_energy_exporter.collectors.kubernetes.assignments import PodRef
+from gpu_energy_exporter.collectors.kubernetes.podresources import PodResourcesWatcher
 from gpu_energy_exporter.engine.sampler import Sampler
 
 logging.basicConfig(level=logging.INFO, stream=sys.stderr)

@@ -14,8 +14,8 @@ import grpc
 import pytest
 from google.protobuf import descriptor_pb2
 
-from gpu_energy_exporter.kubernetes import podresources_pb2 as pb
-from gpu_energy_exporter.kubernetes.assignments import (
+from gpu_energy_exporter.collectors.kubernetes import podresources_pb2 as pb
+from gpu_energy_exporter.collectors.kubernetes.assignments import (
     STATE_OK,
     STATE_PERMISSION_DENIED,
     STATE_RPC_ERROR,
@@ -23,14 +23,14 @@ from gpu_energy_exporter.kubernetes.assignments import (
     DeviceAssignment,
     PodRef,
 )
-from gpu_energy_exporter.kubernetes.podresources import PodResourcesWatcher, parse_list_response
-from gpu_energy_exporter.kubernetes.testing import FakeKubelet, fake_pod
+from gpu_energy_exporter.collectors.kubernetes.podresources import PodResourcesWatcher, parse_list_response
+from gpu_energy_exporter.collectors.kubernetes.testing import FakeKubelet, fake_pod
 
 REPO = Path(__file__).resolve().parent.parent
-PROTO = "gpu_energy_exporter/kubernetes/podresources.proto"
+PROTO = "gpu_energy_exporter/collectors/kubernetes/podresources.proto"
 G0, G1 = "GPU-0b1c2d3e-0000-0000-0000-000000000000", "GPU-0b1c2d3e-1111-1111-1111-111111111111"
 MIG = "MIG-5f6e7d8c-0000-0000-0000-000000000000"
-LOG = "gpu_energy_exporter.kubernetes.podresources"
+LOG = "gpu_energy_exporter.collectors.kubernetes.podresources"
 
 
 @pytest.fixture

@@ -30,10 +30,10 @@ import pytest
 from fakenvml import Constant, Scenario, h100
 from helpers import ExporterProcess, sample_value, wait_until
 
+from gpu_energy_exporter.collectors.kubernetes.podips import PodDirectory, pods_by_address
+from gpu_energy_exporter.collectors.kubernetes.testing import FakeKubelet, fake_pod
 from gpu_energy_exporter.core.clientid import POD, client_id, identity_of, principal_of, tag_of
 from gpu_energy_exporter.core.contract import ATTR_GPU_UUID
-from gpu_energy_exporter.kubernetes.podips import PodDirectory, pods_by_address
-from gpu_energy_exporter.kubernetes.testing import FakeKubelet, fake_pod
 from gpu_energy_exporter.otlp.podgpus import FOREIGN_GPU, restrict_to_pod
 from gpu_energy_exporter.otlp.points import Batch, Point
 
@@ -218,7 +218,7 @@ def test_a_pods_resource_is_its_own_pod_so_its_pid_names_only_its_processes() ->
 def test_a_pod_the_kubelet_lists_without_a_gpu_may_name_none(tmp_path: Path) -> None:
     from test_kubernetes_collector import G0, States
 
-    from gpu_energy_exporter.collectors.kubernetes import KubernetesCollector
+    from gpu_energy_exporter.collectors.kubernetes.collector import KubernetesCollector
     from gpu_energy_exporter.daemon.config import load_config
 
     sock = str(tmp_path / "kubelet.sock")

@@ -25,8 +25,8 @@ from settle_rig import EPOCH, h100_with, rel_error
 
 pytest.importorskip("grpc")
 
-from gpu_energy_exporter.kubernetes.assignments import PodRef  # noqa: E402
-from gpu_energy_exporter.kubernetes.testing import FakeKubelet, fake_pod  # noqa: E402
+from gpu_energy_exporter.collectors.kubernetes.assignments import PodRef  # noqa: E402
+from gpu_energy_exporter.collectors.kubernetes.testing import FakeKubelet, fake_pod  # noqa: E402
 
 WAVE_10S = Square(150.0, 650.0, 10.0, 0.5)
 WAVE_07S = Square(150.0, 650.0, 0.7, 0.5)

@@ -17,11 +17,11 @@ import pytest
 from fakenvml import Constant, Scenario, h100
 from helpers import ExporterProcess, require_binary, sample_value, samples, wait_until
 
-from gpu_energy_exporter.collectors.slurm import READ_TIMEOUT_S, SlurmCollector
+from gpu_energy_exporter.collectors.slurm import mapping as slurm_mapping
+from gpu_energy_exporter.collectors.slurm.collector import READ_TIMEOUT_S, SlurmCollector
+from gpu_energy_exporter.collectors.slurm.mapping import JobMapping, read_mapping
 from gpu_energy_exporter.core.state import GPUIdentity, GPUReading, GPUState
 from gpu_energy_exporter.core.tenantfiles import NotRegular, Stuck, TooLarge, Watchdog, read_regular
-from gpu_energy_exporter.slurm import mapping as slurm_mapping
-from gpu_energy_exporter.slurm.mapping import JobMapping, read_mapping
 
 AVAILABLE = "gpuenergy_slurm_job_mapping_available"
 JOB_ENERGY = "gpuenergy_slurm_job_energy_joules_total"

@@ -13,9 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from gpu_energy_exporter.collectors.slurm import SlurmCollector
-from gpu_energy_exporter.core.state import GPUIdentity, GPUProcess, GPUReading, GPUState
-from gpu_energy_exporter.slurm.jobs import (
+from gpu_energy_exporter.collectors.slurm.collector import SlurmCollector
+from gpu_energy_exporter.collectors.slurm.jobs import (
     METHOD_EXCLUSIVE,
     METHOD_MIG_SLICES,
     METHOD_SHARED_EVEN,
@@ -24,7 +23,8 @@ from gpu_energy_exporter.slurm.jobs import (
     JobSlot,
     split,
 )
-from gpu_energy_exporter.slurm.mapping import JobInfo, job_of_cgroup, read_mapping
+from gpu_energy_exporter.collectors.slurm.mapping import JobInfo, job_of_cgroup, read_mapping
+from gpu_energy_exporter.core.state import GPUIdentity, GPUProcess, GPUReading, GPUState
 
 REPO = Path(__file__).resolve().parent.parent
 PROLOG = REPO / "deploy" / "slurm" / "gpu-energy-prolog.sh"

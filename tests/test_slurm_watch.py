@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from gpu_energy_exporter.slurm.edges import MappingEdges, monotonic_cuts
-from gpu_energy_exporter.slurm.mapping import mapping_signature, read_mapping
-from gpu_energy_exporter.slurm.watch import DirectoryWatch
+from gpu_energy_exporter.collectors.slurm.edges import MappingEdges, monotonic_cuts
+from gpu_energy_exporter.collectors.slurm.mapping import mapping_signature, read_mapping
+from gpu_energy_exporter.collectors.slurm.watch import DirectoryWatch
 
 T0 = 1_750_000_000.0
 

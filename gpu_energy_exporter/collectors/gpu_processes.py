@@ -29,10 +29,10 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 
+from gpu_energy_exporter.collectors.kubernetes.assignments import PodRef
 from gpu_energy_exporter.core.procinfo import ProcessIdentity, parse_cgroup, parse_nspid
 from gpu_energy_exporter.core.state import GPUReading
 from gpu_energy_exporter.core.tenantfiles import Stuck, TooLarge, Watchdog, read_regular
-from gpu_energy_exporter.kubernetes.assignments import PodRef
 
 #: Pids remembered per table at most (a node lists far fewer compute processes).
 _MAX_PIDS = 4096

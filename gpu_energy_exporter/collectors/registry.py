@@ -4,7 +4,8 @@ daemon's wiring and the generated docs (docs/configuration.md, docs/metrics.md) 
 A collector module calls ``register(CollectorSpec(...))`` at import: its name (``--collector.<name>``), whether
 it is on by default, its help, its own flags (with their environment variables), the title of its section in
 the metric catalogue and ``build``, the factory the daemon calls when the collector is enabled. ``specs()``
-imports every module of this package once, so adding a collector is adding one file (node_exporter's
+imports every module of this package once (of a subpackage, its ``collector`` module: ``kubernetes``, ``slurm``
+and ``health`` keep their other modules beside it), so adding a collector is adding one file (node_exporter's
 ``registerCollector`` in each collector's ``init``, in Python).
 
 ``build`` gets a ``Wiring``: the configuration, the clock, what the daemon shares with collectors (the GPU
@@ -17,6 +18,7 @@ gpu collector), and may hand the sampler a hook (``sampler_hooks``) or a thread 
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import pkgutil
 import threading
 from collections.abc import Callable
@@ -125,8 +127,14 @@ def specs() -> tuple[CollectorSpec, ...]:
     if not _DISCOVERED:
         package = importlib.import_module(__package__ or "gpu_energy_exporter.collectors")
         for module in pkgutil.iter_modules(package.__path__):
-            if not module.name.startswith("_"):
-                importlib.import_module(f"{package.__name__}.{module.name}")
+            if module.name.startswith("_"):
+                continue
+            name = f"{package.__name__}.{module.name}"
+            if module.ispkg:  # a collector with modules of its own (kubernetes, slurm, health): its collector
+                name += ".collector"
+                if importlib.util.find_spec(name) is None:
+                    continue
+            importlib.import_module(name)
         _DISCOVERED = True
     with _LOCK:
         return tuple(sorted(_SPECS.values(), key=lambda s: (s.order, s.name)))

@@ -169,7 +169,7 @@ class Exporter:
         tokens = load_bearer_tokens(config.otlp_bearer_token_file) if config.otlp_bearer_token_file else None
         pods = None
         if self.kubernetes is not None and config.kubernetes_pod_identity:  # urllib and ssl (a few MB) only then
-            from gpu_energy_exporter.kubernetes.podips import directory_from_config
+            from gpu_energy_exporter.collectors.kubernetes.podips import directory_from_config
 
             pods = directory_from_config(config, os.environ)
         # One handler for every OTLP transport: the store, the limits, the tokens and who a peer is

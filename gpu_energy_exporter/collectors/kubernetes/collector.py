@@ -24,19 +24,19 @@ from typing import Any, Protocol
 from prometheus_client.core import Metric
 
 from gpu_energy_exporter.collectors.base import Collector, NoData
+from gpu_energy_exporter.collectors.kubernetes.assignments import (
+    STATE_OK,
+    STATE_RPC_ERROR,
+    AssignmentView,
+    PodRef,
+)
+from gpu_energy_exporter.collectors.kubernetes.attribution import UNOWNED, PodEnergyAttributor, Slot, resolve
 from gpu_energy_exporter.collectors.registry import CollectorSpec, Settings, Wiring, register
 from gpu_energy_exporter.core.contract import gpu_key
 from gpu_energy_exporter.core.errors import ExporterError
 from gpu_energy_exporter.core.flagtypes import Flag, any_text, parse_bool, parse_duration
 from gpu_energy_exporter.core.metrics import GPU_LABELS, add, define
 from gpu_energy_exporter.core.state import GPUState
-from gpu_energy_exporter.kubernetes.assignments import (
-    STATE_OK,
-    STATE_RPC_ERROR,
-    AssignmentView,
-    PodRef,
-)
-from gpu_energy_exporter.kubernetes.attribution import UNOWNED, PodEnergyAttributor, Slot, resolve
 
 log = logging.getLogger(__name__)
 
@@ -143,7 +143,7 @@ class KubernetesCollector(Collector):
         refreshed every ``--kubernetes.refresh-interval``. Imports grpc (the ``[kubernetes]`` extra) and
         raises ``ExporterError`` saying how to install it when it is missing or too old."""
         try:
-            from gpu_energy_exporter.kubernetes.podresources import PodResourcesWatcher
+            from gpu_energy_exporter.collectors.kubernetes.podresources import PodResourcesWatcher
         except Exception as exc:  # ImportError, or the generated code's grpcio/protobuf version check
             raise ExporterError(
                 "--collector.kubernetes needs grpcio and a recent protobuf: pip install "

@@ -50,10 +50,10 @@ from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
+from gpu_energy_exporter.collectors.kubernetes.assignments import DeviceAssignment, PodRef
 from gpu_energy_exporter.core import sharing
 from gpu_energy_exporter.core.settle import SpanBook, Split
 from gpu_energy_exporter.core.state import GPUIdentity, GPUState
-from gpu_energy_exporter.kubernetes.assignments import DeviceAssignment, PodRef
 
 METHOD_EXCLUSIVE = "exclusive"
 METHOD_MIG_SLICES = "mig_slices"

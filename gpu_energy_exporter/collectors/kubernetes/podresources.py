@@ -23,9 +23,9 @@ from collections.abc import Callable, Sequence
 
 import grpc
 
-from gpu_energy_exporter.kubernetes import podresources_pb2 as pb
-from gpu_energy_exporter.kubernetes import podresources_pb2_grpc as pb_grpc
-from gpu_energy_exporter.kubernetes.assignments import (
+from gpu_energy_exporter.collectors.kubernetes import podresources_pb2 as pb
+from gpu_energy_exporter.collectors.kubernetes import podresources_pb2_grpc as pb_grpc
+from gpu_energy_exporter.collectors.kubernetes.assignments import (
     STATE_OK,
     STATE_PENDING,
     STATE_PERMISSION_DENIED,

@@ -20,7 +20,7 @@ from prometheus_client.core import Metric
 
 from gpu_energy_exporter.collectors.base import Collector, NoData
 from gpu_energy_exporter.collectors.gpu import GPUCollector
-from gpu_energy_exporter.collectors.health_metrics import (
+from gpu_energy_exporter.collectors.health.metrics import (
     EVENT_SPECS,
     HEALTH_READ_DURATION,
     HEALTH_READ_TIME,

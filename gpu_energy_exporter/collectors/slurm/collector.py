@@ -35,15 +35,21 @@ from prometheus_client.core import Metric
 
 from gpu_energy_exporter.collectors.base import Collector
 from gpu_energy_exporter.collectors.registry import CollectorSpec, Wiring, register
+from gpu_energy_exporter.collectors.slurm.edges import MappingEdges, monotonic_cuts
+from gpu_energy_exporter.collectors.slurm.jobs import JobEnergyAttributor, JobSlot
+from gpu_energy_exporter.collectors.slurm.mapping import (
+    JobInfo,
+    JobMapping,
+    job_of_cgroup,
+    mapping_signature,
+    read_mapping,
+)
+from gpu_energy_exporter.collectors.slurm.watch import dir_mtime
 from gpu_energy_exporter.core.flagtypes import Flag, any_text
 from gpu_energy_exporter.core.metrics import GPU_LABELS, add, define
 from gpu_energy_exporter.core.ratelog import RateLimitedLog
 from gpu_energy_exporter.core.state import GPUState, SlurmJob
 from gpu_energy_exporter.core.tenantfiles import Stuck, TooLarge, Watchdog, read_regular
-from gpu_energy_exporter.slurm.edges import MappingEdges, monotonic_cuts
-from gpu_energy_exporter.slurm.jobs import JobEnergyAttributor, JobSlot
-from gpu_energy_exporter.slurm.mapping import JobInfo, JobMapping, job_of_cgroup, mapping_signature, read_mapping
-from gpu_energy_exporter.slurm.watch import dir_mtime
 
 log = logging.getLogger(__name__)
 
@@ -317,7 +323,7 @@ def _build(w: Wiring) -> SlurmCollector:
     # changes (the watch), and in any sample that finds it changed.
     gpu.add_counter_read_check(slurm.mapping_changed)
     w.sampler_hooks["slurm_jobs"] = slurm.held  # Slurm jobs are runs (ledger.jobs)
-    from gpu_energy_exporter.slurm.watch import DirectoryWatch
+    from gpu_energy_exporter.collectors.slurm.watch import DirectoryWatch
 
     w.services.append(DirectoryWatch(directory, w.read_counters_now))
     return slurm

@@ -28,7 +28,7 @@ import struct
 import threading
 from collections.abc import Callable
 
-from gpu_energy_exporter.slurm.mapping import GPU_FILE
+from gpu_energy_exporter.collectors.slurm.mapping import GPU_FILE
 
 log = logging.getLogger(__name__)
 

@@ -18,8 +18,8 @@ from types import TracebackType
 
 import grpc
 
-from gpu_energy_exporter.kubernetes import podresources_pb2 as pb
-from gpu_energy_exporter.kubernetes import podresources_pb2_grpc as pb_grpc
+from gpu_energy_exporter.collectors.kubernetes import podresources_pb2 as pb
+from gpu_energy_exporter.collectors.kubernetes import podresources_pb2_grpc as pb_grpc
 
 DEFAULT_RESOURCE = "nvidia.com/gpu"
 

@@ -5,10 +5,10 @@
   are generated from it and committed. Regenerate them from the repository root with exactly::
 
       .venv/bin/python -m grpc_tools.protoc -I. --python_out=. --pyi_out=. --grpc_python_out=. \\
-          gpu_energy_exporter/kubernetes/podresources.proto
+          gpu_energy_exporter/collectors/kubernetes/podresources.proto
 
   Running protoc from the repository root with ``-I.`` makes the generated modules import each other as
-  ``gpu_energy_exporter.kubernetes.podresources_pb2``, so no hand edit is needed. The generated code
+  ``gpu_energy_exporter.collectors.kubernetes.podresources_pb2``, so no hand edit is needed. The generated code
   checks its runtime: it needs protobuf and grpcio at least as new as the grpcio-tools that generated it
   (the versions are written at the top of the generated files).
 - ``podresources`` is the client: it lists the kubelet's assignments on its own thread, on an interval,

@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from gpu_energy_exporter.slurm.mapping import GPU_FILE, JobMapping
+from gpu_energy_exporter.collectors.slurm.mapping import GPU_FILE, JobMapping
 
 #: An ended job's edge is kept this long (seconds on the collector's clock) for the snapshots that follow.
 ENDED_KEEP_S = 60.0
