@@ -23,7 +23,7 @@ from fakenvml.generations import BY_NAME, GENERATIONS, Generation
 from helpers import SAMPLE_LINE, ExporterProcess, check_golden, normalise
 
 from gpu_energy_exporter.collectors import gpu_metrics as g
-from gpu_energy_exporter.collectors import health_metrics as h
+from gpu_energy_exporter.collectors.health import metrics as h
 from gpu_energy_exporter.core.state import GPU_SAMPLE_AGE
 
 GOLDEN_DIR = Path(__file__).parent / "golden" / "drivers"
