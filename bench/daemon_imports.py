@@ -1,7 +1,7 @@
 """What the daemon's imports cost in resident memory: the real CLI's ``main()`` on 8 fake H100s at the defaults
 (OTLP/gRPC receiver on, no client), after a few samples, a scrape in each format and an empty OTLP push,
 three times each way: as it runs (``main`` loads prometheus_client's submodules without its package
-``__init__``, ``daemon/lean.py``) and with the whole package imported first.
+``__init__``, ``daemon/lean_imports.py``) and with the whole package imported first.
 
 ``python -m bench.daemon_imports``. Memory is VmRSS from /proc/self/status inside the child (the child of
 tests/test_daemon_imports.py, the same script). Never asserts a figure.
@@ -48,7 +48,7 @@ def main() -> int:
         Scenario(epoch=time.time(), gpus=[h100(i) for i in range(8)]).write(scenario)
         env = {k: v for k, v in os.environ.items() if not k.startswith("FAKE_NVML_")}
         env.update(FAKE_NVML_SCENARIO=str(scenario))
-        rows = {"as it runs (daemon/lean.py)": [], "the whole prometheus_client package": []}
+        rows = {"as it runs (daemon/lean_imports.py)": [], "the whole prometheus_client package": []}
         for _ in range(3):
             for name, whole in zip(rows, (False, True), strict=True):
                 rows[name].append(measure(lib, env, whole))

@@ -26,7 +26,7 @@ REPO = Path(__file__).resolve().parents[1]
 #: Module prefixes the running daemon must not have imported (with the default flags).
 NOT_LOADED = ("requests", "urllib3", "yaml", "bcrypt", "opentelemetry.sdk", "opentelemetry.exporter", "matplotlib",
               "torch", "transformers", "gpu_energy_exporter.training", "gpu_energy_exporter.client",
-              # what prometheus_client's package __init__ brings (daemon/lean.py): its HTTP servers and
+              # what prometheus_client's package __init__ brings (daemon/lean_imports.py): its HTTP servers and
               # clients, and with them OpenSSL (ssl, hashlib) and the email package: ~10 MB
               "prometheus_client.exposition", "http.server", "http.client", "urllib.request", "wsgiref", "email",
               "ssl", "_ssl", "hashlib", "_hashlib",
@@ -85,7 +85,7 @@ def test_the_running_daemon_never_imports_what_only_other_commands_or_flags_use(
     out = json.loads(proc.stdout.split("@@OUT@@", 1)[1].splitlines()[0])
     modules = out["modules"]
     assert "gpu_energy_exporter.devices.nvml" in modules and "gpu_energy_exporter.otlp.receiver" in modules
-    assert "gpu_energy_exporter.otlp.grpcwake" in modules, "the gRPC receiver (on by default) holds its port"
+    assert "gpu_energy_exporter.otlp.grpc_port_holder" in modules, "the gRPC receiver (on by default) holds its port"
     loaded = sorted(m for m in modules if any(m == p or m.startswith(p + ".") for p in NOT_LOADED))
     assert not loaded, f"the daemon imported {loaded}"
 
@@ -97,7 +97,7 @@ import gpu_energy_exporter.daemon.exporter  # a library import changes nothing: 
 assert "prometheus_client.exposition" in sys.modules, "importing the daemon as a library replaced a dependency"
 for name in [m for m in sys.modules if m.startswith(("prometheus_client", "gpu_energy_exporter"))]:
     del sys.modules[name]
-from gpu_energy_exporter.daemon.lean import lean_prometheus_client
+from gpu_energy_exporter.daemon.lean_imports import lean_prometheus_client
 lean_prometheus_client()  # what the process's entry point (daemon.cli.main) does first
 from prometheus_client.core import Metric
 assert "prometheus_client.exposition" not in sys.modules, "the submodule import ran the package __init__"
@@ -107,7 +107,7 @@ from prometheus_client import CollectorRegistry, exposition, start_http_server
 assert "prometheus_client.exposition" in sys.modules and callable(start_http_server)
 r = CollectorRegistry()
 assert exposition.generate_latest(r) == b""
-from gpu_energy_exporter.daemon.lean import few_malloc_arenas
+from gpu_energy_exporter.daemon.lean_imports import few_malloc_arenas
 print("OK", few_malloc_arenas())
 """
 

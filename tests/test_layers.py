@@ -53,6 +53,11 @@ OLD_PLACES = {
     "gpu_energy_exporter.kubernetes": "gpu_energy_exporter.collectors.kubernetes (its collector included)",
     "gpu_energy_exporter.slurm": "gpu_energy_exporter.collectors.slurm (its collector included)",
     "gpu_energy_exporter.collectors.health_metrics": "gpu_energy_exporter.collectors.health.metrics",
+    "gpu_energy_exporter.core.memo": "gpu_energy_exporter.core.bounded_memo",
+    "gpu_energy_exporter.otlp.folding": "gpu_energy_exporter.otlp.temporality",
+    "gpu_energy_exporter.otlp.grpcwake": "gpu_energy_exporter.otlp.grpc_port_holder",
+    "gpu_energy_exporter.otlp.grpcslots": "gpu_energy_exporter.otlp.grpc_admission",
+    "gpu_energy_exporter.daemon.lean": "gpu_energy_exporter.daemon.lean_imports",
 }
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from gpu_energy_exporter.core.memo import remember
+from gpu_energy_exporter.core.bounded_memo import remember
 
 
 def test_a_memo_never_holds_more_than_its_limit_and_keeps_the_newest_entry() -> None:

@@ -1,5 +1,5 @@
 """The OTLP/gRPC receiver's cost on a node that never receives a gRPC push, and its bounds under a flood, in
-the real exporter process: grpc is loaded on the port's first connection (``otlp.grpcwake``), and that
+the real exporter process: grpc is loaded on the port's first connection (``otlp.grpc_port_holder``), and that
 first push succeeds with no error (the real SDK exporter, and a bare grpc call with no retry policy); the
 port is held all along (a second exporter cannot take it); a flood of bad 4 MiB calls on their own
 connections leaves the exporter's memory where it was; silent sockets give their connection slots back

@@ -26,7 +26,7 @@ from collections.abc import Iterable, Sequence
 
 from prometheus_client.core import Metric
 
-from gpu_energy_exporter.core.memo import remember
+from gpu_energy_exporter.core.bounded_memo import remember
 from gpu_energy_exporter.core.metrics import MetricSpec
 
 _LEGACY_LABEL = re.compile(r"[a-zA-Z_][a-zA-Z0-9_]*\Z")

@@ -2,7 +2,7 @@
 
 Sub-commands are imported lazily so that ``gpu-energy-exporter --help`` and the daemon never import
 what only one sub-command needs (matplotlib for ``report``, curses for ``top``); the daemon's own modules are
-imported by ``main`` too, after it chose how prometheus_client is loaded (``daemon/lean.py``).
+imported by ``main`` too, after it chose how prometheus_client is loaded (``daemon/lean_imports.py``).
 """
 
 from __future__ import annotations
@@ -70,10 +70,10 @@ def serve(argv: Sequence[str], *, backend_factory: object = None) -> int:
     from gpu_energy_exporter.daemon.config import config_from_namespace
     from gpu_energy_exporter.daemon.exporter import Exporter
     from gpu_energy_exporter.daemon.inertflags import inert_flags
-    from gpu_energy_exporter.daemon.lean import few_malloc_arenas
+    from gpu_energy_exporter.daemon.lean_imports import few_malloc_arenas
     from gpu_energy_exporter.daemon.logsetup import setup_logging
 
-    few_malloc_arenas()  # before any thread starts (daemon/lean.py says why)
+    few_malloc_arenas()  # before any thread starts (daemon/lean_imports.py says why)
     try:
         ns = new_parser().parse_args(list(argv))
         config = config_from_namespace(ns, os.environ)
@@ -124,10 +124,10 @@ def _freeze_startup_heap() -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """The process's entry point (the console script and ``python -m gpu_energy_exporter``)."""
-    from gpu_energy_exporter.daemon.lean import lean_prometheus_client
+    from gpu_energy_exporter.daemon.lean_imports import lean_prometheus_client
 
     # This process's own choice, before anything imports prometheus_client: its submodules without the
-    # package __init__'s HTTP servers and OpenSSL (6.4 MB of the daemon's RSS; daemon/lean.py). Importing
+    # package __init__'s HTTP servers and OpenSSL (6.4 MB of the daemon's RSS; daemon/lean_imports.py). Importing
     # the package as a library (tests, a notebook) changes nothing.
     lean_prometheus_client()
     args = list(sys.argv[1:] if argv is None else argv)

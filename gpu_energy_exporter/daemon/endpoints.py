@@ -21,8 +21,8 @@ from urllib.parse import parse_qs
 from prometheus_client.registry import CollectorRegistry
 
 from gpu_energy_exporter import __version__
+from gpu_energy_exporter.core.bounded_memo import remember
 from gpu_energy_exporter.core.errors import ConfigError
-from gpu_energy_exporter.core.memo import remember
 from gpu_energy_exporter.engine.exposition import select_samples
 from gpu_energy_exporter.http.messages import PROJECT_NAME, Handler, Request, Response
 from gpu_energy_exporter.http.server import HTTPServer

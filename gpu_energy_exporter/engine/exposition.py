@@ -30,7 +30,7 @@ from prometheus_client.registry import CollectorRegistry
 
 from gpu_energy_exporter import __version__
 from gpu_energy_exporter.core import encoder
-from gpu_energy_exporter.core.memo import remember
+from gpu_energy_exporter.core.bounded_memo import remember
 from gpu_energy_exporter.core.metrics import add, define
 from gpu_energy_exporter.core.state import GPU_SAMPLE_AGE
 from gpu_energy_exporter.engine.sampler import Sampler

@@ -20,7 +20,7 @@ from types import MappingProxyType
 from typing import Any
 
 from gpu_energy_exporter import __version__
-from gpu_energy_exporter.core.memo import remember
+from gpu_energy_exporter.core.bounded_memo import remember
 from gpu_energy_exporter.http.codec import GZIP, BodyTooLarge, MalformedBody, TruncatedBody, inflate
 
 PROJECT_NAME = "gpu-energy-exporter"

@@ -18,7 +18,7 @@ import re
 from collections.abc import Callable
 from typing import NamedTuple, TypeVar
 
-from gpu_energy_exporter.core.memo import remember
+from gpu_energy_exporter.core.bounded_memo import remember
 from gpu_energy_exporter.http.messages import Headers
 
 #: Limits on what a request may send before its body (docs/configuration.md quotes them).

@@ -18,7 +18,7 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from gpu_energy_exporter.core import contract
-from gpu_energy_exporter.core.memo import remember
+from gpu_energy_exporter.core.bounded_memo import remember
 from gpu_energy_exporter.ledger.split import Proc
 
 if TYPE_CHECKING:

@@ -26,7 +26,7 @@ import math
 from collections.abc import Callable, Mapping, MutableMapping, Sequence
 
 from gpu_energy_exporter.core import contract
-from gpu_energy_exporter.core.memo import remember
+from gpu_energy_exporter.core.bounded_memo import remember
 from gpu_energy_exporter.core.state import SlurmJob
 from gpu_energy_exporter.ledger.frames import Frame, uuid_key
 from gpu_energy_exporter.ledger.runs import Run

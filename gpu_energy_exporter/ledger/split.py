@@ -40,7 +40,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from gpu_energy_exporter.core import sharing
-from gpu_energy_exporter.core.memo import remember
+from gpu_energy_exporter.core.bounded_memo import remember
 from gpu_energy_exporter.core.procinfo import ProcessIdentity
 
 SPLIT_EXCLUSIVE = sharing.RULE_EXCLUSIVE

@@ -7,7 +7,7 @@
 - ``census``: what a request would make, counted before it is parsed, and the budgets it must fit (pure).
 - ``decoding``: request bodies to messages: inflating within the limit, the census, protobuf and JSON (pure).
 - ``translate``: a decoded ``ExportMetricsServiceRequest`` to a ``Batch``, every limit applied.
-- ``folding``: delta and cumulative streams, restarts and histogram layouts into exposed values (pure).
+- ``temporality``: delta and cumulative streams, restarts and histogram layouts into exposed values (pure).
 - ``admission``: the store's bounds and name rules, as refusals with their flag (pure).
 - ``series``: the store's families and series and their encoded exposition lines.
 - ``selfmetrics``: the receiver's ``gpuenergy_otlp_*`` counters.
@@ -19,8 +19,8 @@
   (``OTLPReceiver``, on a TCP port or the OTLP Unix socket); the only module here that imports the HTTP
   server.
 - ``grpcreceiver``: ``GRPCReceiver``, ``MetricsService/Export`` over gRPC into ``ExportHandler.store_body``
-  (the one path after a body is read); ``grpctls`` its TLS credentials; ``grpcslots`` its admission (calls
-  at once, the slowest cut); ``grpcwake`` the plain sockets that hold its port until the first connection
+  (the one path after a body is read); ``grpctls`` its TLS credentials; ``grpc_admission`` its admission (calls
+  at once, the slowest cut); ``grpc_port_holder`` the plain sockets that hold its port until the first connection
   loads grpc. Only ``grpcreceiver`` and ``grpctls`` import grpc, when the server is built.
 - ``conventions``: which of the node's series are pushed, named after the OpenTelemetry hardware
   semantic conventions (pure).

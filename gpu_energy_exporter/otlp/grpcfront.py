@@ -13,7 +13,7 @@ made 8 of 8 legitimate exports fail ``UNAVAILABLE``. The front keeps what grpcio
   a gRPC client opens a new connection for its next call), as the HTTP ports do; failing both the new one is
   closed. So a flood of silent or idle sockets, whatever its size, never keeps a client that talks out.
 - What remains (docs/security.md): connections that keep sending bytes are relayed and held, up to the cap;
-  grpcio's own limits then apply to them (calls at once, ``grpcslots``).
+  grpcio's own limits then apply to them (calls at once, ``grpc_admission``).
 
 Relaying: each connection is paired with a Unix connection to grpcio, bound to an abstract name the kernel
 picks, so grpcio's ``context.peer()`` (``unix-abstract:<name>``) maps back to the TCP peer (``peer_of``).

@@ -40,7 +40,7 @@ over HTTP (``ExportHandler.identify``).
 
 Threads: one ``otlp-grpc`` thread runs an asyncio loop with a ``grpc.aio`` server; messages up to
 ``receiver.INLINE_MAX_BODY`` are stored on it (a rank's export costs less than a hand-off), larger ones on a
-small pool. In plain text ``bind`` holds the port with a ``grpcwake.Placeholder`` and ``grpc`` is imported,
+small pool. In plain text ``bind`` holds the port with a ``grpc_port_holder.Placeholder`` and ``grpc`` is imported,
 the thread started and the server bound where the placeholder was only when the first client connects
 (``_wake``); with TLS all of that happens at ``bind``. With ``--otlp.grpc.listen-address=`` grpc never loads.
 This module never decodes OTLP itself, never touches the store except through ``ExportHandler``, and never
@@ -65,12 +65,12 @@ from gpu_energy_exporter.core import metrics
 from gpu_energy_exporter.core.clientid import UNRESOLVED_LOCAL, Peer, address_peer
 from gpu_energy_exporter.core.errors import ConfigError
 from gpu_energy_exporter.core.lazymodule import lazy
+from gpu_energy_exporter.otlp.grpc_admission import EVICT_AFTER as EVICT_AFTER
+from gpu_energy_exporter.otlp.grpc_admission import SLOTS as SLOTS
+from gpu_energy_exporter.otlp.grpc_admission import Call, Refused, Slots
+from gpu_energy_exporter.otlp.grpc_port_holder import Handoff, Placeholder, listen
 from gpu_energy_exporter.otlp.grpcfront import Front
-from gpu_energy_exporter.otlp.grpcslots import EVICT_AFTER as EVICT_AFTER
-from gpu_energy_exporter.otlp.grpcslots import SLOTS as SLOTS
-from gpu_energy_exporter.otlp.grpcslots import Call, Refused, Slots
 from gpu_energy_exporter.otlp.grpctls import TLSCredentials, check_tls
-from gpu_energy_exporter.otlp.grpcwake import Handoff, Placeholder, listen
 from gpu_energy_exporter.otlp.receiver import INLINE_MAX_BODY, PROTOBUF, ExportFailure, ExportHandler
 from gpu_energy_exporter.otlp.selfmetrics import COLLECTOR
 
@@ -370,7 +370,7 @@ class GRPCReceiver:
 
     def bind(self) -> GRPCReceiver:
         """Bind the port; ``ConfigError`` when it cannot be used. In plain text the port is held by a
-        ``grpcwake.Placeholder`` and grpc is loaded on the first connection (``_wake``); with TLS grpc is
+        ``grpc_port_holder.Placeholder`` and grpc is loaded on the first connection (``_wake``); with TLS grpc is
         imported, its loop thread started and its server bound now. Either way the port is the front's
         (``grpcfront``), which relays it to the server's private Unix socket."""
         if self._loop is not None or self._placeholder is not None:

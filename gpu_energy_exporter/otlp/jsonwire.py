@@ -29,7 +29,7 @@ from typing import Any
 from google.protobuf.descriptor import Descriptor, FieldDescriptor
 from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import ExportMetricsServiceRequest
 
-from gpu_energy_exporter.core.memo import remember
+from gpu_energy_exporter.core.bounded_memo import remember
 
 
 class Unsupported(Exception):

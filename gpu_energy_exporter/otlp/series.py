@@ -2,7 +2,7 @@
 heads (``name{labels} ``) built once per label set and layout, the encoded lines, the family's header, and
 ``prometheus_client`` samples for ``collect()``.
 
-A ``Series`` is a folding ``Stream`` (``otlp.folding``) with its labels, its cost in the store's bytes and
+A ``Series`` is a folding ``Stream`` (``otlp.temporality``) with its labels, its cost in the store's bytes and
 its sample heads; a ``Family`` holds the series of one metric name (a ``SeriesMap``: the series and, in the
 same order, their encoded lines) and the names its exposition claims.
 
@@ -24,9 +24,9 @@ from prometheus_client.core import Metric
 from prometheus_client.samples import Sample
 
 from gpu_energy_exporter.core import encoder
-from gpu_energy_exporter.core.memo import remember
-from gpu_energy_exporter.otlp.folding import Stream, layout
+from gpu_energy_exporter.core.bounded_memo import remember
 from gpu_energy_exporter.otlp.points import Kind, Labels
+from gpu_energy_exporter.otlp.temporality import Stream, layout
 
 #: A series' sample heads, [text, OpenMetrics] (one tuple twice unless the name has a ':').
 Heads = tuple[tuple[bytes, ...], tuple[bytes, ...]]

@@ -4,7 +4,7 @@
 ``collect()`` returns fresh ``prometheus_client`` families for ``/metrics`` and ``render()`` the encoded
 exposition. It is thread-safe (one lock; the receiver's request threads write, scrapes read). The store is
 the lock, the bookkeeping, eviction, expiry and the encoded-bytes cache around pure parts: how a point folds
-into a series (``otlp.folding``: temporality, restarts, layout changes), whether a new series fits
+into a series (``otlp.temporality``: temporality, restarts, layout changes), whether a new series fits
 (``otlp.admission``: the bounds and the name rules), how a series is written (``otlp.series``) and what is
 counted (``otlp.selfmetrics``).
 
@@ -50,7 +50,7 @@ from prometheus_client.core import Metric
 from gpu_energy_exporter.core import encoder
 from gpu_energy_exporter.core.clientid import identity_of, principal_of
 from gpu_energy_exporter.core.ratelog import RateLimitedLog
-from gpu_energy_exporter.otlp import admission, folding
+from gpu_energy_exporter.otlp import admission, temporality
 from gpu_energy_exporter.otlp.gate import Gate, ask_gate
 from gpu_energy_exporter.otlp.points import DEFAULT_LIMITS, Batch, Labels, Limits, Point, series_bytes
 from gpu_energy_exporter.otlp.points import AcceptedPoint as AcceptedPoint  # the listeners' type, exported here
@@ -290,8 +290,8 @@ class TrainingStore:
         totals = kind == "counter" or kind == "histogram"
         saved = series.state() if totals and not new else None
         try:
-            restarts = folding.update(p, series, new)
-        except folding.OutOfOrder as exc:
+            restarts = temporality.update(p, series, new)
+        except temporality.OutOfOrder as exc:
             if saved is not None:
                 series.restore(saved)
             return ("out_of_order", f"{name}: {exc}")
@@ -319,13 +319,13 @@ class TrainingStore:
             series.cost = p.cost
         series.last_seen = now
         assert fam is not None  # found with the series, or added with it
-        if series.layout != kind:  # a scalar series' layout is its kind (folding.layout): set once
+        if series.layout != kind:  # a scalar series' layout is its kind (temporality.layout): set once
             relayout(fam, series)
-        series.values = values = folding.exposed(kind, series)
+        series.values = values = temporality.exposed(kind, series)
         fam.gen += 1
         changed.append((series, series.heads, values))
         if events is not None:
-            value, count = (values[0], None) if len(values) == 1 else folding.reported(kind, series)  # scalar kinds
+            value, count = (values[0], None) if len(values) == 1 else temporality.reported(kind, series)  # scalar kinds
             events.append(AcceptedPoint(p.run_id, name, series.view, value, p.time_ns / 1e9, kind, count, labels,
                                         p.resource, p.client, p.admitted))
         return None

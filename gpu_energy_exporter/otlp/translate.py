@@ -37,9 +37,9 @@ from typing import Any
 
 from google.protobuf.message import Message
 
+from gpu_energy_exporter.core.bounded_memo import remember
 from gpu_energy_exporter.core.clientid import Peer, address_peer, claim_refusal, client_id
 from gpu_energy_exporter.core.contract import ATTR_RUN_ID, LABEL_POD_UID
-from gpu_energy_exporter.core.memo import remember
 from gpu_energy_exporter.otlp import census
 from gpu_energy_exporter.otlp import reserved as reserved_names
 from gpu_energy_exporter.otlp.census import DEFAULT_REQUEST_LIMITS, RequestLimits, TooMuch

@@ -1,4 +1,4 @@
-"""Series folding and store admission on plain values: no store, no lock, no request (``otlp.folding``,
+"""Series folding and store admission on plain values: no store, no lock, no request (``otlp.temporality``,
 ``otlp.admission``). The store-level behaviour is in test_otlp_receiver.py and test_otlp_limits.py."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from gpu_energy_exporter.otlp import admission, folding
+from gpu_energy_exporter.otlp import admission, temporality
 from gpu_energy_exporter.otlp.points import Point
 from gpu_energy_exporter.otlp.series import Family
 
@@ -22,11 +22,11 @@ def histogram(counts: tuple[int, ...], bounds: tuple[float, ...], t: int, start:
                  count=sum(counts), sum=total)
 
 
-def fold(points: list[Point]) -> tuple[folding.Stream, int]:
-    s = folding.Stream()
+def fold(points: list[Point]) -> tuple[temporality.Stream, int]:
+    s = temporality.Stream()
     restarts = 0
     for i, p in enumerate(points):
-        restarts += folding.update(p, s, i == 0)
+        restarts += temporality.update(p, s, i == 0)
     return s, restarts
 
 
@@ -34,18 +34,18 @@ def test_cumulative_counter_restarts_fold_into_the_total() -> None:
     # a new start time, then a decrease without one: both restarts, and the exposed total never goes down
     s, restarts = fold([counter(10, 1), counter(15, 2), counter(4, 3, start=2), counter(1, 4, start=2)])
     assert restarts == 2
-    assert folding.exposed("counter", s) == (15 + 4 + 1,)
-    assert folding.reported("counter", s) == (20.0, None)
+    assert temporality.exposed("counter", s) == (15 + 4 + 1,)
+    assert temporality.reported("counter", s) == (20.0, None)
 
 
 def test_delta_counter_accumulates_and_drops_a_retry_before_changing_anything() -> None:
     s, restarts = fold([counter(3, 1, delta=True), counter(4, 2, delta=True)])
-    assert (restarts, folding.exposed("counter", s)) == (0, (7.0,))
+    assert (restarts, temporality.exposed("counter", s)) == (0, (7.0,))
     before = s.state()
-    with pytest.raises(folding.OutOfOrder, match="retry or duplicate"):
-        folding.update(counter(4, 2, delta=True), s, False)
+    with pytest.raises(temporality.OutOfOrder, match="retry or duplicate"):
+        temporality.update(counter(4, 2, delta=True), s, False)
     assert s.state() == before
-    with pytest.raises(folding.OutOfOrder, match="earlier stream"):
+    with pytest.raises(temporality.OutOfOrder, match="earlier stream"):
         fold([counter(1, 5, start=9), counter(2, 6, start=8)])
 
 
@@ -54,24 +54,24 @@ def test_histogram_layout_change_starts_afresh_as_one_restart() -> None:
                         histogram((5, 0), (9.0,), 3)])
     assert restarts == 1
     assert s.bounds == (9.0,)
-    assert folding.exposed("histogram", s) == (5.0, 5.0, 5.0, 1.0)  # le=9, +Inf, _count, _sum
-    assert folding.layout("histogram", s) == ((9.0,), True)
+    assert temporality.exposed("histogram", s) == (5.0, 5.0, 5.0, 1.0)  # le=9, +Inf, _count, _sum
+    assert temporality.layout("histogram", s) == ((9.0,), True)
 
 
 def test_histogram_decrease_folds_bucket_by_bucket() -> None:
     s, restarts = fold([histogram((1, 2), (1.0,), 1, total=2.0), histogram((0, 1), (1.0,), 2, total=0.5)])
     assert restarts == 1
-    assert folding.exposed("histogram", s) == (1.0, 4.0, 4.0, 2.5)
-    assert folding.reported("histogram", s) == (2.5, 4.0)
+    assert temporality.exposed("histogram", s) == (1.0, 4.0, 4.0, 2.5)
+    assert temporality.reported("histogram", s) == (2.5, 4.0)
 
 
 def test_a_non_finite_total_is_seen_and_the_state_restored() -> None:
     s, _ = fold([counter(1e308, 1, delta=True)])
     saved = s.state()
-    folding.update(counter(1e308, 2, delta=True), s, False)
-    assert not s.totals_finite() and math.isinf(folding.exposed("counter", s)[0])
+    temporality.update(counter(1e308, 2, delta=True), s, False)
+    assert not s.totals_finite() and math.isinf(temporality.exposed("counter", s)[0])
     s.restore(saved)
-    assert s.totals_finite() and folding.exposed("counter", s) == (1e308,)
+    assert s.totals_finite() and temporality.exposed("counter", s) == (1e308,)
 
 
 def test_admission_refusals_name_their_flag() -> None:
@@ -110,16 +110,16 @@ def test_a_sender_clock_stepped_back_is_followed_and_a_retry_still_refused() -> 
     freezing the run. A point's time orders its stream; more progress at an earlier time is a step."""
     hour = 3600 * S
     s, _ = fold([counter(100, hour + 10 * S), counter(200, hour + 11 * S)])
-    folding.update(counter(300, 12 * S), s, False)  # the clock went back an hour, the count went on
-    folding.update(counter(400, 13 * S), s, False)
-    assert folding.exposed("counter", s) == (400.0,)
-    with pytest.raises(folding.OutOfOrder):  # a retried export: older and no more progress
-        folding.update(counter(300, 12 * S), s, False)
+    temporality.update(counter(300, 12 * S), s, False)  # the clock went back an hour, the count went on
+    temporality.update(counter(400, 13 * S), s, False)
+    assert temporality.exposed("counter", s) == (400.0,)
+    with pytest.raises(temporality.OutOfOrder):  # a retried export: older and no more progress
+        temporality.update(counter(300, 12 * S), s, False)
     g, _ = fold([gauge(0.0, hour + 10 * S), gauge(0.0, hour + 11 * S)])
-    with pytest.raises(folding.OutOfOrder):  # seconds older: a retry, dropped as before
-        folding.update(gauge(1.0, hour + 5 * S), g, False)
-    folding.update(gauge(1.0, 12 * S), g, False)  # an hour older: the clock stepped back
-    assert folding.exposed("gauge", g) == (1.0,)
+    with pytest.raises(temporality.OutOfOrder):  # seconds older: a retry, dropped as before
+        temporality.update(gauge(1.0, hour + 5 * S), g, False)
+    temporality.update(gauge(1.0, 12 * S), g, False)  # an hour older: the clock stepped back
+    assert temporality.exposed("gauge", g) == (1.0,)
     h, _ = fold([histogram((1, 1), (1.0,), hour + 10 * S)])
-    folding.update(histogram((2, 1), (1.0,), 12 * S), h, False)
-    assert folding.exposed("histogram", h)[-2] == 3.0  # _count
+    temporality.update(histogram((2, 1), (1.0,), 12 * S), h, False)
+    assert temporality.exposed("histogram", h)[-2] == 3.0  # _count
