@@ -25,7 +25,7 @@ from typing import Protocol
 from gpu_energy_exporter.core import contract
 from gpu_energy_exporter.core.clientid import identity_of, tag_of
 from gpu_energy_exporter.core.ratelog import RateLimitedLog
-from gpu_energy_exporter.ledger import claims, clients, jobs, restart, runs, specs
+from gpu_energy_exporter.ledger import claims, clients, jobs, points, restart, runs, specs
 from gpu_energy_exporter.ledger.runs import Run
 
 log = logging.getLogger("gpu_energy_exporter.ledger.ledger")
@@ -149,7 +149,7 @@ class LedgerAdmission:
         run = self._active.get(run_id)
         if run is None:
             previous = [r for r in self._closed if r.run_id == run_id]
-            if previous and previous[-1].owners and runs.resumes(previous[-1], name, value, t) \
+            if previous and previous[-1].owners and points.resumes(previous[-1], name, value, t) \
                     and not clients.same_node(previous[-1].owners.values(), client):
                 if clients.collides(previous[-1].owners.values(), client):
                     return _COLLISION
@@ -191,7 +191,7 @@ class LedgerAdmission:
         """A run for a point of a run id not active, or None: a closed run's id that the point does not resume,
         or continued from another node, or no run slot left (runs without training progress give theirs up)."""
         previous = [r for r in self._closed if r.run_id == run_id]
-        if previous and not runs.resumes(previous[-1], name, value, t):
+        if previous and not points.resumes(previous[-1], name, value, t):
             return None
         if previous and previous[-1].owners and not clients.same_node(previous[-1].owners.values(), client):
             return None  # only the run's own node continues it (refused in _check_locked)

@@ -17,10 +17,11 @@ counted, the row is kept (in the database) and retried with back-off by the file
 
 This module is the ledger's driver: the lock, the snapshot history, who holds which GPU, when runs open
 and close, and the write-retry queue; what /metrics and the JSON API get is read in ``views`` (inherited).
-Beside it: point ingestion and the accumulator's moves in ``runs``, interval accounting in ``accounting``,
-settlement at counter reads in ``settlement``, figures in ``summary``, snapshot framing in ``frames``, files
-in ``files``, series in ``specs``, who may change a run and per-identity bounds in ``clients``, the store's
-gate that asks them before a point is stored, and a new run's slot, in ``admission`` (inherited).
+Beside it: a run's state and the accumulator's moves in ``runs``, what a point does to a run in ``points``,
+interval accounting in ``accounting``, settlement at counter reads in ``settlement``, figures in ``summary``,
+snapshot framing in ``frames``, files in ``files``, series in ``specs``, who may change a run and per-identity
+bounds in ``clients``, the store's gate that asks them before a point is stored, and a new run's slot, in
+``admission`` (inherited).
 """
 
 from __future__ import annotations
@@ -36,12 +37,13 @@ from gpu_energy_exporter.core import contract
 from gpu_energy_exporter.core.ratelog import RateLimitedLog
 from gpu_energy_exporter.core.runs_schema import KEEP_FINISHED_S
 from gpu_energy_exporter.core.state import Snapshot
-from gpu_energy_exporter.ledger import accounting, carry, clients, files, jobs, restart, runs, settlement, specs
+from gpu_energy_exporter.ledger import accounting, carry, clients, files, jobs, points, restart, runs, settlement, specs
 from gpu_energy_exporter.ledger.admission import LedgerAdmission
 from gpu_energy_exporter.ledger.files import iso_utc
 from gpu_energy_exporter.ledger.filewriter import Row
 from gpu_energy_exporter.ledger.frames import Frame, frame_of
-from gpu_energy_exporter.ledger.runs import PointLike, Run
+from gpu_energy_exporter.ledger.points import PointLike
+from gpu_energy_exporter.ledger.runs import Run
 from gpu_energy_exporter.ledger.split import Holding
 from gpu_energy_exporter.ledger.summary import fmt, with_provisional
 from gpu_energy_exporter.ledger.views import LedgerViews
@@ -242,7 +244,7 @@ class RunLedger(LedgerAdmission, LedgerViews):
             self._new_process.discard(run.run_id)
         if run.restored is not None and progress:
             restart.reconcile(run, name, labels, value, key)
-        runs.apply_point(run, name, labels, value, t, count, received, key, rank)
+        points.apply_point(run, name, labels, value, t, count, received, key, rank)
         if len(run.gpus) != gpus_before or new_process:
             self._holders_gen += 1  # a GPU named for the first time
         if run.tentative:
