@@ -50,12 +50,16 @@ def table(cases: Mapping[str, tuple[Any, Any]]) -> pytest.MarkDecorator:
 # window: the part of a snapshot interval (t0, t1] a run [lo, hi] is charged; warm-up ends at window_start
 
 CUTS = {
-    "a_run_alone_for_the_whole_interval_is_charged_all_of_it": ((0.0, 10.0, -INF, INF, 0.0), Cut(10.0, 0.0, 10.0, 0.0)),
+    "a_run_alone_for_the_whole_interval_is_charged_all_of_it": (
+        (0.0, 10.0, -INF, INF, 0.0), Cut(10.0, 0.0, 10.0, 0.0, 10.0, 10.0)),
     "a_run_starting_inside_the_interval_is_charged_from_its_start": (
-        (0.0, 10.0, 4.0, INF, 4.0), Cut(10.0, 4.0, 10.0, 4.0)),
+        (0.0, 10.0, 4.0, INF, 4.0), Cut(10.0, 4.0, 10.0, 4.0, 6.0, 6.0)),
     "a_run_ending_inside_the_interval_is_charged_up_to_its_end": (
-        (0.0, 10.0, -5.0, 7.0, 0.0), Cut(10.0, 0.0, 7.0, 0.0)),
-    "the_warm_up_cuts_the_window_not_the_overlap": ((0.0, 10.0, 0.0, INF, 6.0), Cut(10.0, 0.0, 10.0, 6.0)),
+        (0.0, 10.0, -5.0, 7.0, 0.0), Cut(10.0, 0.0, 7.0, 0.0, 7.0, 7.0)),
+    "the_warm_up_cuts_the_window_not_the_overlap": (
+        (0.0, 10.0, 0.0, INF, 6.0), Cut(10.0, 0.0, 10.0, 6.0, 10.0, 4.0)),
+    "an_interval_all_in_the_warm_up_has_no_window": (
+        (0.0, 10.0, 0.0, INF, 20.0), Cut(10.0, 0.0, 10.0, 20.0, 10.0, 0.0)),
     "an_interval_before_the_run_starts_charges_nothing": ((0.0, 10.0, 10.0, INF, 10.0), None),
     "an_interval_after_the_run_ended_charges_nothing": ((0.0, 10.0, -5.0, 0.0, 0.0), None),
     "an_interval_of_no_length_charges_nothing": ((5.0, 5.0, 0.0, INF, 0.0), None),
@@ -66,18 +70,6 @@ CUTS = {
 @table(CUTS)
 def test_interval_cut(args: tuple[float, float, float, float, float], want: Cut | None) -> None:
     assert interval_cut(*args) == want
-
-
-WINDOW_SECONDS = {
-    "after_the_warm_up_the_window_is_the_overlap": (Cut(10.0, 0.0, 10.0, 0.0), (10.0, 10.0)),
-    "a_warm_up_ending_inside_leaves_the_rest_as_window": (Cut(10.0, 0.0, 10.0, 6.0), (10.0, 4.0)),
-    "an_interval_all_in_the_warm_up_has_no_window": (Cut(10.0, 0.0, 10.0, 20.0), (10.0, 0.0)),
-}
-
-
-@table(WINDOW_SECONDS)
-def test_overlap_and_window_seconds(args: Cut, want: tuple[float, float]) -> None:
-    assert (args.overlap, args.window) == want
 
 
 WINDOWS = {

@@ -2,11 +2,12 @@
 charged (window), its energy and idle energy, the dynamic energy above idle, its CO2, the efficiency window
 after the warm-up, and its progress to the end of training.
 
-``accounting.integrate`` (one snapshot interval) and ``summary.summarize`` (a run's figures) are compositions
-of these. Each function takes plain values (or the small frozen dataclasses defined here) and returns new
-ones; the arithmetic is written exactly as the ledger has always done it, so that figures stay the same to
-the last bit. This module never does I/O, never reads a clock, never locks, and never sees a run, a frame or
-an accumulator: tests state each rule as a table of plain values (tests/test_billing.py).
+``accounting.integrate`` (one snapshot interval) and ``summary.summarize`` (a run's figures) are compositions of
+these. Each function takes plain values (or the small named tuples defined here: immutable, cheap to make on the
+sampler thread) and returns new ones; the arithmetic is written exactly as the ledger has always done it, so
+that figures stay the same to the last bit. This module never does I/O, never reads a clock, never locks, and
+never sees a run, a frame or an accumulator: tests state each rule as a table of plain values
+(tests/test_billing.py).
 
 Units: seconds, joules, watts, kWh, g/kWh; ``None`` is "not known", never 0.
 """
@@ -15,7 +16,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
+from typing import NamedTuple
 
 #: joules in one kWh
 J_PER_KWH = 3.6e6
@@ -48,24 +49,16 @@ def not_finite(figures: Mapping[str, object]) -> list[str]:
 # window: which part of a snapshot interval a run is charged
 
 
-@dataclass(frozen=True, slots=True)
-class Cut:
-    """The part (a, b] of a snapshot interval of ``span`` seconds that lies in a run, and of it the part
-    after the warm-up, (wa, b]."""
+class Cut(NamedTuple):
+    """The part (a, b] of a snapshot interval of ``span`` seconds that lies in a run (``overlap`` = b - a
+    seconds), and of it the part after the warm-up, (wa, b] (``window`` seconds, 0 while in the warm-up)."""
 
     span: float
     a: float
     b: float
     wa: float
-
-    @property
-    def overlap(self) -> float:
-        return self.b - self.a
-
-    @property
-    def window(self) -> float:
-        """Seconds of the cut after the warm-up (0 while the run is in its warm-up)."""
-        return max(0.0, self.b - self.wa)
+    overlap: float
+    window: float
 
 
 def interval_cut(t0: float, t1: float, lo: float, hi: float, window_start: float) -> Cut | None:
@@ -74,11 +67,11 @@ def interval_cut(t0: float, t1: float, lo: float, hi: float, window_start: float
     a, b = max(t0, lo), min(t1, hi)
     if t1 - t0 <= 0 or b - a <= 0:
         return None
-    return Cut(t1 - t0, a, b, max(a, window_start))
+    wa = max(a, window_start)
+    return Cut(t1 - t0, a, b, wa, b - a, max(0.0, b - wa))
 
 
-@dataclass(frozen=True, slots=True)
-class Window:
+class Window(NamedTuple):
     """The efficiency window of a run: its duration less the warm-up, when the warm-up applies."""
 
     duration_s: float
@@ -180,16 +173,14 @@ def dynamic_j(energy_j: float | None, idle: float | None) -> float | None:
 # carbon
 
 
-@dataclass(frozen=True, slots=True)
-class Grid:
+class Grid(NamedTuple):
     """The carbon price in force: grid intensity (g/kWh, None: not known) and PUE (None: not known)."""
 
     intensity: float | None
     pue: float | None
 
 
-@dataclass(frozen=True, slots=True)
-class CarbonPiece:
+class CarbonPiece(NamedTuple):
     """Energy priced at one intensity and PUE; ``intensity`` None: not known (CO2 is then a lower bound)."""
 
     kwh: float
@@ -217,8 +208,7 @@ def carbon_pieces(energy_j: float, a: float, b: float, now: Grid, before: Grid,
     return [CarbonPiece(energy_j / J_PER_KWH, now.intensity, pue1)]
 
 
-@dataclass(frozen=True, slots=True)
-class Carbon:
+class Carbon(NamedTuple):
     """A run's CO2 (g) and the average intensity (g/kWh) and PUE it was priced at, weighted by energy."""
 
     co2_g: float | None
@@ -246,8 +236,7 @@ def step_time_s(histogram_sum: float, histogram_count: float) -> float | None:
     return histogram_sum / histogram_count if histogram_count > 0 else None
 
 
-@dataclass(frozen=True, slots=True)
-class Progress:
+class Progress(NamedTuple):
     """How far a run is through its planned steps, and what finishing it takes at its pace so far."""
 
     progress: float | None  # 0..1

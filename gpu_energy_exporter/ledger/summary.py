@@ -11,8 +11,7 @@ from __future__ import annotations
 import functools
 import os
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from gpu_energy_exporter.core.health import XidEvent
 from gpu_energy_exporter.core.runs_schema import METADATA_KEYS
@@ -134,8 +133,7 @@ def summarize(run: Run, acc: Acc, *, warmup_s: float, local: Local, carbon_confi
     return _only_finite(out, notes, run.overflowed)
 
 
-@dataclass(frozen=True, slots=True)
-class _Counts:
+class _Counts(NamedTuple):
     """The run's training counters for its summary (``local``: ranks whose GPUs this node measures)."""
 
     tokens_all: float | None
@@ -167,8 +165,7 @@ def _counts(run: Run, counter: Callable[..., float | None], local: Local, warmup
                    billing.window_count(steps, at_w[STEPS]), billing.window_count(flops, at_w[FLOPS]))
 
 
-@dataclass(frozen=True, slots=True)
-class _Energy:
+class _Energy(NamedTuple):
     """The run's energy figures (all None without a counter read on any of its GPUs)."""
 
     measured: bool
