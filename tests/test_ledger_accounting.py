@@ -7,7 +7,8 @@ import math
 
 import pytest
 
-from gpu_energy_exporter.ledger.accounting import Acc, idle_total, integrate, unattributed
+from gpu_energy_exporter.ledger.accounting import Acc, integrate, unattributed
+from gpu_energy_exporter.ledger.billing import idle_total
 from gpu_energy_exporter.ledger.frames import Frame, GPUFrame
 from gpu_energy_exporter.ledger.split import Holding
 

@@ -7,8 +7,11 @@ Modules, top to bottom:
 - ``views``: what /metrics and the JSON API read (``RunLedger`` inherits it);
 - ``clients``: who may finish, join or continue a run, and the per-client bounds on runs;
 - ``summary``: a run's figures (the summary document) from its state;
-- ``runs``: a run's state, the points that change it, its accumulator moved over the snapshot history;
+- ``runs``: a run's state, its accumulator moved over the snapshot history; ``points``: what one accepted
+  point does to its run;
 - ``accounting``: pure energy accounting of one snapshot interval; ``split``: pure sharing of a GPU;
+- ``billing``: the billing rules (energy, window, idle, dynamic, carbon, progress), one small pure function
+  each, that ``accounting`` and ``summary`` compose;
 - ``frames``: what a snapshot says about the GPUs, as plain values;
 - ``store``: the SQLite database of open runs' state and finished runs' rows, and its thread; ``codec``: the
   runs' state as JSON (never pickle); ``trust``: whose directory and files may be read; ``recovery``: opening

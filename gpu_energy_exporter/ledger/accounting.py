@@ -2,7 +2,8 @@
 
 ``integrate`` adds the part of a snapshot interval (f0, f1] that lies in a run's [lo, hi] to the run's
 accumulator ``Acc``: each GPU's energy counter delta times the run's share of the GPU (``ledger.split``),
-idle energy, GPU-time with and without a counter, VRAM, peak power and CO2. ``Acc`` holds only plain
+idle energy, GPU-time with and without a counter, VRAM, peak power and CO2, each by its rule in ``billing``
+(this module applies them to frames and adds the results up). ``Acc`` holds only plain
 values so it can be copied as a checkpoint; ``Timeline`` is the bounded per-run series behind the reports.
 
 Like ``kubernetes/attribution.py`` and ``ledger/split.py``, this module takes frames and holdings and
@@ -16,7 +17,9 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from gpu_energy_exporter.ledger import billing
 from gpu_energy_exporter.ledger import split as ledger_split
+from gpu_energy_exporter.ledger.billing import max_opt
 from gpu_energy_exporter.ledger.frames import Frame, GPUFrame
 from gpu_energy_exporter.ledger.split import Holding
 
@@ -100,103 +103,112 @@ def integrate(acc: Acc, f0: Frame, f1: Frame, lo: float, hi: float, *, run_id: s
     ``keys``: the run's GPUs as frame keys (MIG instances mapped to their parent); ``holders``: physical GPU
     key -> the runs using it; ``window_start``: the end of the warm-up. None when the interval adds
     nothing (it lies outside [lo, hi])."""
-    span = f1.t - f0.t
-    a, b = max(f0.t, lo), min(f1.t, hi)
-    overlap = b - a
-    if span <= 0 or overlap <= 0:
+    cut = billing.interval_cut(f0.t, f1.t, lo, hi, window_start)
+    if cut is None:
         return None
-    wa = max(a, window_start)
-    win = max(0.0, b - wa)
     seg = Segment([], set(), set(), None, lo < f1.t <= hi)
-    power_sum: float | None = None
-    vram_sum: float | None = None
-    vram_max: float | None = None
-    vram_n = 0
-    segment_j = 0.0
-    measured_all = True
+    read = _Readings()
     for key in keys:
-        g0, g1 = f0.gpus.get(key), f1.gpus.get(key)
+        g1 = f1.gpus.get(key)
         if g1 is None:
             continue  # not a GPU of this node: its energy is another exporter's
-        acc.expected_gpu_s += overlap
+        acc.expected_gpu_s += cut.overlap
         seg.gpus.append((key, g1))
         hs = holders.get(key, [])
-        share = ledger_split.charge(run_id, f0.t, f1.t, a, b, hs, g1.procs)
-        win_share_s = ledger_split.charge(run_id, f0.t, f1.t, wa, b, hs, g1.procs).share_s if win > 0 else 0.0
-        seg.splits |= share.splits
-        seg.sharers |= share.sharers
-        if share.unconfirmed_s > 0:
-            acc.unconfirmed_s[key] = acc.unconfirmed_s.get(key, 0.0) + share.unconfirmed_s
-            seg.unconfirmed[key] = share.reason
-        seg.silent |= share.silent
-        if share.unverified_s > 0:
-            acc.unverified_s[key] = acc.unverified_s.get(key, 0.0) + share.unverified_s
-        if g0 is not None and g0.energy_j is not None and g1.energy_j is not None \
-                and g1.energy_j >= g0.energy_j:
-            delta = g1.energy_j - g0.energy_j
-            joules = delta * share.share_s / span
-            acc.energy_j += joules
-            acc.win_energy_j += delta * win_share_s / span
-            acc.per_gpu_j[key] = acc.per_gpu_j.get(key, 0.0) + joules
-            acc.measured_gpu_s += overlap
-            segment_j += joules
-        else:
-            measured_all = False
-        if g1.idle_w is not None:
-            acc.idle_j += g1.idle_w * share.share_s
-            acc.win_idle_j += g1.idle_w * win_share_s
-        else:
-            acc.idle_unknown_s[key] = acc.idle_unknown_s.get(key, 0.0) + share.share_s
-            acc.win_idle_unknown_s[key] = acc.win_idle_unknown_s.get(key, 0.0) + win_share_s
-        if g1.power_w is not None:
-            now_share = ledger_split.piece_shares([h for h in hs if h.start <= f1.t <= h.end], g1.procs, f1.t)
-            power_sum = (power_sum or 0.0) + g1.power_w * now_share.get(run_id, (0.0, ""))[0]
-        if g1.memory_used is not None:
-            vram_sum = (vram_sum or 0.0) + g1.memory_used
-            vram_max = max_opt(vram_max, float(g1.memory_used))
-            vram_n += 1
-    if vram_sum is not None:
-        acc.vram_byte_s += vram_sum / vram_n * overlap  # per GPU
-        acc.vram_s += overlap
-    seg.vram_sum = vram_sum
-    # The interval's mean power counts only where the run's GPUs report no power: between two counter reads
-    # the energy is apportioned and the sample that reads the counter carries the correction, so one short
-    # interval's mean can stand far above anything the GPU drew (2,129 W on a 700 W H100 at a 200 ms
-    # interval, docs/gpu-validation.md). The summary keeps the peak at or above the run's average power.
-    if measured_all and segment_j > 0 and power_sum is None:
-        acc.peak_power_w = max_opt(acc.peak_power_w, segment_j / overlap)
+        share = ledger_split.charge(run_id, f0.t, f1.t, cut.a, cut.b, hs, g1.procs)
+        win_share_s = ledger_split.charge(run_id, f0.t, f1.t, cut.wa, cut.b, hs, g1.procs).share_s \
+            if cut.window > 0 else 0.0
+        _add_claims(acc, seg, key, share)
+        _add_energy(acc, read, key, f0.gpus.get(key), g1, cut, share.share_s, win_share_s)
+        _add_idle(acc, key, g1.idle_w, share.share_s, win_share_s)
+        read.add(g1, run_id, hs, f1.t)
+    if read.vram_sum is not None:
+        acc.vram_byte_s += billing.per_gpu_byte_s(read.vram_sum, read.vram_n, cut.overlap)
+        acc.vram_s += cut.overlap
+    seg.vram_sum = read.vram_sum
     # A snapshot's instantaneous values belong to the run only if it was taken inside the run.
-    if seg.inside:
-        if power_sum is not None:
-            acc.peak_power_w = max_opt(acc.peak_power_w, power_sum)
-        if vram_max is not None:
-            acc.vram_peak = max_opt(acc.vram_peak, vram_max)
-    for fraction, intensity, pue in carbon_parts(f0, f1, a, b):
-        kwh = segment_j * fraction / 3.6e6
-        if intensity is None:
-            acc.carbon_missing_kwh += kwh
-            continue
-        acc.co2_g += kwh * pue * intensity
-        acc.carbon_kwh += kwh
-        acc.carbon_weighted_intensity += kwh * intensity
-        acc.carbon_weighted_pue += kwh * pue
+    acc.peak_power_w = billing.interval_peak_w(acc.peak_power_w, read.joules, cut.overlap, read.power_sum,
+                                               every_counter_read=read.every_counter_read, inside=seg.inside)
+    if seg.inside and read.vram_max is not None:
+        acc.vram_peak = max_opt(acc.vram_peak, read.vram_max)
+    _add_carbon(acc, f0, f1, cut, read.joules)
     return seg
 
 
-def carbon_parts(f0: Frame, f1: Frame, a: float, b: float) -> list[tuple[float, float | None, float]]:
-    """How the energy of (a, b] (part of the interval (f0, f1], spread evenly over it) is priced: (fraction,
-    intensity g/kWh or None when unknown, PUE). The intensity in force at ``f1`` prices it all, unless it
-    took that value inside (a, b) (``Frame.intensity_change``): then the part before is priced at the value
-    before, at ``f0``'s PUE."""
-    pue1 = f1.pue if f1.pue is not None else 1.0
+@dataclass(slots=True)
+class _Readings:
+    """What one interval's GPUs added up to, for the run (``integrate``)."""
+
+    joules: float = 0.0  # charged to the run
+    every_counter_read: bool = True  # every GPU of the run had a counter delta
+    power_sum: float | None = None  # the run's share of its GPUs' power at f1
+    vram_sum: float | None = None  # memory used at f1, summed over its GPUs
+    vram_max: float | None = None
+    vram_n: int = 0
+
+    def add(self, g1: GPUFrame, run_id: str, holdings: Sequence[Holding], t1: float) -> None:
+        """``g1``'s power (the run's share of it at ``t1``, among the runs holding the GPU then) and memory."""
+        if g1.power_w is not None:
+            now = [h for h in holdings if h.start <= t1 <= h.end]
+            now_share = ledger_split.piece_shares(now, g1.procs, t1)
+            self.power_sum = (self.power_sum or 0.0) + g1.power_w * now_share.get(run_id, (0.0, ""))[0]
+        if g1.memory_used is not None:
+            self.vram_sum = (self.vram_sum or 0.0) + g1.memory_used
+            self.vram_max = max_opt(self.vram_max, float(g1.memory_used))
+            self.vram_n += 1
+
+
+def _add_claims(acc: Acc, seg: Segment, key: str, share: ledger_split.Charge) -> None:
+    """What the split said about the run's claim on GPU ``key``: rules, sharers, unconfirmed, unverified."""
+    seg.splits |= share.splits
+    seg.sharers |= share.sharers
+    if share.unconfirmed_s > 0:
+        acc.unconfirmed_s[key] = acc.unconfirmed_s.get(key, 0.0) + share.unconfirmed_s
+        seg.unconfirmed[key] = share.reason
+    seg.silent |= share.silent
+    if share.unverified_s > 0:
+        acc.unverified_s[key] = acc.unverified_s.get(key, 0.0) + share.unverified_s
+
+
+def _add_energy(acc: Acc, read: _Readings, key: str, g0: GPUFrame | None, g1: GPUFrame, cut: billing.Cut,
+                share_s: float, win_share_s: float) -> None:
+    """The run's energy of GPU ``key`` over the cut, or GPU-time without energy when its counter was not read."""
+    delta = billing.counter_delta_j(g0.energy_j if g0 is not None else None, g1.energy_j)
+    if delta is None:
+        read.every_counter_read = False
+        return
+    joules = billing.charged_j(delta, share_s, cut.span)
+    acc.energy_j += joules
+    acc.win_energy_j += billing.charged_j(delta, win_share_s, cut.span)
+    acc.per_gpu_j[key] = acc.per_gpu_j.get(key, 0.0) + joules
+    acc.measured_gpu_s += cut.overlap
+    read.joules += joules
+
+
+def _add_idle(acc: Acc, key: str, idle_w: float | None, share_s: float, win_share_s: float) -> None:
+    """The run's idle energy of GPU ``key``; while its idle power is not known, the share-seconds to price
+    once it is (``billing.idle_total``)."""
+    if idle_w is not None:
+        acc.idle_j += billing.idle_j(idle_w, share_s)
+        acc.win_idle_j += billing.idle_j(idle_w, win_share_s)
+    else:
+        acc.idle_unknown_s[key] = acc.idle_unknown_s.get(key, 0.0) + share_s
+        acc.win_idle_unknown_s[key] = acc.win_idle_unknown_s.get(key, 0.0) + win_share_s
+
+
+def _add_carbon(acc: Acc, f0: Frame, f1: Frame, cut: billing.Cut, joules: float) -> None:
+    """The CO2 of the run's energy over the cut, priced at the intensity and PUE in force (``billing``)."""
     change = f1.intensity_change
-    if change is not None and f1.intensity is not None and b > a:
-        tc = f1.t + change[0]
-        if a < tc < b:
-            before = (tc - a) / (b - a)
-            pue0 = f0.pue if f0.pue is not None else pue1
-            return [(before, change[1], pue0), (1.0 - before, f1.intensity, pue1)]
-    return [(1.0, f1.intensity, pue1)]
+    change_at = f1.t + change[0] if change is not None else None
+    before = billing.Grid(change[1] if change is not None else None, f0.pue)
+    for piece in billing.carbon_pieces(joules, cut.a, cut.b, billing.Grid(f1.intensity, f1.pue), before, change_at):
+        if piece.intensity is None:
+            acc.carbon_missing_kwh += piece.kwh
+            continue
+        acc.co2_g += piece.co2_g
+        acc.carbon_kwh += piece.kwh
+        acc.carbon_weighted_intensity += piece.kwh * piece.intensity
+        acc.carbon_weighted_pue += piece.kwh * piece.pue
 
 
 def unattributed(f0: Frame, f1: Frame, holders: Mapping[str, Sequence[Holding]]
@@ -212,25 +224,3 @@ def unattributed(f0: Frame, f1: Frame, holders: Mapping[str, Sequence[Holding]]
         free_s = ledger_split.unattributed(f0.t, f1.t, holders.get(key, []), g1.procs)
         if free_s > 0:
             yield key, g1, (g1.energy_j - g0.energy_j) * free_s / span
-
-
-def idle_total(known_j: float, unknown_s: Mapping[str, float], idle_w: Mapping[str, float | None]) -> float | None:
-    """Idle energy: ``known_j`` plus, for the GPU-seconds whose idle power was not known yet, the GPU's idle
-    power as known now (``idle_w``: GPU key -> W). None while a GPU with such seconds has none."""
-    total = known_j
-    for key, seconds in unknown_s.items():
-        if seconds <= 0:
-            continue
-        watts = idle_w.get(key)
-        # The baseline is learned while GPUs are idle, often only after the run started: the value
-        # learned later applies to the whole run.
-        if watts is None:
-            return None
-        total += watts * seconds
-    return total
-
-
-def max_opt(a: float | None, b: float | None) -> float | None:
-    if a is None:
-        return b
-    return a if b is None else max(a, b)

@@ -6,7 +6,9 @@ folded or exposed, and the request's partial success quotes the message), or the
 under instead: a run id another identity holds is scoped to the pusher (``ledger.clients``: collisions), so a
 forged copy and a run id taken first by a neighbour both leave the other run's figures as they were. What a
 point may take (a run's start and owner, a rank, a finish) is recorded here, as ``_record_locked`` would for a
-point that did not come through the gate (it calls ``_admit_locked`` itself).
+point that did not come through the gate (it calls ``_admit_locked`` itself). A new run takes a run slot
+(``_new_run``, ``_open_job`` for a Slurm job): at most ``max_active_runs``, run ids with no training progress
+giving theirs up first.
 
 A mixin of ``RunLedger`` (``ledger.ledger``), which holds the state: everything here runs under the ledger's
 lock, reads the ledger's clock once per chunk of points, and does no I/O.
@@ -22,7 +24,8 @@ from typing import Protocol
 
 from gpu_energy_exporter.core import contract
 from gpu_energy_exporter.core.clientid import identity_of, tag_of
-from gpu_energy_exporter.ledger import claims, clients, jobs, restart, runs, specs
+from gpu_energy_exporter.core.ratelog import RateLimitedLog
+from gpu_energy_exporter.ledger import claims, clients, jobs, points, restart, runs, specs
 from gpu_energy_exporter.ledger.runs import Run
 
 log = logging.getLogger("gpu_energy_exporter.ledger.ledger")
@@ -73,10 +76,12 @@ class LedgerAdmission:
     _wall: Callable[[], float] | None
     _late_window_s: float
     _max_active: int
-
-    def _new_run(self, run_id: str, name: str, value: float, t: float, client: str,
-                 received: float) -> Run | None:
-        raise NotImplementedError
+    _max_backdate_s: float
+    _timeline_points: int
+    _evicted: float
+    _rejected: float
+    _runs_log: RateLimitedLog
+    warmup_s: float
 
     def admit(self, points: Sequence[GatePoint]) -> list[Verdict]:
         """The OTLP store's gate (``TrainingStore.set_gate``): for each point of a request, before anything is
@@ -144,7 +149,7 @@ class LedgerAdmission:
         run = self._active.get(run_id)
         if run is None:
             previous = [r for r in self._closed if r.run_id == run_id]
-            if previous and previous[-1].owners and runs.resumes(previous[-1], name, value, t) \
+            if previous and previous[-1].owners and points.resumes(previous[-1], name, value, t) \
                     and not clients.same_node(previous[-1].owners.values(), client):
                 if clients.collides(previous[-1].owners.values(), client):
                     return _COLLISION
@@ -179,3 +184,48 @@ class LedgerAdmission:
             self._admitted = origin
         return None
 
+    # ------------------------------------------------------------------------------------------------
+    # opening a run: a run slot
+
+    def _new_run(self, run_id: str, name: str, value: float, t: float, client: str, received: float) -> Run | None:
+        """A run for a point of a run id not active, or None: a closed run's id that the point does not resume,
+        or continued from another node, or no run slot left (runs without training progress give theirs up)."""
+        previous = [r for r in self._closed if r.run_id == run_id]
+        if previous and not points.resumes(previous[-1], name, value, t):
+            return None
+        if previous and previous[-1].owners and not clients.same_node(previous[-1].owners.values(), client):
+            return None  # only the run's own node continues it (refused in _check_locked)
+        if len(self._active) >= self._max_active:
+            # Runs that never pushed training progress give way first (oldest push first): a flood of
+            # run ids without progress (e.g. training_run_finished only) cannot keep a real run out.
+            idle = [r for r in self._active.values() if r.tentative]
+            if idle:
+                victim = min(idle, key=lambda r: r.last_point_received)
+                del self._active[victim.run_id]
+                self._offsets.pop(victim.run_id, None)
+                self._evicted += 1
+        if len(self._active) >= self._max_active:
+            self._rejected += 1
+            self._runs_log.warning("too many", "run ledger: already tracking %d active runs; ignoring new run %r "
+                                   "(runs end on training_run_finished or after --runs.stale-after)",
+                                   self._max_active, run_id)
+            return None
+        # A first point dated long before it arrived would make the run's start replay (and every run sharing
+        # its GPUs recount) that much history: its start is taken at most max_backdate_s back (bounded cost).
+        start = max(t, received - self._max_backdate_s)
+        run = Run(run_id, start, self.warmup_s, not previous, self._timeline_points, self._clock())
+        if start > t:
+            run.notes.append(f"first point dated {received - t:.0f}s before it arrived: counted from "
+                             f"{self._max_backdate_s:g}s before (--runs.max-backdate)")
+        self._active[run_id] = run
+        return run
+
+    def _open_job(self, job_id: str, start: float) -> Run | None:
+        """A new run for a Slurm job (``jobs.track``), or None when the ledger tracks all the runs it may."""
+        if len(self._active) >= self._max_active:
+            self._rejected += 1
+            return None
+        fresh = not any(r.run_id == job_id for r in self._closed)
+        run = self._active[job_id] = Run(job_id, start, self.warmup_s, fresh, self._timeline_points, self._clock())
+        log.info("run %s started: Slurm job holding GPUs on this node", job_id)
+        return run

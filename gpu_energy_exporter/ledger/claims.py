@@ -15,18 +15,26 @@ Pure: no I/O, no clock, no locks (the ledger holds its lock; the time a point ar
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 from gpu_energy_exporter.core import contract
 from gpu_energy_exporter.core.bounded_memo import remember
 from gpu_energy_exporter.ledger.split import Proc
 
-if TYPE_CHECKING:
-    from gpu_energy_exporter.ledger.runs import Run
-
-
 #: Which process pushed a point: (host name, pid in its own namespace, container id, pod UID) from its resource.
 ProcessKey = tuple[str, int, str, str]
+
+
+class Claimant(Protocol):
+    """What of a run the checks here read and record (``runs.Run`` is one; named by its attributes so that
+    this module does not import ``runs``, which imports it)."""
+
+    #: the processes that pushed for the run -> [rank, first seen, last seen]
+    procs: dict[ProcessKey, list[Any]]
+    #: the job identity its first process set (``contract.JOB_IDENTITY_LABELS``)
+    job: dict[str, str]
+    #: (resource, received, rank) of the last point admitted
+    admitted: tuple[object, float, str]
 
 #: How long a rank stays held by the process that pushed it last: another process pushing the same rank
 #: within this is refused (two live processes cannot be one rank); after it, the rank's process restarted.
@@ -50,7 +58,7 @@ def process_key(resource: Mapping[str, str]) -> ProcessKey | None:
             resource.get(contract.LABEL_POD_UID, ""))
 
 
-def admit_process(run: Run, key: ProcessKey, resource: Mapping[str, str], rank: str, received: float) -> str:
+def admit_process(run: Claimant, key: ProcessKey, resource: Mapping[str, str], rank: str, received: float) -> str:
     """"" when the process may push for the run (recorded), else the reason it is refused. The first process
     sets the run's job identity; a later one joins as another rank only when every identity label both
     have agrees, the world size leaves room, and no other live process pushes the same rank."""
@@ -77,7 +85,7 @@ def admit_process(run: Run, key: ProcessKey, resource: Mapping[str, str], rank: 
     return ""
 
 
-def note_process(run: Run, resource: tuple[tuple[str, str], ...], rank: str, received: float
+def note_process(run: Claimant, resource: tuple[tuple[str, str], ...], rank: str, received: float
                  ) -> tuple[str, bool]:
     """(why the point's process is refused or "", whether it is a process new to the run) for a point of
     ``run`` and ``rank`` (its ``contract.ATTR_RANK`` label) carried by a resource with ``resource`` labels
@@ -106,7 +114,7 @@ def note_process(run: Run, resource: tuple[tuple[str, str], ...], rank: str, rec
 _RESOURCES: dict[tuple[tuple[str, str], ...], tuple[ProcessKey | None, dict[str, str]]] = {}
 
 
-def own_pids(run: Run, procs: Sequence[Proc]) -> frozenset[int]:
+def own_pids(run: Claimant, procs: Sequence[Proc]) -> frozenset[int]:
     """The host pids among ``procs`` (listed on one GPU) that are the run's own processes: each process the
     run declared matches exactly one listed process (a pid namespace's pid alone, matching several, is
     ambiguous and matches none)."""

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping, MutableMapping, Sequence
+from dataclasses import dataclass
 
 from gpu_energy_exporter.core import contract
 from gpu_energy_exporter.core.bounded_memo import remember
@@ -54,49 +55,62 @@ def track(
     clock. Returns the job ids opened."""
     if jobs is None:
         return []
-    opened: list[str] = []
     listed: Mapping[str, SlurmJob] = {j.job_id: j for j in jobs if j.job_id and j.gpus}
     ended = {j.job_id: j.until for j in jobs if not j.gpus and j.until is not None}
-    lo = max(prev.t if prev is not None else -math.inf, frame.t - max_backdate_s)
-
-    def edge(at: float | None) -> float:
-        """A job's edge (wall clock) on the frame clock, within (lo, frame.t]; frame.t when not known."""
-        if at is None or wall is None or not math.isfinite(at):
-            return frame.t  # the map changed in (prev.t, frame.t]: this snapshot read the counters
-        return min(frame.t, max(lo, frame.t - (wall - at)))
-
-    for job_id, job in listed.items():
-        start = edge(job.since)
-        run = active.get(job_id)
-        fresh = run is None or run.tentative
-        if run is None:
-            run = new_run(job_id, start)
-            if run is None:
-                continue
-        if fresh:
-            run.tentative = False
-            run.s = min(run.s, start)
-            run.acc.t = run.s
-            opened.append(job_id)
-        keys = {uuid_key(u): u for u in job.gpus}
-        new = set(keys) - run.allocated
-        for key in new:
-            run.gpus.setdefault(key, keys[key])
-        run.allocated |= new
-        # Seen now: a job run never goes stale while the job holds its GPUs (it pushes nothing).
-        run.last_point_t = max(run.last_point_t, frame.t)
-        run.last_point_received = max(run.last_point_received, frame.t)
-        _describe(run, job)
-        if fresh or new:
-            changed(run, run.s if fresh else frame.t)
+    edge = _Edges(frame.t, max(prev.t if prev is not None else -math.inf, frame.t - max_backdate_s), wall)
+    opened = [job_id for job_id, job in listed.items() if _hold(job, edge, active, new_run, changed)]
     for run in list(active.values()):
         if run.allocated and run.run_id not in listed and run.e is None:
             # the epilog removed it after the last snapshot that listed it, at its write (else: the interval
             # up to this snapshot was still the job's, charged to the jobs listed at its start)
-            run.e = max(run.s, edge(ended.get(run.run_id)))
+            run.e = max(run.s, edge.at(ended.get(run.run_id)))
             run.status = "finishing"
             changed(run, run.e)
     return opened
+
+
+@dataclass(frozen=True, slots=True)
+class _Edges:
+    """Places a job's edges (wall clock) on the frame clock, within (lo, t]: ``t`` the frame's time, ``lo``
+    the previous frame's (or ``max_backdate_s`` before ``t``), ``wall`` the wall-clock time ``t`` stands for."""
+
+    t: float
+    lo: float
+    wall: float | None
+
+    def at(self, when: float | None) -> float:
+        """``t`` when not known: the map changed in (prev.t, frame.t], and this snapshot read the counters."""
+        if when is None or self.wall is None or not math.isfinite(when):
+            return self.t
+        return min(self.t, max(self.lo, self.t - (self.wall - when)))
+
+
+def _hold(job: SlurmJob, edge: _Edges, active: MutableMapping[str, Run], new_run: Callable[[str, float], Run | None],
+          changed: Callable[[Run, float], None]) -> bool:
+    """Open the run of a job the directory lists (whether it was opened now), or give it the GPUs new to it."""
+    start = edge.at(job.since)
+    run = active.get(job.job_id)
+    fresh = run is None or run.tentative
+    if run is None:
+        run = new_run(job.job_id, start)
+        if run is None:
+            return False
+    if fresh:
+        run.tentative = False
+        run.s = min(run.s, start)
+        run.acc.t = run.s
+    keys = {uuid_key(u): u for u in job.gpus}
+    new = set(keys) - run.allocated
+    for key in new:
+        run.gpus.setdefault(key, keys[key])
+    run.allocated |= new
+    # Seen now: a job run never goes stale while the job holds its GPUs (it pushes nothing).
+    run.last_point_t = max(run.last_point_t, edge.t)
+    run.last_point_received = max(run.last_point_received, edge.t)
+    _describe(run, job)
+    if fresh or new:
+        changed(run, run.s if fresh else edge.t)
+    return fresh
 
 
 def _describe(run: Run, job: SlurmJob) -> None:

@@ -17,10 +17,11 @@ counted, the row is kept (in the database) and retried with back-off by the file
 
 This module is the ledger's driver: the lock, the snapshot history, who holds which GPU, when runs open
 and close, and the write-retry queue; what /metrics and the JSON API get is read in ``views`` (inherited).
-Beside it: point ingestion and the accumulator's moves in ``runs``, interval accounting in ``accounting``,
-settlement at counter reads in ``settlement``, figures in ``summary``, snapshot framing in ``frames``, files
-in ``files``, series in ``specs``, who may change a run and per-identity bounds in ``clients``, the store's
-gate that asks them before a point is stored in ``admission`` (inherited).
+Beside it: a run's state and the accumulator's moves in ``runs``, what a point does to a run in ``points``,
+interval accounting in ``accounting``, settlement at counter reads in ``settlement``, figures in ``summary``,
+snapshot framing in ``frames``, files in ``files``, series in ``specs``, who may change a run and per-identity
+bounds in ``clients``, the store's gate that asks them before a point is stored, and a new run's slot, in
+``admission`` (inherited).
 """
 
 from __future__ import annotations
@@ -36,12 +37,13 @@ from gpu_energy_exporter.core import contract
 from gpu_energy_exporter.core.ratelog import RateLimitedLog
 from gpu_energy_exporter.core.runs_schema import KEEP_FINISHED_S
 from gpu_energy_exporter.core.state import Snapshot
-from gpu_energy_exporter.ledger import accounting, carry, clients, files, jobs, restart, runs, settlement, specs
+from gpu_energy_exporter.ledger import accounting, carry, clients, files, jobs, points, restart, runs, settlement, specs
 from gpu_energy_exporter.ledger.admission import LedgerAdmission
 from gpu_energy_exporter.ledger.files import iso_utc
 from gpu_energy_exporter.ledger.filewriter import Row
 from gpu_energy_exporter.ledger.frames import Frame, frame_of
-from gpu_energy_exporter.ledger.runs import PointLike, Run
+from gpu_energy_exporter.ledger.points import PointLike
+from gpu_energy_exporter.ledger.runs import Run
 from gpu_energy_exporter.ledger.split import Holding
 from gpu_energy_exporter.ledger.summary import fmt, with_provisional
 from gpu_energy_exporter.ledger.views import LedgerViews
@@ -102,35 +104,38 @@ class RunLedger(LedgerAdmission, LedgerViews):
         self.warmup_s = warmup_s
         self.stale_after_s = stale_after_s
         self._carbon = carbon
+        self._carbon_error_logged = False
         self._clock = clock
+        self._wall = wall  # the wall clock snapshots are stamped with, when ``clock`` is another (steady) one
         self._timeline_points = timeline_points
-        self._keep_finished_s = keep_finished_s
-        # Bounds memory under heavy run churn (each closed run keeps its timeline for report/top);
-        # the CSV and JSON files keep every run.
-        self._max_finished = max_finished_runs
-        self._max_active = max_active_runs
         self._late_window_s = late_window_s
         self._max_backdate_s = max_backdate_s
-        # Snapshots are kept long enough to replay a stale run from its last point.
-        self._history_s = stale_after_s + late_window_s
+        self.claim_grace_s = claim_grace_s  # --runs.claim-grace (ledger.split)
+        self.settle_wait_s = settle_wait_s
         self._clients = clients.ClientBounds(max_active=max_active_per_client,
                                              new_per_minute=new_runs_per_client_per_minute,
                                              finished_per_minute=finished_runs_per_client_per_minute)
+        self._init_runs(max_active_runs, max_finished_runs, keep_finished_s)
+        # Snapshots are kept long enough to replay a stale run from its last point.
+        self._init_history(stale_after_s + late_window_s)
+        self._init_served()
+        # The store (open runs outlive the exporter, every finished run's row) and the exports: ``restart``.
+        self._durable = restart.Durable(self, state_dir, background_writes, journal_interval_s, db_path)
+
+    def _init_runs(self, max_active: int, max_finished: int, keep_finished_s: float) -> None:
+        """The runs, open and closed, and what the points that made them left to check."""
         self._lock = threading.RLock()
-        self._history: deque[Frame] = deque()
+        self._max_active = max_active
         self._active: dict[str, Run] = {}
-        self._closed: list[Run] = []  # finished, kept for keep_finished_s
+        # Closed runs are kept for keep_finished_s, at most max_finished of them: bounds memory under heavy run
+        # churn (each keeps its timeline for report/top); the CSV and JSON files keep every run.
+        self._closed: list[Run] = []
+        self._max_finished = max_finished
+        self._keep_finished_s = keep_finished_s
         self._finished_counts: dict[str, float] = dict.fromkeys(specs.STATUSES, 0.0)
         self._rejected = 0.0
-        self.claim_grace_s = claim_grace_s  # --runs.claim-grace (ledger.split)
-        self._claims = specs.ClaimTally()  # refused processes, closed runs' unconfirmed GPU claims
         self._evicted = 0.0
-        self._write_errors = 0.0
-        # Closed runs not written yet (kept in the database until they are): seq -> row. The file writer retries
-        # failed ones with back-off.
-        self._pending: dict[int, Row] = {}
-        self._seq = 0
-        self._wall = wall  # the wall clock snapshots are stamped with, when ``clock`` is another (steady) one
+        self._claims = specs.ClaimTally()  # refused processes, closed runs' unconfirmed GPU claims
         self._job_ids: set[str] = set()  # active runs that are Slurm jobs (ledger.jobs)
         self._offsets: dict[str, dict[str, float]] = {}  # run id -> rank -> sender clock offset (restart)
         # (run, rank, client, resource, received) of the last point that passed the client and process checks
@@ -139,6 +144,14 @@ class RunLedger(LedgerAdmission, LedgerViews):
         # (run id, identity) -> the run id a colliding identity's points go to (``_admit_locked``)
         self._scoped: dict[tuple[str, str], str] = {}
         self._new_process: set[str] = set()  # runs a process joined at the gate, not recorded yet
+        # Per-run lines (started, finished, stale, refused) under a flood of runs: 30 of each a minute, then
+        # a count (core.ratelog); the counters on /metrics stay exact.
+        self._runs_log = RateLimitedLog(log, burst=30)
+
+    def _init_history(self, history_s: float) -> None:
+        """The snapshot history, who holds which GPU in it, and what its counter reads settled or owe."""
+        self._history: deque[Frame] = deque()
+        self._history_s = history_s
         # Who uses which GPU, by snapshot time (ledger_split.Holding), rebuilt when runs change.
         self._holders_gen = 0
         self._holders_cache: dict[float, dict[str, list[Holding]]] = {}
@@ -147,22 +160,23 @@ class RunLedger(LedgerAdmission, LedgerViews):
         # (no late point can change who used the GPU then): uuid key -> (gpu index, uuid, joules).
         self._unattributed: dict[str, tuple[str, str, float]] = {}
         self._anchors: dict[str, float] = {}  # GPU key -> its last counter read (frame clock; settlement)
-        self.settle_wait_s = settle_wait_s
         # Recounts owed since the last snapshot or read: new runs' first replay, run id -> recount from.
         self._replay_pending: set[str] = set()
         self._recount_from: dict[str, float] = {}
         self.recount_intervals = 0  # snapshot intervals recounted (bench/ledger_backdated.py)
-        self._carbon_error_logged = False
-        # Per-run lines (started, finished, stale, refused) under a flood of runs: 30 of each a minute, then
-        # a count (core.ratelog); the counters on /metrics stay exact.
-        self._runs_log = RateLimitedLog(log, burst=30)
+
+    def _init_served(self) -> None:
+        """What tells readers the figures changed, and the closed runs' rows not written yet."""
         self._version = 0  # bumped whenever what collect() returns may have changed
         # Parts of each live summary's stamp (with the run's own points and _holders_gen): bumped by every
         # snapshot counted and every expiry of finished runs.
         self._snapshots = 0
         self._expirations = 0
-        # The store (open runs outlive the exporter, every finished run's row) and the exports: ``restart``.
-        self._durable = restart.Durable(self, state_dir, background_writes, journal_interval_s, db_path)
+        # Closed runs not written yet (kept in the database until they are): seq -> row. The file writer retries
+        # failed ones with back-off.
+        self._pending: dict[int, Row] = {}
+        self._seq = 0
+        self._write_errors = 0.0
 
     # ------------------------------------------------------------------------------------------------
     # points (request threads)
@@ -230,7 +244,7 @@ class RunLedger(LedgerAdmission, LedgerViews):
             self._new_process.discard(run.run_id)
         if run.restored is not None and progress:
             restart.reconcile(run, name, labels, value, key)
-        runs.apply_point(run, name, labels, value, t, count, received, key, rank)
+        points.apply_point(run, name, labels, value, t, count, received, key, rank)
         if len(run.gpus) != gpus_before or new_process:
             self._holders_gen += 1  # a GPU named for the first time
         if run.tentative:
@@ -250,54 +264,12 @@ class RunLedger(LedgerAdmission, LedgerViews):
         elif run.e != end_before:
             self._holders_changed(run, min(x for x in (run.e, end_before) if x is not None))
 
-    def _new_run(self, run_id: str, name: str, value: float, t: float, client: str, received: float) -> Run | None:
-        previous = [r for r in self._closed if r.run_id == run_id]
-        if previous and not runs.resumes(previous[-1], name, value, t):
-            return None
-        if previous and previous[-1].owners and not clients.same_node(previous[-1].owners.values(), client):
-            return None  # only the run's own node continues it (refused in _check_locked)
-        if len(self._active) >= self._max_active:
-            # Runs that never pushed training progress give way first (oldest push first): a flood of
-            # run ids without progress (e.g. training_run_finished only) cannot keep a real run out.
-            idle = [r for r in self._active.values() if r.tentative]
-            if idle:
-                victim = min(idle, key=lambda r: r.last_point_received)
-                del self._active[victim.run_id]
-                self._offsets.pop(victim.run_id, None)
-                self._evicted += 1
-        if len(self._active) >= self._max_active:
-            self._rejected += 1
-            self._runs_log.warning("too many", "run ledger: already tracking %d active runs; ignoring new run %r "
-                                   "(runs end on training_run_finished or after --runs.stale-after)",
-                                   self._max_active, run_id)
-            return None
-        # A first point dated long before it arrived would make the run's start replay (and every run sharing
-        # its GPUs recount) that much history: its start is taken at most max_backdate_s back (bounded cost).
-        start = max(t, received - self._max_backdate_s)
-        run = Run(run_id, start, self.warmup_s, not previous, self._timeline_points, self._clock())
-        if start > t:
-            run.notes.append(f"first point dated {received - t:.0f}s before it arrived: counted from "
-                             f"{self._max_backdate_s:g}s before (--runs.max-backdate)")
-        self._active[run_id] = run
-        return run
-
     # ------------------------------------------------------------------------------------------------
     # snapshots (sampler thread)
 
     def on_snapshot(self, snapshot: Snapshot) -> None:
         """Sampler listener: ``Sampler.add_listener(ledger.on_snapshot)``."""
-        intensity = pue = None
-        change = None
-        if self._carbon is not None:
-            try:
-                carbon = self._carbon()
-                intensity, pue = carbon[0], carbon[1]
-                change = carbon[2] if len(carbon) > 2 else None
-            except Exception as exc:  # noqa: BLE001 - a carbon source bug must not stop the ledger
-                if not self._carbon_error_logged:
-                    log.warning("run ledger: carbon intensity unavailable (%s); CO2 figures will be missing", exc)
-                    self._carbon_error_logged = True
-        frame = frame_of(snapshot, intensity, pue, change)
+        frame = frame_of(snapshot, *self._carbon_now())
         if self._wall is not None:
             # Stamped by the wall clock: dated on the ledger's (steady) clock instead.
             frame = restart.on_clock(frame, self._clock())
@@ -312,12 +284,7 @@ class RunLedger(LedgerAdmission, LedgerViews):
                 if not self._durable.gap_ready(prev, frame):
                     return  # the GPU counters are not readable yet: the gap closes at a later snapshot
                 self._durable.note_gap(prev, frame)
-            self._history.append(frame)
-            for key, gf in frame.gpus.items():
-                if key not in self._unattributed:
-                    self._unattributed[key] = (str(gf.index), gf.uuid, 0.0)
-                if gf.span is not None and gf.settled:
-                    self._settled_gpu(key, frame)
+            self._take(frame)
             prev = self._history[-2] if prev is not None else None  # as settled
             while len(self._history) > 1 and self._history[0].t < frame.t - self._history_s:
                 self._settle(self._history[0], self._history[1])
@@ -328,28 +295,56 @@ class RunLedger(LedgerAdmission, LedgerViews):
                 self._durable.started()
             self._job_ids = {r.run_id for r in self._active.values() if r.allocated}
             now = self._clock()
-            for run in list(self._active.values()):
-                if run.tentative:
-                    if run.e is not None or now - run.last_point_received > self.stale_after_s:
-                        del self._active[run.run_id]  # never a run: no row, no series
-                        self._offsets.pop(run.run_id, None)
-                    continue
-                if prev is not None:
-                    runs.advance(run, prev, frame, self._holders, self._late_window_s)
-            for run in list(self._active.values()):
-                if run.tentative:
-                    continue
-                if run.e is None and now - run.last_point_received > self.stale_after_s:
-                    run.status = "stale"
-                    run.e = run.last_point_t
-                    self._runs_log.warning("stale", "run %s: nothing pushed for %.0fs; closing it as stale at its "
-                                           "last point (%s)", run.run_id, self.stale_after_s, iso_utc(run.e))
-                    self._holders_changed(run, run.e)
-                ended = run.e is not None and (frame.t >= run.e or run.status == "stale")
-                if ended and settlement.closable(run, frame, self._anchors, self.settle_wait_s):
-                    self._close(run, run.status if run.status == "stale" else "finished")
+            self._advance(prev, frame, now)
             self._expire(now)
         self._durable.after_snapshot(now)
+
+    def _carbon_now(self) -> tuple[float | None, float | None, tuple[float, float] | None]:
+        """(grid intensity, PUE, when the intensity took that value and the value before) from the carbon
+        source; all None without one, or when it fails (logged once: a carbon source bug never stops the ledger)."""
+        if self._carbon is None:
+            return None, None, None
+        try:
+            carbon = self._carbon()
+            return carbon[0], carbon[1], carbon[2] if len(carbon) > 2 else None
+        except Exception as exc:  # noqa: BLE001 - a carbon source bug must not stop the ledger
+            if not self._carbon_error_logged:
+                log.warning("run ledger: carbon intensity unavailable (%s); CO2 figures will be missing", exc)
+                self._carbon_error_logged = True
+            return None, None, None
+
+    def _take(self, frame: Frame) -> None:
+        """Add ``frame`` to the history; settle the spans its counter reads closed."""
+        self._history.append(frame)
+        for key, gf in frame.gpus.items():
+            if key not in self._unattributed:
+                self._unattributed[key] = (str(gf.index), gf.uuid, 0.0)
+            if gf.span is not None and gf.settled:
+                self._settled_gpu(key, frame)
+
+    def _advance(self, prev: Frame | None, frame: Frame, now: float) -> None:
+        """Count the interval (prev, frame] for every run; drop ids that never became runs, close stale runs
+        and ended runs whose energy is settled."""
+        for run in list(self._active.values()):
+            if run.tentative:
+                if run.e is not None or now - run.last_point_received > self.stale_after_s:
+                    del self._active[run.run_id]  # never a run: no row, no series
+                    self._offsets.pop(run.run_id, None)
+                continue
+            if prev is not None:
+                runs.advance(run, prev, frame, self._holders, self._late_window_s)
+        for run in list(self._active.values()):
+            if run.tentative:
+                continue
+            if run.e is None and now - run.last_point_received > self.stale_after_s:
+                run.status = "stale"
+                run.e = run.last_point_t
+                self._runs_log.warning("stale", "run %s: nothing pushed for %.0fs; closing it as stale at its "
+                                       "last point (%s)", run.run_id, self.stale_after_s, iso_utc(run.e))
+                self._holders_changed(run, run.e)
+            ended = run.e is not None and (frame.t >= run.e or run.status == "stale")
+            if ended and settlement.closable(run, frame, self._anchors, self.settle_wait_s):
+                self._close(run, run.status if run.status == "stale" else "finished")
 
     def _settled_gpu(self, key: str, frame: Frame) -> None:
         """``frame`` read GPU ``key``'s counter: settle the span it closed, recount the runs holding the GPU."""
@@ -365,16 +360,6 @@ class RunLedger(LedgerAdmission, LedgerViews):
             for run_id in settlement.holding_since(self._active.values(), key, start, frame):
                 since = self._recount_from.get(run_id)
                 self._recount_from[run_id] = start if since is None else min(since, start)
-
-    def _open_job(self, job_id: str, start: float) -> Run | None:
-        """A new run for a Slurm job (``jobs.track``), or None when the ledger tracks all the runs it may."""
-        if len(self._active) >= self._max_active:
-            self._rejected += 1
-            return None
-        fresh = not any(r.run_id == job_id for r in self._closed)
-        run = self._active[job_id] = Run(job_id, start, self.warmup_s, fresh, self._timeline_points, self._clock())
-        log.info("run %s started: Slurm job holding GPUs on this node", job_id)
-        return run
 
     def _settle(self, f0: Frame, f1: Frame) -> None:
         """Add the unattributed part of each GPU's energy over (f0, f1] to its total."""

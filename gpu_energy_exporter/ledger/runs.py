@@ -1,11 +1,10 @@
-"""A training run as the ledger tracks it: its state, the points that change it, and its accumulator kept
-in step with the snapshot history (advanced, rewound, replayed, closed).
+"""A training run as the ledger tracks it: its state, and its accumulator kept in step with the snapshot history
+(advanced, rewound, replayed, closed).
 
-``apply_point`` is the state machine of one accepted point (a counter series, a finished flag, metadata,
-a gauge); ``advance``, ``rewind``, ``replay`` and ``close_accounts`` move a run's accumulator over frames of
-the snapshot history, given who holds which GPU (``Holders``). Point names and labels come from the training
-contract (``core.contract``). Callers hold the ledger's lock: nothing here locks, starts threads, reads a
-clock or touches files; the time a point was received is passed in.
+``advance``, ``rewind``, ``replay`` and ``close_accounts`` move a run's accumulator over frames of the snapshot
+history, given who holds which GPU (``Holders``); what one accepted point does to the run is ``points``. The
+training metrics' names come from the training contract (``core.contract``). Callers hold the ledger's lock:
+nothing here locks, starts threads, reads a clock or touches files.
 """
 
 from __future__ import annotations
@@ -13,12 +12,12 @@ from __future__ import annotations
 import math
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any, Protocol
+from typing import Any
 
 from gpu_energy_exporter.core import contract
 from gpu_energy_exporter.ledger.accounting import Acc, Timeline, integrate
 from gpu_energy_exporter.ledger.claims import ProcessKey, own_pids
-from gpu_energy_exporter.ledger.frames import Frame, GPUFrame, uuid_key
+from gpu_energy_exporter.ledger.frames import Frame, GPUFrame
 from gpu_energy_exporter.ledger.series_state import SeriesState
 from gpu_energy_exporter.ledger.split import Holding
 
@@ -38,25 +37,6 @@ RUN_INFO = contract.RUN_INFO.prometheus
 RUN_GPU_INFO = contract.RUN_GPU_INFO.prometheus
 RUN_TOTAL_STEPS = contract.RUN_TOTAL_STEPS.prometheus
 GLOBAL_STEP = contract.GLOBAL_STEP.prometheus
-_RANK = contract.ATTR_RANK
-_GPU_UUID = contract.ATTR_GPU_UUID
-_GAUGES = frozenset((LOSS, VALIDATION_LOSS, LEARNING_RATE, EPOCH))
-_POINT_LABELS = frozenset(contract.POINT_ATTRIBUTES)
-_NOT_GPUS = frozenset({"", contract.GPU_NONE, contract.GPU_UNKNOWN})
-
-class PointLike(Protocol):
-    """What the OTLP store hands its listeners (``otlp.store.AcceptedPoint``)."""
-
-    run_id: str
-    name: str
-    labels: Mapping[str, str]
-    value: float
-    time: float
-    count: float | None
-    key: tuple[tuple[str, str], ...] | None
-    resource: tuple[tuple[str, str], ...]
-    client: str
-
 
 #: A point's labels as their sorted items: a counter series' identity within its run (with its name).
 LabelKey = tuple[tuple[str, str], ...]
@@ -73,6 +53,9 @@ def rank_order(rank: str) -> tuple[int, str]:
 
 
 class Run:
+    """A training run (or a Slurm job) as the ledger tracks it. Its state is plain attributes, saved and restored
+    by name (``ledger.codec``); set up below by what they are about."""
+
     def __init__(self, run_id: str, start: float, warmup: float, fresh: bool, timeline_points: int,
                  received: float) -> None:
         self.run_id = run_id
@@ -81,10 +64,21 @@ class Run:
         self.e: float | None = None
         self.status = "running"
         self.fresh = fresh
+        # Created by a point that is no training progress (run_info, run_finished, ...): not shown, never
+        # written, never charged energy, evicted first; becomes a run at its first counter point.
+        self.tentative = True
+        self.closed_at: float | None = None
         self.notes: list[str] = []
         if not fresh:
             self.notes.append("resumed after it had finished or gone stale: counters counted from the "
                               "first point of this resumption")
+        self._init_points(start, received)
+        self._init_accounts(start, timeline_points)
+        self._init_processes()
+        self._init_outputs()
+
+    def _init_points(self, start: float, received: float) -> None:
+        """What the run's points said: its series, metadata, ranks, GPUs, gauges and progress."""
         self.series: dict[tuple[str, tuple[tuple[str, str], ...]], SeriesState] = {}
         self.metadata: dict[str, str] = {}
         self.meta_rank: tuple[int, str] | None = None
@@ -101,6 +95,11 @@ class Run:
         self.global_steps: dict[str, tuple[float, float]] = {}  # rank -> (t, training_global_step)
         self.last_point_t = start
         self.last_point_received = received
+        self.changes = 0  # bumped by every point applied to the run (a part of its live summary's stamp)
+        self.overflowed: set[str] = set()  # counters whose total is not finite (shown as unknown)
+
+    def _init_accounts(self, start: float, timeline_points: int) -> None:
+        """Its accumulator with its checkpoints, its timeline, and what its GPUs' intervals said."""
         self.acc = Acc(t=start)
         self.checkpoints: deque[Acc] = deque()
         self.alive_checkpoint = self.acc.copy()  # the last checkpoint not after the last point
@@ -108,34 +107,34 @@ class Run:
         self.gpu_order: list[str] = []  # frame keys in timeline order
         self.gpu_info: dict[str, GPUFrame] = {}  # last frame of each GPU (names, idle power)
         self.resolved: set[str] = set()  # run GPU keys counted in some snapshot interval
-        self.summary: dict[str, Any] | None = None
-        self.closed_at: float | None = None
-        self.exposed: dict[str, float] = {}  # counter name -> highest value collect() has served
-        # Created by a point that is no training progress (run_info, run_finished, ...): not shown, never
-        # written, never charged energy, evicted first; becomes a run at its first counter point.
-        self.tentative = True
         self.splits: set[str] = set()  # split rules used for the run's GPUs (ledger_split)
         self.sharers: set[str] = set()  # other runs it shared a GPU with
-        self.written_json: str | None = None  # summary file already written (a retried write keeps it)
-        self.write_failures = 0
-        self.next_write_try = 0.0
-        self.changes = 0  # bumped by every point applied to the run (a part of its live summary's stamp)
-        self.live_memo: tuple[tuple[int, ...], dict[str, Any]] | None = None  # (stamp, live summary)
-        self.settled_memo: tuple[tuple[int, ...], dict[str, Any]] | None = None  # (stamp, settled summary)
-        # Restored from the journal after a restart: series key -> whether its first point since was seen
-        # (``ledger.restart.reconcile``); None for a run this process started.
-        self.restored: dict[tuple[str, LabelKey], bool] | None = None
+        self.unconfirmed: dict[str, str] = {}  # GPU key -> why its claim went uncharged after the grace
+        self.silent: set[int] = set()  # pids of processes that are no run's that shared its GPUs (some)
+
+    def _init_processes(self) -> None:
+        """Who the run is: the processes and clients that push for it, its Slurm allocation, its restore."""
         # The processes that pushed for the run (``ProcessKey``) -> (rank, first seen, last seen), and the job
         # identity they share (``contract.JOB_IDENTITY_LABELS``): what ties the run to NVML's processes.
         self.procs: dict[ProcessKey, list[Any]] = {}
         self.job: dict[str, str] = {}
         self.admitted: tuple[object, float, str] = ((), -1.0, "")  # (resource, received, rank) last admitted
-        self.unconfirmed: dict[str, str] = {}  # GPU key -> why its claim went uncharged after the grace
-        self.silent: set[int] = set()  # pids of processes that are no run's that shared its GPUs (some)
         self.client = ""  # the client (core.clientid) whose first progress point made it a run
         self.owners: dict[str, str] = {}  # rank -> the client its points are taken from (ledger.clients)
-        self.overflowed: set[str] = set()  # counters whose total is not finite (shown as unknown)
         self.allocated: set[str] = set()  # GPU keys a Slurm job's allocation gives the run (ledger.jobs)
+        # Restored from the journal after a restart: series key -> whether its first point since was seen
+        # (``ledger.restart.reconcile``); None for a run this process started.
+        self.restored: dict[tuple[str, LabelKey], bool] | None = None
+
+    def _init_outputs(self) -> None:
+        """What was made of it: its summary, the counters /metrics served, its files' writes, kept summaries."""
+        self.summary: dict[str, Any] | None = None
+        self.exposed: dict[str, float] = {}  # counter name -> highest value collect() has served
+        self.written_json: str | None = None  # summary file already written (a retried write keeps it)
+        self.write_failures = 0
+        self.next_write_try = 0.0
+        self.live_memo: tuple[tuple[int, ...], dict[str, Any]] | None = None  # (stamp, live summary)
+        self.settled_memo: tuple[tuple[int, ...], dict[str, Any]] | None = None  # (stamp, settled summary)
 
     # -- counters ------------------------------------------------------------------------------------
 
@@ -226,118 +225,6 @@ class Run:
                 f1.t, power, acc.energy_j, self.counter(TOKENS), self.counter(STEPS), self.gauge(LOSS),
                 seg.vram_sum, f1.host_available,
             ))
-
-
-# ----------------------------------------------------------------------------------------------------
-# points
-
-
-def apply_point(run: Run, name: str, labels: Mapping[str, str], value: float, t: float, count: float | None,
-                received: float, key: LabelKey | None = None, rank: str | None = None) -> None:
-    """One accepted point of the run (``received``: wall time it arrived; ``key``: ``labels`` as their sorted
-    items, ``tuple(sorted(labels.items()))``, and ``rank`` its rank label, when the caller already has them)."""
-    if rank is None:
-        rank = labels.get(_RANK, "")
-    run.changes += 1
-    run.ranks.add(rank)
-    run.last_point_received = received
-    if t > run.last_point_t:
-        run.last_point_t = t
-    gpu_label = labels.get(_GPU_UUID, "")
-    if gpu_label not in run.gpu_labels_seen:
-        run.gpu_labels_seen.add(gpu_label)
-        for part in gpu_label.split(","):
-            _note_gpu(run, part)
-    if name in COUNTERS or name == HISTOGRAM:
-        _apply_counter(run, name, labels, rank, value, t, count, key)
-        if name == STEPS and run.best_loss is not None and t <= run.best_loss_t:
-            run.best_loss_step = run.counter(name)
-    elif name == RUN_FINISHED:
-        _apply_finished(run, rank, value, t)
-    elif name == RUN_INFO:
-        order = rank_order(rank)
-        if run.meta_rank is None or order <= run.meta_rank:
-            run.meta_rank = order
-            run.metadata = {k: v for k, v in labels.items() if k not in _POINT_LABELS}
-    elif name == RUN_GPU_INFO:
-        pass  # its gpu_uuid label was noted above
-    elif name == RUN_TOTAL_STEPS:
-        run.total_steps = value if run.total_steps is None else max(run.total_steps, value)
-    elif name == GLOBAL_STEP:
-        seen = run.global_steps.get(rank)
-        if seen is None or t >= seen[0]:
-            run.global_steps[rank] = (t, value)
-    elif name in _GAUGES:
-        order = rank_order(rank)
-        prev = run.gauges.get(name)
-        # One rank's view (the lowest that sends it): ranks' local losses are not comparable values.
-        if prev is not None and (order > prev[0] or (order == prev[0] and t < prev[1])):
-            return
-        run.gauges[name] = (order, t, value)
-        if name == LOSS and (run.best_loss is None or value < run.best_loss):
-            run.best_loss, run.best_loss_t = value, t
-            run.best_loss_step = run.counter(STEPS)
-
-
-def resumes(closed: Run, name: str, value: float, t: float) -> bool:
-    """Whether a point of a closed run's id starts the run again."""
-    # The SDK keeps re-exporting its last values until the trainer exits: only an explicit "running again"
-    # (finished back to 0, after the end) resumes a closed run id.
-    return name == RUN_FINISHED and value == 0 and closed.e is not None and t > closed.e
-
-
-def gpu_keys(label: str) -> tuple[str, ...]:
-    """The uuid keys a ``gpu_uuid`` label names (comma-joined; ``none``/``unknown`` name no GPU)."""
-    return tuple(uuid_key(g) for g in label.split(",") if g.strip().lower() not in _NOT_GPUS)
-
-
-def _note_gpu(run: Run, uuid: str) -> None:
-    text = uuid.strip()
-    if text.lower() in _NOT_GPUS:
-        run.non_gpu_labels.add(text or "(empty)")
-        return
-    key = uuid_key(text)
-    if key not in run.gpus:
-        run.gpus[key] = text
-
-
-def _apply_counter(run: Run, name: str, labels: Mapping[str, str], rank: str, value: float, t: float,
-                   count: float | None, sorted_labels: LabelKey | None) -> None:
-    key = (name, sorted_labels if sorted_labels is not None else tuple(sorted(labels.items())))
-    s = run.series.get(key)
-    if s is None:
-        if run.fresh:
-            # A fresh run's counters started at zero at its start: interpolate from there.
-            s = SeriesState(name, rank, baseline=0.0, last_t=min(run.s, t), last_v=0.0)
-        else:
-            s = SeriesState(name, rank, baseline=value, last_t=t, last_v=value)
-        s.gpus = gpu_keys(labels.get(contract.ATTR_GPU_UUID, ""))
-        s.hist.append((s.last_t, s.last_v))
-        run.series[key] = s
-    if t < s.last_t:
-        return
-    if s.at_w is None and t >= run.w:
-        if s.last_t >= run.w or t == s.last_t:
-            s.at_w = s.last_v
-        else:
-            s.at_w = s.last_v + (value - s.last_v) * (run.w - s.last_t) / (t - s.last_t)
-    s.last_t, s.last_v = t, value
-    s.hist.append((t, value))
-    if count is not None:
-        s.count = count
-
-
-def _apply_finished(run: Run, rank: str, value: float, t: float) -> None:
-    if value >= 1:
-        run.finished_at.setdefault(rank, t)
-    else:
-        run.finished_at.pop(rank, None)
-        if run.status == "finishing":
-            run.status, run.e = "running", None
-        return
-    if run.ranks and run.ranks <= set(run.finished_at) and not run.allocated:  # a job ends at its epilog
-        run.e = max(run.s, max(run.finished_at.values()))
-        run.status = "finishing"
 
 
 # ----------------------------------------------------------------------------------------------------

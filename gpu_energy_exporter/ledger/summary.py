@@ -9,15 +9,15 @@ column names and what each figure means are ``core.runs_schema.COLUMNS`` (docs/l
 from __future__ import annotations
 
 import functools
-import math
 import os
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 from gpu_energy_exporter.core.health import XidEvent
 from gpu_energy_exporter.core.runs_schema import METADATA_KEYS
+from gpu_energy_exporter.ledger import billing
 from gpu_energy_exporter.ledger import split as ledger_split
-from gpu_energy_exporter.ledger.accounting import Acc, idle_total, max_opt
+from gpu_energy_exporter.ledger.accounting import Acc
 from gpu_energy_exporter.ledger.files import RUNS_DIR, iso_utc, summary_filename
 from gpu_energy_exporter.ledger.frames import Frame
 from gpu_energy_exporter.ledger.health_notes import xid_notes
@@ -105,38 +105,94 @@ def summarize(run: Run, acc: Acc, *, warmup_s: float, local: Local, carbon_confi
     peak FLOP/s (``peak_flops``); ``carbon_configured``: a carbon source was given (a run with no energy
     then has 0 g CO2 rather than none); ``xids``: the recent critical Xids (a note names those of the run's
     GPUs while it ran); ``as_of``: the counters (tokens, samples, steps, FLOPs) as they stood then (``acc``
-    cut there too), else their latest values."""
+    cut there too), else their latest values. Each figure is made by its rule in ``billing``."""
     counter = run.counter if as_of is None else functools.partial(_counter_at, run, as_of)
     end = acc.t if run.e is None else run.e
-    duration = max(0.0, end - run.s)
+    win = billing.efficiency_window(max(0.0, end - run.s), warmup_s)
+    counts = _counts(run, counter, local, win.applied)
+    energy = _energy(run, acc, win.applied)
+    carbon = billing.carbon_figures(acc.co2_g, acc.carbon_kwh, acc.carbon_weighted_intensity,
+                                    acc.carbon_weighted_pue, measured=energy.measured, energy_j=acc.energy_j,
+                                    configured=carbon_configured)
+    missing = [k for k in run.gpus if k not in run.resolved]
     notes = list(run.notes)
-    # No warm-up (--runs.warmup=0s): the window is the whole run, whatever a rank's first point interpolates
-    # to at the start (a rank joining late, a start backdated by another rank's process start).
-    warmup_applied = warmup_s > 0 and duration > warmup_s
-    if warmup_applied:
-        warmup = warmup_s
-        win_energy: float | None = acc.win_energy_j
-        win_idle_j, win_unknown = acc.win_idle_j, acc.win_idle_unknown_s
-        tokens_w = run.counter_at_w(TOKENS, local)
-        samples_w = run.counter_at_w(SAMPLES, local)
-    else:
-        warmup = 0.0
-        win_energy = acc.energy_j
-        win_idle_j, win_unknown = acc.idle_j, acc.idle_unknown_s
-        tokens_w = samples_w = 0.0
-        if warmup_s > 0:
-            notes.append(f"run shorter than the warm-up ({warmup_s:g}s): efficiency figures "
-                         "cover the whole run")
-    window = duration - warmup
-    tokens_all = counter(TOKENS)
-    tokens = counter(TOKENS, local)
+    if warmup_s > 0 and not win.applied:
+        notes.append(f"run shorter than the warm-up ({warmup_s:g}s): efficiency figures cover the whole run")
+    notes += _run_notes(run, acc, local, counts, end, xids)
+    notes += _energy_notes(run, acc, energy, missing)
+    out: dict[str, Any] = {
+        **_run_part(run, end, win, missing),
+        **_efficiency_part(counts, win, energy),
+        **_energy_part(run, acc, energy, win, counts.window_flops, peak, carbon),
+        **_training_part(run, counts, energy, win),
+        "energy_coverage": energy.coverage,
+        "energy_split": ",".join(sorted(run.splits)),
+        "summary_file": summary_file,
+        "ledger_notes": "; ".join(notes),
+    }
+    return _only_finite(out, notes, run.overflowed)
+
+
+class _Counts(NamedTuple):
+    """The run's training counters for its summary (``local``: ranks whose GPUs this node measures)."""
+
+    tokens_all: float | None
+    tokens: float | None  # local ranks' (0 when every rank is remote)
+    tokens_remote: float | None
+    samples: float | None  # local
+    steps: float | None  # the highest rank's
+    flops: float | None  # local
+    window_tokens: float | None  # over the efficiency window
+    window_samples: float | None
+    window_steps: float | None
+    window_flops: float | None
+
+
+def _counts(run: Run, counter: Callable[..., float | None], local: Local, warmup_applied: bool) -> _Counts:
+    """The counters as ``counter`` gives them, and their increases over the efficiency window (their values at
+    the warm-up's end are looked up only when the warm-up applies)."""
+    tokens_all, tokens = counter(TOKENS), counter(TOKENS, local)
     if tokens is None and tokens_all is not None:
         tokens = 0.0  # every rank is remote
     tokens_remote = counter(TOKENS, lambda x: not local(x))
-    samples = counter(SAMPLES, local)
-    window_tokens = tokens - (tokens_w or 0.0) if tokens is not None else None
-    window_samples = samples - (samples_w or 0.0) if samples is not None else None
-    if tokens_remote is not None:
+    samples, steps, flops = counter(SAMPLES, local), counter(STEPS), counter(FLOPS, local)
+    at_w: dict[str, float | None] = dict.fromkeys((TOKENS, SAMPLES, STEPS, FLOPS), 0.0)
+    if warmup_applied:
+        at_w = {TOKENS: run.counter_at_w(TOKENS, local), SAMPLES: run.counter_at_w(SAMPLES, local),
+                STEPS: run.counter_at_w(STEPS), FLOPS: run.counter_at_w(FLOPS, local)}
+    return _Counts(tokens_all, tokens, tokens_remote, samples, steps, flops,
+                   billing.window_count(tokens, at_w[TOKENS]), billing.window_count(samples, at_w[SAMPLES]),
+                   billing.window_count(steps, at_w[STEPS]), billing.window_count(flops, at_w[FLOPS]))
+
+
+class _Energy(NamedTuple):
+    """The run's energy figures (all None without a counter read on any of its GPUs)."""
+
+    measured: bool
+    energy_j: float | None
+    window_j: float | None  # over the efficiency window
+    idle_j: float | None  # None also while a GPU's idle power is not known
+    window_idle_j: float | None
+    coverage: float | None  # of its GPU-time, the part with a counter read
+
+
+def _energy(run: Run, acc: Acc, warmup_applied: bool) -> _Energy:
+    coverage = billing.energy_coverage(acc.measured_gpu_s, acc.expected_gpu_s)
+    measured = acc.measured_gpu_s > 0
+    if not measured:
+        return _Energy(False, None, None, None, None, coverage)
+    idle_w = {k: info.idle_w for k, info in run.gpu_info.items()}
+    idle = billing.idle_total(acc.idle_j, acc.idle_unknown_s, idle_w)
+    if not warmup_applied:
+        return _Energy(True, acc.energy_j, acc.energy_j, idle, idle, coverage)
+    window_idle = billing.idle_total(acc.win_idle_j, acc.win_idle_unknown_s, idle_w)
+    return _Energy(True, acc.energy_j, acc.win_energy_j, idle, window_idle, coverage)
+
+
+def _run_notes(run: Run, acc: Acc, local: Local, counts: _Counts, end: float, xids: Sequence[XidEvent]) -> list[str]:
+    """What the run's summary says about its ranks, its GPUs' sharing, Xids and claims."""
+    notes = []
+    if counts.tokens_remote is not None:
         remote_ranks = sorted({x.rank for x in run.series.values() if x.name == TOKENS
                                and not local(x)}, key=rank_order)
         notes.append(f"tokens of rank(s) {', '.join(remote_ranks)} excluded from J/token and throughput: "
@@ -150,11 +206,13 @@ def summarize(run: Run, acc: Acc, *, warmup_s: float, local: Local, carbon_confi
     if ledger_split.SPLIT_MIG in run.splits:
         notes.append("MIG instances: charged their compute slices' share of the parent GPU's energy (instances "
                      "in use only; an instance whose profile NVML does not give weighs 1)")
-
     notes.extend(claim_notes(run, acc))
-    keys = list(run.gpu_order)
-    missing = [k for k in run.gpus if k not in run.resolved]
-    measured = acc.measured_gpu_s > 0
+    return notes
+
+
+def _energy_notes(run: Run, acc: Acc, energy: _Energy, missing: Sequence[str]) -> list[str]:
+    """What the run's summary says about how far its energy, idle energy and CO2 are known."""
+    notes = []
     if not run.gpus:
         notes.append("the run pushed no GPU UUID" + (f" (gpu_uuid={', '.join(sorted(run.non_gpu_labels))})"
                                                       if run.non_gpu_labels else "")
@@ -162,107 +220,100 @@ def summarize(run: Run, acc: Acc, *, warmup_s: float, local: Local, carbon_confi
     if missing:
         names = ", ".join(run.gpus[k] for k in missing)
         notes.append(f"GPUs not seen by this exporter (another node?): {names}")
-    coverage = acc.measured_gpu_s / acc.expected_gpu_s if acc.expected_gpu_s > 0 else None
-    if coverage is not None and coverage < 0.999 and measured:
-        notes.append(f"energy counter available for {coverage:.1%} of the run's GPU-time: energy is a "
+    if energy.coverage is not None and energy.coverage < 0.999 and energy.measured:
+        notes.append(f"energy counter available for {energy.coverage:.1%} of the run's GPU-time: energy is a "
                      "lower bound")
-    energy = acc.energy_j if measured else None
-    if not measured:
-        win_energy = None
-    idle_w = {k: info.idle_w for k, info in run.gpu_info.items()}
-    idle = idle_total(acc.idle_j, acc.idle_unknown_s, idle_w) if measured else None
-    win_idle = idle_total(win_idle_j, win_unknown, idle_w) if measured else None
-    if measured and idle is None:
+    if energy.measured and energy.idle_j is None:
         notes.append("idle power of the GPUs unknown (not learned yet, no --gpu.idle-power): no dynamic "
                      "energy")
+    if energy.measured and acc.carbon_kwh > 0 and acc.carbon_missing_kwh > 0:
+        notes.append("carbon intensity missing for part of the run: CO2 is a lower bound")
+    return notes
 
-    def ratio(num: float | None, den: float | None) -> float | None:
-        if num is None or den is None or den <= 0:
-            return None
-        return num / den
 
-    j_per_token = ratio(win_energy, window_tokens)
-    steps = counter(STEPS)
-    steps_w = run.counter_at_w(STEPS) if warmup_applied else 0.0
-    window_steps = steps - (steps_w or 0.0) if steps is not None else None
-    # Progress counts the trainer's global step, which includes the steps before a resume from a
-    # checkpoint; `steps` (this process's steps) only where no global step was pushed.
-    global_step = run.global_step()
-    done = global_step if global_step is not None else steps
-    total = run.total_steps
-    progress = steps_remaining = None
-    if done is not None and total is not None and total > 0:
-        progress, steps_remaining = min(done / total, 1.0), max(total - done, 0.0)
-    hist_sum = sum(s.last_v - s.baseline for s in run.series.values() if s.name == HISTOGRAM)
-    hist_count = sum(s.count for s in run.series.values() if s.name == HISTOGRAM)
-    mean_step_s = hist_sum / hist_count if hist_count > 0 else None
-    pace = mean_step_s if mean_step_s is not None else ratio(duration, steps)
-    eta = (steps_remaining * pace if steps_remaining is not None and pace is not None
-           and run.status in ("running", "finishing") else None)
-    j_per_step = ratio(win_energy, window_steps)
-    dyn_window = win_energy - win_idle if win_energy is not None and win_idle is not None else None
-    co2 = intensity = pue = None
-    if measured and acc.carbon_kwh > 0:
-        co2 = acc.co2_g
-        intensity = acc.carbon_weighted_intensity / acc.carbon_kwh
-        pue = acc.carbon_weighted_pue / acc.carbon_kwh
-        if acc.carbon_missing_kwh > 0:
-            notes.append("carbon intensity missing for part of the run: CO2 is a lower bound")
-    elif measured and carbon_configured and acc.energy_j == 0:
-        co2 = 0.0
-    models = []
+def _run_part(run: Run, end: float, win: billing.Window, missing: Sequence[str]) -> dict[str, Any]:
+    """The summary's first columns: the run, its times, its metadata and its GPUs."""
+    keys = list(run.gpu_order)
+    models: list[str] = []
     for k in keys:
         info = run.gpu_info.get(k)
         if info is not None and info.name not in models:
             models.append(info.name)
-    meta = run.metadata
-    flops = counter(FLOPS, local)
-    flops_w = run.counter_at_w(FLOPS, local) if warmup_applied else 0.0
-    window_flops = flops - (flops_w or 0.0) if flops is not None else None
-    total_mem = [run.gpu_info[k].memory_total for k in keys if k in run.gpu_info]
-    out: dict[str, Any] = {
+    return {
         "run_id": run.run_id,
         "status": run.status,
         "start_time": iso_utc(run.s),
         "end_time": iso_utc(end),
-        "duration_s": duration,
-        "warmup_s": warmup,
-        "window_s": window,
-        **{k: meta.get(k) for k in METADATA_KEYS},
+        "duration_s": win.duration_s,
+        "warmup_s": win.warmup_s,
+        "window_s": win.window_s,
+        **{k: run.metadata.get(k) for k in METADATA_KEYS},
         "ranks": len(run.ranks),
         "gpu_count": len(keys) + len(missing),
         "gpu_uuids": " ".join([run.gpu_info[k].uuid for k in keys] + [run.gpus[k] for k in missing]),
         "gpu_models": "; ".join(models),
-        "tokens": tokens_all,
-        "tokens_local": tokens,
-        "tokens_remote": tokens_remote or (0.0 if tokens_all is not None else None),
-        "token_coverage": ratio(tokens, tokens_all),
-        "samples": samples,
-        "steps": steps,
-        "flops": flops,
-        "window_tokens": window_tokens,
-        "tokens_per_s": ratio(window_tokens, window),
-        "samples_per_s": ratio(window_samples, window),
+    }
+
+
+def _efficiency_part(counts: _Counts, win: billing.Window, energy: _Energy) -> dict[str, Any]:
+    """Tokens, samples, steps, FLOPs, and the throughput and J/token of the efficiency window."""
+    j_per_token = billing.ratio(energy.window_j, counts.window_tokens)
+    return {
+        "tokens": counts.tokens_all,
+        "tokens_local": counts.tokens,
+        "tokens_remote": counts.tokens_remote or (0.0 if counts.tokens_all is not None else None),
+        "token_coverage": billing.ratio(counts.tokens, counts.tokens_all),
+        "samples": counts.samples,
+        "steps": counts.steps,
+        "flops": counts.flops,
+        "window_tokens": counts.window_tokens,
+        "tokens_per_s": billing.ratio(counts.window_tokens, win.window_s),
+        "samples_per_s": billing.ratio(counts.window_samples, win.window_s),
         "j_per_token": j_per_token,
         "energy_per_10k_tokens_j": j_per_token * 10_000 if j_per_token is not None else None,
-        "dynamic_j_per_token": ratio(dyn_window, window_tokens),
-        "energy_j": energy,
-        "energy_kwh": energy / 3.6e6 if energy is not None else None,
-        "idle_energy_j": idle,
-        "dynamic_energy_j": energy - idle if energy is not None and idle is not None else None,
-        "window_energy_j": win_energy,
-        "avg_power_w": ratio(energy, duration),
+        "dynamic_j_per_token": billing.ratio(billing.dynamic_j(energy.window_j, energy.window_idle_j),
+                                             counts.window_tokens),
+    }
+
+
+def _energy_part(run: Run, acc: Acc, energy: _Energy, win: billing.Window, window_flops: float | None,
+                 peak: float | None, carbon: billing.Carbon) -> dict[str, Any]:
+    """Energy, power, VRAM, MFU and CO2."""
+    avg_power = billing.ratio(energy.energy_j, win.duration_s)
+    memory = [run.gpu_info[k].memory_total for k in run.gpu_order if k in run.gpu_info]
+    known_memory = [m for m in memory if m is not None]
+    return {
+        "energy_j": energy.energy_j,
+        "energy_kwh": energy.energy_j / billing.J_PER_KWH if energy.energy_j is not None else None,
+        "idle_energy_j": energy.idle_j,
+        "dynamic_energy_j": billing.dynamic_j(energy.energy_j, energy.idle_j),
+        "window_energy_j": energy.window_j,
+        "avg_power_w": avg_power,
         # never below the average: a run whose snapshots all fell in dips still drew its average power
-        "peak_power_w": max_opt(acc.peak_power_w, ratio(energy, duration)),
+        "peak_power_w": billing.max_opt(acc.peak_power_w, avg_power),
         "vram_peak_bytes": acc.vram_peak,
-        "vram_avg_bytes": acc.vram_byte_s / acc.vram_s if acc.vram_s > 0 else None,
-        "vram_total_bytes": float(max(m for m in total_mem if m is not None)) if any(
-            m is not None for m in total_mem) else None,
+        "vram_avg_bytes": billing.ratio(acc.vram_byte_s, acc.vram_s),
+        "vram_total_bytes": float(max(known_memory)) if known_memory else None,
         "peak_flops_per_s": peak,
-        "mfu": ratio(ratio(window_flops, window), peak),
-        "co2_g": co2,
-        "carbon_intensity_g_per_kwh": intensity,
-        "pue": pue,
+        "mfu": billing.mfu(window_flops, win.window_s, peak),
+        "co2_g": carbon.co2_g,
+        "carbon_intensity_g_per_kwh": carbon.intensity,
+        "pue": carbon.pue,
+    }
+
+
+def _training_part(run: Run, counts: _Counts, energy: _Energy, win: billing.Window) -> dict[str, Any]:
+    """Loss, learning rate and epoch as pushed, and the run's progress to its planned steps."""
+    # Progress counts the trainer's global step, which includes the steps before a resume from a
+    # checkpoint; `steps` (this process's steps) only where no global step was pushed.
+    global_step = run.global_step()
+    histograms = [s for s in run.series.values() if s.name == HISTOGRAM]
+    step_s = billing.step_time_s(sum(s.last_v - s.baseline for s in histograms), sum(s.count for s in histograms))
+    done = billing.progress(global_step if global_step is not None else counts.steps, run.total_steps,
+                            step_s=step_s if step_s is not None else billing.ratio(win.duration_s, counts.steps),
+                            j_per_step=billing.ratio(energy.window_j, counts.window_steps),
+                            going=run.status in ("running", "finishing"))
+    return {
         "best_loss": run.best_loss,
         "best_loss_step": run.best_loss_step,
         "last_loss": run.gauge(LOSS),
@@ -271,25 +322,23 @@ def summarize(run: Run, acc: Acc, *, warmup_s: float, local: Local, carbon_confi
         "epoch": run.gauge(EPOCH),
         "total_steps": run.total_steps,
         "global_step": global_step,
-        "progress": progress,
-        "steps_remaining": steps_remaining,
-        "eta_s": eta,
-        "energy_to_finish_j": (steps_remaining * j_per_step
-                               if steps_remaining is not None and j_per_step is not None else None),
-        "mean_step_s": mean_step_s,
-        "energy_coverage": coverage,
-        "energy_split": ",".join(sorted(run.splits)),
-        "summary_file": summary_file,
-        "ledger_notes": "; ".join(notes),
+        "progress": done.progress,
+        "steps_remaining": done.steps_remaining,
+        "eta_s": done.eta_s,
+        "energy_to_finish_j": done.energy_to_finish_j,
+        "mean_step_s": step_s,
     }
-    # Non-finite figures never leave the ledger (two ranks' 1.5e308 tokens sum to inf; a gauge may be NaN):
-    # they read as unknown, and the note says which, so the CSV, the JSON API and /metrics stay valid.
-    overflowed = [k for k, v in out.items() if isinstance(v, float) and not math.isfinite(v)]
-    for k in overflowed:
+
+
+def _only_finite(out: dict[str, Any], notes: list[str], overflowed: set[str]) -> dict[str, Any]:
+    """Non-finite figures never leave the ledger (two ranks' 1.5e308 tokens sum to inf; a gauge may be NaN):
+    they read as unknown, and the note says which, so the CSV, the JSON API and /metrics stay valid."""
+    unknown = billing.not_finite(out)
+    for k in unknown:
         out[k] = None
-    overflowed += sorted(run.overflowed)
-    if overflowed:
-        notes.append("figures not finite (overflow or NaN pushed), shown as unknown: " + ", ".join(overflowed))
+    unknown += sorted(overflowed)
+    if unknown:
+        notes.append("figures not finite (overflow or NaN pushed), shown as unknown: " + ", ".join(unknown))
         out["ledger_notes"] = "; ".join(notes)
     return out
 
