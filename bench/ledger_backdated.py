@@ -27,7 +27,7 @@ from typing import Any
 
 from gpu_energy_exporter.core.state import ENERGY_METHOD_COUNTER, GPUIdentity, GPUReading, GPUState, Snapshot
 from gpu_energy_exporter.ledger import RunLedger
-from gpu_energy_exporter.ledger.frames import Frame
+from gpu_energy_exporter.ledger.snapshot_frames import Frame
 from gpu_energy_exporter.otlp.store import AcceptedPoint
 
 T0 = 1_700_000_000.0

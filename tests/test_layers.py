@@ -58,6 +58,9 @@ OLD_PLACES = {
     "gpu_energy_exporter.otlp.grpcwake": "gpu_energy_exporter.otlp.grpc_port_holder",
     "gpu_energy_exporter.otlp.grpcslots": "gpu_energy_exporter.otlp.grpc_admission",
     "gpu_energy_exporter.daemon.lean": "gpu_energy_exporter.daemon.lean_imports",
+    "gpu_energy_exporter.ledger.frames": "gpu_energy_exporter.ledger.snapshot_frames",
+    "gpu_energy_exporter.ledger.claims": "gpu_energy_exporter.ledger.process_claims",
+    "gpu_energy_exporter.ledger.views": "gpu_energy_exporter.ledger.served_views",
 }
 
 

@@ -9,7 +9,7 @@ import pytest
 
 from gpu_energy_exporter.ledger.accounting import Acc, integrate, unattributed
 from gpu_energy_exporter.ledger.billing import idle_total
-from gpu_energy_exporter.ledger.frames import Frame, GPUFrame
+from gpu_energy_exporter.ledger.snapshot_frames import Frame, GPUFrame
 from gpu_energy_exporter.ledger.split import Holding
 
 

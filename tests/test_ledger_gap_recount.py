@@ -19,7 +19,7 @@ from collections import deque
 import pytest
 
 from gpu_energy_exporter.ledger import runs
-from gpu_energy_exporter.ledger.frames import Frame, GPUFrame
+from gpu_energy_exporter.ledger.snapshot_frames import Frame, GPUFrame
 from gpu_energy_exporter.ledger.split import Holding
 
 WATTS = 300.0

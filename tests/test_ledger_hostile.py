@@ -333,7 +333,7 @@ def test_a_backdated_request_recounts_a_bounded_history_whatever_its_date() -> N
     from test_ledger import T0, UUID_A, Clock, Harness, constant, point
 
     from gpu_energy_exporter.ledger import RunLedger
-    from gpu_energy_exporter.ledger.frames import Frame
+    from gpu_energy_exporter.ledger.snapshot_frames import Frame
 
     class Counting(RunLedger):
         """Counts the snapshot intervals it counts for a run (each asks who held the GPUs then)."""
@@ -407,7 +407,7 @@ def test_one_requests_points_are_checked_per_origin() -> None:
     from test_ledger import T0, Clock, point
 
     from gpu_energy_exporter.core.clientid import client_id
-    from gpu_energy_exporter.ledger import RunLedger, claims, clients
+    from gpu_energy_exporter.ledger import RunLedger, clients, process_claims
 
     def pt(name: str, value: float, client: str, resource: tuple[tuple[str, str], ...], rank: str = "0") -> Any:
         p = point("r", name, value, T0 + 1, rank=rank)
@@ -442,7 +442,7 @@ def test_one_requests_points_are_checked_per_origin() -> None:
         pt("training_run_finished", 1, forger, res_a),
     ])
     assert ledger._clients.refused[clients.NOT_RUN_OWNER] == 4
-    assert ledger._claims.refused[claims.REFUSED_JOB] == 2
+    assert ledger._claims.refused[process_claims.REFUSED_JOB] == 2
     run = ledger.run("r")
     assert run is not None and run["tokens"] == 301 and run["status"] == "running"
     # owner's run "q" takes the one finish a minute allows; then a finish of "r" right after a point of the

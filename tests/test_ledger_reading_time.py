@@ -21,7 +21,7 @@ from test_ledger import T0, UUID_A, Clock, Harness, constant, gpu_state, summary
 from gpu_energy_exporter.core.state import Snapshot
 from gpu_energy_exporter.devices.nvml import NVMLBackend
 from gpu_energy_exporter.ledger import RunLedger
-from gpu_energy_exporter.ledger.frames import frame_of
+from gpu_energy_exporter.ledger.snapshot_frames import frame_of
 
 #: The monotonic clock's reading at T0: another origin than the wall clock's, as on a real machine.
 MONO0 = 5_000.0

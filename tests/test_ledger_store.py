@@ -30,10 +30,10 @@ from gpu_energy_exporter.core import runs_db
 from gpu_energy_exporter.core.runs_schema import COLUMN_NAMES
 from gpu_energy_exporter.ledger import RunLedger, codec
 from gpu_energy_exporter.ledger.accounting import Acc
-from gpu_energy_exporter.ledger.frames import Frame, GPUFrame, SpanFrame
 from gpu_energy_exporter.ledger.journal import FORMAT, record
 from gpu_energy_exporter.ledger.runs import Run
 from gpu_energy_exporter.ledger.series_state import SeriesState
+from gpu_energy_exporter.ledger.snapshot_frames import Frame, GPUFrame, SpanFrame
 from gpu_energy_exporter.ledger.split import Proc
 from gpu_energy_exporter.ledger.store import Batch, Store, StoredRow
 

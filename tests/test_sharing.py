@@ -92,10 +92,10 @@ def test_runs_plus_unattributed_is_the_gpu() -> None:
 
 
 def test_a_run_owns_the_listed_process_its_trainer_is_even_inside_a_container() -> None:
-    from gpu_energy_exporter.ledger import claims, runs
+    from gpu_energy_exporter.ledger import process_claims, runs
 
     def admit(run: runs.Run, res: dict[str, str], rank: str, t: float) -> str:
-        return claims.admit_process(run, claims.process_key(res) or ("", 0, "", ""), res, rank, t)
+        return process_claims.admit_process(run, process_claims.process_key(res) or ("", 0, "", ""), res, rank, t)
 
     run = runs.Run("r", 0.0, 0.0, True, 16, 0.0)
     res = {"process_pid": "17", "host_name": "pod-a", "container_id": CID, "training_world_size": "2",
@@ -103,20 +103,20 @@ def test_a_run_owns_the_listed_process_its_trainer_is_even_inside_a_container() 
     assert admit(run, res, "0", 0.0) == ""
     listed = (Proc(4242, 50.0, ProcessIdentity(4242, (4242, 17), CID)),
               Proc(5000, 50.0, ProcessIdentity(5000, (5000, 17), "b" * 64)))
-    assert claims.own_pids(run, listed) == {4242}
+    assert process_claims.own_pids(run, listed) == {4242}
     # Another process under the run id: a rank of the same job (same Slurm job, world size 2) joins...
     rank1 = {**res, "process_pid": "18"}
     assert admit(run, rank1, "1", 1.0) == ""
     # ...one of another job, one beyond the world size, one pushing a live rank are refused.
     other = {**res, "process_pid": "19", "slurm_job_id": "78"}
-    assert admit(run, other, "2", 2.0) == claims.REFUSED_JOB
+    assert admit(run, other, "2", 2.0) == process_claims.REFUSED_JOB
     third = {**res, "process_pid": "20"}
-    assert admit(run, third, "2", 2.0) == claims.REFUSED_WORLD
+    assert admit(run, third, "2", 2.0) == process_claims.REFUSED_WORLD
     solo = runs.Run("s", 0.0, 0.0, True, 16, 0.0)
     one = {"process_pid": "30"}
     admit(solo, one, "0", 0.0)
     twin = {"process_pid": "31"}
-    assert admit(solo, twin, "0", 1.0) == claims.REFUSED_RANK
+    assert admit(solo, twin, "0", 1.0) == process_claims.REFUSED_RANK
 
 
 def test_the_helper_sends_its_container_and_job_identity(tmp_path) -> None:  # type: ignore[no-untyped-def]

@@ -4,15 +4,16 @@ snapshots and the points the training helper pushes, without Prometheus.
 Modules, top to bottom:
 
 - ``ledger``: ``RunLedger``, the driver (threads, the lock, the snapshot history, recounts);
-- ``views``: what /metrics and the JSON API read (``RunLedger`` inherits it);
-- ``clients``: who may finish, join or continue a run, and the per-client bounds on runs;
+- ``served_views``: what /metrics and the JSON API read (``RunLedger`` inherits it);
+- ``clients``: who may finish, join or continue a run, and the per-client bounds on runs; ``process_claims``:
+  which processes a run has (pushed under its id, listed by NVML) and whether a new one may join;
 - ``summary``: a run's figures (the summary document) from its state;
 - ``runs``: a run's state, its accumulator moved over the snapshot history; ``points``: what one accepted
   point does to its run;
 - ``accounting``: pure energy accounting of one snapshot interval; ``split``: pure sharing of a GPU;
 - ``billing``: the billing rules (energy, window, idle, dynamic, carbon, progress), one small pure function
   each, that ``accounting`` and ``summary`` compose;
-- ``frames``: what a snapshot says about the GPUs, as plain values;
+- ``snapshot_frames``: what a snapshot says about the GPUs, as plain values;
 - ``store``: the SQLite database of open runs' state and finished runs' rows, and its thread; ``codec``: the
   runs' state as JSON (never pickle); ``trust``: whose directory and files may be read; ``recovery``: opening
   the store, what was lost; ``restore``: the saved records decoded one by one; ``migrate``: the previous

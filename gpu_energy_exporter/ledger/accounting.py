@@ -8,7 +8,7 @@ values so it can be copied as a checkpoint; ``Timeline`` is the bounded per-run 
 
 Like ``kubernetes/attribution.py`` and ``ledger/split.py``, this module takes frames and holdings and
 returns numbers: no locks, no threads, no I/O, no clock. It never integrates power into energy (power only
-bounds the peak) and never reads a GPU reading: frames (``ledger.frames``) carry base units.
+bounds the peak) and never reads a GPU reading: frames (``ledger.snapshot_frames``) carry base units.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from typing import Any
 from gpu_energy_exporter.ledger import billing
 from gpu_energy_exporter.ledger import split as ledger_split
 from gpu_energy_exporter.ledger.billing import max_opt
-from gpu_energy_exporter.ledger.frames import Frame, GPUFrame
+from gpu_energy_exporter.ledger.snapshot_frames import Frame, GPUFrame
 from gpu_energy_exporter.ledger.split import Holding
 
 

@@ -25,7 +25,7 @@ from typing import Protocol
 from gpu_energy_exporter.core import contract
 from gpu_energy_exporter.core.clientid import identity_of, tag_of
 from gpu_energy_exporter.core.ratelog import RateLimitedLog
-from gpu_energy_exporter.ledger import claims, clients, jobs, points, restart, runs, specs
+from gpu_energy_exporter.ledger import clients, jobs, points, process_claims, restart, runs, specs
 from gpu_energy_exporter.ledger.runs import Run
 
 log = logging.getLogger("gpu_energy_exporter.ledger.ledger")
@@ -52,9 +52,10 @@ class GatePoint(Protocol):
     client: str
 
 _CLAIM_MESSAGES = {
-    claims.REFUSED_JOB: "this process's job identity (Slurm job, torchrun rendezvous, world size) is not the run's",
-    claims.REFUSED_WORLD: "the run already has as many processes as its world size",
-    claims.REFUSED_RANK: "another live process pushes this rank",
+    process_claims.REFUSED_JOB:
+        "this process's job identity (Slurm job, torchrun rendezvous, world size) is not the run's",
+    process_claims.REFUSED_WORLD: "the run already has as many processes as its world size",
+    process_claims.REFUSED_RANK: "another live process pushes this rank",
 }
 
 
@@ -174,7 +175,7 @@ class LedgerAdmission:
                 return _COLLISION
             self._clients.refuse(why)
             return why, clients.message(why, run_id, rank, self._clients, client)
-        refused, new_process = claims.note_process(run, resource, rank, received)
+        refused, new_process = process_claims.note_process(run, resource, rank, received)
         if refused:  # another process under the run's id whose job identity disagrees (docs/ledger.md)
             self._claims.refuse(refused)
             return refused, f"run_id {run_id[:200]!r}: {_CLAIM_MESSAGES.get(refused, refused)}"

@@ -31,7 +31,7 @@ from typing import Any
 
 from gpu_energy_exporter.ledger import runs, settlement
 from gpu_energy_exporter.ledger.accounting import Acc
-from gpu_energy_exporter.ledger.frames import Frame
+from gpu_energy_exporter.ledger.snapshot_frames import Frame
 
 log = logging.getLogger(__name__)
 

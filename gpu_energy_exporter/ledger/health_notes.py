@@ -15,7 +15,7 @@ from collections.abc import Iterable, Sequence
 
 from gpu_energy_exporter.core.health import CRITICAL_XIDS, XidEvent
 from gpu_energy_exporter.ledger.files import iso_utc
-from gpu_energy_exporter.ledger.frames import uuid_key
+from gpu_energy_exporter.ledger.snapshot_frames import uuid_key
 
 #: Seconds after the run's end in which a critical Xid is still the run's.
 GRACE_S = 60.0

@@ -29,8 +29,8 @@ from dataclasses import dataclass
 from gpu_energy_exporter.core import contract
 from gpu_energy_exporter.core.bounded_memo import remember
 from gpu_energy_exporter.core.state import SlurmJob
-from gpu_energy_exporter.ledger.frames import Frame, uuid_key
 from gpu_energy_exporter.ledger.runs import Run
+from gpu_energy_exporter.ledger.snapshot_frames import Frame, uuid_key
 
 #: metadata keys a job run carries (in the JSON summary's ``metadata``; the CSV's notes say the same)
 META_JOB_ID, META_USER, META_ACCOUNT, META_PARTITION = "slurm_job_id", "slurm_user", "slurm_account", "slurm_partition"

@@ -41,12 +41,12 @@ from gpu_energy_exporter.ledger import accounting, carry, clients, files, jobs, 
 from gpu_energy_exporter.ledger.admission import LedgerAdmission
 from gpu_energy_exporter.ledger.files import iso_utc
 from gpu_energy_exporter.ledger.filewriter import Row
-from gpu_energy_exporter.ledger.frames import Frame, frame_of
 from gpu_energy_exporter.ledger.points import PointLike
 from gpu_energy_exporter.ledger.runs import Run
+from gpu_energy_exporter.ledger.served_views import LedgerViews
+from gpu_energy_exporter.ledger.snapshot_frames import Frame, frame_of
 from gpu_energy_exporter.ledger.split import Holding
 from gpu_energy_exporter.ledger.summary import fmt, with_provisional
-from gpu_energy_exporter.ledger.views import LedgerViews
 
 log = logging.getLogger(__name__)
 

@@ -12,7 +12,6 @@ from collections.abc import Mapping
 from typing import Protocol
 
 from gpu_energy_exporter.core import contract
-from gpu_energy_exporter.ledger.frames import uuid_key
 from gpu_energy_exporter.ledger.runs import (
     COUNTERS,
     EPOCH,
@@ -31,6 +30,7 @@ from gpu_energy_exporter.ledger.runs import (
     rank_order,
 )
 from gpu_energy_exporter.ledger.series_state import SeriesState
+from gpu_energy_exporter.ledger.snapshot_frames import uuid_key
 
 _RANK = contract.ATTR_RANK
 _GPU_UUID = contract.ATTR_GPU_UUID

@@ -43,9 +43,9 @@ from typing import Any
 from gpu_energy_exporter.core.runs_db import DB_NAME
 from gpu_energy_exporter.ledger import carry, codec, recovery, restore
 from gpu_energy_exporter.ledger.filewriter import FileWriter, Row
-from gpu_energy_exporter.ledger.frames import Frame
 from gpu_energy_exporter.ledger.journal import SteadyClock
 from gpu_energy_exporter.ledger.runs import LabelKey, Run
+from gpu_energy_exporter.ledger.snapshot_frames import Frame
 from gpu_energy_exporter.ledger.store import Batch, Saved, Store, StoredRow, StoreWriter, damaged
 
 log = logging.getLogger(__name__)

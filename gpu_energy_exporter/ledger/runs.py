@@ -16,9 +16,9 @@ from typing import Any
 
 from gpu_energy_exporter.core import contract
 from gpu_energy_exporter.ledger.accounting import Acc, Timeline, integrate
-from gpu_energy_exporter.ledger.claims import ProcessKey, own_pids
-from gpu_energy_exporter.ledger.frames import Frame, GPUFrame
+from gpu_energy_exporter.ledger.process_claims import ProcessKey, own_pids
 from gpu_energy_exporter.ledger.series_state import SeriesState
+from gpu_energy_exporter.ledger.snapshot_frames import Frame, GPUFrame
 from gpu_energy_exporter.ledger.split import Holding
 
 #: Training progress: the counters whose first point makes a tentative run id a run (with ``HISTOGRAM``).

@@ -21,8 +21,8 @@ from dataclasses import replace
 
 from gpu_energy_exporter.core.settle import sample_weights
 from gpu_energy_exporter.core.state import ProcessSample
-from gpu_energy_exporter.ledger.frames import Frame, GPUFrame
 from gpu_energy_exporter.ledger.runs import Run
+from gpu_energy_exporter.ledger.snapshot_frames import Frame, GPUFrame
 
 #: Two instants on the frame clock closer than this are one (float noise of offsets and adds).
 EPS_S = 1e-6

@@ -42,8 +42,8 @@ from gpu_energy_exporter.core.runs_schema import (
     RUN_WINDOW_ENERGY,
     RUN_WINDOW_TOKENS,
 )
-from gpu_energy_exporter.ledger.claims import REFUSED_REASONS
-from gpu_energy_exporter.ledger.frames import Frame
+from gpu_energy_exporter.ledger.process_claims import REFUSED_REASONS
+from gpu_energy_exporter.ledger.snapshot_frames import Frame
 from gpu_energy_exporter.ledger.split import UNCONFIRMED_REASONS, Holding
 
 LEDGER_RUNS_FINISHED = metrics.define(

@@ -19,7 +19,6 @@ from gpu_energy_exporter.ledger import billing
 from gpu_energy_exporter.ledger import split as ledger_split
 from gpu_energy_exporter.ledger.accounting import Acc
 from gpu_energy_exporter.ledger.files import RUNS_DIR, iso_utc, summary_filename
-from gpu_energy_exporter.ledger.frames import Frame
 from gpu_energy_exporter.ledger.health_notes import xid_notes
 from gpu_energy_exporter.ledger.runs import (
     EPOCH,
@@ -35,6 +34,7 @@ from gpu_energy_exporter.ledger.runs import (
     SeriesState,
     rank_order,
 )
+from gpu_energy_exporter.ledger.snapshot_frames import Frame
 from gpu_energy_exporter.reference.gpu_specs import lookup_peak_flops
 
 Local = Callable[[SeriesState], bool]

@@ -25,7 +25,7 @@ REJECT_REASONS: tuple[str, ...] = (
     # the training contract's names (otlp.reserved)
     "contract_violation",
     # identity (core.clientid, docs/security.md): claims the kernel contradicts, per-identity quotas, another
-    # principal's series; and the run ledger's gate (ledger.clients, ledger.claims): who may change which run
+    # principal's series; and the run ledger's gate (ledger.clients, ledger.process_claims): who may change which run
     "identity_mismatch", "foreign_gpu", "client_series_limit", "client_bytes_limit", "not_series_owner",
     "not_run_owner", "foreign_rank", "not_run_client", "client_active_runs", "client_new_runs",
     "client_finished_runs", "job_mismatch", "world_size", "rank_taken",

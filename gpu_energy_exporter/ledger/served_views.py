@@ -17,8 +17,8 @@ from prometheus_client.core import Metric
 
 from gpu_energy_exporter.core.runs_schema import SUMMARY_SCHEMA
 from gpu_energy_exporter.ledger import accounting, clients, restart, runs, specs
-from gpu_energy_exporter.ledger.frames import Frame
 from gpu_energy_exporter.ledger.runs import Run
+from gpu_energy_exporter.ledger.snapshot_frames import Frame
 from gpu_energy_exporter.ledger.split import Holding
 from gpu_energy_exporter.ledger.summary import (
     details,
