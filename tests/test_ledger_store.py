@@ -434,3 +434,16 @@ def test_a_journal_record_that_does_not_migrate_names_its_run_and_the_rest_migra
     ledger.close()
     [row] = runs_cli.load_csv(str(tmp_path / "runs.csv"))
     assert row["run_id"] == "misplaced" and "lost this run's state" in row["ledger_notes"]
+
+
+def test_state_saved_before_a_module_was_renamed_decodes_as_it_was() -> None:
+    # Issue 32 renamed ledger modules: a database written by the release before names the old modules, and an
+    # upgrade must restore its open runs whole (the class is found by its unique name).
+    frame = Frame(t=5.0, gpus={"GPU-a": GPUFrame("GPU-a", "H100", 10.0, 300.0, 1, 2, 50.0, "flag", 0, None)},
+                  mig_parent={}, intensity=400.0, pue=1.2, host_available=None)
+    old, new = "gpu_energy_exporter.ledger.frames:", "gpu_energy_exporter.ledger.snapshot_frames:"
+    text = codec.dumps(codec.encode(frame))
+    assert new in text
+    text = text.replace(new, old)
+    report = codec.Decoded()
+    assert codec.loads(text, report) == frame and not report.problems

@@ -39,9 +39,12 @@ KNOWN: dict[tuple[str, str], str] = {
     (_P + "ledger.series_state", "SeriesState"): _P + "ledger.series_state:SeriesState",  # main's journal after it
     (_P + "ledger.accounting", "Acc"): _P + "ledger.accounting:Acc",
     (_P + "ledger.accounting", "Timeline"): _P + "ledger.accounting:Timeline",
-    (_P + "ledger.frames", "Frame"): _P + "ledger.frames:Frame",
-    (_P + "ledger.frames", "GPUFrame"): _P + "ledger.frames:GPUFrame",
-    (_P + "ledger.frames", "SpanFrame"): _P + "ledger.frames:SpanFrame",
+    (_P + "ledger.frames", "Frame"): _P + "ledger.snapshot_frames:Frame",  # the pickle releases' place
+    (_P + "ledger.frames", "GPUFrame"): _P + "ledger.snapshot_frames:GPUFrame",
+    (_P + "ledger.frames", "SpanFrame"): _P + "ledger.snapshot_frames:SpanFrame",
+    (_P + "ledger.snapshot_frames", "Frame"): _P + "ledger.snapshot_frames:Frame",  # since issue 32's renames
+    (_P + "ledger.snapshot_frames", "GPUFrame"): _P + "ledger.snapshot_frames:GPUFrame",
+    (_P + "ledger.snapshot_frames", "SpanFrame"): _P + "ledger.snapshot_frames:SpanFrame",
     (_P + "ledger.split", "Proc"): _P + "ledger.split:Proc",
     (_P + "ledger.split", "Holding"): _P + "ledger.split:Holding",
     (_P + "core.procinfo", "ProcessIdentity"): _P + "core.procinfo:ProcessIdentity",
