@@ -136,6 +136,7 @@ class Run:
         self.owners: dict[str, str] = {}  # rank -> the client its points are taken from (ledger.clients)
         self.overflowed: set[str] = set()  # counters whose total is not finite (shown as unknown)
         self.allocated: set[str] = set()  # GPU keys a Slurm job's allocation gives the run (ledger.jobs)
+        self.serving: Any = None  # a serving session's own state (ledger.serving.ServingState); None: training
 
     # -- counters ------------------------------------------------------------------------------------
 
