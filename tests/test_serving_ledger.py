@@ -236,3 +236,20 @@ def test_hostile_output_is_refused_bounded_and_counted(hostile: Hostile, rigs: A
     assert len(lines) == 1, [r.getMessage() for r in lines]
     [s] = rig.serving()
     assert s["tokens"] == before  # nothing of the hostile answers was taken
+
+
+def test_runs_marks_a_serving_session_beside_a_training_run(rigs: Any) -> None:
+    from gpu_energy_exporter.client.runs import runs_table
+
+    rig = rigs("vllm", Trace.constant(prompt=1536.0, output=512.0, requests=4.0),
+               {UUID_A: (512.0, {PID: 75.0, TRAINER_PID: 25.0})})
+    rig.step(T0)
+    _trainer(rig, "train-1", T0, 0.0)
+    for i in range(1, 7):
+        _trainer(rig, "train-1", T0 + i * STEP, 1000.0 * i)
+        rig.step(T0 + i * STEP)
+    text = runs_table(rig.ledger.runs())
+    lines = {line.split()[0]: line for line in text.splitlines() if line.startswith(("train-1", "serving-"))}
+    [serving_id] = [k for k in lines if k.startswith("serving-")]
+    assert "(serving)" in lines[serving_id] and "(serving)" not in lines["train-1"], text
+    assert "J/token is J per output token" in text
