@@ -195,17 +195,20 @@ def test_a_server_restart_ends_the_session_and_starts_another_counting_every_tok
 
 def test_a_slow_or_hung_server_never_holds_up_a_snapshot(rigs: Any) -> None:
     rig = rigs("vllm", Trace.constant(output=100.0), {UUID_A: (300.0, {PID: None})})
-    rig.collector.timeout_s = 1.0
+    rig.collector.timeout_s = 5.0
     rig.step(T0)
     rig.server.hang = True
     rounds = threading.Thread(target=rig.collector.scrape_all, kwargs={"wait": True}, daemon=True)
-    rounds.start()  # the collector's own thread is stuck on the hung server for up to its timeout
-    began = time.monotonic()
+    rounds.start()  # the collector's own thread is stuck on the hung server until its timeout
+    while rig.server.scrapes < 2:  # the hung scrape has reached the server
+        time.sleep(0.01)
     for i in range(1, 4):
         rig.step(T0 + i * STEP, scrape=False)  # the sampler's side: snapshots with the sessions known now
         rig.collector.update()
-    assert time.monotonic() - began < 0.5, "a snapshot waited for the server"
-    rounds.join(10.0)
+        rig.collector.scrape_all()  # a new round while the hung scrape runs: it is not scraped twice
+    assert rounds.is_alive(), "the snapshots were taken while the scrape was still waiting on the server"
+    assert rig.server.scrapes == 2, "a hung server is not scraped again while its scrape runs"
+    rounds.join(15.0)
     assert not rounds.is_alive()
     text = "".join(f"{s.name}{s.labels} {s.value}\n" for f in rig.collector.update() for s in f.samples)
     assert "{'result': 'timeout'} 1.0" in text, text
