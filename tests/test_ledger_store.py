@@ -441,7 +441,7 @@ def test_state_saved_before_a_module_was_renamed_decodes_as_it_was() -> None:
     # upgrade must restore its open runs whole (the class is found by its unique name).
     frame = Frame(t=5.0, gpus={"GPU-a": GPUFrame("GPU-a", "H100", 10.0, 300.0, 1, 2, 50.0, "flag", 0, None)},
                   mig_parent={}, intensity=400.0, pue=1.2, host_available=None)
-    old, new = "gpu_energy_exporter.ledger.frames:", "gpu_energy_exporter.ledger.snapshot_frames:"
+    old, new = "gpu_energy_exporter.ledger." + "frames:", "gpu_energy_exporter.ledger.snapshot_frames:"
     text = codec.dumps(codec.encode(frame))
     assert new in text
     text = text.replace(new, old)

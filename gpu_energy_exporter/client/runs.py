@@ -162,6 +162,16 @@ def is_simulated(run: dict[str, Any]) -> bool:
     return "(simulated)" in str(run.get("gpu_models") or "") or str(run.get("gpu_uuids") or "").startswith("GPU-SIM")
 
 
+SERVING_MARK = " (serving)"
+
+
+def is_serving(run: dict[str, Any]) -> bool:
+    """A local inference server's session (``--collector.inference``): ``kind`` in the API and the database;
+    its run id in the CSV, which has no kind column."""
+    return run.get("kind") == "serving" or (run.get("kind") is None and str(run.get("run_id") or "").startswith(
+        "serving-"))
+
+
 def runs_table(runs: Sequence[dict[str, Any]]) -> str:
     rows = [[c.fmt(r.get(c.key)) for c in TABLE] for r in runs]
     # The first column stays the bare run id, so that it can be copied into `report RUN_ID`; marks go on
@@ -172,6 +182,8 @@ def runs_table(runs: Sequence[dict[str, Any]]) -> str:
     for row, r in zip(rows, runs, strict=True):
         for i in energy_cols:
             row[i] = provisional(row[i], r)
+        if is_serving(r):
+            row[status] += SERVING_MARK
         if is_simulated(r):
             row[status] += SIMULATED_MARK
         coverage = rank_coverage(r)
@@ -182,6 +194,9 @@ def runs_table(runs: Sequence[dict[str, Any]]) -> str:
     text = render_table([c.header for c in TABLE], rows, [c.right for c in TABLE])
     if any(is_provisional(r) for r in runs):
         text += PROVISIONAL_NOTE + "\n"
+    if any(is_serving(r) for r in runs):
+        text += ("(serving): a local inference server's session (--collector.inference): tokens are its output "
+                 "tokens, J/token is J per output token\n")
     if any(is_simulated(r) for r in runs):
         text += "(SIMULATED): a run of `gpu-energy-exporter demo` on simulated GPUs, not a measurement\n"
     if any(r.get("ranks_scope") != "in Prometheus" for r in partial):

@@ -4,7 +4,8 @@ workstation command that reads it, as ``runs_schema`` is for the CSV; docs/ledge
 
 Tables (schema version in ``PRAGMA user_version``):
 
-- ``runs``: one row per finished run, in the order the runs closed (``seq``): every CSV column
+- ``runs``: one row per finished run or serving session (``kind``: ``training`` or ``serving``, schema
+  version 2), in the order the runs closed (``seq``): every CSV column
   (``runs_schema.COLUMNS``, numbers as REAL, text as TEXT), the run's start and end as Unix seconds, its
   Slurm job, user, account and partition (when it was a Slurm job), its metadata, summary and JSON summary
   document as JSON, and whether the CSV row and JSON summary were written (``exported``).
@@ -56,13 +57,20 @@ def _q(name: str) -> str:
     return '"' + name.replace('"', '""') + '"'
 
 
+#: Columns that schema version 2 added (with their SQL, default included), filled from the summary (not CSV
+#: columns: the CSV's header stays the previous release's, so an upgrade appends to the same file).
+V2_COLUMNS: tuple[tuple[str, str], ...] = (("kind", "TEXT DEFAULT 'training'"),)
+#: The value of a V2 column for a summary that has none (a row of the previous release's journal).
+V2_DEFAULTS: dict[str, str] = {"kind": "training"}
+
+
 def _runs_table() -> str:
     cols = ["seq INTEGER PRIMARY KEY", *(f"{_q(c)} {column_type(c)}" for c in COLUMN_NAMES),
             *(f"{_q(c)} {t}" for c, t in EXTRA_COLUMNS)]
     return "CREATE TABLE runs (\n  " + ",\n  ".join(cols) + "\n)"
 
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 
 #: version -> the statements that take a database from the version before to it.
 MIGRATIONS: dict[int, tuple[str, ...]] = {
@@ -77,6 +85,12 @@ MIGRATIONS: dict[int, tuple[str, ...]] = {
         "CREATE TABLE losses (id INTEGER PRIMARY KEY, at_unix REAL, reason TEXT, run_id TEXT, "
         "lost_from_unix REAL, lost_to_unix REAL, detail TEXT)",
     ),
+    # Serving sessions (--collector.inference) beside training runs: every row says which it is; the rows
+    # written before are training runs.
+    2: (
+        *(f"ALTER TABLE runs ADD COLUMN {_q(c)} {sql}" for c, sql in V2_COLUMNS),
+        "CREATE INDEX runs_kind ON runs (kind)",
+    ),
 }
 
 
@@ -90,7 +104,7 @@ def missing_columns(existing: Sequence[str]) -> list[str]:
 
 def insert_columns() -> tuple[str, ...]:
     """The ``runs`` columns a new row fills, in order (``insert_sql``)."""
-    return ("seq", *COLUMN_NAMES, *(c for c, _ in EXTRA_COLUMNS))
+    return ("seq", *COLUMN_NAMES, *(c for c, _ in EXTRA_COLUMNS), *(c for c, _ in V2_COLUMNS))
 
 
 def insert_sql() -> str:
@@ -129,11 +143,12 @@ def read_runs(conn: sqlite3.Connection) -> list[dict[str, Any]]:
     if version < 1:
         raise DatabaseUnreadable("it has no run ledger schema (user_version 0): not a gpu-energy-exporter database")
     have = {r[1] for r in conn.execute("PRAGMA table_info(runs)")}
-    cols = [c for c in COLUMN_NAMES if c in have]
+    cols = [c for c in (*COLUMN_NAMES, *(c for c, _ in V2_COLUMNS)) if c in have]
     out = []
     for values in conn.execute(f"SELECT {', '.join(_q(c) for c in cols)} FROM runs ORDER BY seq"):
         row: dict[str, Any] = dict.fromkeys(COLUMN_NAMES)
-        row.update(zip(cols, values, strict=True))
+        row.update(V2_DEFAULTS)
+        row.update((c, v) for c, v in zip(cols, values, strict=True) if v is not None or c not in V2_DEFAULTS)
         out.append(row)
     finished_ids = {r["run_id"] for r in out}
     for run_id, start in conn.execute("SELECT run_id, start_unix FROM open_runs ORDER BY start_unix"):

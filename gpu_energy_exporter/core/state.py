@@ -213,6 +213,37 @@ class SlurmJob:
 
 
 @dataclass(frozen=True)
+class ServedModel:
+    """One model's token counters on a local inference server, as the server's /metrics last said (the
+    inference collector): cumulative since the server process started."""
+
+    model: str
+    prompt_tokens: float
+    output_tokens: float
+    requests: float
+    #: the wall-clock time of the last good scrape before the one that first showed this model's series, when the
+    #: session had been scraped without it (SGLang and TGI create their series with the first request): its
+    #: counters were 0 then. None: listed from the session's first scrape (counted from that value).
+    appeared_after: float | None = None
+
+
+@dataclass(frozen=True)
+class ServingSession:
+    """A local inference server's process lifetime (one session until the process or its counters restart),
+    found and scraped by the inference collector: the run ledger charges its GPUs' share to it
+    (``ledger.serving``)."""
+
+    key: str  # stable for the session: "<port>-<pid>" and ".<n>" after the n-th counter reset of one process
+    url: str
+    engine: str  # vllm, sglang, tgi, triton
+    pid: int  # the process listening on the server's port (host pid namespace)
+    pids: tuple[int, ...]  # it and its descendants (vLLM's engine core and workers are the GPU processes)
+    start: float  # wall clock: the session's first scrape, or the process's start when it started after the last
+    last_scrape: float  # wall clock of the last good scrape (the counters are as of then)
+    models: tuple[ServedModel, ...] = ()
+
+
+@dataclass(frozen=True)
 class Snapshot:
     """One published sample: the families every collector built, their results and the GPU states."""
 
@@ -226,6 +257,8 @@ class Snapshot:
     #: the Slurm jobs holding this node's GPUs (the slurm collector); None: no collector, or its job-mapping
     #: directory could not be read at this sample (the ledger then leaves its job runs as they are)
     slurm_jobs: tuple[SlurmJob, ...] | None = None
+    #: the local inference servers' sessions (the inference collector); None: no collector
+    serving: tuple[ServingSession, ...] | None = None
     #: the monotonic time (``time.monotonic``) it was published, the clock of ``GPUState.read_at``
     monotonic: float | None = None
 

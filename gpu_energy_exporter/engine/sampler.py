@@ -20,7 +20,7 @@ from prometheus_client.core import Metric
 from gpu_energy_exporter.collectors.base import Collector, NoData
 from gpu_energy_exporter.core.health import XidEvent
 from gpu_energy_exporter.core.metrics import add, define
-from gpu_energy_exporter.core.state import CollectorResult, GPUState, SlurmJob, Snapshot
+from gpu_energy_exporter.core.state import CollectorResult, GPUState, ServingSession, SlurmJob, Snapshot
 
 log = logging.getLogger(__name__)
 
@@ -114,6 +114,7 @@ class Sampler:
         gpu_states: Callable[[], tuple[GPUState, ...]] | None = None,
         xid_events: Callable[[], tuple[XidEvent, ...]] | None = None,
         slurm_jobs: Callable[[], tuple[SlurmJob, ...] | None] | None = None,
+        serving: Callable[[], tuple[ServingSession, ...] | None] | None = None,
         clock: Callable[[], float] = time.time,
         wait_budget: float | None = None,
         monotonic: Callable[[], float] = time.monotonic,
@@ -123,6 +124,7 @@ class Sampler:
         self._gpu_states = gpu_states
         self._xid_events = xid_events  # recent critical Xids (the health collector), carried to the ledger
         self._slurm_jobs = slurm_jobs  # the Slurm jobs holding GPUs (the slurm collector), carried to the ledger
+        self._serving = serving  # the local inference servers' sessions (the inference collector), to the ledger
         self._clock = clock
         self._monotonic = monotonic  # the clock of the GPU collector's read times (GPUState.read_at)
         self._snapshot: Snapshot | None = None
@@ -198,6 +200,7 @@ class Sampler:
             gpus=self._gpu_states() if self._gpu_states else (),
             xid_events=self._xid_events() if self._xid_events else (),
             slurm_jobs=self._slurm_jobs() if self._slurm_jobs else None,
+            serving=self._serving() if self._serving else None,
             monotonic=mono,
         )
         self._snapshot = snap

@@ -44,6 +44,7 @@ from gpu_energy_exporter.ledger.filewriter import Row
 from gpu_energy_exporter.ledger.points import PointLike
 from gpu_energy_exporter.ledger.runs import Run
 from gpu_energy_exporter.ledger.served_views import LedgerViews
+from gpu_energy_exporter.ledger.serving import track as track_serving
 from gpu_energy_exporter.ledger.snapshot_frames import Frame, frame_of
 from gpu_energy_exporter.ledger.split import Holding
 from gpu_energy_exporter.ledger.summary import fmt, with_provisional
@@ -293,6 +294,8 @@ class RunLedger(LedgerAdmission, LedgerViews):
             if jobs.track(snapshot.slurm_jobs, prev, frame, self._active, self._open_job, self._holders_changed,
                           wall=snapshot.timestamp - frame.age, max_backdate_s=self._max_backdate_s):
                 self._durable.started()
+            if track_serving(self, snapshot.serving, prev, frame, snapshot.timestamp - frame.age):
+                self._durable.started()  # local inference servers' sessions are runs (ledger.serving)
             self._job_ids = {r.run_id for r in self._active.values() if r.allocated}
             now = self._clock()
             self._advance(prev, frame, now)

@@ -125,6 +125,7 @@ class Run:
         # Restored from the journal after a restart: series key -> whether its first point since was seen
         # (``ledger.restart.reconcile``); None for a run this process started.
         self.restored: dict[tuple[str, LabelKey], bool] | None = None
+        self.serving: Any = None  # a serving session's own state (ledger.serving.ServingState); None: training
 
     def _init_outputs(self) -> None:
         """What was made of it: its summary, the counters /metrics served, its files' writes, kept summaries."""

@@ -16,7 +16,7 @@ from typing import Any
 from prometheus_client.core import Metric
 
 from gpu_energy_exporter.core.runs_schema import SUMMARY_SCHEMA
-from gpu_energy_exporter.ledger import accounting, clients, restart, runs, specs
+from gpu_energy_exporter.ledger import accounting, clients, restart, runs, serving, specs
 from gpu_energy_exporter.ledger.runs import Run
 from gpu_energy_exporter.ledger.snapshot_frames import Frame
 from gpu_energy_exporter.ledger.split import Holding
@@ -100,11 +100,11 @@ class LedgerViews:
     def _summary(self, run: Run, acc: accounting.Acc | None = None, as_of: float | None = None) -> dict[str, Any]:
         latest = self._history[-1] if self._history else None
         precision = run.metadata.get("precision") or ""
-        return summarize(run, run.acc if acc is None else acc, warmup_s=self.warmup_s, local=local_check(latest),
-                         carbon_configured=self._carbon is not None,
-                         peak=peak_flops(run.gpus, latest, precision, peak_row),
-                         summary_file=summary_path(self.csv_path, run.run_id), xids=latest.xid_events if latest else (),
-                         as_of=as_of)
+        return serving.figures(run, summarize(
+            run, run.acc if acc is None else acc, warmup_s=self.warmup_s, local=local_check(latest),
+            carbon_configured=self._carbon is not None, peak=peak_flops(run.gpus, latest, precision, peak_row),
+            summary_file=summary_path(self.csv_path, run.run_id), xids=latest.xid_events if latest else (),
+            as_of=as_of))
 
     def _settled_time(self, run: Run, cap: float | None = None) -> float:
         """Up to when the run's figures are settled: the earliest last counter read of its GPUs (frame clock),
@@ -159,7 +159,7 @@ class LedgerViews:
     def _document(self, run: Run, summary: dict[str, Any]) -> dict[str, Any]:
         """A run's document (``/api/v1/run``, the JSON summary): its summary, GPUs, metadata and timeline."""
         return {"schema": SUMMARY_SCHEMA, "start_unix": run.s, "end_unix": run.e,
-                "configured_warmup_s": self.warmup_s, **summary, **details(run)}
+                "configured_warmup_s": self.warmup_s, **summary, **details(run), **serving.document(run, summary)}
 
     # ------------------------------------------------------------------------------------------------
     # reading

@@ -315,7 +315,8 @@ class Store:
             "summary_name": row.summary_name, "exported": 1 if row.exported else 0, "recorded_unix": now,
         }
         return [row.seq, *(_scalar(s.get(c)) for c in COLUMN_NAMES),
-                *(_scalar(extra[c]) for c, _ in runs_db.EXTRA_COLUMNS)]
+                *(_scalar(extra[c]) for c, _ in runs_db.EXTRA_COLUMNS),
+                *(_scalar(s.get(c) or runs_db.V2_DEFAULTS[c]) for c, _ in runs_db.V2_COLUMNS)]
 
     def close(self, checkpoint: bool = True) -> None:
         conn, self._conn = self._conn, None
