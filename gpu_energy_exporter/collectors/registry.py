@@ -8,6 +8,10 @@ imports every module of this package once (of a subpackage, its ``collector`` mo
 and ``health`` keep their other modules beside it), so adding a collector is adding one file (node_exporter's
 ``registerCollector`` in each collector's ``init``, in Python).
 
+Because every collector's module is imported at start, enabled or not, its top-level imports must stay
+light: what only the running collector needs (grpc, http.client, a thread pool) is imported in ``build`` or
+later (tests/test_daemon_imports.py checks what the default daemon loads).
+
 ``build`` gets a ``Wiring``: the configuration, the clock, what the daemon shares with collectors (the GPU
 backend's factory, the carbon intensity, "read every energy counter now") and the collectors built before
 it, in ``order``. It returns the collector (or None: nothing to run, e.g. the health collector without the

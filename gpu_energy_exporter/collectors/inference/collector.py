@@ -22,7 +22,6 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -97,6 +96,8 @@ class InferenceCollector(Collector):
         self._not_servers: dict[str, float] = {}  # discovered URL -> when it showed no engine
         self._started = time.time()  # the real clock, as /proc's process start times
         self._log = RateLimitedLog(log, burst=1, period_s=600.0)
+        from concurrent.futures import ThreadPoolExecutor  # only when on: the registry imports this module always
+
         self._pool = ThreadPoolExecutor(WORKERS, thread_name_prefix="inference-scrape")
         self._busy: set[str] = set()  # URLs whose scrape is still running (a hung server: one worker, not more)
         self._stop = threading.Event()

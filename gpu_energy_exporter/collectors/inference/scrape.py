@@ -6,7 +6,6 @@ raises ``Refused`` with the reason the collector counts. Never called on the sam
 
 from __future__ import annotations
 
-import http.client
 import socket
 import time
 import zlib
@@ -41,6 +40,10 @@ def port_of(url: str) -> int:
 
 def fetch(url: str, *, timeout_s: float, max_bytes: int) -> str:
     """The body of ``url``, decoded as UTF-8 (invalid bytes replaced). Raises ``Refused``."""
+    # Imported here: the registry imports every collector's module, and http.client brings ssl and email
+    # (several MB) that a daemon without --collector.inference never needs (tests/test_daemon_imports.py).
+    import http.client
+
     parts = urlsplit(url)
     deadline = time.monotonic() + timeout_s
     conn = http.client.HTTPConnection(parts.hostname or "127.0.0.1", parts.port or 80, timeout=timeout_s)
