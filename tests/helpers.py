@@ -208,7 +208,13 @@ def check_golden(got: str, golden: Path) -> None:
         golden.parent.mkdir(parents=True, exist_ok=True)
         golden.write_text(got)
     assert golden.exists(), f"no golden file {golden}: run with UPDATE_GOLDEN=1 and review it"
-    assert got == golden.read_text(), f"the output differs from {golden}; if intended, UPDATE_GOLDEN=1 and review"
+    want = golden.read_text()
+    if got != want:
+        import difflib
+
+        diff = "".join(difflib.unified_diff(want.splitlines(True), got.splitlines(True), str(golden), "got", n=1))
+        raise AssertionError(f"the output differs from {golden}; if intended, UPDATE_GOLDEN=1 and review:\n"
+                             + diff[:6000])
 
 
 # ----------------------------------------------------------------------------------------------------
