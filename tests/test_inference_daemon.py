@@ -146,3 +146,41 @@ def test_discovery_finds_the_server_listening_under_a_gpu_process(server: StandI
     finally:
         exp.stop()
     assert not [t for t in _collector_threads() if t.is_alive()], _collector_threads()
+
+
+# -- the workstation commands, real, against that exporter -------------------------------------------------
+
+
+def test_top_and_report_mark_the_serving_session_beside_a_training_run(server: StandInServer, tmp_path: Path
+                                                                       ) -> None:
+    import io
+
+    from gpu_energy_exporter.client import report, top
+
+    exp, _ = _exporter([f"--collector.inference.url={server.metrics_url}"])
+    exp.start()
+    try:
+        [s] = wait_until(lambda: [r for r in _serving(exp) if (r.get("energy_j") or 0) > 0 and r.get("tokens")],
+                         timeout=30, what="a serving session with tokens and energy")
+        assert exp.web is not None
+        out = io.StringIO()
+        assert top.main(["--once", f"--url={exp.web.url}", "--ascii"], stdout=out) == 0
+        frame = out.getvalue()
+        assert "RUNS AND SERVING SESSIONS (1 active" in frame, frame
+        row = next(line for line in frame.splitlines() if line.startswith(s["run_id"][:12]))
+        assert "serving" in row.split(), row
+        about = frame.splitlines()[frame.splitlines().index(row) + 1]
+        assert about.split()[0] == "serving" and "J/token is J per output token" in about, about
+        code = report.main([s["run_id"], f"--url={exp.web.url}", f"--out={tmp_path}"], stdout=io.StringIO(),
+                           stderr=io.StringIO())
+        assert code == 0
+    finally:
+        exp.stop()
+    md = next(tmp_path.rglob("report.md")).read_text()
+    assert f"Serving session report: {s['run_id']}" in md, md[:400]
+    assert "| J per output token" in md and "| prompt tokens |" in md and "| requests |" in md
+    assert "### Per model" in md and "### Per hour (UTC)" in md
+    model_row = next(line for line in md.splitlines() if line.startswith("| llama-3-8b |"))
+    cells = [c.strip() for c in model_row.strip("|").split("|")]
+    assert float(cells[2].replace(",", "")) > 0 and cells[4].endswith("kWh") and cells[5] != "-", model_row
+    assert "| steps |" not in md and "| MFU" not in md  # no training figures for a server
