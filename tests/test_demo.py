@@ -75,7 +75,7 @@ def test_demo_serves_simulated_gpus_and_runs_then_stops_on_sigterm(
                           timeout=30, what="a finished run in the ledger")
     run = finished[0]
     assert run["energy_j"] > 0 and run["tokens"] > 0 and run["j_per_token"] > 0
-    assert run["gpu_count"] == 3 and "(simulated)" in run["gpu_models"]
+    assert run["gpu_count"] == 2 and "(simulated)" in run["gpu_models"]  # GPU 2 serves (below)
     assert run["notes"] == "simulated by gpu-energy-exporter demo"
     assert run["backend"] == "bitsandbytes" and run["total_steps"] > 0
     detail = _json(exp, "/api/v1/run?id=" + run["run_id"])
@@ -87,6 +87,21 @@ def test_demo_serves_simulated_gpus_and_runs_then_stops_on_sigterm(
     assert (tmp_path / "runs" / f"{run['run_id']}.json").exists()
     wait_until(lambda: any(r["backend"] == "unsloth" for r in _json(exp, "/api/v1/runs")["runs"]),
                timeout=20, what="the second run (the other backend)")
+
+    # The simulated vLLM server on the last GPU is a serving session beside the training runs: scraped by the
+    # inference collector, charged its GPU's energy, with its output tokens; `runs` marks it.
+    [serving] = wait_until(lambda: [r for r in _json(exp, "/api/v1/runs")["runs"] if r.get("kind") == "serving"
+                                    and (r.get("energy_j") or 0) > 0 and (r.get("tokens") or 0) > 0],
+                           timeout=30, what="the simulated server's serving session")
+    assert serving["run_id"].startswith("serving-") and serving["backend"] == "vllm"
+    assert serving["gpu_count"] == 1 and "GPU-SIM00002" in serving["gpu_uuids"]
+    assert serving["j_per_token"] > 0 and serving["prompt_tokens"] > serving["tokens"]
+    assert sample_value(exp.metrics(), "gpuenergy_inference_servers", engine="vllm") == 1.0
+    listed = subprocess.run([sys.executable, "-m", "gpu_energy_exporter", "runs", "--url", exp.metrics_url],
+                            capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert listed.returncode == 0, listed.stderr
+    line = next(x for x in listed.stdout.splitlines() if x.startswith(serving["run_id"]))
+    assert "(serving)" in line, listed.stdout
 
     start = time.monotonic()
     assert exp.stop() == 0, exp.log()

@@ -92,3 +92,14 @@ def provisional(text: str, run: Mapping[str, Any]) -> str:
     """``text`` marked as provisional when the run's energy is not all settled (and it shows a figure)."""
     return PROVISIONAL_MARK + text if text != "-" and is_provisional(run) else text
 
+
+
+SERVING_MARK = " (serving)"
+SERVING_NOTE = "J/token is J per output token"
+
+
+def is_serving(run: Mapping[str, Any]) -> bool:
+    """A local inference server's session (``--collector.inference``): ``kind`` in the API and the database;
+    its run id in the CSV, which has no kind column."""
+    return run.get("kind") == "serving" or (run.get("kind") is None and str(run.get("run_id") or "").startswith(
+        "serving-"))

@@ -39,9 +39,11 @@ from gpu_energy_exporter.client.api import (
 )
 from gpu_energy_exporter.client.fmt import (
     PROVISIONAL_NOTE,
+    SERVING_MARK,
     fmt_gib,
     fmt_mfu,
     is_provisional,
+    is_serving,
     provisional,
     rank_coverage,
 )
@@ -160,16 +162,6 @@ def is_simulated(run: dict[str, Any]) -> bool:
     """A run of ``gpu-energy-exporter demo``: its GPUs are the demo's simulated ones (``devices/simulated.py``
     names them "... (simulated)", UUIDs GPU-SIM...)."""
     return "(simulated)" in str(run.get("gpu_models") or "") or str(run.get("gpu_uuids") or "").startswith("GPU-SIM")
-
-
-SERVING_MARK = " (serving)"
-
-
-def is_serving(run: dict[str, Any]) -> bool:
-    """A local inference server's session (``--collector.inference``): ``kind`` in the API and the database;
-    its run id in the CSV, which has no kind column."""
-    return run.get("kind") == "serving" or (run.get("kind") is None and str(run.get("run_id") or "").startswith(
-        "serving-"))
 
 
 def runs_table(runs: Sequence[dict[str, Any]]) -> str:

@@ -22,6 +22,7 @@ import math
 import os
 import random
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -194,6 +195,60 @@ class SimulatedTrainer:
         return p.loss_floor + 1.7 * math.exp(-5.0 * progress) + self._rng.gauss(0.0, 0.03)
 
 
+#: the simulated vLLM server's GPU load (a steady serving load, below the trainer's)
+SERVING_LOAD = 0.55
+
+
+class ServingSimError(ExporterError):
+    """The simulated vLLM server did not start."""
+
+
+class ServingSim:
+    """The simulated vLLM server (``tools/serving_sim.py``), a process of its own: its pid is the one the
+    simulated GPU lists, as a real server's would be, and the one listening on its port."""
+
+    def __init__(self, proc: subprocess.Popen[str], port: int) -> None:
+        self.proc, self.port = proc, port
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}/metrics"
+
+    def flags(self) -> list[str]:
+        return ["--collector.inference", f"--collector.inference.url={self.url}", "--collector.inference.interval=2s"]
+
+    @classmethod
+    def start(cls, timeout_s: float = 20.0) -> ServingSim:
+        proc = subprocess.Popen([sys.executable, "-m", "gpu_energy_exporter.tools.serving_sim"],
+                                stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True)
+        got: list[str] = []
+        reader = threading.Thread(target=lambda: got.append(proc.stdout.readline() if proc.stdout else ""),
+                                  daemon=True)
+        reader.start()
+        reader.join(timeout_s)
+        line = got[0].strip() if got else ""
+        if not line.isdigit():
+            proc.kill()
+            proc.wait()
+            raise ServingSimError(f"the demo's simulated vLLM server did not start within {timeout_s:g}s "
+                                  "(run the demo with --no-demo.serving to go without it)")
+        log.info("demo: simulated vLLM server (pid %d) on %s", proc.pid, f"http://127.0.0.1:{line}/metrics")
+        return cls(proc, int(line))
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(5.0)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
 def _lr(step: int, total: int, peak: float = 2e-4, warmup: int = 10) -> float:
     if step < warmup:
         return peak * (step + 1) / warmup
@@ -228,6 +283,9 @@ The demo's --runs.warmup defaults to {DEMO_WARMUP} (the exporter's: {_WARMUP_FLA
                            "learns the idle power then)")
     demo.add_argument("--demo.runs", dest="demo_runs", type=int, default=0, metavar="N",
                       help="stop starting runs after N (default: 0, keep going)")
+    demo.add_argument("--demo.serving", dest="demo_serving", action=argparse.BooleanOptionalAction, default=True,
+                      help="a simulated vLLM server on the last simulated GPU, scraped by the inference collector: "
+                           "a serving session beside the training runs (default: on with 2 GPUs or more)")
     demo.add_argument("--demo.export-interval", dest="demo_export_interval", default="2s", metavar="DURATION",
                       help="how often the simulated trainer pushes (default: 2s; real trainers: 10s)")
     add_exporter_flags(parser)
@@ -241,6 +299,7 @@ class DemoOptions:
     pause: float
     runs: int
     export_interval: float
+    serving: bool = False  # a simulated vLLM server on the last GPU (the trainer gets the others)
 
 
 def parse_args(argv: list[str], environ: Mapping[str, str]) -> tuple[Config, DemoOptions]:
@@ -267,7 +326,7 @@ def parse_args(argv: list[str], environ: Mapping[str, str]) -> tuple[Config, Dem
     if not config.enabled("gpu"):
         raise ConfigError("the demo simulates GPUs: do not pass --no-collector.gpu")
     return config, DemoOptions(ns.demo_gpus, durations["demo.run-duration"], durations["demo.pause"], ns.demo_runs,
-                               durations["demo.export-interval"])
+                               durations["demo.export-interval"], ns.demo_serving and ns.demo_gpus >= 2)
 
 
 def training_helper_missing() -> str | None:
@@ -300,7 +359,9 @@ def next_steps(web_url: str, otlp_url: str, telemetry_path: str, opts: DemoOptio
         "",
         f"  {SIMULATED_BANNER}.",
         f"  {gpus} simulated GPU(s); a simulated training run starts in {opts.pause:g}s and lasts "
-        f"{opts.run_duration:g}s, then the next one (backends alternate: bitsandbytes, unsloth).",
+        f"{opts.run_duration:g}s, then the next one (backends alternate: bitsandbytes, unsloth)"
+        + (f", on GPU(s) 0-{gpus - 2}; a simulated vLLM server serves on GPU {gpus - 1} (a serving session)."
+           if opts.serving else "."),
         "",
         f"  metrics        {web_url}{telemetry_path}",
         f"  JSON API       {web_url}/api/v1/status   {web_url}/api/v1/runs",
@@ -353,14 +414,23 @@ def main(argv: list[str], *, stdout: IO[str] | None = None, environ: Mapping[str
     setup_logging(config.log_level, config.log_format)
     log.warning("%s (%d simulated GPUs, backend=\"simulated\")", SIMULATED_BANNER, opts.gpus)
     backend = SimulatedBackend(opts.gpus)
+    server: ServingSim | None = None
     try:
+        if opts.serving:
+            # The server first: the inference collector is pointed at its port (the user's flags come after
+            # the demo's, so theirs win).
+            server = ServingSim.start()
+            config, _ = parse_args([*server.flags(), *argv], env)
+            backend.set_load(opts.gpus - 1, SERVING_LOAD, server.pid)
         exporter = Exporter(config, backend_factory=lambda: backend)
         headers = None
         if config.otlp_bearer_token_file:
             # the first token in the file (per-tenant files: the first tenant's)
             headers = {"Authorization": "Bearer " + next(iter(load_bearer_tokens(config.otlp_bearer_token_file)))}
-    except ConfigError as exc:
+    except (ConfigError, ServingSimError) as exc:
         print(f"gpu-energy-exporter demo: error: {exc}", file=sys.stderr)
+        if server is not None:
+            server.stop()
         return 2
     stop = stop or threading.Event()
     previous: dict[signal.Signals, Any] = {}
@@ -379,11 +449,13 @@ def main(argv: list[str], *, stdout: IO[str] | None = None, environ: Mapping[str
         except ExporterError as exc:
             print(f"gpu-energy-exporter demo: error: {exc}", file=sys.stderr)
             exporter.stop()
+            if server is not None:
+                server.stop()
             return 1
         assert exporter.web is not None
         web_url = exporter.web.url
         otlp_url = client_url(exporter.otlp.server_address)
-        uuids = [g.uuid for g in backend.devices()]
+        uuids = [g.uuid for g in backend.devices()][:opts.gpus - 1 if opts.serving else None]
         trainer = SimulatedTrainer(backend, uuids, otlp_url, run_duration=opts.run_duration, pause=opts.pause,
                                    runs=opts.runs, export_interval=opts.export_interval, headers=headers).start()
         out.write(next_steps(web_url, otlp_url, config.web_telemetry_path, opts, config.runs_csv, opts.gpus))
@@ -398,6 +470,8 @@ def main(argv: list[str], *, stdout: IO[str] | None = None, environ: Mapping[str
             trainer.stop()
         if exporter.web is not None:
             exporter.stop()
+        if server is not None:
+            server.stop()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     log.info("demo stopped")

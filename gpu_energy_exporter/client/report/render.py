@@ -28,6 +28,7 @@ from gpu_energy_exporter.client.fmt import (
 )
 from gpu_energy_exporter.client.report.plots import COMPARISON_PLOTS, PLOTS
 from gpu_energy_exporter.client.report.run import RunData, num
+from gpu_energy_exporter.client.report.serving import is_serving_run, serving_blocks, serving_rows
 from gpu_energy_exporter.core.textfmt import fmt_num, md_text, printable
 
 
@@ -107,7 +108,7 @@ def summary_rows(run: RunData) -> list[tuple[str, str]]:
         rows.append(("best loss", f"{n['best_loss']:.4f}{at} (last {fmt_num(n.get('last_loss'))})"))
     if n.get("mean_step_s") is not None:
         rows.append(("mean step time", f"{n['mean_step_s']:.3f} s"))
-    return rows
+    return serving_rows(run, rows) if is_serving_run(run) else rows
 
 
 #: The summary rows that carry energy (marked ~ while part of it is provisional), by the start of their label.
@@ -147,7 +148,11 @@ _COMPARE: tuple[tuple[str, str, Callable[[Any], str]], ...] = (
 
 def build_blocks(runs: Sequence[RunData], plots: dict[str, dict[str, str]], out_dir: str) -> list[Block]:
     blocks: list[Block] = []
-    title = f"Training run report: {runs[0].run_id}" if len(runs) == 1 else f"Training runs compared ({len(runs)})"
+    if len(runs) == 1:
+        title = ("Serving session report: " if is_serving_run(runs[0]) else "Training run report: ") + runs[0].run_id
+    else:
+        title = f"Runs compared ({len(runs)})" if any(is_serving_run(r) for r in runs) else \
+            f"Training runs compared ({len(runs)})"
     blocks.append(("h1", title))
     if any(r.simulated for r in runs):
         blocks.append(("warn", "SIMULATED DATA: these runs were produced by `gpu-energy-exporter demo` on simulated "
@@ -174,8 +179,10 @@ def build_blocks(runs: Sequence[RunData], plots: dict[str, dict[str, str]], out_
             if name in plots.get("", {}):
                 blocks.append(("img", caption, plots[""][name]))
     for r in runs:
-        blocks.append(("h2", "Energy summary" if len(runs) == 1 else f"Run {r.label}"))
+        blocks.append(("h2", "Energy summary" if len(runs) == 1 else
+                       f"{'Serving session' if is_serving_run(r) else 'Run'} {r.label}"))
         blocks.append(("table", ["figure", "value"], [list(row) for row in summary_rows(r)]))
+        blocks += serving_blocks(r)
         blocks.append(("h3", "Run"))
         blocks.append(("table", ["", ""], [list(row) for row in metadata_rows(r)]))
         blocks.append(("h3", "Plots"))

@@ -15,11 +15,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gpu_energy_exporter.client.fmt import (
+    SERVING_NOTE,
     fmt_co2,
     fmt_duration,
     fmt_gib,
     fmt_mfu,
     is_provisional,
+    is_serving,
     provisional,
     rank_coverage,
 )
@@ -254,6 +256,8 @@ def _run_cells(r: dict[str, Any]) -> list[str]:
     steps_text = f"{steps:,.0f}" if isinstance(steps, (int, float)) else "-"
     if isinstance(total, (int, float)) and total > 0:
         steps_text += f"/{total:,.0f}"
+    if is_serving(r):
+        steps_text = "serving"  # a server has no steps: its kind, beside the run id
     active = r.get("status") in ("running", "finishing")
     loss = r.get("last_loss")
     return [
@@ -287,7 +291,8 @@ def _run_lines(runs: list[dict[str, Any]], width: int, max_finished: int = 3, st
                ) -> list[Line]:
     active = [r for r in runs if r.get("status") in ("running", "finishing")]
     done = [r for r in runs if r.get("status") not in ("running", "finishing")][-max_finished:]
-    title = f"TRAINING RUNS ({len(active)} active" + (f", {len(done)} recent)" if done else ")")
+    kind = "RUNS AND SERVING SESSIONS" if any(is_serving(r) for r in runs) else "TRAINING RUNS"
+    title = f"{kind} ({len(active)} active" + (f", {len(done)} recent)" if done else ")")
     out: list[Line] = [[(title + (f"   as of {stale} ago" if stale is not None else ""), "head")]]
     if not runs:
         out.append([("  no training run has pushed to this exporter yet (gpu_energy_exporter.training, "
@@ -301,6 +306,10 @@ def _run_lines(runs: list[dict[str, Any]], width: int, max_finished: int = 3, st
     for r in active:
         out.append([(_row(str(r.get("run_id") or "?"), run_w, _run_cells(r), keep, width), "bold")])
         about = [str(r[k]) for k in ("model", "backend", "precision") if r.get(k)]
+        if is_serving(r):
+            about = ["serving", *about, SERVING_NOTE]
+            if isinstance(r.get("prompt_tokens"), (int, float)):
+                about.append(f"{r['prompt_tokens']:,.0f} prompt tokens")
         if isinstance(r.get("gpu_count"), (int, float)):
             about.append(f"{r['gpu_count']:.0f} GPU(s)")
         avg = r.get("avg_power_w")
@@ -311,7 +320,7 @@ def _run_lines(runs: list[dict[str, Any]], width: int, max_finished: int = 3, st
             about.append(f"{coverage}: figures cover those ranks only")
         if isinstance(r.get("mfu"), (int, float)):
             about.append(f"MFU {fmt_mfu(r['mfu'])}")
-        if "shorter than the warm-up" in (r.get("ledger_notes") or ""):
+        if "shorter than the warm-up" in (r.get("ledger_notes") or "") and not is_serving(r):
             about.append("in warm-up: J/token and tok/s cover the run so far")
         if is_provisional(r):
             about.append(f"~{fmt_energy(r.get('energy_provisional_j'))} provisional (settled at the next counter read)")

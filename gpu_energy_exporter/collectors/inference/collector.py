@@ -47,6 +47,7 @@ MAX_LABEL_BYTES = 2048
 MAX_TARGETS = 16  # servers scraped at once (configured + discovered)
 WORKERS = 4
 FORGET_SCRAPES = 4  # a server with no good scrape for this many cadences is gone: its session ends
+STOP_WAIT_S = 2.0  # how long stop waits for the threads (a scrape in flight) before leaving them to end
 REPROBE_S = 600.0  # a discovered port that showed no engine is tried again after this
 RESULTS = ("ok", "timeout", "unreachable", "http_error", "too_large", "too_many_series", "label_too_long",
            "malformed", "unrecognised")
@@ -98,7 +99,9 @@ class InferenceCollector(Collector):
         self._log = RateLimitedLog(log, burst=1, period_s=600.0)
         from concurrent.futures import ThreadPoolExecutor  # only when on: the registry imports this module always
 
-        self._pool = ThreadPoolExecutor(WORKERS, thread_name_prefix="inference-scrape")
+        self._workers: list[threading.Thread] = []  # the pool's threads, for a bounded join at stop
+        self._pool = ThreadPoolExecutor(WORKERS, thread_name_prefix="inference-scrape",
+                                        initializer=lambda: self._workers.append(threading.current_thread()))
         self._busy: set[str] = set()  # URLs whose scrape is still running (a hung server: one worker, not more)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -110,10 +113,15 @@ class InferenceCollector(Collector):
         self._thread.start()
 
     def stop(self) -> None:
+        """Stop scraping and end the threads: the loop, then the pool's workers, waiting at most ``STOP_WAIT_S``
+        in all (a scrape of a hung server still running ends at its own timeout, on its own)."""
+        deadline = time.monotonic() + STOP_WAIT_S
         self._stop.set()
         if self._thread is not None:
-            self._thread.join(2.0)
+            self._thread.join(STOP_WAIT_S)
         self._pool.shutdown(wait=False, cancel_futures=True)
+        for worker in list(self._workers):
+            worker.join(max(0.0, deadline - time.monotonic()))
 
     def close(self) -> None:
         self.stop()
@@ -316,7 +324,8 @@ def _build(w: Wiring) -> InferenceCollector:
     collector = InferenceCollector(
         urls, discover=cfg.collector_inference_discover, interval_s=cfg.collector_inference_interval,
         timeout_s=cfg.collector_inference_timeout, procfs=cfg.path_procfs,
-        gpu_states=gpu.states if gpu is not None else None)
+        gpu_states=gpu.states if gpu is not None else None,
+        wall=w.clock)  # the sampler's clock: the ledger places each scrape against the snapshot's timestamp
     w.sampler_hooks["serving"] = collector.sessions  # serving sessions are runs (ledger.serving)
     w.services.append(collector)
     return collector
