@@ -17,7 +17,8 @@ Failures are isolated at the finest grain: a reading the backend cannot get is l
 ``gpuenergy_nvml_field_errors_total``), and anything one GPU's sample raises marks that GPU alone
 (``gpuenergy_gpu_up 0``, its energy counter held at the last value); the other GPUs are served as usual.
 The running processes are read only when something uses them: the ``processes`` collector, the learned idle
-baseline (no ``--gpu.idle-power``) and, with SM utilisation per process, SM-weighted pod attribution.
+baseline (no ``--gpu.idle-power``) and, with SM utilisation per process, SM-weighted pod attribution; afresh at
+every counter read and utilisation ask, and between them as often as ``devices.nvml`` finds it due.
 """
 
 from __future__ import annotations
@@ -242,8 +243,13 @@ class GPUCollector(Collector):
                 counted = asked and g.energy_method == ENERGY_METHOD_COUNTER
                 ask = self._process_utilization or self._cadence.due(
                     g.index, self._process_counts.get(g.index, 0), with_counter=counted)
+                # The process list is read afresh with every counter read (the edges of runs, jobs and pods
+                # are counter reads: settlement splits the span by who was listed) and every per-process
+                # utilisation ask, every sample for the per-process series (--collector.processes); otherwise
+                # the backend serves the last list until the GPU's used memory moves or a few seconds pass
+                # (devices.nvml.PROCESS_LIST_INTERVAL_S).
                 r = backend.read(g, processes=self._read_processes, process_utilization=ask, gpm=gpm_now,
-                                 energy=asked)
+                                 energy=asked, fresh_processes=asked or ask or self._processes)
                 if ask and not self._process_utilization:
                     self._cadence.asked(g.index)
                 if r.processes is not None:
