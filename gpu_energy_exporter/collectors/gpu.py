@@ -135,6 +135,8 @@ class GPUCollector(Collector):
         self._next_retry = 0.0
         self._states: tuple[GPUState, ...] = ()
         self._static: list[Metric] = []
+        # the last field-error counts and their samples (_field_errors)
+        self._errors_seen: tuple[dict[tuple[int, str, str], int], tuple[Sample, ...]] = ({}, ())
         # NVML is opened by the first update(), on the sampler thread: nvmlInit can hang on a sick driver,
         # and construction runs before the HTTP port is bound.
 
@@ -177,6 +179,7 @@ class GPUCollector(Collector):
                      backend.driver_version(),
                      ", ".join(f"{g.index}={g.name} ({g.energy_method})" for g in identities))
         self._tracks = []
+        self._errors_seen = ({}, ())  # built again with the new GPUs' uuids
         for ident in identities:
             # A reset is credited at most one interval between counter reads.
             track = GPUTrack(identity=ident, counter=EnergyCounter(interval_s=max(self._interval,
@@ -342,10 +345,17 @@ class GPUCollector(Collector):
         counts = backend.field_errors()
         if not counts:
             return []
-        uuids = {t.identity.index: t.identity.uuid for t in self._tracks}
         fam = FIELD_ERRORS.family()
-        for (index, what, reason), n in sorted(counts.items()):
-            add(fam, [str(index), uuids.get(index, ""), what, reason], float(n))
+        if counts != self._errors_seen[0]:
+            # The counts change only when a reading fails (a GPU without health data lists a dozen fields
+            # per GPU, each counted once): the samples are built again only then, and reused (immutable)
+            # by every sample in between.
+            uuids = {t.identity.index: t.identity.uuid for t in self._tracks}
+            for (index, what, reason), n in sorted(counts.items()):
+                add(fam, [str(index), uuids.get(index, ""), what, reason], float(n))
+            self._errors_seen = (counts, tuple(fam.samples))
+        else:
+            fam.samples.extend(self._errors_seen[1])
         return [fam]
 
     def close(self) -> None:
