@@ -191,7 +191,8 @@ class PreparedSource:
     they lag a change made between two snapshots (a push) by at most one sampling interval. Used for the run
     ledger, whose figures change with every push and every snapshot and cost milliseconds to collect:
     encoded at every sample (before issue 28's cost target) they were 0.035% of a core for a scrape every
-    15 s or more, at 8 GPUs and no run; now twice per scrape period.
+    15 s or more, at 8 GPUs and no run; now at the samples within two intervals of each expected scrape
+    (three per period at 1 s: a scrape up to a sample early still finds them).
 
     One lock orders the encodes (a prepare and a scrape's own encode never store older bytes over newer
     ones: the ledger's counters must never go down); a scrape that finds bytes ready never takes it."""
