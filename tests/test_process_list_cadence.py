@@ -176,3 +176,17 @@ def test_real_time_is_not_the_clock(rig) -> None:  # type: ignore[no-untyped-def
         r.at(T0 + 100 + k)  # the list last read at 140
     time.sleep(0.05)
     assert [r.at(T0 + 140 + 0.01 * k) for k in range(1, 5)] == [False] * 4
+
+
+def test_the_exposed_call_counts_follow_every_read(rig) -> None:  # type: ignore[no-untyped-def]
+    """``gpuenergy_nvml_calls_total`` and ``..._call_seconds_total`` per function are the backend's own counts
+    at every sample: those called in it move, the others (the list between its reads, the power limit between
+    its 10 s reads) are served as they stand."""
+    r = rig([h100(0, memory_used_bytes=10 * GIB, processes=(TRAINER,))])
+    for k in range(20):
+        r.at(T0 + 100 + k)
+        costs = r.collector.backend.call_costs()
+        for fn in (LIST, "nvmlDeviceGetEnforcedPowerLimit", "nvmlDeviceGetTemperature"):
+            assert r.value("gpuenergy_nvml_calls_total", function=fn) == costs[fn][0], (k, fn)
+            assert r.value("gpuenergy_nvml_call_seconds_total", function=fn) == costs[fn][1], (k, fn)
+    assert r.value("gpuenergy_nvml_calls_total", function="nvmlDeviceGetTemperature") >= 20

@@ -134,6 +134,8 @@ class GPUCollector(Collector):
         self._next_retry = 0.0
         self._states: tuple[GPUState, ...] = ()
         self._static: list[Metric] = []
+        # NVML function -> ((calls, seconds), their two samples) last emitted (_call_costs)
+        self._cost_samples: dict[str, tuple[tuple[int, float], Sample, Sample]] = {}
         # the last field-error counts and their samples (_field_errors)
         self._errors_seen: tuple[dict[tuple[int, str, str], int], tuple[Sample, ...]] = ({}, ())
         # NVML is opened by the first update(), on the sampler thread: nvmlInit can hang on a sick driver,
@@ -329,16 +331,22 @@ class GPUCollector(Collector):
             return r.gpm
         return self._last_gpm.get(index) or r.gpm
 
-    @staticmethod
-    def _call_costs(backend: GPUBackend) -> list[Metric]:
+    def _call_costs(self, backend: GPUBackend) -> list[Metric]:
         costs = backend.call_costs()
         if not costs:
             return []
         calls, seconds = NVML_CALLS.family(), NVML_CALL_SECONDS.family()
-        for name, (n, s) in sorted(costs.items()):
-            labels = _function_labels(name)  # the same samples as add() builds, label sets made once
-            calls.samples.append(Sample(NVML_CALLS.name, labels, float(n), None))
-            seconds.samples.append(Sample(NVML_CALL_SECONDS.name, labels, float(s), None))
+        held = self._cost_samples
+        for name, cost in sorted(costs.items()):
+            got = held.get(name)
+            if got is None or got[0] != cost:
+                # Most functions (discovery, health, the slow readings) were not called since the last sample:
+                # their two samples are reused (immutable), the same as add() builds.
+                labels = _function_labels(name)
+                got = held[name] = (cost, Sample(NVML_CALLS.name, labels, float(cost[0]), None),
+                                    Sample(NVML_CALL_SECONDS.name, labels, float(cost[1]), None))
+            calls.samples.append(got[1])
+            seconds.samples.append(got[2])
         return [calls, seconds]
 
     def _field_errors(self, backend: GPUBackend) -> list[Metric]:
