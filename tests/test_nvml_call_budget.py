@@ -140,15 +140,22 @@ def test_eight_h100s_make_at_most_nine_calls_per_gpu_per_sample(fake_nvml_lib: P
 #: at the exporter's default schedule, by hand, in µs:
 #:   every sample: field values 5 + 2 fields (power instant, average) x 40 = 85 (the module power field, which
 #:     an H100 SXM does not support, asked once); memory 16, utilisation 7, temperature 12, the SM clock 10,
-#:     clock events 7, process list 90: 142 more; 227 in all (317 before the slow cadence, issue 28);
+#:     clock events 7: 52 more; 137 in all (227 while the process list was read every sample, 317 before the
+#:     slow cadence, issue 28);
+#:   the process list (90) every 5 s (devices.nvml.PROCESS_LIST_INTERVAL_S: the scenario's used memory does not
+#:     move, and over each 30 s span the counter reads at 0 and the interval at 5, 10, 15, 20 and 25 s make six
+#:     reads, one every 5 samples): 18 a sample;
 #:   the enforced power limit (15), the memory clock (10) and the memory temperature field (40) every 10 s:
 #:     6.5 a sample;
 #:   the energy counter (field 83, 3,500) every 30 s: 116.7 a sample;
 #:   GPM (sample 105 + metrics 1,900) every 30 s: 66.8 a sample;
-#:   417.0 a sample (502.0 before the slow cadence; field values alone then 165 + 116.7 = 281.7: the real
-#:   H100's own counter read 282 µs a second). Before the schedule (every reading every sample): 5,837.
-#: The budget: that, with 10% for the spinning's overshoot and a reading a change may add.
-CPU_PER_GPU_SAMPLE_US = 227 + (15 + 10 + 40) / 10 + 3500 / 30 + 2005 / 30
+#:   345.0 a sample (417.0 with the process list every sample, 502.0 before the slow cadence; field values
+#:   alone then 165 + 116.7 = 281.7: the real H100's own counter read 282 µs a second). Before the schedule
+#:   (every reading every sample): 5,837.
+#: The budget: that, with 10% for the spinning's overshoot and a reading a change may add. The child steps the
+#: backend's clock with the schedule's (one interval a sample), so the 5 s and 10 s cadences fall as they do at
+#: 1 s a sample, whatever the test's real pace.
+CPU_PER_GPU_SAMPLE_US = 137 + 90 / 5 + (15 + 10 + 40) / 10 + 3500 / 30 + 2005 / 30
 CPU_BUDGET_PER_GPU_S = 1.1 * CPU_PER_GPU_SAMPLE_US * 1e-6
 #: The expensive readings apart, per GPU per sample: at most what their schedule allows (a change that reads
 #: the counter or GPM more often fails here even if cheaper readings made room in the total).
@@ -156,12 +163,13 @@ EXPENSIVE_PER_GPU_SAMPLE_US = {
     "nvmlDeviceGetFieldValues": 85 + 40 / 10 + 3500 / 30,  # the counter rides on the sample's field-values call
     "nvmlGpmMetricsGet": 1900 / 30,
     "nvmlGpmSampleGet": 105 / 30,
+    "nvmlDeviceGetComputeRunningProcesses_v3": 90 / 5,  # every 5 s and at the counter reads (one in 5 samples)
 }
 #: The C functions whose burned CPU the fake counts apart (variants the exporter may pick included).
 _FUNCTIONS = [*EXPENSIVE_PER_GPU_SAMPLE_US, "nvmlDeviceGetTotalEnergyConsumption", "nvmlDeviceGetEnforcedPowerLimit",
               "nvmlDeviceGetMemoryInfo", "nvmlDeviceGetMemoryInfo_v2", "nvmlDeviceGetUtilizationRates",
               "nvmlDeviceGetTemperature", "nvmlDeviceGetTemperatureV", "nvmlDeviceGetClockInfo",
-              "nvmlDeviceGetCurrentClocksEventReasons", "nvmlDeviceGetComputeRunningProcesses_v3",
+              "nvmlDeviceGetCurrentClocksEventReasons", "nvmlDeviceGetComputeRunningProcesses_v2",
               "nvmlDeviceGetPowerUsage", "nvmlDeviceGetProcessUtilization", "nvmlDeviceGetSamples"]
 
 _COST_CHILD = """
@@ -173,7 +181,8 @@ from gpu_energy_exporter.daemon.config import Config
 from gpu_energy_exporter.devices import nvml
 cfg = Config()
 clock = [1000.0]
-collector = GPUCollector(lambda: nvml.NVMLBackend({lib!r}), retry_interval=0.0, power_interval=3600.0,
+collector = GPUCollector(lambda: nvml.NVMLBackend({lib!r}, clock=lambda: clock[0]), retry_interval=0.0,
+                         power_interval=3600.0,
                          interval=cfg.collector_interval, energy_interval=cfg.collector_energy_interval,
                          gpm_interval=cfg.collector_gpm_interval, monotonic=lambda: clock[0])
 

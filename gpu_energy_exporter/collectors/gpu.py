@@ -17,15 +17,15 @@ Failures are isolated at the finest grain: a reading the backend cannot get is l
 ``gpuenergy_nvml_field_errors_total``), and anything one GPU's sample raises marks that GPU alone
 (``gpuenergy_gpu_up 0``, its energy counter held at the last value); the other GPUs are served as usual.
 The running processes are read only when something uses them: the ``processes`` collector, the learned idle
-baseline (no ``--gpu.idle-power``) and, with SM utilisation per process, SM-weighted pod attribution.
+baseline (no ``--gpu.idle-power``) and, with SM utilisation per process, SM-weighted pod attribution; afresh at
+every counter read and utilisation ask, and between them as often as ``devices.nvml`` finds it due.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
-from dataclasses import replace
+from collections.abc import Callable, Mapping
 from functools import lru_cache
 
 from prometheus_client.core import Metric
@@ -136,6 +136,10 @@ class GPUCollector(Collector):
         self._next_retry = 0.0
         self._states: tuple[GPUState, ...] = ()
         self._static: list[Metric] = []
+        # NVML function -> ((calls, seconds), their two samples) last emitted (_call_costs)
+        self._cost_samples: dict[str, tuple[tuple[int, float], Sample, Sample]] = {}
+        # the last field-error counts and their samples (_field_errors)
+        self._errors_seen: tuple[dict[tuple[int, str, str], int], tuple[Sample, ...]] = ({}, ())
         # NVML is opened by the first update(), on the sampler thread: nvmlInit can hang on a sick driver,
         # and construction runs before the HTTP port is bound.
 
@@ -178,6 +182,7 @@ class GPUCollector(Collector):
                      backend.driver_version(),
                      ", ".join(f"{g.index}={g.name} ({g.energy_method})" for g in identities))
         self._tracks = []
+        self._errors_seen = ({}, ())  # built again with the new GPUs' uuids
         for ident in identities:
             # A reset is credited at most one interval between counter reads.
             track = GPUTrack(identity=ident, counter=EnergyCounter(interval_s=max(self._interval,
@@ -244,15 +249,20 @@ class GPUCollector(Collector):
                 counted = asked and g.energy_method == ENERGY_METHOD_COUNTER
                 ask = self._process_utilization or self._cadence.due(
                     g.index, self._process_counts.get(g.index, 0), with_counter=counted)
+                # The process list is read afresh with every counter read (the edges of runs, jobs and pods
+                # are counter reads: settlement splits the span by who was listed) and every per-process
+                # utilisation ask, every sample for the per-process series (--collector.processes); otherwise
+                # the backend serves the last list until the GPU's used memory moves or a few seconds pass
+                # (devices.nvml.PROCESS_LIST_INTERVAL_S).
                 r = backend.read(g, processes=self._read_processes, process_utilization=ask, gpm=gpm_now,
-                                 energy=asked)
+                                 energy=asked, fresh_processes=asked or ask or self._processes)
                 if ask and not self._process_utilization:
                     self._cadence.asked(g.index)
                 if r.processes is not None:
                     self._process_counts[g.index] = len(r.processes)
                     listed.update(p.pid for p in r.processes)
                     r = self._cadence.apply(g.index, r, self._table, ask)
-                r = self._gpm_served(g.index, r, gpm_now)
+                gpm = self._gpm_served(g.index, r, gpm_now)
             except Exception as exc:  # noqa: BLE001 - one GPU never takes the others down
                 message = str(exc) if isinstance(exc, GPULost) else (
                     f"GPU {g.index} ({g.uuid}) could not be sampled ({type(exc).__name__}: {exc}); it shows as "
@@ -281,7 +291,7 @@ class GPUCollector(Collector):
             if t.integrator is None:
                 t.apportion_sample(r, done, self._energy_interval, asked=asked)
             t.emit_energy(fams, labels, self._energy_timestamps)
-            emit_reading(fams, r, labels, processes=self._processes)
+            emit_reading(fams, r, labels, processes=self._processes, gpm=gpm)
             t.learn_idle(r)
             t.emit_idle(fams, labels, self._idle_flag)
             states.append(t.state(self._idle_flag))
@@ -311,37 +321,51 @@ class GPUCollector(Collector):
         finished: its energy between its edges is then the counter's delta). Any thread; sets a flag."""
         self._counter_wanted = True
 
-    def _gpm_served(self, index: int, r: GPUReading, sampled: bool) -> GPUReading:
-        """The reading with the GPM figures of the last GPM sample where this sample took none."""
+    def _gpm_served(self, index: int, r: GPUReading, sampled: bool) -> Mapping[str, float]:
+        """The GPM figures to serve with reading ``r``: its own when this sample took GPM, else the last GPM
+        sample's (the reading itself is left as read: copying a frozen reading per GPU per sample to carry
+        them cost more than anything else in the hand-off, and only the exposition uses them)."""
         if not self._gpm:
-            return r
+            return r.gpm
         if sampled:
             if r.gpm:
                 self._last_gpm[index] = r.gpm
-            return r
-        last = self._last_gpm.get(index)
-        return replace(r, gpm=last) if last else r
+            return r.gpm
+        return self._last_gpm.get(index) or r.gpm
 
-    @staticmethod
-    def _call_costs(backend: GPUBackend) -> list[Metric]:
+    def _call_costs(self, backend: GPUBackend) -> list[Metric]:
         costs = backend.call_costs()
         if not costs:
             return []
         calls, seconds = NVML_CALLS.family(), NVML_CALL_SECONDS.family()
-        for name, (n, s) in sorted(costs.items()):
-            labels = _function_labels(name)  # the same samples as add() builds, label sets made once
-            calls.samples.append(Sample(NVML_CALLS.name, labels, float(n), None))
-            seconds.samples.append(Sample(NVML_CALL_SECONDS.name, labels, float(s), None))
+        held = self._cost_samples
+        for name, cost in sorted(costs.items()):
+            got = held.get(name)
+            if got is None or got[0] != cost:
+                # Most functions (discovery, health, the slow readings) were not called since the last sample:
+                # their two samples are reused (immutable), the same as add() builds.
+                labels = _function_labels(name)
+                got = held[name] = (cost, Sample(NVML_CALLS.name, labels, float(cost[0]), None),
+                                    Sample(NVML_CALL_SECONDS.name, labels, float(cost[1]), None))
+            calls.samples.append(got[1])
+            seconds.samples.append(got[2])
         return [calls, seconds]
 
     def _field_errors(self, backend: GPUBackend) -> list[Metric]:
         counts = backend.field_errors()
         if not counts:
             return []
-        uuids = {t.identity.index: t.identity.uuid for t in self._tracks}
         fam = FIELD_ERRORS.family()
-        for (index, what, reason), n in sorted(counts.items()):
-            add(fam, [str(index), uuids.get(index, ""), what, reason], float(n))
+        if counts != self._errors_seen[0]:
+            # The counts change only when a reading fails (a GPU without health data lists a dozen fields
+            # per GPU, each counted once): the samples are built again only then, and reused (immutable)
+            # by every sample in between.
+            uuids = {t.identity.index: t.identity.uuid for t in self._tracks}
+            for (index, what, reason), n in sorted(counts.items()):
+                add(fam, [str(index), uuids.get(index, ""), what, reason], float(n))
+            self._errors_seen = (counts, tuple(fam.samples))
+        else:
+            fam.samples.extend(self._errors_seen[1])
         return [fam]
 
     def close(self) -> None:

@@ -58,10 +58,12 @@ class GPUBackend(abc.ABC):
 
     @abc.abstractmethod
     def read(self, gpu: GPUIdentity, *, processes: bool = False, process_utilization: bool = False,
-             gpm: bool = False, energy: bool = True) -> GPUReading:
+             gpm: bool = False, energy: bool = True, fresh_processes: bool = True) -> GPUReading:
         """A full sample of one GPU. Raises ``GPULost`` when the GPU is gone; fields that cannot be read
         are None. The running processes are read only when asked for (``processes``: the list;
         ``process_utilization``: the list with each process's SM utilisation), else ``processes`` is None.
+        ``fresh_processes`` False: the list may be one the backend read at an earlier sample, where reading it
+        costs (``devices.nvml.PROCESS_LIST_INTERVAL_S`` says when it is read again).
         ``energy``: read the energy counter (a few ms of CPU on a real driver), else ``energy_j`` is None."""
 
     @abc.abstractmethod

@@ -10,7 +10,8 @@ it can (``tests/test_nvml_call_budget.py`` holds the budget): the power readings
 the energy counter come from one ``nvmlDeviceGetFieldValues`` call, with each reading's own call where the
 driver lacks the field or the batched call fails; ``nvmlDeviceGetPowerUsage`` only where no field gives its
 reading; the running-process list in one call with a buffer kept per GPU (``nvml_calls.RunningProcesses``;
-pynvml's wrapper makes two); GPM sample buffers are allocated once per GPU and reused. Vendor units stop
+pynvml's wrapper makes two), and only when asked afresh, when the GPU's used memory moved or every
+``PROCESS_LIST_INTERVAL_S``; GPM sample buffers are allocated once per GPU and reused. Vendor units stop
 here: NVML's millijoules, milliwatts, percentages, MHz and clock-event bitmask become ``GPUReading`` in J,
 W, ratios, Hz and reason names (``devices.base``).
 
@@ -96,6 +97,14 @@ _DISCOVERY_RETRY_S = 0.05
 SLOW_INTERVAL_S = 10.0
 LIMIT_INTERVAL_S = SLOW_INTERVAL_S
 
+#: The running-process list (one call per GPU, about 90 µs of driver CPU on an H100: the largest per-second call
+#: after the power fields) is read afresh when the caller asks (``read(fresh_processes=True)``: the GPU collector
+#: asks at every read of the GPU's energy counter, which a run's, job's or pod's edge triggers, and whenever it
+#: asks for per-process utilisation), when the GPU's used memory changed since the list was read (a process
+#: cannot start or end on a GPU without its memory moving: a CUDA context takes hundreds of MB), and at least
+#: this often (seconds of the backend's clock); between, the list last read is served (docs/measurement.md).
+PROCESS_LIST_INTERVAL_S = 5.0
+
 #: NVML's clock-event (throttle) reason bits, by the name a reading reports (``core.state.CLOCK_EVENT_REASONS``).
 _CLOCK_EVENT_BITS: dict[str, int] = dict(zip(CLOCK_EVENT_REASONS, (
     0x1, 0x2, 0x4, 0x8, 0x10, 0x20, 0x40, 0x80, 0x100,
@@ -119,6 +128,8 @@ class NVMLBackend(GPUBackend):
         self._field_requests: dict[tuple[int, tuple[Any, ...]], FieldValues] = {}  # read()'s, per GPU and fields
         self._held: dict[tuple[int, str], tuple[float, Any]] = {}  # (GPU, reading) -> (when read, value): slow
         self._process_lists: dict[int, tuple[RunningProcesses, RunningProcesses]] = {}  # _v3, _v2 per GPU
+        # GPU -> (when read, the GPU's used memory then, the list without SM figures): the list served between reads
+        self._listed: dict[int, tuple[float, int | None, tuple[GPUProcess, ...]]] = {}
         self._driver = NVMLCalls.call_global("", "nvmlSystemGetDriverVersion")
         self._nvml_version = NVMLCalls.call_global("", "nvmlSystemGetNVMLVersion")
         cuda = NVMLCalls.call_global(0, "nvmlSystemGetCudaDriverVersion_v2", "nvmlSystemGetCudaDriverVersion")
@@ -264,7 +275,7 @@ class NVMLBackend(GPUBackend):
         return watts(mw) if mw is not None else None
 
     def read(self, gpu: GPUIdentity, *, processes: bool = False, process_utilization: bool = False,
-             gpm: bool = False, energy: bool = True) -> GPUReading:
+             gpm: bool = False, energy: bool = True, fresh_processes: bool = True) -> GPUReading:
         i = gpu.index
         h = self._nvml.handle(i)
         now = self._clock()
@@ -316,7 +327,10 @@ class NVMLBackend(GPUBackend):
         # "Clocks event reasons" is the R535+ name of the throttle reasons.
         reasons = self._nvml.get(i, "clocks_event_reasons", ("nvmlDeviceGetCurrentClocksEventReasons", h),
                                  ("nvmlDeviceGetCurrentClocksThrottleReasons", h))
-        procs, samples = self._processes(i, h, process_utilization) if processes or process_utilization else (None, ())
+        if process_utilization or (processes and (fresh_processes or self._list_due(i, now, mem))):
+            procs, samples = self._processes(i, h, process_utilization, now, mem)
+        else:
+            procs, samples = (self._listed[i][2] if processes else None), ()
         gpm_values = self._gpm.read(i, h) if gpm else {}
         # Module scope equal to GPU scope means the board has no separate module sensor.
         if module is not None and instant is not None and module <= instant:
@@ -373,11 +387,21 @@ class NVMLBackend(GPUBackend):
         return self._hold(i, "power_limit", now,
                           self._nvml.field(i, "power_limit", "nvmlDeviceGetEnforcedPowerLimit", h))
 
-    def _processes(self, i: int, h: Any, utilization: bool
+    def _list_due(self, i: int, now: float, mem: Any) -> bool:
+        """Whether GPU ``i``'s process list must be read now rather than served from the last read
+        (``PROCESS_LIST_INTERVAL_S``): never read, or its last read failed; the interval passed, or the clock
+        stepped back; the GPU's used memory changed since, or cannot be read now."""
+        listed = self._listed.get(i)
+        if listed is None or mem is None or int(mem.used) != listed[1]:
+            return True
+        return not 0.0 <= now - listed[0] < PROCESS_LIST_INTERVAL_S
+
+    def _processes(self, i: int, h: Any, utilization: bool, now: float, mem: Any
                    ) -> tuple[tuple[GPUProcess, ...] | None, tuple[ProcessSample, ...]]:
         """The processes listed on GPU ``i`` and, when ``utilization`` asks, the per-process SM samples NVML
         gave since the last ask (each covering the time since the sample before it of the same process, or
-        since the last ask; wall-clock seconds)."""
+        since the last ask; wall-clock seconds). The list (without SM figures) is kept with ``now`` and the
+        GPU's used memory ``mem`` for the samples that serve it (``_list_due``)."""
         # _v3 (R510+), else _v2, each in one call with a buffer kept per GPU (pynvml's wrappers make two).
         lists = self._process_lists.get(i)
         if lists is None:
@@ -385,6 +409,7 @@ class NVMLBackend(GPUBackend):
                                               RunningProcesses("nvmlDeviceGetComputeRunningProcesses_v2"))
         procs = self._nvml.get(i, "processes", (lists[0], h), (lists[1], h))
         if procs is None:
+            self._listed.pop(i, None)  # asked again at the next sample
             return None, ()
         sm: dict[int, float] = {}
         found: list[ProcessSample] = []
@@ -411,12 +436,14 @@ class NVMLBackend(GPUBackend):
             GPUProcess(
                 pid=int(p.pid),
                 used_memory_bytes=int(p.usedGpuMemory) if p.usedGpuMemory is not None else None,
-                # Listed, but no sample since the last call while others have one: it used no SMs then.
-                sm_util_pct=sm.get(int(p.pid), 0.0 if sm else None),
                 mig_uuid=instances.get((int(p.gpuInstanceId), int(p.computeInstanceId)), ""),
             )
             for p in procs
         )
+        self._listed[i] = (now, int(mem.used) if mem is not None else None, listed)
+        if sm:
+            # Listed, but no sample since the last call while others have one: it used no SMs then.
+            listed = tuple(replace(p, sm_util_pct=sm.get(p.pid, 0.0)) for p in listed)
         return listed, tuple(found)
 
     def health_reader(self) -> HealthReader:

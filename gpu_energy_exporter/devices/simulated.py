@@ -88,7 +88,8 @@ class SimulatedBackend(GPUBackend):
         return self._gpus[gpu.index].power_at(self._clock())
 
     def read(self, gpu: GPUIdentity, *, processes: bool = False, process_utilization: bool = False,
-             gpm: bool = False, energy: bool = True) -> GPUReading:
+             gpm: bool = False, energy: bool = True, fresh_processes: bool = True) -> GPUReading:
+        # a simulated list costs nothing: always fresh, whatever ``fresh_processes`` allows
         now = self._clock()
         with self._lock:
             g = self._gpus[gpu.index]

@@ -10,9 +10,10 @@ store, ...) is encoded once per version and per format, so a scrape between two 
 plus the few values computed at scrape time (the sample ages), handed to the server as parts that it writes
 one after another without joining them. ``PreparedSource`` is for a
 source that changes between most scrapes and is costly to collect (the run ledger): it is encoded on the
-sampler thread after each snapshot and the scrape serves the bytes ready. ``name[]`` filtering cuts the
-same bytes (``select_samples``): there is one exposition path, and the golden file is rendered through
-it. ``SnapshotCollector`` yields the same families for prometheus_client's registry (tests, tools).
+sampler thread after a snapshot when a scrape is expected soon, and the scrape serves the bytes ready.
+``name[]`` filtering cuts the same bytes (``select_samples``): there is one exposition path, and the golden
+file is rendered through it. ``SnapshotCollector`` yields the same families for prometheus_client's registry
+(tests, tools).
 """
 
 from __future__ import annotations
@@ -177,19 +178,27 @@ class CachedSource:
 
 
 class PreparedSource:
-    """A source encoded off the scrape path: the scrape serves the bytes last prepared.
+    """A source encoded off the scrape path, ahead of the scrapes that will serve it.
 
-    ``prepare()`` runs on the sampler thread after each snapshot (a sampler listener): when ``version()``
-    changed, it collects once and encodes for each format a scrape asked for in the last ``wanted_for``
-    seconds (a format nobody asks for is neither encoded nor kept). ``render(openmetrics)`` (the scrape)
-    returns the prepared bytes; only a format with none (the first scrape in that format, a scrape before
-    the first snapshot) is encoded by the scrape itself. So the bytes served are what ``collect()``
-    returned at the latest snapshot: they lag a change made between two snapshots (a push) by at most one
-    sampling interval. Used for the run ledger, whose figures change with every push and every snapshot
-    and cost milliseconds to collect.
+    ``prepare()`` runs on the sampler thread after each snapshot (a sampler listener). A format a scrape asked
+    for in the last ``wanted_for`` seconds is encoded there when its next scrape is expected before the
+    sample after next: scrapers come at a period (Prometheus' ``scrape_interval``), so the time since a
+    format's last scrape and the gap between its last two scrapes say when the next one comes. A source that
+    did not change since its bytes were encoded is not encoded again. ``render(openmetrics)`` (the scrape)
+    serves the bytes when they are as of the latest snapshot; otherwise (a format's first scrape, a scrape
+    before its period is known or off its rhythm, a scrape before the first snapshot) it encodes them
+    itself, as of now. So the bytes served are what ``collect()`` returned at the latest snapshot or later:
+    they lag a change made between two snapshots (a push) by at most one sampling interval. Used for the run
+    ledger, whose figures change with every push and every snapshot and cost milliseconds to collect:
+    encoded at every sample (before issue 28's cost target) they were 0.035% of a core for a scrape every
+    15 s or more, at 8 GPUs and no run; now at the samples within two intervals of each expected scrape
+    (three per period at 1 s: a scrape up to a sample early still finds them).
 
     One lock orders the encodes (a prepare and a scrape's own encode never store older bytes over newer
     ones: the ledger's counters must never go down); a scrape that finds bytes ready never takes it."""
+
+    #: A format is prepared when its next scrape is expected within this many sampling intervals.
+    LEAD_SAMPLES = 2.0
 
     def __init__(self, collect: Callable[[], Iterable[Metric]], version: Callable[[], object], *,
                  clock: Callable[[], float] = time.monotonic, wanted_for: float = 600.0) -> None:
@@ -198,39 +207,60 @@ class PreparedSource:
         self._clock = clock
         self._wanted_for = wanted_for
         self._asked: dict[bool, float] = {}  # format -> when a scrape last asked for it
-        self._ready: dict[bool, bytes] = {}
-        self._prepared_version: object = None
+        self._gap: dict[bool, float] = {}  # format -> the time between its last two scrapes
+        self._ready: dict[bool, tuple[bytes, int, object]] = {}  # format -> (bytes, snapshot no., version)
+        self._snapshots = 0  # prepare() calls so far: the latest snapshot's number
+        self._last_prepare: float | None = None
         self._lock = threading.Lock()
 
     def render(self, openmetrics_format: bool) -> bytes:
-        self._asked[openmetrics_format] = self._clock()
-        body = self._ready.get(openmetrics_format)
-        if body is not None:
-            return body
+        now = self._clock()
+        last = self._asked.get(openmetrics_format)
+        if last is not None:
+            self._gap[openmetrics_format] = now - last
+        self._asked[openmetrics_format] = now
+        ready = self._ready.get(openmetrics_format)
+        if ready is not None and ready[1] == self._snapshots:
+            return ready[0]
         with self._lock:
-            body = self._ready.get(openmetrics_format)
-            if body is None:
+            ready = self._ready.get(openmetrics_format)
+            if ready is not None and ready[1] == self._snapshots:
+                return ready[0]
+            version = self._version()
+            if ready is not None and ready[2] == version:
+                body = ready[0]  # nothing changed since they were encoded
+            else:
                 body = encode(self.collect(), openmetrics_format)
-                self._ready[openmetrics_format] = body
+            self._ready[openmetrics_format] = (body, self._snapshots, version)
             return body
 
     def prepare(self, _snapshot: object = None) -> None:
-        """Encode the formats asked for recently, if the source changed (a sampler listener)."""
+        """Encode the formats whose next scrape is expected soon, if the source changed (a sampler
+        listener)."""
         now = self._clock()
+        step = now - self._last_prepare if self._last_prepare is not None else 0.0
+        self._last_prepare = now
         wanted = [om for om, t in list(self._asked.items()) if now - t <= self._wanted_for]
         with self._lock:
+            self._snapshots += 1
             for om in (False, True):
                 if om not in wanted:
                     self._ready.pop(om, None)
             if not wanted:
                 return
             version = self._version()
-            if version == self._prepared_version and all(om in self._ready for om in wanted):
-                return
-            families = list(self.collect())
+            families: list[Metric] | None = None
             for om in wanted:
-                self._ready[om] = encode(families, om)
-            self._prepared_version = version
+                ready = self._ready.get(om)
+                if ready is not None and ready[2] == version:
+                    self._ready[om] = (ready[0], self._snapshots, version)  # still current
+                    continue
+                gap = self._gap.get(om)
+                if gap is None or now + self.LEAD_SAMPLES * step < self._asked[om] + gap:
+                    continue  # no scrape expected before the sample after next: a scrape encodes if one comes
+                if families is None:
+                    families = list(self.collect())
+                self._ready[om] = (encode(families, om), self._snapshots, version)
 
 
 class CachedExposition:

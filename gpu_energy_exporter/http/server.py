@@ -58,7 +58,7 @@ DEFAULT_WORKERS = 4
 AUTH_WORKERS = 2
 AUTH_QUEUE = 8  # requests waiting for a bcrypt check; beyond it, 429 at once
 _TICK = 0.2  # while shutting down: how often the draining connections are checked
-_IDLE_TICK = 2.0  # with none: a new connection or a shutdown wakes the selector anyway
+_IDLE_TICK = 30.0  # with no deadline: every event (a connection, a worker's answer, a shutdown) wakes it anyway
 _MIN_TICK = 0.01  # a deadline already past is enforced at the next pass: never a busy loop
 
 #: What ``HTTPServer.stats`` counts, all present from the start.
