@@ -126,7 +126,10 @@ def test_a_sample_buffer_read_costs_what_the_h100_charges_by_type(lib: Path, sce
     10.525 ms; 5 x 5 = 0.025 ms."""
     Scenario(epoch=time.time(), driver=Driver(cost_profile="h100-580"), gpus=[h100(0)]).write(scenario_path)
     out = run_nvml(lib, _COST_BODY, scenario_path)
-    # the library counts the CPU it burned on the thread's clock: at least the figure, a little over at most
-    assert 5 * 485e-6 <= out["power"] <= 1.2 * 5 * 485e-6
-    assert 5 * 2105e-6 <= out["util"] <= 1.2 * 5 * 2105e-6
-    assert 5 * 5e-6 <= out["other"] <= 1.2 * 5 * 5e-6 + 5e-6
+    # The library counts the CPU it burned on the thread's clock: at least the figure, and over it by what the
+    # last clock read and the interrupts served on this thread's time add, which on a loaded two-core machine
+    # reached +5 µs a read (the CI run of 2026-11-28: 50.6 µs for the five 5 µs reads). 50 µs a read of slack
+    # (or 20%, whichever is more) still tells the three types apart: an unsampled type charged as TOTAL_POWER
+    # would be 2.4 ms, not 0.28.
+    for kind, figure in (("power", 5 * 485e-6), ("util", 5 * 2105e-6), ("other", 5 * 5e-6)):
+        assert figure <= out[kind] <= figure + max(0.2 * figure, 5 * 50e-6), kind
