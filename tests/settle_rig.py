@@ -73,13 +73,16 @@ class Node:
     def __init__(self, lib: Path, tmp: Path, gpus: Sequence[Any], *, warmup_s: float = 0.0,
                  claim_grace_s: float = 30.0, carbon: Callable[[], tuple[float, float]] | None = None,
                  settle: bool = True, early: bool = True, jitter: float = 0.0, seed: int = 1,
-                 state_dir: str | None = None) -> None:
+                 state_dir: str | None = None, read_lag: Callable[[int], float] | None = None) -> None:
         """``state_dir``: the ledger's database directory (``restart`` reopens it). ``settle`` False: the ledger
         gets the GPU states without their spans (charged from the apportioned
         energy at each sample, as before issue 28); ``early`` False: an edge reads the counters at the next
         tick instead of a sample taken at once (the benchmark's "before"). ``jitter``: each sample taken up to
-        that many seconds late, as on a loaded machine (a deterministic sequence from ``seed``)."""
+        that many seconds late, as on a loaded machine (a deterministic sequence from ``seed``). ``read_lag``:
+        seconds the clock moves on before each GPU's read (given its index), as a sample on a loaded machine
+        reads its GPUs one after the other, each after a wait of its own."""
         self._jitter = jitter
+        self._read_lag = read_lag
         self._rng = random.Random(seed)
         self.now = EPOCH + 5.0
         self.gpus = list(gpus)
@@ -101,7 +104,13 @@ class Node:
     def _start_sampler(self) -> None:
         """The GPU collector and the sampler as the daemon starts them (a fresh process knows no counter)."""
         clock = self.clock
-        self.gpu = GPUCollector(lambda: NVMLBackend(str(self._lib), clock=clock), retry_interval=0.0, gpm=False,
+        lag = self._read_lag
+
+        def backend() -> NVMLBackend:
+            return NVMLBackend(str(self._lib), clock=clock) if lag is None else _Lagging(
+                str(self._lib), clock, lambda index: self._step(lag(index)))
+
+        self.gpu = GPUCollector(backend, retry_interval=0.0, gpm=False,
                                 interval=INTERVAL, energy_interval=ENERGY_INTERVAL, clock=clock, monotonic=clock,
                                 power_interval=3600.0, process_interval=PROCESS_INTERVAL,
                                 procfs=str(self._procfs), idle_power_w=50.0)
@@ -114,6 +123,11 @@ class Node:
 
     def clock(self) -> float:
         return self.now
+
+    def _step(self, seconds: float) -> None:
+        if seconds > 0:
+            self.now += seconds
+            self.write()
 
     def restart(self, down_s: float | None = None) -> None:
         """The exporter restarted at this instant: the ledger closed and a new one opened on its database.
@@ -218,6 +232,18 @@ class Node:
             os.environ.pop("FAKE_NVML_SCENARIO", None)
         else:
             os.environ["FAKE_NVML_SCENARIO"] = self._old
+
+
+class _Lagging(NVMLBackend):
+    """The NVML backend, the clock moved on by ``before(index)`` before each GPU's read."""
+
+    def __init__(self, lib: str, clock: Callable[[], float], before: Callable[[int], None]) -> None:
+        super().__init__(lib, clock=clock)
+        self._before = before
+
+    def read(self, gpu: Any, **kwargs: Any) -> Any:
+        self._before(gpu.index)
+        return super().read(gpu, **kwargs)
 
 
 def fake_procfs(root: Path, pids: Sequence[int]) -> Path:

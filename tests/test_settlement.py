@@ -13,6 +13,7 @@ Before settlement (450c1b4): an 8 s run starting in a high phase of a 10 s 150/6
 
 from __future__ import annotations
 
+import random
 from pathlib import Path
 
 import pytest
@@ -232,5 +233,35 @@ def test_co2_prices_each_part_of_the_run_at_the_intensity_in_force_then(
         assert s is not None and s["status"] == "finished"
         want = (node.true_energy_j(0, start, tc) * 500.0 + node.true_energy_j(0, tc, end) * 100.0) * 1.2 / 3.6e6
         assert abs(rel_error(s["co2_g"], want)) <= 0.005, (s["co2_g"], want)
+    finally:
+        node.close()
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("length", [8.0, 15.0])
+@pytest.mark.parametrize("waits", [1, 0], ids=["the next GPU waits", "the run's GPU waits"])
+def test_a_run_is_charged_its_own_interval_when_the_gpus_are_read_one_after_the_other_with_waits(
+    fake_nvml_lib: Path, tmp_path: Path, seed: int, length: float, waits: int
+) -> None:
+    """A sample reads its GPUs one after the other; on a loaded two-core machine each read can wait tenths of
+    a second (for the GIL, for a core). Here one GPU's read waits 0-0.3 s at each sample, a different wait
+    every time: GPU 1, read after the run's GPU 0, or GPU 0 itself.
+
+    The frame's time is the latest read: before GPU 0's energy was carried to it from its own read
+    (ledger.snapshot_frames.gpu_frame), the run was charged by an interval that moved with GPU 1's wait,
+    -0.7% to +1.4% here (and +1.0% in a CI run of test_ledger_e2e, 0.15 s of two GPUs' power). And a read
+    was dated when the sample began, before its wait: the counter's read is now dated by the driver's own
+    timestamp of the batched field read (devices.nvml_calls.read_time)."""
+    rng = random.Random(seed)
+    node = Node(fake_nvml_lib, tmp_path, [h100_with(0, Constant(528.0)), h100_with(1, Constant(500.0), ())],
+                read_lag=lambda index: rng.uniform(0.0, 0.3) if index == waits else 0.0)
+    try:
+        start = EPOCH + 40.0 + 0.1 * seed
+        node.add(Pusher("r1", start, start + length, _uuid(node)))
+        node.run_until(start + length + 3.0)
+        s = node.ledger.run("r1")
+        assert s is not None and s["status"] == "finished", s
+        truth = node.true_energy_j(0, start, start + length)
+        assert abs(rel_error(s["energy_j"], truth)) <= 0.002, (s["energy_j"], truth)
     finally:
         node.close()

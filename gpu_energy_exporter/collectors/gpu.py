@@ -47,7 +47,7 @@ from gpu_energy_exporter.collectors.gpu_metrics import (
     put,
 )
 from gpu_energy_exporter.collectors.gpu_processes import ProcessTable, UtilizationCadence
-from gpu_energy_exporter.collectors.gpu_tracks import GPUTrack, PowerSampler
+from gpu_energy_exporter.collectors.gpu_tracks import GPUTrack, PowerSampler, reading_time, wall_minus_monotonic
 from gpu_energy_exporter.collectors.registry import CollectorSpec, Settings, Wiring, register
 from gpu_energy_exporter.core.apportion import Apportioner
 from gpu_energy_exporter.core.energy import EnergyCounter, TrapezoidIntegrator
@@ -238,6 +238,7 @@ class GPUCollector(Collector):
             self._next_gpm = self._monotonic() + self._gpm_interval - 0.5 * self._interval
         wanted, self._counter_wanted = self._counter_wanted, False
         wanted = self._checks_want_counter() or wanted
+        offset: float | None = None  # wall clock minus monotonic, read once a GPU answered
         for t in self._tracks:
             g = t.identity
             labels = [str(g.index), g.uuid]
@@ -281,14 +282,17 @@ class GPUCollector(Collector):
                 continue
             if not t.up and t.error:
                 log.info("GPU %d (%s) answers again", g.index, g.uuid)
-            t.up, t.error, t.reading, t.last_good, t.read_at = True, "", r, r.timestamp, started
+            done = self._monotonic()
+            if offset is None:
+                offset = wall_minus_monotonic(self._clock, self._monotonic)
+            t.up, t.error, t.reading, t.last_good = True, "", r, r.timestamp
+            t.read_at = reading_time(r, started, done, offset)
             put(fams, GPU_UP, label_sets(labels[0], labels[1]).base, 1.0)
             t.fresh = False
-            done = self._monotonic()
             if r.process_samples:
-                t.add_samples(r.process_samples, self._clock() - done)
+                t.add_samples(r.process_samples, offset)
             if r.energy_j is not None and t.integrator is None:
-                t.count_energy(backend, r, started, done, self._monotonic)
+                t.count_energy(backend, r, started, done, self._monotonic, offset)
             if t.integrator is None:
                 t.apportion_sample(r, done, self._energy_interval, asked=asked)
             t.emit_energy(fams, labels, self._energy_timestamps)

@@ -77,6 +77,31 @@ def max_power_w(r: GPUReading) -> float | None:
     return max(known) if known else None
 
 
+def wall_minus_monotonic(wall: Callable[[], float], monotonic: Callable[[], float]) -> float:
+    """The wall clock minus the monotonic one, from the tightest of three paired reads: a thread that loses
+    the GIL between its two clock reads would otherwise date every reading of this sample by that wait."""
+    best_gap, best = float("inf"), 0.0
+    for _ in range(3):
+        m0 = monotonic()
+        w = wall()
+        gap = monotonic() - m0
+        if gap < best_gap:
+            best_gap, best = gap, w - (m0 + 0.5 * gap)
+        if gap < 1e-4:
+            break
+    return best
+
+
+def reading_time(r: GPUReading, started: float, done: float, offset: float) -> float:
+    """When a reading's counter and power fields were read, on the monotonic clock: the driver's batched read
+    (``GPUReading.fields_at``) held within the read, ``started``..``done``; ``started`` without one. Timed
+    by ``started`` alone, a read that waited 0.15 s for the GIL before reaching the driver (a loaded
+    machine) charged a run's edge that much of the GPU's power: +-2% of a 15 s run."""
+    if r.fields_at is None:
+        return started
+    return min(max(r.fields_at - offset, started), done)
+
+
 @dataclass
 class GPUTrack:
     """Mutable per-GPU state, touched only by the sampler thread (the integrator also by PowerSampler)."""
@@ -167,9 +192,9 @@ class GPUTrack:
     # ---- the energy counter
 
     def count_energy(self, backend: GPUBackend, r: GPUReading, started: float, done: float,
-                     monotonic: Callable[[], float]) -> None:
+                     monotonic: Callable[[], float], offset: float) -> None:
         """Feed the counter one reading. ``started``/``done``: the monotonic clock around the read (the
-        counter was read in between)."""
+        counter was read in between); ``offset``: the wall clock minus the monotonic one."""
         assert r.energy_j is not None
         self._judge(self.counter.update(r.energy_j, done, started=started, stamp=r.timestamp,
                                         max_power_w=max_power_w(r)))
@@ -186,7 +211,8 @@ class GPUTrack:
                 self._judge(self.counter.update(again.energy_j, monotonic(), started=started,
                                                 stamp=again.timestamp, max_power_w=max_power_w(again)))
                 if self.fresh:
-                    self.read_at = started  # the energy exposed is this read's: it is timed by it
+                    # the energy exposed is this read's: it is timed by it
+                    self.read_at = reading_time(again, started, monotonic(), offset)
 
     def _judge(self, v: Verdict) -> None:
         g, c = self.identity, self.counter

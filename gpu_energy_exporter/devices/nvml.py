@@ -288,12 +288,14 @@ class NVMLBackend(GPUBackend):
                                    (_F_MODULE, True), (_F_ENERGY, with_energy))
                   if ask and not self._nvml.unsupported(i, _FIELD_NAMES[f])]
         got: dict[tuple[int, int], float | None] = {}
+        fields_at = None
         if wanted:
             key = (i, tuple(wanted))
             request = self._field_requests.get(key)
             if request is None:
-                request = self._field_requests[key] = FieldValues(wanted)
+                request = self._field_requests[key] = FieldValues(wanted, self._clock)
             got = dict(zip(wanted, self._nvml.field_values(i, h, wanted, _FIELD_NAMES, request), strict=True))
+            fields_at = request.read_at
         instant, average, module = got.get(_F_INSTANT), got.get(_F_AVERAGE), got.get(_F_MODULE)
         if mem_temp_due:
             mem_temp = self._hold(i, "memory_temperature_field", now, got.get(_F_MEMORY_TEMP))
@@ -301,8 +303,11 @@ class NVMLBackend(GPUBackend):
         if counter is None and energy:
             # No field values (R470), no field 83, or the batched call failed this time: the counter's own
             # call, so one failing call still loses only its own readings. (Not asked again where the driver
-            # said it has no counter.)
+            # said it has no counter.) Timed by the call, as the batched read is.
+            before = self._clock()
             counter = self._nvml.field(i, "energy", "nvmlDeviceGetTotalEnergyConsumption", h)
+            if counter is not None:
+                fields_at = 0.5 * (before + self._clock())
         # nvmlDeviceGetPowerUsage is the 1 s average or the instant reading (``power_usage_is_average``): asked
         # only when the field values did not give that reading.
         if (average if gpu.power_usage_is_average else instant) is None:
@@ -355,6 +360,7 @@ class NVMLBackend(GPUBackend):
             processes=procs,
             gpm=gpm_values,
             process_samples=samples,
+            fields_at=fields_at,
         )
 
     # -- readings that seldom change: read at a slow cadence ------------------------------------------

@@ -330,8 +330,11 @@ class FieldValues:
     output zero), so the driver sees the same request and the answer is read the same way, without a
     Python-level hook per field read or written. One caller thread per instance (the array is reused)."""
 
-    def __init__(self, ids: list[tuple[int, int]]) -> None:
+    def __init__(self, ids: list[tuple[int, int]], clock: Callable[[], float] = time.time) -> None:
         self.__name__ = "nvmlDeviceGetFieldValues"  # what NVMLCalls names in its messages
+        self._clock = clock
+        #: when the last call read its fields (wall clock; see ``read_time``); None before a call answered
+        self.read_at: float | None = None
         self._template = (_FieldValue * len(ids))()
         for v, (field_id, scope) in zip(self._template, ids, strict=True):
             v.fieldId, v.scopeId = field_id, scope
@@ -342,8 +345,24 @@ class FieldValues:
     def __call__(self, h: Any) -> Any:
         fn = pynvml._nvmlGetFunctionPointer("nvmlDeviceGetFieldValues")  # noqa: SLF001 - as pynvml's wrapper
         ctypes.memmove(self._values, self._template, self._size)
-        pynvml._nvmlCheckReturn(fn(h, self._count, ctypes.byref(self._values)))  # noqa: SLF001
+        self.read_at = None
+        before = self._clock()
+        ret = fn(h, self._count, ctypes.byref(self._values))
+        after = self._clock()
+        pynvml._nvmlCheckReturn(ret)  # noqa: SLF001
+        self.read_at = read_time(self._values, before, after)
         return self._values
+
+
+def read_time(values: Any, before: float, after: float) -> float:
+    """When a batched field read happened: the driver's timestamp of its first answered field (microseconds
+    since 1970) held within ``before``..``after``, the clock around the call; without one, the call's
+    midpoint. Taken around the call itself, not before the Python work that leads to it: on a loaded
+    machine a thread can wait tenths of a second for the GIL between the two."""
+    for v in values:
+        if v.nvmlReturn == pynvml.NVML_SUCCESS and v.timestamp > 0:
+            return min(max(v.timestamp * 1e-6, before), after)
+    return 0.5 * (before + after)
 
 
 class _ProcessInfo(ctypes.Structure):
