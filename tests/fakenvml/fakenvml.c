@@ -1217,9 +1217,16 @@ static int parse_file(const char *path, struct parsed *out) {
     return 0;
 }
 
-/* Advance each metric's percent-seconds integral to time t using the values in force until then. */
+/* Advance each metric's percent-seconds integral to time t using the values in force until then. A sample
+ * taken before the integral's time (a frozen clock set back: the next test of one process, a scenario earlier
+ * in time) starts the integral again from there, the sums kept, so the next samples measure the time they
+ * span (it used to stay put until the clock caught up, and every GPM figure of that while read 0). */
 static void gpm_advance(struct gpu *g, double t) {
-    if (t <= g->gpm_acc_t) return;
+    if (t < g->gpm_acc_t) {
+        g->gpm_acc_t = t;
+        return;
+    }
+    if (t == g->gpm_acc_t) return;
     for (int i = 0; i < N_GPM; i++) g->gpm_acc[i] += g->c.gpm_pct[i] * (t - g->gpm_acc_t);
     g->gpm_acc_t = t;
 }
