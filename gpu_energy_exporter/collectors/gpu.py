@@ -25,8 +25,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
-from dataclasses import replace
+from collections.abc import Callable, Mapping
 from functools import lru_cache
 
 from prometheus_client.core import Metric
@@ -264,7 +263,7 @@ class GPUCollector(Collector):
                     self._process_counts[g.index] = len(r.processes)
                     listed.update(p.pid for p in r.processes)
                     r = self._cadence.apply(g.index, r, self._table, ask)
-                r = self._gpm_served(g.index, r, gpm_now)
+                gpm = self._gpm_served(g.index, r, gpm_now)
             except Exception as exc:  # noqa: BLE001 - one GPU never takes the others down
                 message = str(exc) if isinstance(exc, GPULost) else (
                     f"GPU {g.index} ({g.uuid}) could not be sampled ({type(exc).__name__}: {exc}); it shows as "
@@ -296,7 +295,7 @@ class GPUCollector(Collector):
             if t.integrator is None:
                 t.apportion_sample(r, done, self._energy_interval, asked=asked)
             t.emit_energy(fams, labels, self._energy_timestamps)
-            emit_reading(fams, r, labels, processes=self._processes)
+            emit_reading(fams, r, labels, processes=self._processes, gpm=gpm)
             t.learn_idle(r)
             t.emit_idle(fams, labels, self._idle_flag)
             states.append(t.state(self._idle_flag))
@@ -326,16 +325,17 @@ class GPUCollector(Collector):
         finished: its energy between its edges is then the counter's delta). Any thread; sets a flag."""
         self._counter_wanted = True
 
-    def _gpm_served(self, index: int, r: GPUReading, sampled: bool) -> GPUReading:
-        """The reading with the GPM figures of the last GPM sample where this sample took none."""
+    def _gpm_served(self, index: int, r: GPUReading, sampled: bool) -> Mapping[str, float]:
+        """The GPM figures to serve with reading ``r``: its own when this sample took GPM, else the last GPM
+        sample's (the reading itself is left as read: copying a frozen reading per GPU per sample to carry
+        them cost more than anything else in the hand-off, and only the exposition uses them)."""
         if not self._gpm:
-            return r
+            return r.gpm
         if sampled:
             if r.gpm:
                 self._last_gpm[index] = r.gpm
-            return r
-        last = self._last_gpm.get(index)
-        return replace(r, gpm=last) if last else r
+            return r.gpm
+        return self._last_gpm.get(index) or r.gpm
 
     def _call_costs(self, backend: GPUBackend) -> list[Metric]:
         costs = backend.call_costs()

@@ -8,6 +8,7 @@ collector's work (NVML availability, discovery, isolation of failures) is ``coll
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -215,10 +216,10 @@ def _clock_event_samples(gpu: str, uuid: str) -> tuple[tuple[str, Sample, Sample
 
 #: GPU label sets -> (the GPM figures last emitted, their samples). The collector serves the same dict between
 #: two GPM samples (--collector.gpm-interval), so its samples are built once per GPM sample, not per sample.
-_GPM_SAMPLES: dict[tuple[str, str], tuple[dict[str, float], list[tuple[str, Sample]]]] = {}
+_GPM_SAMPLES: dict[tuple[str, str], tuple[Mapping[str, float], list[tuple[str, Sample]]]] = {}
 
 
-def _gpm_samples(gpu: str, uuid: str, gpm: dict[str, float]) -> list[tuple[str, Sample]]:
+def _gpm_samples(gpu: str, uuid: str, gpm: Mapping[str, float]) -> list[tuple[str, Sample]]:
     held = _GPM_SAMPLES.get((gpu, uuid))
     if held is not None and held[0] is gpm:
         return held[1]
@@ -231,9 +232,11 @@ def _gpm_samples(gpu: str, uuid: str, gpm: dict[str, float]) -> list[tuple[str, 
     return samples
 
 
-def emit_reading(fams: dict[str, Metric], r: GPUReading, labels: list[str], *, processes: bool) -> None:
+def emit_reading(fams: dict[str, Metric], r: GPUReading, labels: list[str], *, processes: bool,
+                 gpm: Mapping[str, float] | None = None) -> None:
     """The samples of one good reading (all but energy and idle power). ``processes``: with the
-    per-process memory series (``--collector.processes``).
+    per-process memory series (``--collector.processes``). ``gpm``: the GPM figures to serve (the last GPM
+    sample's, where this reading took none; None: the reading's own).
 
     Samples are appended as ``put`` builds them, with label sets made once per GPU, from a table of the
     reading's gauges (this runs for every GPU at every sample)."""
@@ -255,7 +258,8 @@ def emit_reading(fams: dict[str, Metric], r: GPUReading, labels: list[str], *, p
         fams[CLOCK_EVENT.name].samples.extend(
             active if reason in events else inactive
             for reason, active, inactive in _clock_event_samples(labels[0], labels[1]))
-    gpm = r.gpm
+    if gpm is None:
+        gpm = r.gpm
     if gpm:
         for name, sample in _gpm_samples(labels[0], labels[1], gpm):
             fams[name].samples.append(sample)
