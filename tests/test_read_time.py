@@ -1,5 +1,6 @@
-"""When a GPU's counter and power fields were read (issue 28): the driver's timestamp of the batched field
-read, held within the call, and a sample's wall-minus-monotonic offset from the tightest of paired reads."""
+"""When a GPU's counter and power fields were read, and where a frame puts them (issue 28): the driver's
+timestamp of the batched field read, held within the exporter's read; a sample's wall-minus-monotonic offset
+from the tightest of paired reads; a GPU read before its frame's time carried to it by its power."""
 
 from __future__ import annotations
 
@@ -9,8 +10,9 @@ import pynvml
 import pytest
 
 from gpu_energy_exporter.collectors.gpu_tracks import reading_time, wall_minus_monotonic
-from gpu_energy_exporter.core.state import GPUReading
+from gpu_energy_exporter.core.state import ENERGY_METHOD_COUNTER, GPUIdentity, GPUReading, GPUState
 from gpu_energy_exporter.devices.nvml_calls import read_time
+from gpu_energy_exporter.ledger.snapshot_frames import gpu_frame
 
 OK, NOT_SUPPORTED = pynvml.NVML_SUCCESS, pynvml.NVML_ERROR_NOT_SUPPORTED
 
@@ -22,16 +24,15 @@ def _field(ret: int, stamp_us: int) -> SimpleNamespace:
 @pytest.mark.parametrize(
     ("fields", "expected"),
     [
-        pytest.param([_field(OK, 100_000_250)], 100.00025, id="the driver's timestamp, within the call"),
-        pytest.param([_field(OK, 99_000_000)], 100.0, id="a timestamp before the call is held at its start"),
-        pytest.param([_field(OK, 200_000_000)], 100.001, id="a timestamp after the call is held at its end"),
+        pytest.param([_field(OK, 100_000_250)], 100.00025, id="the driver's timestamp"),
+        pytest.param([_field(OK, 99_000_000)], 99.0, id="the driver's clock, even where it is not ours"),
         pytest.param([_field(OK, 0)], 100.0005, id="no timestamp: the call's midpoint"),
         pytest.param([_field(NOT_SUPPORTED, 100_000_900), _field(OK, 100_000_100)], 100.0001,
                      id="the first answered field's timestamp"),
         pytest.param([_field(NOT_SUPPORTED, 100_000_900)], 100.0005, id="no field answered: the midpoint"),
     ],
 )
-def test_a_batched_field_read_is_dated_by_the_driver_within_the_call(fields: list[SimpleNamespace],
+def test_a_batched_field_read_is_dated_by_the_driver(fields: list[SimpleNamespace],
                                                                       expected: float) -> None:
     assert read_time(fields, 100.0, 100.001) == pytest.approx(expected, abs=1e-9)
 
@@ -56,3 +57,29 @@ def test_the_offset_comes_from_the_tightest_pair_of_clock_reads() -> None:
     mono = iter([5.0, 5.2, 6.0, 6.00001])
     wall = iter([1005.1, 1006.000005])
     assert wall_minus_monotonic(lambda: next(wall), lambda: next(mono)) == pytest.approx(1000.0, abs=1e-5)
+
+
+def _gpu(read_at: float, fields_at: float | None, power_w: float = 500.0) -> GPUState:
+    ident = GPUIdentity(0, "GPU-0", "NVIDIA H100", "00000000:17:00.0", "hopper", "9.0", ENERGY_METHOD_COUNTER, True)
+    r = GPUReading(timestamp=1000.0, power_average_w=power_w, fields_at=fields_at)
+    return GPUState(ident, True, r, energy_j=10_000.0, energy_resets=0, last_good=1000.0, read_at=read_at)
+
+
+@pytest.mark.parametrize(
+    ("read_at", "fields_at", "expected_j"),
+    [
+        pytest.param(50.0, 1000.0, 10_000.0, id="the frame's latest read: as read"),
+        pytest.param(49.8, 999.8, 10_100.0, id="read 0.2 s before the frame's time: 0.2 s of 500 W carried"),
+        pytest.param(49.8, 1000.0, 10_000.0, id="a driver clock that stands still (a frozen test): none"),
+        pytest.param(49.99, 999.5, 10_005.0, id="a driver stamp further back than the read times: their lag"),
+        pytest.param(47.0, 997.0, 10_000.0, id="3 s before (a stuck read): not carried"),
+        pytest.param(49.8, None, 10_000.0, id="no field read: not carried"),
+    ],
+)
+def test_a_gpu_read_before_its_frames_time_is_carried_to_it_by_its_power(
+    read_at: float, fields_at: float | None, expected_j: float
+) -> None:
+    """The frame's time is its latest GPU read (monotonic 50.0, driver 1000.0); an earlier read's energy goes
+    on by its power reading to it (ledger.snapshot_frames.gpu_frame)."""
+    frame = gpu_frame(_gpu(read_at, fields_at), ref=50.0, latest=1000.0)
+    assert frame.energy_j == pytest.approx(expected_j)

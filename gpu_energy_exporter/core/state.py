@@ -163,8 +163,8 @@ class GPUReading:
     gpm: dict[str, float] = field(default_factory=dict)  # GPM metric name -> ratio 0..1
     #: every per-process SM sample NVML gave since its last answer (wall-clock seconds), when it was asked
     process_samples: tuple[ProcessSample, ...] = ()
-    #: when the driver read the power fields and the energy counter (wall clock, the backend's clock): the
-    #: driver's own timestamp of the batched field read, held within the call; None when no batched read
+    #: when the driver read the power fields and the energy counter, by the driver's clock (its timestamp of
+    #: the batched field read; without one, the backend's clock around the call); None when no batched read
     #: answered. ``timestamp`` is when the sample began, which a loaded machine can put tenths of a second
     #: earlier than the counter's read (issue 28: +-2% on a 15 s run with a 0.15 s delay now and then).
     fields_at: float | None = None

@@ -355,13 +355,14 @@ class FieldValues:
 
 
 def read_time(values: Any, before: float, after: float) -> float:
-    """When a batched field read happened: the driver's timestamp of its first answered field (microseconds
-    since 1970) held within ``before``..``after``, the clock around the call; without one, the call's
-    midpoint. Taken around the call itself, not before the Python work that leads to it: on a loaded
-    machine a thread can wait tenths of a second for the GIL between the two."""
+    """When a batched field read happened, by the driver's clock: the timestamp of its first answered field
+    (microseconds since 1970); without one, the midpoint of ``before``..``after``, the clock around the
+    call itself (not before the Python work that leads to it: on a loaded machine a thread can wait tenths
+    of a second for the GIL between the two). The caller holds it within its own read
+    (``collectors.gpu_tracks.reading_time``): a driver's clock may not be the exporter's."""
     for v in values:
         if v.nvmlReturn == pynvml.NVML_SUCCESS and v.timestamp > 0:
-            return min(max(v.timestamp * 1e-6, before), after)
+            return float(v.timestamp * 1e-6)
     return 0.5 * (before + after)
 
 

@@ -92,15 +92,19 @@ uuid_key = gpu_key
 MAX_LAG_S = 2.0
 
 
-def gpu_frame(g: GPUState, ref: float | None = None) -> GPUFrame:
+def gpu_frame(g: GPUState, ref: float | None = None, latest: float | None = None) -> GPUFrame:
     """``ref``: the monotonic time the frame's ``t`` stands for (the span's instants are kept relative to it;
-    None: the span is not placed, and the energy is taken as it is).
+    None: the span is not placed, and the energy is taken as it is). ``latest``: the driver's time of the
+    frame's latest GPU read (``GPUReading.fields_at``).
 
     A frame has one time, the latest of its GPUs' reads; a GPU read before it (the GPUs are read one after
     the other) has its energy carried forward to the frame's time by its power reading, the way the span's
     shape goes on. Dated at its own read instead, the GPUs read first were charged to runs by an interval
     that moved with the lag between the reads: on a loaded two-core machine that lag jumps by tenths of a
-    second from one sample to the next, +-1% of a 15 s run."""
+    second from one sample to the next, +-1% of a 15 s run. The lag is the one the driver's timestamps of
+    the two reads and the exporter's read times both show (the lesser: a driver whose clock stands still,
+    as a test's frozen one, carries none; a driver's stamp that runs ahead carries no more than the read
+    times allow)."""
     r = g.reading
     power = None
     mem = total = None
@@ -110,7 +114,7 @@ def gpu_frame(g: GPUState, ref: float | None = None) -> GPUFrame:
     if not g.up:
         power = mem = None
     energy = g.energy_j if g.up else None
-    carried = _carried_j(g, ref)
+    carried = _carried_j(g, ref, latest)
     span = span_frame(g, ref, carried) if g.up else None
     if span is not None:
         # Provisional until the next counter read: the counter's last total plus the power readings since,
@@ -127,12 +131,13 @@ def gpu_frame(g: GPUState, ref: float | None = None) -> GPUFrame:
     )
 
 
-def _carried_j(g: GPUState, ref: float | None) -> float:
-    """The power readings' energy (unscaled, as a span's shape counts it) from the GPU's read to ``ref``."""
+def _carried_j(g: GPUState, ref: float | None, latest: float | None) -> float:
+    """The power readings' energy (unscaled, as a span's shape counts it) from the GPU's read to the frame's
+    time: ``ref`` on the exporter's monotonic clock, ``latest`` on the driver's."""
     r = g.reading
-    if ref is None or g.read_at is None or r is None or not g.up:
+    if ref is None or latest is None or g.read_at is None or r is None or r.fields_at is None or not g.up:
         return 0.0
-    lag = ref - g.read_at
+    lag = min(latest - r.fields_at, ref - g.read_at)
     if not 0.0 < lag < MAX_LAG_S:
         return 0.0
     # the reading the span's shape counts (collectors.gpu_tracks.apportion_sample): the 1 s average first
@@ -176,9 +181,12 @@ def frame_of(snapshot: Snapshot, intensity: float | None, pue: float | None,
     profile: dict[str, tuple[int, float | None]] = {}
     age = reading_age(snapshot)
     ref = snapshot.monotonic - age if snapshot.monotonic is not None else None
+    stamps = [g.reading.fields_at for g in snapshot.gpus if g.up and g.reading is not None
+              and g.reading.fields_at is not None]
+    latest = max(stamps) if stamps else None
     for g in snapshot.gpus:
         key = uuid_key(g.identity.uuid)
-        gpus[key] = gpu_frame(g, ref)
+        gpus[key] = gpu_frame(g, ref, latest)
         for m in g.identity.mig_devices:
             mig[uuid_key(m.uuid)] = key
             profile[uuid_key(m.uuid)] = (m.slices, m.sm_share)
