@@ -179,6 +179,7 @@ t = [0.0]
 gpu = GPUCollector(lambda: nvml.NVMLBackend({lib!r}), retry_interval=0.0, power_interval=3600.0)
 health = HealthCollector(gpu, interval=30.0, monotonic=lambda: t[0])
 gpu.update()
+first_inline = health.runs_inline()  # nothing read yet: a read is due
 health.update()  # the first health read, and the event thread's registration
 time.sleep(1.0)
 # the event thread's calls (registration, then waits) are not the health read's
@@ -188,25 +189,30 @@ def calls():
         return [line.split()[2] for line in f
                 if line.split()[1] == str(os.getpid()) and not line.split()[2].startswith(EVENTS)]
 start = len(calls())
-for _ in range(5):  # within the interval: no health NVML call
+inline = []
+for _ in range(5):  # within the interval: no health NVML call (so the sampler runs it on its own thread)
     t[0] += 5.0
+    inline.append(health.runs_inline())
     health.update()
 between = calls()[start:]
 t[0] += 30.0
 start = len(calls())
+inline.append(health.runs_inline())  # a read is due: on the health thread
 health.update()  # one health read
 read = calls()[start:]
 lib = ctypes.CDLL({lib!r})
 health.close()
 outstanding = lib.fakeNvmlEventSetsOutstanding()
 gpu.close()
-print("@@OUT@@" + json.dumps({{"between": between, "read": read, "outstanding": outstanding}}))
+print("@@OUT@@" + json.dumps({{"between": between, "read": read, "outstanding": outstanding,
+                              "inline": [first_inline, *inline]}}))
 """
 
 
 def test_health_reads_keep_their_cadence_and_call_budget(fake_nvml_lib: Path, tmp_path: Path) -> None:
-    """Between health reads an update makes no NVML call; one read of an H100 with 18 NVLinks makes the
-    calls counted here (docs/health.md gives their cost on a real driver); the event set is freed at close."""
+    """Between health reads an update makes no NVML call (and says it may run inline); one read of an H100
+    with 18 NVLinks makes the calls counted here (docs/health.md gives their cost on a real driver); the
+    event set is freed at close."""
     import json
 
     path, log = tmp_path / "scenario.ini", tmp_path / "calls.log"
@@ -231,6 +237,8 @@ def test_health_reads_keep_their_cadence_and_call_budget(fake_nvml_lib: Path, tm
                             "nvmlDeviceGetNvLinkState": 18, "nvmlDeviceGetNvLinkErrorCounter": 72,
                             "nvmlDeviceGetFieldValues": 1}), dict(read)
     assert out["outstanding"] == 0
+    # the sampler runs the update on its own thread only between reads (collectors.base.runs_inline)
+    assert out["inline"] == [False, True, True, True, True, True, False]
 
 
 def test_a_run_whose_gpu_reported_xid_79_carries_the_note_in_its_ledger_row(

@@ -42,10 +42,21 @@ class Collector(abc.ABC):
     name: str = ""
     #: collectors whose update must finish before this one's starts (it reads their state)
     depends_on: tuple[str, ...] = ()
+    #: ``update`` can never block: it reads memory, /proc or /sys only (no driver call, no network, no file a
+    #: user names, which could sit on a hung NFS mount). See ``runs_inline``.
+    never_blocks: bool = False
 
     @abc.abstractmethod
     def update(self) -> list[Metric]:
         """Gather and return fresh metric families. Called on the sampler thread."""
+
+    def runs_inline(self) -> bool:
+        """Whether this sample's update may run on the sampler's own thread, while the other collectors run
+        on theirs, instead of being handed to a thread of its own and back: on a two-vCPU VM those two
+        hand-offs cost more CPU than a light collector's work (docs/benchmarks.md, issue 28). True for a
+        collector that ``never_blocks``; a collector whose blocking reads are due only now and then may say
+        True between them (it is asked at every sample, never while an update of it still runs)."""
+        return self.never_blocks
 
     def specs(self) -> Iterable[MetricSpec]:
         """The catalogue entries this collector can produce (for ``describe`` and the docs)."""

@@ -246,6 +246,8 @@ class CarbonCollector(Collector):
         self._static: tuple[object, list[Metric]] | None = None  # (what they show, the families)
         if gpu_states is not None:
             self.depends_on = ("gpu",)  # prices the energy the gpu collector just read
+        # in memory, unless a file is watched (a stat of a user's file could block on a hung mount)
+        self.never_blocks = intensity_file is None
 
     @classmethod
     def from_config(cls, config: Any, gpus: Callable[[], Sequence[GPUIdentity]] = tuple,

@@ -113,6 +113,7 @@ class HostCollector(Collector):
     """Host CPU and memory. Every psutil call comes in through the constructor (tests pass their own)."""
 
     name = NAME
+    never_blocks = True  # /proc or /sys reads only
 
     def __init__(
         self,

@@ -44,6 +44,7 @@ def parse_loadavg(text: str) -> tuple[float, float, float]:
 
 class LoadAverageCollector(Collector):
     name = NAME
+    never_blocks = True  # /proc or /sys reads only
 
     def __init__(self, *, procfs: str = "/proc") -> None:
         self._path = os.path.join(procfs, "loadavg")

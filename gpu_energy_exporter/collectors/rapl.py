@@ -118,6 +118,7 @@ class RaplCollector(Collector):
     pass their own to simulate errors a root test process cannot provoke with chmod)."""
 
     name = NAME
+    never_blocks = True  # /proc or /sys reads only
 
     def __init__(self, *, sysfs: str = "/sys", read_text: Callable[[str], str] = read_sysfs) -> None:
         self._root = os.path.join(sysfs, "class", "powercap")

@@ -104,8 +104,8 @@ def serve(argv: Sequence[str], *, backend_factory: object = None) -> int:
         log.warning("%s", NO_GPU_HINT)  # the first sample is taken: NVML has said why it is unavailable
     _freeze_startup_heap()
     try:
-        while not stop.wait(1.0):
-            pass
+        # No timeout: a signal interrupts the wait (POSIX), and waking every second cost 0.01% of a core.
+        stop.wait()
     finally:
         exporter.stop()
     log.info("stopped")

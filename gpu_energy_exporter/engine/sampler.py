@@ -68,8 +68,13 @@ class _Runner:
         return time.perf_counter() - self._started if self._busy else 0.0
 
     def start(self) -> None:
-        """Start an update unless one is still running."""
+        """Start an update unless one is still running; a collector that ``runs_inline`` is updated now, on
+        the calling thread."""
         if self._busy:
+            return
+        if self._c.runs_inline():
+            self._done.clear()
+            self._update()
             return
         if self._thread is None:
             self._thread = threading.Thread(target=self._loop, name=f"collector-{self._c.name}", daemon=True)
@@ -101,6 +106,10 @@ class _Runner:
         self.latest = _Outcome(out.families, out.ok, out.error, time.perf_counter() - start)
         self._busy = False
         self._done.set()
+
+
+def _inline(c: Collector) -> bool:
+    return c.runs_inline()
 
 
 class Sampler:
@@ -161,12 +170,13 @@ class Sampler:
         deadline = time.monotonic() + self._wait_budget
         names = {c.name for c in self._collectors}
         first = [c for c in self._collectors if not set(c.depends_on) & names]
-        for c in first:
+        # the collectors on threads of their own first: the inline ones run on this thread meanwhile
+        for c in sorted(first, key=_inline):
             self._runners[c.name].start()
         for c in first:
             self._runners[c.name].wait(max(0.0, deadline - time.monotonic()))
         # Dependents (they read the state of the collectors above) start once those finished or timed out.
-        for c in self._collectors:
+        for c in sorted(self._collectors, key=_inline):
             if c not in first:
                 self._runners[c.name].start()
         families: list[Metric] = []

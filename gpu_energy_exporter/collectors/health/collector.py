@@ -71,6 +71,12 @@ class HealthCollector(Collector):
         if self._events:
             self._reader.start_events(self._gpu.identities())
 
+    def runs_inline(self) -> bool:
+        """Between two reads an update serves the last read's families and the event thread's counts (memory
+        only): on the sampler's thread, the health thread woken only when a read is due."""
+        return (self._reader is not None and self._gpu.backend is self._backend
+                and self._monotonic() < self._next_read)
+
     def update(self) -> list[Metric]:
         backend = self._gpu.backend
         if backend is None:
