@@ -206,3 +206,43 @@ def test_exporter_reads_host_memory_under_path_procfs(start_exporter: type[Expor
     text = wait_until(host_memory, what="host memory series")
     assert sample_value(text, "gpuenergy_host_memory_total_bytes") == 16 * GiB
     assert sample_value(text, "gpuenergy_host_memory_available_bytes") == 4 * GiB
+
+
+def test_memory_and_swap_from_one_meminfo_read_are_what_psutil_reports() -> None:
+    """The default reader (one read of /proc/meminfo a sample for both) against psutil's two, on this host."""
+    from gpu_energy_exporter.collectors.host import Meminfo
+
+    m = Meminfo()
+    vm, sw = m.virtual_memory(), m.swap_memory()
+    theirs_vm, theirs_sw = psutil.virtual_memory(), psutil.swap_memory()
+    assert vm.total == theirs_vm.total and sw.total == theirs_sw.total
+    assert abs(vm.available - theirs_vm.available) <= 64 << 20  # the reads are moments apart
+    assert vm.used == vm.total - vm.available
+    assert abs(vm.used - theirs_vm.used) <= 64 << 20
+    assert abs(sw.used - theirs_sw.used) <= 64 << 20
+
+
+def test_swap_comes_from_the_read_memory_made(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    from gpu_energy_exporter.collectors.host import Meminfo
+
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal:       32000000 kB\nMemFree:         1000000 kB\nMemAvailable:   20000000 kB\n"
+                       "SwapTotal:       2097148 kB\nSwapFree:        1048572 kB\n")
+    monkeypatch.setattr(psutil, "PROCFS_PATH", str(tmp_path))
+    m = Meminfo()
+    vm = m.virtual_memory()
+    meminfo.write_text("MemTotal:       32000000 kB\nMemAvailable:   1 kB\nSwapTotal: 4 kB\nSwapFree: 0 kB\n")
+    sw = m.swap_memory()  # the same sample: no second read
+    assert (vm.total, vm.available, vm.used) == (32000000 * 1024, 20000000 * 1024, 12000000 * 1024)
+    assert (sw.total, sw.used) == (2097148 * 1024, (2097148 - 1048572) * 1024)
+    assert m.swap_memory().total == 4 * 1024  # a swap read on its own reads again
+
+
+def test_available_over_total_is_free_memory_as_psutil_says(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    from gpu_energy_exporter.collectors.host import Meminfo
+
+    (tmp_path / "meminfo").write_text("MemTotal: 1000 kB\nMemFree: 300 kB\nMemAvailable: 5000 kB\n"
+                                      "SwapTotal: 0 kB\nSwapFree: 0 kB\n")
+    monkeypatch.setattr(psutil, "PROCFS_PATH", str(tmp_path))
+    vm = Meminfo().virtual_memory()
+    assert (vm.available, vm.used) == (300 * 1024, 700 * 1024)

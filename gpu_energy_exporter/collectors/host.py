@@ -109,6 +109,51 @@ def swap_memory() -> Any:
     return Swap(total, total - free)
 
 
+class VirtualMemory(NamedTuple):
+    total: int
+    available: int
+    used: int
+
+
+class Meminfo:
+    """``virtual_memory`` and ``swap_memory`` as psutil reports them (``MemTotal``; ``MemAvailable``, held
+    within 0..total as psutil holds it; used = total - available; ``SwapTotal`` and ``SwapTotal - SwapFree``)
+    from ONE read of /proc/meminfo (under ``psutil.PROCFS_PATH``) per sample: ``virtual_memory`` reads it,
+    and the ``swap_memory`` that follows answers from that read. psutil's two functions read it twice, its
+    ``swap_memory`` /proc/vmstat too. Where meminfo lacks a line this needs (MemAvailable before Linux 3.14,
+    or 0), psutil's own answer for that part."""
+
+    def __init__(self) -> None:
+        self._swap: Swap | None = None
+
+    def virtual_memory(self) -> Any:
+        self._swap = None
+        lines: dict[bytes, int] = {}
+        try:
+            with open(f"{psutil.PROCFS_PATH}/meminfo", "rb") as f:
+                for line in f:
+                    parts = line.split()
+                    if len(parts) >= 2 and parts[0] in _MEMINFO_WANTED:
+                        lines[parts[0]] = int(parts[1]) * 1024
+        except (OSError, ValueError):
+            lines = {}
+        total, avail = lines.get(b"MemTotal:"), lines.get(b"MemAvailable:")
+        if b"SwapTotal:" in lines and b"SwapFree:" in lines:
+            self._swap = Swap(lines[b"SwapTotal:"], lines[b"SwapTotal:"] - lines[b"SwapFree:"])
+        if total is None or not avail:
+            return psutil.virtual_memory()
+        if avail > total:
+            avail = lines.get(b"MemFree:", total)
+        return VirtualMemory(total, avail, total - avail)
+
+    def swap_memory(self) -> Any:
+        swap, self._swap = self._swap, None
+        return swap if swap is not None else swap_memory()
+
+
+_MEMINFO_WANTED = frozenset((b"MemTotal:", b"MemFree:", b"MemAvailable:", b"SwapTotal:", b"SwapFree:"))
+
+
 class HostCollector(Collector):
     """Host CPU and memory. Every psutil call comes in through the constructor (tests pass their own)."""
 
@@ -122,9 +167,11 @@ class HostCollector(Collector):
         procfs: str | None = None,
         cpu_times: Callable[[], Any] = psutil.cpu_times,
         cpu_count: Callable[[], int | None] = psutil.cpu_count,
-        virtual_memory: Callable[[], Any] = psutil.virtual_memory,
-        swap_memory: Callable[[], Any] = swap_memory,
+        virtual_memory: Callable[[], Any] | None = None,
+        swap_memory: Callable[[], Any] | None = None,
     ) -> None:
+        """``virtual_memory`` and ``swap_memory``: psutil's answers (by default one read of /proc/meminfo for
+        both, ``Meminfo``)."""
         if memory_critical_bytes < 0:
             raise ValueError("memory_critical_bytes must be zero or positive")
         self._critical = memory_critical_bytes
@@ -132,8 +179,9 @@ class HostCollector(Collector):
             psutil.PROCFS_PATH = procfs  # read at every call by psutil's Linux functions
         self._cpu_times = cpu_times
         self._cpu_count = cpu_count
-        self._virtual_memory = virtual_memory
-        self._swap_memory = swap_memory
+        meminfo = Meminfo()
+        self._virtual_memory = virtual_memory or meminfo.virtual_memory
+        self._swap_memory = swap_memory or meminfo.swap_memory
         self._prev: tuple[float, float] | None = None
         self._utilization: float | None = None
         self._low = False
