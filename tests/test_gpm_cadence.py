@@ -1,4 +1,5 @@
-"""GPM at its cadence (``--collector.gpm-interval``): a GPM sample every 30 s of the schedule's clock, and at
+"""GPM at its cadence (``--collector.gpm-interval``): the second GPM sample 2 s after the first (the first
+figures), then one every 30 s of the schedule's clock, and at
 every sample between the last GPM sample's figures served on /metrics, unchanged, with no GPM call.
 
 The production path against the fake library (``tests/test_gpu_collector.py``'s rig): the schedule's clock is
@@ -28,19 +29,21 @@ def test_the_last_gpm_figures_are_served_between_gpm_samples(rig) -> None:  # ty
     r.sample()  # the first GPM sample: one sample is not a rate
     assert r.value("gpuenergy_gpu_sm_active_ratio", **lab) is None
     served = []
-    for k in range(1, 61):
-        if k in (30, 60):
+    for k in range(1, 63):
+        if k in (2, 32, 62):
             time.sleep(0.15)  # NVML's own spacing of two GPM samples is real time
         r.rewrite(frozen(T0 + 100 + k, [h100(0, gpm=GPM if k < 35 else LATER)]))
         r.sample()
         served.append(r.value("gpuenergy_gpu_sm_active_ratio", **lab))
-        if k == 30:
-            assert gpm_calls() == 1  # the second GPM sample, 30 s after the first
-        if k == 59:
-            assert gpm_calls() == 1  # none between
-    assert served[:29] == [None] * 29  # until the second GPM sample: no rate yet
-    assert served[29:59] == [pytest.approx(0.625)] * 30  # 130..159: that sample's figures, every sample
-    assert r.value("gpuenergy_gpu_tensor_active_ratio", **lab) == pytest.approx((5 * 0.41 + 25 * 0.05) / 30)
-    assert gpm_calls() == 2  # 160: the third GPM sample
-    # over 130..160 the SM activity was 62.5% for 5 s and 20% for 25 s
-    assert served[59] == pytest.approx((5 * 0.625 + 25 * 0.20) / 30)
+        if k == 2:
+            assert gpm_calls() == 1  # the second GPM sample, 2 s after the first: the first figures
+        if k == 31:
+            assert gpm_calls() == 1  # then one every 30 s, none between
+        if k == 32:
+            assert gpm_calls() == 2
+    assert served[:1] == [None]  # until the second GPM sample: no rate yet
+    assert served[1:61] == [pytest.approx(0.625)] * 60  # 102..161: the last GPM sample's figures, every sample
+    assert r.value("gpuenergy_gpu_tensor_active_ratio", **lab) == pytest.approx((3 * 0.41 + 27 * 0.05) / 30)
+    assert gpm_calls() == 3  # 162: the fourth GPM sample
+    # over 132..162 the SM activity was 62.5% for 3 s and 20% for 27 s
+    assert served[61] == pytest.approx((3 * 0.625 + 27 * 0.20) / 30)
