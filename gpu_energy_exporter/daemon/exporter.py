@@ -146,8 +146,9 @@ class Exporter:
         if problem:
             log.error("run ledger: %s", problem)
         self.sampler.add_listener(self.ledger.on_snapshot)
-        # The ledger's series are encoded right after it counted each snapshot, on the sampler thread: a
-        # scrape serves them ready (pushes since then show at the next snapshot; docs/ledger.md).
+        # The ledger's series are encoded on the sampler thread after a snapshot when a scrape is expected
+        # before the next one (engine.exposition.PreparedSource): a scrape serves them ready (pushes since
+        # then show at the next snapshot; docs/ledger.md).
         self.ledger_exposition = PreparedSource(self.ledger.collect, self.ledger.version, clock=time.monotonic)
         self.sampler.add_listener(self.ledger_exposition.prepare)
         self.store.add_batch_listener(self.ledger.on_points)
