@@ -122,7 +122,6 @@ class GPUCollector(Collector):
         self._energy_interval = energy_interval if energy_interval and energy_interval > interval else 0.0
         self._gpm_interval = gpm_interval if gpm_interval and gpm_interval > interval else 0.0
         self._next_gpm = float("-inf")
-        self._gpm_samples = 0  # GPM samples taken so far (the second comes early: the first figures)
         self._counter_wanted = False  # request_counter_read(): every GPU's counter at the next sample
         self._counter_checks: list[Callable[[], bool]] = []  # add_counter_read_check(): asked every sample
         self._last_gpm: dict[int, dict[str, float]] = {}
@@ -237,8 +236,8 @@ class GPUCollector(Collector):
         if gpm_now and self._gpm_interval:
             # The first figures need two GPM samples: the second is taken 2 s after the first (a new exporter
             # shows GPM within seconds, not one interval later), then one every interval.
-            gap = self._gpm_interval if self._gpm_samples else min(2.0, self._gpm_interval)
-            self._gpm_samples += 1
+            first = self._next_gpm == float("-inf")
+            gap = min(2.0, self._gpm_interval) if first else self._gpm_interval
             self._next_gpm = self._monotonic() + gap - 0.5 * self._interval
         wanted, self._counter_wanted = self._counter_wanted, False
         wanted = self._checks_want_counter() or wanted

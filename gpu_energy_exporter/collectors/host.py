@@ -88,25 +88,37 @@ class Swap(NamedTuple):
     used: int
 
 
+_MEMINFO_WANTED = frozenset((b"MemTotal:", b"MemFree:", b"MemAvailable:", b"SwapTotal:", b"SwapFree:"))
+
+
+def _meminfo() -> dict[bytes, int]:
+    """The /proc/meminfo lines this collector uses (under ``psutil.PROCFS_PATH``), in bytes; empty when it
+    cannot be read."""
+    lines: dict[bytes, int] = {}
+    try:
+        with open(f"{psutil.PROCFS_PATH}/meminfo", "rb") as f:
+            for line in f:
+                parts = line.split()
+                if len(parts) >= 2 and parts[0] in _MEMINFO_WANTED:
+                    lines[parts[0]] = int(parts[1]) * 1024
+    except (OSError, ValueError):
+        return {}
+    return lines
+
+
+def _swap_of(lines: dict[bytes, int]) -> Swap | None:
+    if b"SwapTotal:" not in lines or b"SwapFree:" not in lines:
+        return None
+    return Swap(lines[b"SwapTotal:"], lines[b"SwapTotal:"] - lines[b"SwapFree:"])
+
+
 def swap_memory() -> Any:
     """Swap total and used in bytes as ``psutil.swap_memory`` reports them (``SwapTotal`` and ``SwapTotal -
     SwapFree`` of /proc/meminfo, under ``psutil.PROCFS_PATH``), without the /proc/vmstat read psutil adds for
     pages swapped in and out, which nothing here uses: that read was half of this collector's CPU every
     sample. Where meminfo lacks the swap lines (or cannot be read), psutil's own answer."""
-    total = free = None
-    try:
-        with open(f"{psutil.PROCFS_PATH}/meminfo", "rb") as f:
-            for line in f:
-                if line.startswith(b"SwapTotal:"):
-                    total = int(line.split()[1]) * 1024
-                elif line.startswith(b"SwapFree:"):
-                    free = int(line.split()[1]) * 1024
-                    break
-    except (OSError, ValueError, IndexError):
-        total = None
-    if total is None or free is None:
-        return psutil.swap_memory()
-    return Swap(total, total - free)
+    swap = _swap_of(_meminfo())
+    return swap if swap is not None else psutil.swap_memory()
 
 
 class VirtualMemory(NamedTuple):
@@ -127,19 +139,9 @@ class Meminfo:
         self._swap: Swap | None = None
 
     def virtual_memory(self) -> Any:
-        self._swap = None
-        lines: dict[bytes, int] = {}
-        try:
-            with open(f"{psutil.PROCFS_PATH}/meminfo", "rb") as f:
-                for line in f:
-                    parts = line.split()
-                    if len(parts) >= 2 and parts[0] in _MEMINFO_WANTED:
-                        lines[parts[0]] = int(parts[1]) * 1024
-        except (OSError, ValueError):
-            lines = {}
+        lines = _meminfo()
+        self._swap = _swap_of(lines)
         total, avail = lines.get(b"MemTotal:"), lines.get(b"MemAvailable:")
-        if b"SwapTotal:" in lines and b"SwapFree:" in lines:
-            self._swap = Swap(lines[b"SwapTotal:"], lines[b"SwapTotal:"] - lines[b"SwapFree:"])
         if total is None or not avail:
             return psutil.virtual_memory()
         if avail > total:
@@ -149,9 +151,6 @@ class Meminfo:
     def swap_memory(self) -> Any:
         swap, self._swap = self._swap, None
         return swap if swap is not None else swap_memory()
-
-
-_MEMINFO_WANTED = frozenset((b"MemTotal:", b"MemFree:", b"MemAvailable:", b"SwapTotal:", b"SwapFree:"))
 
 
 class HostCollector(Collector):
