@@ -82,16 +82,15 @@ def test_ledger_j_per_token_equals_the_hand_computed_value(
     # By hand, from the scenario: energy of GPUs 0 and 1 in the window over the tokens in the window.
     true_window_j = scenario.true_energy_j(0, w0, end) + scenario.true_energy_j(1, w0, end)
     true_total_j = scenario.true_energy_j(0, start, end) + scenario.true_energy_j(1, start, end)
-    # 1.5%: quiet or beside two burners the run is within 0.05%, but in full suites on two xdist workers it
-    # has come out +1.0% three times (13,047.7 J of 12,918.3; 869.6 W of 861; 13,050.9 J of 12,921.3: each
-    # about 0.15 s of the two GPUs' power). Dating each GPU read by the driver's stamp and carrying earlier
-    # reads to the frame's time (test_settlement's "...read one after the other with waits") fixed one such
-    # mechanism, not this one: the cause is not established, and issue 28 stays open for it.
-    assert s["energy_j"] == pytest.approx(true_total_j, rel=0.015)
-    assert s["window_energy_j"] == pytest.approx(true_window_j, rel=0.015)
-    assert s["j_per_token"] == pytest.approx(true_window_j / s["window_tokens"], rel=0.015)
+    # Within 0.02% quiet and in full suites. It came out +1.0% three times in full suites on two xdist workers
+    # (130 J, all on GPU 0's 20 ms wave, all in the run's first 4 s): the run started 20-30 ms after the
+    # exporter's first frame, and the first counter read after its start was not recounted into it
+    # (test_settlement's "...starts in the exporter's first second...").
+    assert s["energy_j"] == pytest.approx(true_total_j, rel=0.01)
+    assert s["window_energy_j"] == pytest.approx(true_window_j, rel=0.01)
+    assert s["j_per_token"] == pytest.approx(true_window_j / s["window_tokens"], rel=0.01)
     # 150/690 W at 70% duty = 528 W, plus 333 W: the average power of the run's two GPUs
-    assert s["avg_power_w"] == pytest.approx(861.0, rel=0.015)
+    assert s["avg_power_w"] == pytest.approx(861.0, rel=0.01)
     assert s["model"] == "tiny-lm" and s["backend"] == "eager"
     # one CSV row and a JSON summary, written atomically beside it (by the file thread: after the API shows the
     # run finished, once its row is in the database)

@@ -21,7 +21,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from prometheus_client.core import Metric
 
@@ -211,8 +211,12 @@ class GPUTrack:
                 self._judge(self.counter.update(again.energy_j, monotonic(), started=started,
                                                 stamp=again.timestamp, max_power_w=max_power_w(again)))
                 if self.fresh:
-                    # the energy exposed is this read's: it is timed by it
+                    # the energy exposed is this read's: it is timed by it, and so is the reading the frames
+                    # date the GPU by (its driver stamp beside ``read_at``): with the first read's stamp, a GPU
+                    # read before a slow one carried its energy over the first read's lag, not the second's
                     self.read_at = reading_time(again, started, monotonic(), offset)
+                    if self.reading is not None and again.fields_at is not None:
+                        self.reading = replace(self.reading, fields_at=again.fields_at)
 
     def _judge(self, v: Verdict) -> None:
         g, c = self.identity, self.counter

@@ -97,8 +97,7 @@ def _hold(job: SlurmJob, edge: _Edges, active: MutableMapping[str, Run], new_run
             return False
     if fresh:
         run.tentative = False
-        run.s = min(run.s, start)
-        run.acc.t = run.s
+        run.start_accounts(min(run.s, start))
     keys = {uuid_key(u): u for u in job.gpus}
     new = set(keys) - run.allocated
     for key in new:
