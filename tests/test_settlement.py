@@ -302,3 +302,26 @@ def test_a_run_that_starts_in_the_exporters_first_second_is_settled_from_its_sta
         assert abs(rel_error(s["energy_j"], truth)) <= 0.001, (s["energy_j"], truth)
     finally:
         node.close()
+
+
+def test_a_run_that_started_before_the_exporters_first_sample_says_what_is_not_charged(
+    fake_nvml_lib: Path, tmp_path: Path
+) -> None:
+    """The exporter's first sample takes 0.4 s (GPU 1's reads wait 0.2 s each) and the run starts 0.03 s into
+    it: nothing before that first frame was read, so the run is charged from there, exactly, and its summary
+    says how much of its start is not charged (before, nothing said so)."""
+    node = Node(fake_nvml_lib, tmp_path,
+                [h100_with(0, Square(150.0, 690.0, 0.02, 0.7)), h100_with(1, Constant(333.0), ())],
+                read_lag=lambda index: 0.2 if index == 1 else 0.0)
+    try:
+        start = node.now + 0.03
+        node.add(Pusher("r1", start, start + 15.0, _uuid(node), every=0.5))
+        node.run_until(start + 18.0)
+        s = node.ledger.run("r1")
+        assert s is not None and s["status"] == "finished", s
+        assert "started 0.4s before the exporter's first snapshot: that part is not charged" in s["ledger_notes"]
+        first = start + 0.37  # the first frame: GPU 1's confirming read, 0.4 s after the sample began
+        truth = node.true_energy_j(0, first, s["end_unix"])
+        assert abs(rel_error(s["energy_j"], truth)) <= 0.001, (s["energy_j"], truth)
+    finally:
+        node.close()

@@ -38,6 +38,9 @@ RUN_GPU_INFO = contract.RUN_GPU_INFO.prometheus
 RUN_TOTAL_STEPS = contract.RUN_TOTAL_STEPS.prometheus
 GLOBAL_STEP = contract.GLOBAL_STEP.prometheus
 
+#: A run that started this long or longer before the first snapshot it is counted from says so (a note).
+UNSEEN_START_S = 0.1
+
 #: A point's labels as their sorted items: a counter series' identity within its run (with its name).
 LabelKey = tuple[tuple[str, str], ...]
 
@@ -217,6 +220,12 @@ class Run:
                        live: bool) -> None:
         """Add the part of the snapshot interval (f0, f1] that lies in [lo, hi] to ``acc``; ``live``: the
         run's own accumulator moving forward, which also extends its timeline."""
+        if live and acc.t <= self.s and f0.t > self.s + UNSEEN_START_S and self.restored is None:
+            # Its first interval begins after its start: it started before the exporter's first snapshot
+            # (a push retried while the exporter was starting), and nothing before that snapshot was read.
+            note = f"started {f0.t - self.s:.1f}s before the exporter's first snapshot: that part is not charged"
+            if note not in self.notes:
+                self.notes.append(note)
         seg = integrate(acc, f0, f1, lo, hi, run_id=self.run_id, window_start=self.w,
                         keys=self.frame_keys(f1), holders=holders(f1))
         if seg is None:
