@@ -103,9 +103,6 @@ class Run:
 
     def _init_accounts(self, start: float, timeline_points: int) -> None:
         """Its accumulator with its checkpoints, its timeline, and what its GPUs' intervals said."""
-        self.acc = Acc(t=start)
-        self.checkpoints: deque[Acc] = deque()  # the accumulator at snapshots (the first: its start)
-        self.alive_checkpoint = self.acc  # the last checkpoint not after the last point
         self.start_accounts(start)
         self.timeline = Timeline(timeline_points)
         self.gpu_order: list[str] = []  # frame keys in timeline order
@@ -151,8 +148,8 @@ class Run:
         when the exporter had just started (6% high on a 20 ms wave: +1.0% of a 15 s run)."""
         self.s = start
         self.acc = Acc(t=start)
-        self.checkpoints = deque([self.acc.copy()])
-        self.alive_checkpoint = self.acc.copy()
+        self.checkpoints: deque[Acc] = deque([self.acc.copy()])  # the accumulator at snapshots (the first: its start)
+        self.alive_checkpoint = self.acc.copy()  # the last checkpoint not after the last point
 
     # -- counters ------------------------------------------------------------------------------------
 
